@@ -122,11 +122,12 @@ def _parse_sample(sample: dict, path: Path) -> Conversation:
             turns.append(Turn(str(t.get("dia_id", "")), str(t.get("speaker", "")), text, n, dates[n]))
 
     facts: list[Fact] = []
-    for key, per_speaker in sorted((sample.get("observation") or {}).items()):
+    observed = []
+    for key, per_speaker in (sample.get("observation") or {}).items():
         m = re.match(r"^session_(\d+)_observation$", key)
-        if not m or not isinstance(per_speaker, dict):
-            continue
-        n = int(m.group(1))
+        if m and isinstance(per_speaker, dict):
+            observed.append((int(m.group(1)), per_speaker))
+    for n, per_speaker in sorted(observed, key=lambda x: x[0]):
         for s_idx, (speaker, items) in enumerate(sorted(per_speaker.items())):
             for i, item in enumerate(items or []):
                 if not isinstance(item, (list, tuple)) or not item or not str(item[0]).strip():

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (venv, packages, the two test models) and run the test suite. This is README command (2); .ci/run runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/kvmem models install smollm2-135m-instruct
+.venv/bin/kvmem models install qwen2.5-coder-0.5b-instruct
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny randomly initialised models (built here, no downloads) and the shared LoCoMo file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCOMO = Path(os.environ.get("KVMEM_LOCOMO", ROOT.parent / "shared" / "data" / "locomo" / "locomo7.json"))
+
+
+def tiny_model(family: str, **overrides):
+    """A 2-4 layer fp32 model of ``family`` with random weights (seeded)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    common.update(overrides.pop("common", {}))
+    if family == "llama":
+        cfg, cls = tf.LlamaConfig(**common, **overrides), tf.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common, **overrides), tf.Qwen2ForCausalLM
+    elif family == "mistral":
+        cfg, cls = tf.MistralConfig(**common, **overrides), tf.MistralForCausalLM
+    elif family == "qwen3":
+        cfg, cls = tf.Qwen3Config(**common, head_dim=16, **overrides), tf.Qwen3ForCausalLM
+    elif family == "gemma3":
+        common.update(num_hidden_layers=4, num_key_value_heads=1)
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                               "full_attention"], **overrides)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).float().eval()
+    # Random init gives near-uniform logits and degenerate greedy paths; sharpen the head so tokens vary.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def random_ids(n: int, vocab: int = 320, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def locomo_path() -> Path:
+    if not LOCOMO.exists():
+        pytest.skip(f"LoCoMo data not found at {LOCOMO}")
+    return LOCOMO

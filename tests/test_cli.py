@@ -1,0 +1,108 @@
+"""End to end on the real installed models: ingest-locomo, ask in both modes, bad input, check-exactness."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmem.models import MANIFEST, model_dir
+
+FAST = "smollm2-135m-instruct"
+DEFAULT = "qwen2.5-coder-0.5b-instruct"
+KVMEM = [sys.executable, "-m", "kvmem.cli"]
+
+
+def require(name: str) -> None:
+    if not (model_dir(name) / MANIFEST).exists():
+        pytest.fail(f"{name} is not installed; run: kvmem models install {name}")
+
+
+def run(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
+    p = subprocess.run(KVMEM + [str(a) for a in args], capture_output=True, text=True, timeout=900)
+    if check_rc is not None:
+        assert p.returncode == check_rc, p.stderr[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def small_locomo(tmp_path_factory, locomo_path) -> Path:
+    """conv-26 cut to its first three sessions of facts (keeps the test fast; same format)."""
+    sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
+    sample["observation"] = {k: v for k, v in sample["observation"].items()
+                             if k in ("session_1_observation", "session_2_observation", "session_3_observation")}
+    path = tmp_path_factory.mktemp("data") / "small.json"
+    path.write_text(json.dumps([sample]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, small_locomo) -> Path:
+    require(FAST)
+    root = tmp_path_factory.mktemp("store") / "s"
+    p = run("ingest-locomo", small_locomo, "--sample", "conv-26", "--store", root, "--window", "3", "--model", FAST,
+            "--json")
+    report = json.loads(p.stdout.strip().splitlines()[-1])
+    assert report["user"] == "conv-26" and report["num_facts"] > 10 and report["window"] == 3
+    return root
+
+
+def test_ask_both_modes_same_prompt(store):
+    from kvmem.store import Store
+
+    q = "What did Caroline research?"
+    kv = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "kv", "--json", q).stdout)
+    pr = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "prompt", "--json", q).stdout)
+    assert kv["fact_ids"] == pr["fact_ids"] and len(kv["fact_ids"]) == 5 and kv["k"] == 5
+    assert kv["prompt_tokens"] == pr["prompt_tokens"]
+    st = Store.open(store)
+    by_id = {f.fact_id: f for f in st.facts("conv-26")}
+    memory_tokens = len(st.header_token_ids) + sum(by_id[f].num_tokens for f in kv["fact_ids"])
+    assert kv["prefilled_tokens"] == kv["prompt_tokens"] - memory_tokens  # only the query
+    assert pr["prefilled_tokens"] == pr["prompt_tokens"]
+    for a in (kv, pr):
+        assert set(a["timings_ms"]) >= {"embed", "search", "compose", "ttft", "total"}
+        assert a["timings_ms"]["total"] >= a["timings_ms"]["ttft"] > 0
+        assert isinstance(a["answer"], str) and a["answer"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--user", "nobody", "--k", "3", "q?"], "unknown user 'nobody'"),
+    (["--user", "conv-26", "--k", "0", "q?"], "--k must be >= 1"),
+    (["--user", "conv-26", "--k", "3", "  "], "empty question"),
+    (["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"], "at most k="),
+])
+def test_bad_input_is_one_line_exit_2(store, args, needle):
+    p = run("ask", "--store", store, *args, check_rc=2)
+    assert needle in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_missing_store_and_bad_file(tmp_path, store):
+    p = run("ask", "--store", tmp_path / "none", "--user", "x", "--k", "3", "q?", check_rc=2)
+    assert "no kvmem store" in p.stderr and "Traceback" not in p.stderr
+    p = run("ingest-locomo", tmp_path / "missing.json", "--sample", "conv-26", "--store", store, "--model", FAST,
+            check_rc=2)
+    assert "not found" in p.stderr
+
+
+def test_store_refuses_other_model(store, small_locomo):
+    require(DEFAULT)
+    before = (store / "meta.sqlite").read_bytes()
+    p = run("ingest-locomo", small_locomo, "--sample", "conv-26", "--store", store, "--model", DEFAULT, check_rc=2)
+    assert "refusing to inject" in p.stderr and "Traceback" not in p.stderr
+    assert (store / "meta.sqlite").read_bytes() == before  # nothing stored was touched
+
+
+@pytest.mark.parametrize("name", [FAST, DEFAULT])
+def test_check_exactness_real_model(name):
+    require(name)
+    p = run("check-exactness", "--model", name, "--json")
+    r = json.loads(p.stdout)
+    assert r["passed"] is True and r["greedy_match_joint"] and r["greedy_match_relocated"]
+    assert r["rel_logit_diff_joint"] <= 1e-5 and r["rel_logit_diff_relocated"] <= 1e-5
+    assert r["rel_key_diff_window"] <= 1e-5 and r["memory_tokens"] > 300

@@ -1,0 +1,94 @@
+"""Store persistence: bit-identical reopen, fingerprint refusal, atomic replacement, compose budget."""
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from kvmem.compose import compose, compose_raw, max_facts_that_fit
+from kvmem.encode import encode_spans
+from kvmem.retrieve import FlatIPIndex, Retrieved, order_reverse_proximity
+from kvmem.store import FactRecord, Store, StoreError, StoreMismatch
+
+FP = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
+
+
+def _facts(user, n, lens):
+    return [FactRecord(f"{user}/{i}", user, f"fact {i}", "A", "D1:1", "d", tuple(random_ids(lens[i], seed=i)), 0, 0)
+            for i in range(n)]
+
+
+def _store(tmp_path, model, user="u1", n=4):
+    header = random_ids(6, seed=99)
+    (hkv,) = encode_spans(model, [header], [(0, 6)])
+    st = Store.create(tmp_path / "s", FP, "hdr", header, hkv.keys, hkv.values, {"name": "e", "dim": 8})
+    facts = _facts(user, n, [5, 7, 3, 9, 4, 6][:n])
+    kvs = encode_spans(model, [header + list(f.token_ids) for f in facts], [(6, 6 + f.num_tokens) for f in facts])
+    emb = torch.nn.functional.normalize(torch.randn(n, 8), dim=1)
+    st.put_user(user, facts, [k.keys for k in kvs], [k.values for k in kvs], emb, window=0)
+    return st, header, facts, kvs, emb
+
+
+def test_reopen_is_bit_identical(tmp_path):
+    model = tiny_model("llama")
+    st, header, facts, kvs, emb = _store(tmp_path, model)
+    st.close()
+    st2 = Store.open(tmp_path / "s", FP)
+    ukv = st2.user_kv("u1")
+    assert [f.fact_id for f in ukv.facts] == [f.fact_id for f in facts]
+    for f, kv in zip(ukv.facts, kvs):
+        sl = slice(f.token_offset, f.token_offset + f.num_tokens)
+        assert torch.equal(ukv.keys[:, :, sl], kv.keys) and torch.equal(ukv.values[:, :, sl], kv.values)
+    assert torch.equal(ukv.embeddings, emb)
+    assert st2.header_token_ids == header
+
+
+def test_other_model_is_refused(tmp_path):
+    model = tiny_model("llama")
+    _store(tmp_path, model)[0].close()
+    other = dict(FP, weights_sha256="def")
+    with pytest.raises(StoreMismatch, match="refusing to inject"):
+        Store.open(tmp_path / "s", other)
+    with pytest.raises(StoreError, match="no kvmem store"):
+        Store.open(tmp_path / "nothing", FP)
+
+
+def test_users_are_isolated_and_replace_is_atomic(tmp_path):
+    model = tiny_model("llama")
+    st, header, facts, kvs, emb = _store(tmp_path, model)
+    v1 = st.user_info("u1")["version"]
+    facts2 = _facts("u2", 2, [3, 3])
+    kv2 = encode_spans(model, [list(f.token_ids) for f in facts2], [(0, 3), (0, 3)])
+    st.put_user("u2", facts2, [k.keys for k in kv2], [k.values for k in kv2], torch.eye(2, 8), window=0)
+    assert st.users() == ["u1", "u2"]
+    assert [f.fact_id for f in st.facts("u2")] == ["u2/0", "u2/1"]
+    assert st.user_info("u1")["version"] == v1  # untouched
+    with pytest.raises(StoreError, match="unknown user 'u3'"):
+        st.user_kv("u3")
+    # A failing replacement (token/KV mismatch) leaves the old version readable.
+    with pytest.raises(StoreError):
+        st.put_user("u1", facts[:1], [kvs[1].keys], [kvs[1].values], emb[:1], window=0)
+    assert st.user_info("u1")["version"] == v1 and len(st.facts("u1")) == 4
+
+
+def test_compose_gathers_facts_in_injected_order(tmp_path):
+    model = tiny_model("llama")
+    st, header, facts, kvs, emb = _store(tmp_path, model)
+    ukv = st.user_kv("u1")
+    mem = compose(model, header, st.header_kv(), ukv, [2, 0])
+    assert mem.token_ids == header + list(facts[2].token_ids) + list(facts[0].token_ids)
+    assert mem.fact_ids == ["u1/2", "u1/0"]
+    hk, hv = st.header_kv()
+    ref = compose_raw(model, mem.token_ids, torch.cat([hk, kvs[2].keys, kvs[0].keys], 2),
+                      torch.cat([hv, kvs[2].values, kvs[0].values], 2))
+    assert torch.equal(mem.keys, ref.keys) and torch.equal(mem.values, ref.values)
+
+
+def test_retrieval_order_and_budget():
+    emb = torch.nn.functional.normalize(torch.tensor([[1.0, 0], [0.8, 0.6], [0, 1.0], [0.6, 0.8]]), dim=1)
+    scores, rows = FlatIPIndex(emb).search(torch.tensor([1.0, 0.0]), 3)
+    assert rows.tolist() == [0, 1, 3]
+    assert order_reverse_proximity(Retrieved(rows.tolist(), scores.tolist())) == [3, 1, 0]
+    # Corollary 7: header 10 + query 5; facts 20, 30, 40 best first; context 70 fits two facts.
+    assert max_facts_that_fit(10, [20, 30, 40], 5, 70) == 2
+    assert max_facts_that_fit(10, [20, 30, 40], 5, 14) == 0
+    assert max_facts_that_fit(10, [20, 30, 40], 5, 105) == 3
