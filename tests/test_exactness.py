@@ -8,6 +8,7 @@ import torch
 from conftest import random_ids, tiny_model
 from kvmem.compose import compose_raw
 from kvmem.encode import encode_spans
+from kvmem.rope import Rotary
 from kvmem.engines.hf import HFEngine
 from kvmem.exactness import REL_TOL, check_joint, check_relocated_keys, check_window, run_all
 
@@ -53,7 +54,7 @@ def test_chunked_composition_equals_prefill_of_the_joint_encoding_only_when_join
     kvs = encode_spans(model, [header, header + f1, header + f2], [(0, 10), (10, 30), (10, 30)])
     keys = torch.cat([kvs[0].keys, kvs[1].keys, kvs[2].keys], dim=2)
     values = torch.cat([kvs[0].values, kvs[1].values, kvs[2].values], dim=2)
-    memory = compose_raw(model, header + f1 + f2, keys, values)
+    memory = compose_raw(Rotary.for_model(model), header + f1 + f2, keys, values)
     engine = HFEngine(model, eos_token_ids=[])
     a = engine.generate(query, memory, "kv", 1)
     b = engine.generate(query, memory, "prompt", 1)
@@ -66,10 +67,10 @@ def test_random_kv_changes_output():
     memory, query = random_ids(60, seed=12), random_ids(6, seed=13)
     (kv,) = encode_spans(model, [memory], [(0, 60)])
     engine = HFEngine(model, eos_token_ids=[])
-    good = engine.generate(query, compose_raw(model, memory, kv.keys, kv.values), "kv", 1)
-    noise = compose_raw(model, memory, torch.randn_like(kv.keys), torch.randn_like(kv.values))
+    good = engine.generate(query, compose_raw(Rotary.for_model(model), memory, kv.keys, kv.values), "kv", 1)
+    noise = compose_raw(Rotary.for_model(model), memory, torch.randn_like(kv.keys), torch.randn_like(kv.values))
     bad = engine.generate(query, noise, "kv", 1)
-    ref = engine.generate(query, compose_raw(model, memory, kv.keys, kv.values), "prompt", 1)
+    ref = engine.generate(query, compose_raw(Rotary.for_model(model), memory, kv.keys, kv.values), "prompt", 1)
     assert (good.first_logits - ref.first_logits).abs().max() <= REL_TOL * ref.first_logits.abs().max()
     assert (bad.first_logits - ref.first_logits).abs().max() > 1e-2
 

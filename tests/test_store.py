@@ -6,6 +6,7 @@ import torch
 from conftest import random_ids, tiny_model
 from kvmem.compose import compose, compose_raw, max_facts_that_fit
 from kvmem.encode import encode_spans
+from kvmem.rope import Rotary
 from kvmem.retrieve import FlatIPIndex, Retrieved, order_reverse_proximity
 from kvmem.store import FactRecord, Store, StoreError, StoreMismatch
 
@@ -74,11 +75,11 @@ def test_compose_gathers_facts_in_injected_order(tmp_path):
     model = tiny_model("llama")
     st, header, facts, kvs, emb = _store(tmp_path, model)
     ukv = st.user_kv("u1")
-    mem = compose(model, header, st.header_kv(), ukv, [2, 0])
+    mem = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [2, 0])
     assert mem.token_ids == header + list(facts[2].token_ids) + list(facts[0].token_ids)
     assert mem.fact_ids == ["u1/2", "u1/0"]
     hk, hv = st.header_kv()
-    ref = compose_raw(model, mem.token_ids, torch.cat([hk, kvs[2].keys, kvs[0].keys], 2),
+    ref = compose_raw(Rotary.for_model(model), mem.token_ids, torch.cat([hk, kvs[2].keys, kvs[0].keys], 2),
                       torch.cat([hv, kvs[2].values, kvs[0].values], 2))
     assert torch.equal(mem.keys, ref.keys) and torch.equal(mem.values, ref.values)
 

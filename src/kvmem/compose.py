@@ -1,7 +1,7 @@
 """Composition: header + retrieved facts -> token ids, contiguous virtual positions, chunked-RoPE K/V.
 
 Paper §3.3 and §5.1: the memory is ``[header][fact_1]...[fact_k]`` at virtual positions ``start .. start+m-1``;
-each fact's stored pre-RoPE keys are rotated to their new positions (``rope.rotate_keys``). The query, in the
+each fact's stored pre-RoPE keys are rotated to their new positions (``rope.Rotary.rotate_keys``). The query, in the
 model's prompt format, follows at ``start+m``. The same ``token_ids`` feed both KV injection and prompt injection,
 so the baseline is fair by construction.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rope import rotate_keys
+from .rope import Rotary
 
 HEADER_TEXT = (
     "You are a helpful assistant with a long-term memory of the user's conversations. "
@@ -82,19 +82,20 @@ class ComposedMemory:
         return self.start + len(self.token_ids)
 
 
-def compose(model, header_ids: list[int], header_kv: tuple[torch.Tensor, torch.Tensor], user_kv, rows: list[int],
-            start: int = 0) -> ComposedMemory:
+def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor, torch.Tensor], user_kv,
+            rows: list[int], start: int = 0, device: torch.device | str = "cpu") -> ComposedMemory:
     """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
 
     Args:
+        rotary: the model's rotary (``Rotary.for_model(model)`` or ``Rotary.from_config(config)``).
         header_kv: header pre-RoPE keys, raw values, [L, H, h, D].
         user_kv: ``store.UserKV`` (packed pre-RoPE keys / raw values [L, H, N, D]).
         rows: fact rows of ``user_kv.facts``, in injected order (see ``retrieve.order_reverse_proximity``).
         start: virtual position of the first header token (0 in serving; d > 0 in the relocation check).
+        device: where the composed tensors go (the engine's device); gathering happens on the store's side.
     Returns:
-        ComposedMemory on the model's device, in the model's dtype.
+        ComposedMemory on ``device``, in the stored dtype.
     """
-    device = next(model.parameters()).device
     facts = [user_kv.facts[r] for r in rows]
     token_index = torch.cat([torch.arange(f.token_offset, f.token_offset + f.num_tokens) for f in facts]) \
         if facts else torch.zeros(0, dtype=torch.long)
@@ -103,14 +104,14 @@ def compose(model, header_ids: list[int], header_kv: tuple[torch.Tensor, torch.T
     values = torch.cat([hv, user_kv.values.index_select(2, token_index)], dim=2).to(device)
     token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(token_ids, [f.fact_id for f in facts], start, rotate_keys(model, keys, positions), values)
+    return ComposedMemory(token_ids, [f.fact_id for f in facts], start, rotary.rotate_keys(keys, positions), values)
 
 
-def compose_raw(model, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0,
+def compose_raw(rotary: Rotary, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0,
                 fact_ids: list[str] | None = None) -> ComposedMemory:
     """Compose already-concatenated pre-RoPE keys [L, H, m, D] at positions start..start+m-1 (tests, checks)."""
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(list(token_ids), fact_ids or [], start, rotate_keys(model, keys, positions), values)
+    return ComposedMemory(list(token_ids), fact_ids or [], start, rotary.rotate_keys(keys, positions), values)
 
 
 def max_facts_that_fit(header_len: int, fact_lens: list[int], query_len: int, context_len: int) -> int:

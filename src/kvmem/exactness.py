@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from .compose import compose_raw
 from .encode import encode_spans
 from .engines.hf import HFEngine
-from .rope import rotate_keys
+from .rope import Rotary
 
 REL_TOL = 1e-5
 
@@ -31,7 +31,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 def check_joint(model, memory_ids: list[int], query_ids: list[int], steps: int = 20, start: int = 0) -> dict:
     """Joint-encoded KV injection (at virtual positions from ``start``) vs prompt injection of the same ids."""
     (kv,) = encode_spans(model, [memory_ids], [(0, len(memory_ids))])
-    memory = compose_raw(model, memory_ids, kv.keys, kv.values, start=start)
+    memory = compose_raw(Rotary.for_model(model), memory_ids, kv.keys, kv.values, start=start)
     engine = HFEngine(model, eos_token_ids=[])
     a = engine.generate(query_ids, memory, "kv", steps, keep_step_logits=True)
     b = engine.generate(query_ids, memory, "prompt", steps, keep_step_logits=True)
@@ -54,7 +54,7 @@ def check_relocated_keys(model, memory_ids: list[int], start: int) -> tuple[floa
 
     Compares only positions every layer still holds (sliding-window layers keep their last window-1)."""
     (kv,) = encode_spans(model, [memory_ids], [(0, len(memory_ids))])
-    rotated = rotate_keys(model, kv.keys, torch.arange(start, start + len(memory_ids)))
+    rotated = Rotary.for_model(model).rotate_keys(kv.keys, torch.arange(start, start + len(memory_ids)))
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     model(input_ids=torch.tensor([memory_ids], device=device), past_key_values=cache, use_cache=True,
@@ -78,7 +78,7 @@ def check_window(model, header_ids: list[int], window_ids: list[int], fact_ids: 
     seqs = [seq] + [list(d) for d in distractors]
     spans = [(s, len(seq))] + [(0, len(d)) for d in distractors]
     kv = encode_spans(model, seqs, spans)[0]
-    rotated = rotate_keys(model, kv.keys, torch.arange(s, len(seq)))
+    rotated = Rotary.for_model(model).rotate_keys(kv.keys, torch.arange(s, len(seq)))
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     model(input_ids=torch.tensor([seq], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from .compose import ContextOverflow, PromptFormat, compose, max_facts_that_fit
 from .engines.hf import HFEngine
 from .models import LoadedModel, fingerprint, load
+from .rope import Rotary
 from .retrieve import Embedder, FlatIPIndex, Retrieved, order_reverse_proximity
 from .store import Store
 
@@ -57,6 +58,7 @@ class MemoryService:
         self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
         self.fmt = PromptFormat.for_tokenizer(model.tokenizer, model.chat)
         self.engine = HFEngine(model.model)
+        self.rotary = Rotary.for_model(model.model)
         self.max_context = max_context or model.config.max_position_embeddings
         self._indexes: dict[tuple[str, str], FlatIPIndex] = {}
 
@@ -97,7 +99,8 @@ class MemoryService:
             raise ContextOverflow(
                 f"memory ({len(header_ids) + sum(lens)} tokens for k={len(lens)}) + query ({len(query_ids)} tokens) "
                 f"= {need} tokens exceeds the model context of {self.max_context} tokens; at most k={fits} fits")
-        memory = compose(self.lm.model, header_ids, self.store.header_kv(), ukv, order_reverse_proximity(retrieved))
+        memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, order_reverse_proximity(retrieved),
+                         device=self.lm.device)
         prompt_ids = memory.token_ids + query_ids
         t3 = time.perf_counter()
         gen = self.engine.generate(query_ids, memory, mode, max_new_tokens)
