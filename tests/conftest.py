@@ -30,11 +30,15 @@ def tiny_model(family: str, **overrides):
         cfg, cls = tf.MistralConfig(**common, **overrides), tf.MistralForCausalLM
     elif family == "qwen3":
         cfg, cls = tf.Qwen3Config(**common, head_dim=16, **overrides), tf.Qwen3ForCausalLM
+    elif family == "phi3":
+        cfg, cls = tf.Phi3Config(**common, pad_token_id=0, **overrides), tf.Phi3ForCausalLM
+    elif family == "gemma2":
+        cfg, cls = tf.Gemma2Config(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
+                                   **overrides), tf.Gemma2ForCausalLM
     elif family == "gemma3":
         common.update(num_hidden_layers=4, num_key_value_heads=1)
-        cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
-                                  layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
-                                               "full_attention"], **overrides)
+        overrides.setdefault("layer_types", ["sliding_attention"] * 3 + ["full_attention"])
+        cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16, **overrides)
         cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(family)

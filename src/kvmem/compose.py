@@ -83,7 +83,8 @@ class ComposedMemory:
 
 
 def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor, torch.Tensor], user_kv,
-            rows: list[int], start: int = 0, device: torch.device | str = "cpu") -> ComposedMemory:
+            rows: list[int], start: int = 0, device: torch.device | str = "cpu",
+            served_len: int | None = None) -> ComposedMemory:
     """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
 
     Args:
@@ -93,6 +94,7 @@ def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor
         rows: fact rows of ``user_kv.facts``, in injected order (see ``retrieve.order_reverse_proximity``).
         start: virtual position of the first header token (0 in serving; d > 0 in the relocation check).
         device: where the composed tensors go (the engine's device); gathering happens on the store's side.
+        served_len: memory + query tokens, for length-dependent RoPE (``dynamic``, ``longrope``); see rope.py.
     Returns:
         ComposedMemory on ``device``, in the stored dtype.
     """
@@ -104,14 +106,16 @@ def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor
     values = torch.cat([hv, user_kv.values.index_select(2, token_index)], dim=2).to(device)
     token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(token_ids, [f.fact_id for f in facts], start, rotary.rotate_keys(keys, positions), values)
+    return ComposedMemory(token_ids, [f.fact_id for f in facts], start,
+                          rotary.rotate_keys(keys, positions, served_len), values)
 
 
 def compose_raw(rotary: Rotary, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0,
-                fact_ids: list[str] | None = None) -> ComposedMemory:
+                fact_ids: list[str] | None = None, served_len: int | None = None) -> ComposedMemory:
     """Compose already-concatenated pre-RoPE keys [L, H, m, D] at positions start..start+m-1 (tests, checks)."""
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(list(token_ids), fact_ids or [], start, rotary.rotate_keys(keys, positions), values)
+    return ComposedMemory(list(token_ids), fact_ids or [], start, rotary.rotate_keys(keys, positions, served_len),
+                          values)
 
 
 def max_facts_that_fit(header_len: int, fact_lens: list[int], query_len: int, context_len: int) -> int:

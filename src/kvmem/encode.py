@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .models import head_dim, kv_taps
+from .rope import is_length_dependent, reset_rope_state, served_length
 
 
 @dataclass
@@ -28,7 +29,12 @@ def _layers(model):
     return getattr(model, "model", model).layers
 
 
-def _to_bhtd(x: torch.Tensor, layout: str, num_kv_heads: int, dim: int) -> torch.Tensor:
+def _to_bhtd(x: torch.Tensor, layout: str, num_kv_heads: int, dim: int, q_size: int = 0) -> torch.Tensor:
+    kv_size = num_kv_heads * dim
+    if layout == "qkv_k":  # fused [q | k | v] projection (Phi-3)
+        return _to_bhtd(x[..., q_size:q_size + kv_size], "flat", num_kv_heads, dim)
+    if layout == "qkv_v":
+        return _to_bhtd(x[..., q_size + kv_size:], "flat", num_kv_heads, dim)
     if layout == "flat":
         return x.view(x.shape[0], x.shape[1], num_kv_heads, dim).transpose(1, 2)
     if layout == "bthd":
@@ -43,6 +49,7 @@ def capture_kv(model):
     cfg = model.config
     taps = kv_taps(cfg)
     h, d = cfg.num_key_value_heads, head_dim(cfg)
+    q_size = cfg.num_attention_heads * d
     keys: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
     values: list[torch.Tensor | None] = [None] * cfg.num_hidden_layers
     handles = []
@@ -50,10 +57,10 @@ def capture_kv(model):
         attn = layer.self_attn
 
         def k_hook(_m, _inp, out, i=i):
-            keys[i] = _to_bhtd(out, taps.key_layout, h, d)
+            keys[i] = _to_bhtd(out, taps.key_layout, h, d, q_size)
 
         def v_hook(_m, _inp, out, i=i):
-            values[i] = _to_bhtd(out, "flat", h, d)
+            values[i] = _to_bhtd(out, taps.value_layout, h, d, q_size)
 
         handles.append(getattr(attn, taps.key_module).register_forward_hook(k_hook))
         handles.append(getattr(attn, taps.value_module).register_forward_hook(v_hook))
@@ -71,18 +78,22 @@ def encode_spans(
     spans: list[tuple[int, int]],
     max_batch_tokens: int = 8192,
     progress=None,
+    served_len: int | None = None,
 ) -> list[SpanKV]:
     """Run the model over each sequence and keep the K/V of ``sequence[start:end]``.
 
     Sequences are sorted by length and batched with right padding and no attention mask: under causal
     attention a real token never sees the pads after it, so each kept span is what an unbatched prefill
-    computes (positions start at 0 in every row).
+    computes (positions start at 0 in every row). Length-dependent RoPE (``dynamic``, ``longrope``) would take
+    its frequencies from the padded length, so there only sequences of equal length share a batch.
 
     Args:
         sequences: token ids, one list per item.
         spans: (start, end) token offsets of the span to keep, per item.
         max_batch_tokens: padded tokens per forward pass (batch x longest sequence).
         progress: optional callable(n_items_done) for progress bars.
+        served_len: encode under the RoPE frequencies of a served prompt of this many tokens (length-dependent
+            RoPE types only; see ``rope.served_length``).
     Returns:
         One SpanKV per item, in input order, keys/values [L, num_kv_heads, end-start, head_dim] in the model dtype.
     """
@@ -91,19 +102,25 @@ def encode_spans(
     device = next(model.parameters()).device
     base = getattr(model, "model", model)
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    rotary = base.rotary_emb
+    equal_lengths_only = served_len is None and is_length_dependent(rotary)
     out: list[SpanKV | None] = [None] * len(sequences)
-    with capture_kv(model) as (keys, values):
+    with capture_kv(model) as (keys, values), served_length(model, served_len):
         i = 0
         while i < len(order):
             longest = len(sequences[order[i]])
             j = i
             while j < len(order) and (j - i + 1) * max(longest, len(sequences[order[j]])) <= max(max_batch_tokens, longest):
+                if equal_lengths_only and len(sequences[order[j]]) != longest:
+                    break
                 longest = max(longest, len(sequences[order[j]]))
                 j += 1
             batch = order[i:j]
             ids = torch.zeros((len(batch), longest), dtype=torch.long)
             for r, item in enumerate(batch):
                 ids[r, : len(sequences[item])] = torch.tensor(sequences[item])
+            if served_len is None:
+                reset_rope_state(rotary)
             base(input_ids=ids.to(device), use_cache=False)
             for r, item in enumerate(batch):
                 s, e = spans[item]

@@ -30,8 +30,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 def check_joint(model, memory_ids: list[int], query_ids: list[int], steps: int = 20, start: int = 0) -> dict:
     """Joint-encoded KV injection (at virtual positions from ``start``) vs prompt injection of the same ids."""
-    (kv,) = encode_spans(model, [memory_ids], [(0, len(memory_ids))])
-    memory = compose_raw(Rotary.for_model(model), memory_ids, kv.keys, kv.values, start=start)
+    served_len = start + len(memory_ids) + len(query_ids)
+    (kv,) = encode_spans(model, [memory_ids], [(0, len(memory_ids))], served_len=served_len)
+    memory = compose_raw(Rotary.for_model(model), memory_ids, kv.keys, kv.values, start=start, served_len=served_len)
     engine = HFEngine(model, eos_token_ids=[])
     a = engine.generate(query_ids, memory, "kv", steps, keep_step_logits=True)
     b = engine.generate(query_ids, memory, "prompt", steps, keep_step_logits=True)

@@ -317,11 +317,13 @@ def head_dim(cfg) -> int:
 @dataclass(frozen=True)
 class KVTaps:
     """Forward-hook points on ``self_attn``. ``layout`` of the key tap output:
-    "flat" [B, T, H*D] (a projection), "bthd" [B, T, H, D], "bhtd" [B, H, T, D] (a k-norm)."""
+    "flat" [B, T, H*D] (a projection), "bthd" [B, T, H, D], "bhtd" [B, H, T, D] (a k-norm),
+    "qkv_k"/"qkv_v" the key/value slice of a fused [q | k | v] projection."""
 
     key_module: str
     key_layout: str
     value_module: str = "v_proj"
+    value_layout: str = "flat"
 
 
 _TAPS = {
@@ -331,6 +333,7 @@ _TAPS = {
     "qwen3": KVTaps("k_norm", "bthd"),
     "gemma2": KVTaps("k_proj", "flat"),
     "gemma3_text": KVTaps("k_norm", "bhtd"),
+    "phi3": KVTaps("qkv_proj", "qkv_k", "qkv_proj", "qkv_v"),
 }
 
 _REFUSED = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -45,22 +46,33 @@ class Rotary:
         return cls(config, getattr(mod, names[0])(config).to(device), mod.apply_rotary_pos_emb)
 
     def cos_sin(self, positions: torch.Tensor, layer_type: str | None, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, rotary_dim] for ``positions`` ([T] int64), in ``dtype`` on ``device``."""
+                device: torch.device, served_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] for ``positions`` ([T] int64), in ``dtype`` on ``device``.
+
+        Length-dependent RoPE (``dynamic``, ``longrope``) picks its frequencies from the largest position the
+        module sees; ``served_len`` (tokens in the whole served prompt) makes that the prompt's last position,
+        which is what a prefill of the whole prompt would use.
+        """
         x = torch.empty(0, dtype=dtype, device=device)
-        pos = positions.to(device).view(1, -1)
+        pos = positions.to(device).view(-1)
+        n = pos.numel()
+        if served_len is not None:
+            reset_rope_state(self.module)
+            pos = torch.cat([pos, torch.tensor([served_len - 1], device=device)])
+        pos = pos.view(1, -1)
         if self._takes_layer_type:
             cos, sin = self.module(x, pos, layer_type or self.layer_types[0])
         else:
             cos, sin = self.module(x, pos)
-        return cos[0], sin[0]
+        return cos[0, :n], sin[0, :n]
 
-    def rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor, served_len: int | None = None) -> torch.Tensor:
         """Rotate pre-RoPE keys to ``positions``.
 
         Args:
             keys: [L, H, T, D] pre-RoPE keys for all layers.
             positions: [T] int64 virtual positions.
+            served_len: total prompt length (memory + query) for length-dependent RoPE types; see ``cos_sin``.
         Returns:
             [L, H, T, D] keys (same dtype/device) as the model's attention would cache them at those positions.
         """
@@ -68,13 +80,58 @@ class Rotary:
         for i, t in enumerate(self.layer_types):
             by_type.setdefault(t, []).append(i)
         if len(by_type) == 1:
-            cos, sin = self.cos_sin(positions, self.layer_types[0], keys.dtype, keys.device)
+            cos, sin = self.cos_sin(positions, self.layer_types[0], keys.dtype, keys.device, served_len)
             return self.apply(keys, keys, cos[None], sin[None])[1]
         out = torch.empty_like(keys)
         for t, idx in by_type.items():
-            cos, sin = self.cos_sin(positions, t, keys.dtype, keys.device)
+            cos, sin = self.cos_sin(positions, t, keys.dtype, keys.device, served_len)
             sel = keys[idx]
             # apply_rotary_pos_emb broadcasts cos/sin [1, T, D] over [layers-as-batch, H, T, D].
             out[idx] = self.apply(sel, sel, cos[None], sin[None])[1]
         return out
 
+
+
+@contextmanager
+def served_length(model, served_len: int | None):
+    """While active, the model's own forward passes pick length-dependent RoPE frequencies (``dynamic``,
+    ``longrope``) for a prompt of ``served_len`` tokens, as a prefill of the whole served prompt would.
+
+    Used to encode memory under the frequencies it will be served with; a no-op for other RoPE types."""
+    if served_len is None:
+        yield
+        return
+    rotary = getattr(model, "model", model).rotary_emb
+    reset_rope_state(rotary)
+    original = rotary.forward
+
+    def forward(x, position_ids, *args, **kwargs):
+        n = position_ids.shape[-1]
+        pos = torch.cat([position_ids, position_ids.new_full((*position_ids.shape[:-1], 1), served_len - 1)], -1)
+        cos, sin = original(x, pos, *args, **kwargs)
+        return cos[..., :n, :], sin[..., :n, :]
+
+    rotary.forward = forward
+    try:
+        yield
+    finally:
+        del rotary.forward
+
+
+def reset_rope_state(rotary: torch.nn.Module) -> None:
+    """Return a length-dependent rotary module (``dynamic``) to its base frequencies.
+
+    transformers' dynamic RoPE only grows its frequencies with the longest sequence seen since the last reset,
+    so results would depend on earlier requests. Every request starts from the base state instead; within a
+    request the frequencies are those of the served prompt length and grow during decode as transformers does."""
+    for prefix in [""] + [f"{t}_" for t in getattr(rotary, "layer_types", [])]:
+        original = getattr(rotary, f"{prefix}original_inv_freq", None)
+        if original is not None and hasattr(rotary, "original_max_seq_len"):
+            rotary.register_buffer(f"{prefix}inv_freq", original.clone(), persistent=False)
+            setattr(rotary, f"{prefix}max_seq_len_cached", rotary.original_max_seq_len)
+
+
+def is_length_dependent(rotary: torch.nn.Module) -> bool:
+    """True for RoPE types whose frequencies depend on the sequence length (``dynamic``, ``longrope``)."""
+    types = rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
+    return any("dynamic" in t or t == "longrope" for t in types)

@@ -100,7 +100,7 @@ class MemoryService:
                 f"memory ({len(header_ids) + sum(lens)} tokens for k={len(lens)}) + query ({len(query_ids)} tokens) "
                 f"= {need} tokens exceeds the model context of {self.max_context} tokens; at most k={fits} fits")
         memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, order_reverse_proximity(retrieved),
-                         device=self.lm.device)
+                         device=self.lm.device, served_len=need)
         prompt_ids = memory.token_ids + query_ids
         t3 = time.perf_counter()
         gen = self.engine.generate(query_ids, memory, mode, max_new_tokens)

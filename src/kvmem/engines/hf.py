@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compose import ComposedMemory
+from ..rope import reset_rope_state
 
 
 @dataclass
@@ -69,6 +70,9 @@ class HFEngine:
         if not query_ids:
             raise ValueError("empty query")
         start = memory.start if memory is not None else 0
+        if memory is None or mode == "prompt":
+            # KV mode keeps the state the composition set (frequencies for the served length).
+            reset_rope_state(getattr(self.model, "model", self.model).rotary_emb)
         if memory is not None and mode == "kv":
             cache, ids, pos0 = build_cache(self.model, memory), list(query_ids), memory.end
         else:

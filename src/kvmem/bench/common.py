@@ -1,0 +1,344 @@
+"""Shared pieces of the benchmark and evaluation commands.
+
+- a store cache keyed by data file (content hash), sample, model and window under ``.cache/stores/``;
+- the deterministic question subset (categories 1-4);
+- the machine description written into every result;
+- JSON / CSV / PNG writers (matplotlib, Agg backend) and median / p95.
+
+Nothing here times anything; each command module owns its own measurement loop.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "KVMEM_BENCH_CACHE"
+
+
+class EngineUnavailable(ValueError):
+    """The requested engine cannot run here (e.g. the vLLM connector is not importable)."""
+
+
+# --- option parsing -----------------------------------------------------------------------------------
+
+def int_list(text: str, name: str, minimum: int = 0) -> list[int]:
+    """``"5,10,20"`` -> [5, 10, 20] (order kept, duplicates dropped). Raises ValueError naming the option."""
+    try:
+        vals = [int(x) for x in str(text).replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma-separated list of integers, not {text!r}") from None
+    if not vals:
+        raise ValueError(f"{name} is empty")
+    bad = [v for v in vals if v < minimum]
+    if bad:
+        raise ValueError(f"{name} values must be >= {minimum}, got {bad}")
+    return list(dict.fromkeys(vals))
+
+
+def str_list(text: str | None) -> list[str]:
+    return [x for x in (text or "").replace(" ", "").split(",") if x]
+
+
+def check_engine(engine: str) -> None:
+    """``hf`` always works; ``vllm`` needs ``kvmem.engines.vllm_engine`` to be importable.
+
+    Raises EngineUnavailable (a ValueError: the CLI turns it into one line and exit code 2).
+    """
+    if engine == "hf":
+        return
+    if engine != "vllm":
+        raise ValueError(f"--engine must be hf or vllm, not {engine!r}")
+    try:
+        import kvmem.engines.vllm_engine  # noqa: F401
+    except Exception as exc:  # ImportError, or vllm itself failing to import
+        raise EngineUnavailable(f"--engine vllm is not available: kvmem.engines.vllm_engine is not importable "
+                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    mod = sys.modules["kvmem.engines.vllm_engine"]
+    if not hasattr(mod, "bench_service"):
+        raise EngineUnavailable("--engine vllm is not wired into kvmem bench yet: kvmem.engines.vllm_engine has no "
+                                "bench_service(store_root, lm, embedder) factory")
+
+
+# --- data, questions, stores ---------------------------------------------------------------------------
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()[:12]
+
+
+def load_samples(data: Path, samples: list[str] | None):
+    """The chosen LoCoMo conversations, in the order asked (all of the file's when ``samples`` is empty)."""
+    from ..locomo import LocomoError, load_locomo
+
+    convs = load_locomo(data)
+    if not samples:
+        return convs
+    by_id = {c.sample_id: c for c in convs}
+    missing = [s for s in samples if s not in by_id]
+    if missing:
+        raise LocomoError(f"sample(s) {', '.join(missing)} not in {data}; it has: {', '.join(by_id)}")
+    return [by_id[s] for s in samples]
+
+
+@dataclass(frozen=True)
+class QItem:
+    """One benchmark question: ``qid`` = ``<sample>#<index in the sample's qa list>`` (stable across runs)."""
+
+    qid: str
+    sample: str
+    question: str
+    answer: str
+    category: int
+
+
+def select_questions(convs, n: int | None) -> list[QItem]:
+    """A deterministic subset of ``n`` category 1-4 questions (all of them when ``n`` is None or 0).
+
+    Each sample's answerable questions are shuffled with a seed derived from the sample id, then the samples
+    are taken round-robin. The subset for N is a prefix of the subset for N+1, so larger runs extend smaller ones.
+    """
+    pools = []
+    for c in convs:
+        items = [QItem(f"{c.sample_id}#{i}", c.sample_id, q.question, q.answer, q.category)
+                 for i, q in enumerate(c.questions) if 1 <= q.category <= 4 and q.question.strip()]
+        random.Random(f"kvmem-bench/{c.sample_id}").shuffle(items)
+        pools.append(items)
+    out: list[QItem] = []
+    i = 0
+    while any(i < len(p) for p in pools):
+        for p in pools:
+            if i < len(p):
+                out.append(p[i])
+        i += 1
+    return out[:n] if n else out
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV, ".cache/stores"))
+
+
+def store_path(data: Path, sample: str, model: str, window: int) -> Path:
+    """Cache directory of the store for (data file, sample, model, window)."""
+    safe_model = Path(model).name if os.sep in model else model
+    return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / f"w{window}"
+
+
+def ensure_store(data: Path, conv, lm, embedder, window: int, log=None) -> Path:
+    """The cached store for ``conv`` at ``window``, ingesting it first when missing (or built differently)."""
+    from ..ingest import ingest_conversation
+    from ..store import Store, StoreError
+
+    root = store_path(data, conv.sample_id, lm.name, window)
+    try:
+        st = Store.open(root)
+        ok = conv.sample_id in st.users() and st.user_info(conv.sample_id)["window"] == window
+        st.close()
+    except StoreError:
+        ok = False
+    if not ok:
+        if (root / "manifest.json").exists():
+            import shutil
+
+            shutil.rmtree(root)
+        rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data))
+        if log:
+            log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}) in {rep.total_s:.1f} s -> {root}")
+    return root
+
+
+def make_service(engine: str, store_root: Path, lm, embedder):
+    """A serving object with ``ask(user, question, top_k, mode, max_new_tokens) -> serve.Answer``."""
+    if engine == "vllm":
+        check_engine("vllm")
+        return sys.modules["kvmem.engines.vllm_engine"].bench_service(store_root, lm, embedder)
+    from ..serve import MemoryService
+
+    return MemoryService(store_root, model=lm, embedder=embedder)
+
+
+def store_device_note(store_device: str) -> str:
+    if store_device not in ("host", "device"):
+        raise ValueError(f"--store-device must be host or device, not {store_device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--store-device {store_device}: CPU-only machine, the engine's device is the host, so the store is "
+                "in host memory either way (no pinned/streamed vs resident distinction to measure)")
+    return (f"--store-device {store_device}: the hf engine gathers facts from the host store and copies the "
+            "composed block to the device per request; a device-resident store is not implemented for the hf "
+            "engine, so both settings measure the host path")
+
+
+# --- machine, stats ------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        cpu = platform.processor()
+    ram = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except Exception:  # pragma: no cover
+        tf_version = ""
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gb": round(ram / 2**30, 1),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def rss_bytes() -> dict:
+    """Resident memory of this process: current (VmRSS) and peak (VmHWM), bytes."""
+    out = {"rss": 0, "peak_rss": 0}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out["rss"] = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                out["peak_rss"] = int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover
+        import resource
+
+        out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def median(xs) -> float:
+    xs = list(xs)
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def p95(xs) -> float:
+    import numpy as np
+
+    xs = list(xs)
+    return float(np.percentile(xs, 95)) if xs else float("nan")
+
+
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b and b == b and a == a else None
+
+
+# --- writers ---------------------------------------------------------------------------------------------
+
+def write_json(path: Path, obj) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
+    return path
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v, ensure_ascii=False)
+        else:
+            out[key] = v
+    return out
+
+
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    """Rows of (possibly nested) dicts, flattened with dotted keys; columns = union in first-seen order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = [_flatten(r) for r in rows]
+    cols: dict[str, None] = {}
+    for r in flat:
+        cols.update(dict.fromkeys(r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(cols))
+        w.writeheader()
+        w.writerows(flat)
+    return path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """A compact fixed-width text table."""
+    cells = [[("" if c is None else (f"{c:.3g}" if isinstance(c, float) and abs(c) < 1e4 else
+                                     f"{c:.0f}" if isinstance(c, float) else str(c))) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def progress(total: int, desc: str, enabled: bool = True):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+@dataclass
+class Setup:
+    """What every command loads once: the chosen conversations, model and embedder."""
+
+    data: Path
+    convs: list
+    lm: object
+    embedder: object
+    engine: str
+
+    @classmethod
+    def load(cls, data: Path, samples: list[str] | None, model: str, engine: str) -> "Setup":
+        check_engine(engine)
+        from ..models import load
+        from ..retrieve import Embedder
+
+        convs = load_samples(Path(data), samples)
+        return cls(Path(data), convs, load(model), Embedder(), engine)
+
+    def services(self, window: int, log=None) -> dict:
+        """sample -> serving object over that sample's cached store at ``window``."""
+        return {c.sample_id: make_service(self.engine, ensure_store(self.data, c, self.lm, self.embedder, window, log),
+                                          self.lm, self.embedder) for c in self.convs}
+
+
+def log_err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,124 @@
+"""Model coverage: every supported RoPE family and scaling type is exact; unsupported architectures are refused.
+
+fp32, tiny random models built here (no downloads). Memory lengths exceed the scaled models'
+``original_max_position_embeddings`` (64) so length-dependent RoPE really switches frequencies, and exceed
+Gemma's sliding window (24) so both window and global layers are exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_ids, tiny_model
+from kvmem.exactness import REL_TOL, check_joint, check_relocated_keys, check_window
+from kvmem.models import ModelError, check_injectable
+
+
+def _rope(kind: str, rotary_half: int = 8) -> dict:
+    base = {"rope_theta": 10000.0}
+    return {
+        "linear": {"rope_type": "linear", "factor": 2.0},
+        "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64},
+        "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                     "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                     "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)]},
+    }[kind] | base
+
+
+CASES = {
+    "llama": dict(),
+    "llama-linear": dict(rope_parameters=_rope("linear")),
+    "llama-dynamic": dict(rope_parameters=_rope("dynamic"), common={"max_position_embeddings": 64}),
+    "llama-yarn": dict(rope_parameters=_rope("yarn")),
+    "llama-llama3": dict(rope_parameters=_rope("llama3")),
+    "mistral": dict(),
+    "qwen2": dict(),
+    "qwen3": dict(),
+    "phi3": dict(),
+    "phi3-partial-longrope": dict(partial_rotary_factor=0.5, rope_parameters=_rope("longrope", rotary_half=4),
+                                  common={"max_position_embeddings": 4096}),
+    "gemma2": dict(),
+    "gemma3": dict(),
+}
+
+
+def _model(case: str):
+    family = case.split("-")[0]
+    kw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in CASES[case].items()}
+    return tiny_model(family, **kw)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_joint_exact(case):
+    model = _model(case)
+    memory, query = random_ids(110, seed=41), random_ids(9, seed=42)
+    r = check_joint(model, memory, query, steps=20)
+    assert r["max_rel_logit_diff_all_steps"] <= REL_TOL, r["max_rel_logit_diff_all_steps"]
+    assert r["kv_tokens"] == r["prompt_tokens"] and len(set(r["kv_tokens"])) > 1
+    assert r["prefilled_kv"] == len(query)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_relocation_exact(case):
+    model = _model(case)
+    memory, query = random_ids(90, seed=43), random_ids(7, seed=44)
+    r = check_joint(model, memory, query, steps=20, start=29)
+    assert r["max_rel_logit_diff_all_steps"] <= REL_TOL and r["kv_tokens"] == r["prompt_tokens"]
+    if "dynamic" not in case and "longrope" not in case:
+        # Length-dependent types rotate with the served length's frequencies, not the memory's alone.
+        assert check_relocated_keys(model, memory, 29)[1] <= REL_TOL
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_context_window_slice_exact(case):
+    model = _model(case)
+    r = check_window(model, random_ids(10, seed=45), random_ids(30, seed=46), random_ids(12, seed=47),
+                     distractors=[random_ids(n, seed=n) for n in (4, 20, 70)])
+    assert r["rel_key_diff"] <= REL_TOL and r["rel_value_diff"] <= REL_TOL
+
+
+def test_gemma3_memory_longer_than_sliding_window_is_masked_like_prompt():
+    """A fact beyond the sliding window is invisible to sliding layers in prompt injection; KV injection must
+    match that exactly. Control: the same weights with every layer global give different logits, so the
+    window is really in effect over this memory."""
+    model = _model("gemma3")
+    assert model.config.sliding_window == 24
+    memory, query = random_ids(150, seed=48), random_ids(5, seed=49)
+    r = check_joint(model, memory, query, steps=20)
+    assert r["max_rel_logit_diff_all_steps"] <= REL_TOL and r["kv_tokens"] == r["prompt_tokens"]
+    full = tiny_model("gemma3", layer_types=["full_attention"] * 4)
+    full.load_state_dict(model.state_dict())
+    assert check_joint(full, memory, query, steps=20)["max_rel_logit_diff_all_steps"] <= REL_TOL
+    assert (_first_logits(model, memory, query) - _first_logits(full, memory, query)).abs().max() > 1e-3
+
+
+def _first_logits(model, memory, query):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([memory + query]), logits_to_keep=1).logits[0, -1]
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda tf: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), "absolute"),
+    (lambda tf: tf.BloomForCausalLM(tf.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64)), "ALiBi"),
+    (lambda tf: tf.MambaForCausalLM(tf.MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64)), "recurrent"),
+    (lambda tf: tf.JambaForCausalLM(tf.JambaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                                   num_key_value_heads=1, intermediate_size=64, vocab_size=64,
+                                                   num_experts=2, expert_layer_period=2, attn_layer_period=2,
+                                                   attn_layer_offset=1, use_mamba_kernels=False)), "recurrent"),
+    (lambda tf: tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(num_hidden_layers=1, hidden_size=32,
+                                                             num_attention_heads=2, num_key_value_heads=2,
+                                                             intermediate_size=64, moe_intermediate_size=16,
+                                                             vocab_size=64, q_lora_rank=16, kv_lora_rank=16,
+                                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                                             n_routed_experts=2, num_experts_per_tok=1,
+                                                             first_k_dense_replace=1)), "latent attention"),
+])
+def test_refuses_what_cannot_be_injected(make, needle):
+    import transformers as tf
+
+    with pytest.raises(ModelError, match=needle):
+        check_injectable(make(tf))
