@@ -18,6 +18,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvmem: LLM memory by KV injection.")
 models_app = typer.Typer(no_args_is_help=True, help="Offline answer models (GGUF in PyPI packages -> safetensors).")
 app.add_typer(models_app, name="models")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency, throughput, footprint, encode (JSON/CSV/PNG).")
+eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluations.")
+app.add_typer(bench_app, name="bench")
+app.add_typer(eval_app, name="eval")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -135,7 +139,7 @@ def ask(
 @friendly
 def check_exactness(
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Installed model to check (run in fp32)."),
-    facts: int = typer.Option(16, help="Facts in the memory block."),
+    facts: int = typer.Option(0, help="Facts in the memory block (default: 16, or enough to pass a sliding window)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """KV injection vs prompt injection on the installed model, in fp32 (paper Theorems 3, 6, 8)."""
@@ -147,6 +151,8 @@ def check_exactness(
     lm = load(model, dtype="float32")
     tok = lm.tokenizer
     fmt = PromptFormat.for_tokenizer(tok, lm.chat)
+    if facts <= 0:  # exceed a sliding window, so window and global layers are both exercised
+        facts = 16 if not getattr(lm.config, "sliding_window", None) else lm.config.sliding_window // 18 + 8
     fact_ids = [text_ids(tok, SAMPLE_FACTS[i % len(SAMPLE_FACTS)]) for i in range(max(facts, 2))]
     report = run_all(lm.model, fmt.header_ids(tok), fact_ids, text_ids(tok, SAMPLE_WINDOW),
                      fmt.query_ids(tok, SAMPLE_QUESTION))
@@ -207,6 +213,118 @@ def demo(
     med = {m: statistics.median(v) for m, v in ttft.items()}
     typer.echo(f"\nmedian ttft at k={k}: kv {med['kv']:.1f} ms, prompt {med['prompt']:.1f} ms "
                f"({med['prompt'] / med['kv']:.2f}x)")
+
+
+# --- benchmarks and evaluation: thin wrappers over kvmem.bench.* --------------------------------------------
+
+_DATA = typer.Option(Path("../shared/data/locomo/locomo7.json"), "--data", help="LoCoMo-format JSON.")
+_ENGINE = typer.Option("hf", "--engine", help="hf (transformers) or vllm.")
+_MODEL = typer.Option("qwen2.5-coder-0.5b-instruct", "--model", help="Answer model (registry name).")
+_SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
+_QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
+_OUT = typer.Option(Path("runs/bench"), "--out", help="Output directory.")
+_STORE_DEVICE = typer.Option("host", "--store-device", help="host (pinned, streamed) or device (resident).")
+_PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar.")
+
+
+def _bench_args(samples: str):
+    from .bench.common import str_list
+
+    return str_list(samples) or None
+
+
+@bench_app.command("latency")
+@friendly
+def bench_latency(
+    k: str = typer.Option("5,10,20,50", "--k", help="Comma-separated k values."),
+    window: str = typer.Option("5", "--window", help="Comma-separated encoding windows."),
+    max_new_tokens: int = typer.Option(32, help="Tokens per answer (query-to-full-answer)."),
+    store_device: str = _STORE_DEVICE,
+    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
+    questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/latency"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
+    from .bench import latency
+    from .bench.common import int_list
+
+    latency.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), _bench_args(samples), questions,
+                model, engine, max_new_tokens, store_device, show_progress, typer.echo)
+
+
+@bench_app.command("throughput")
+@friendly
+def bench_throughput(
+    users: str = typer.Option("1,2,4,8,16,32", "--users", help="Comma-separated user counts."),
+    k: int = typer.Option(50, "--k"),
+    window: int = typer.Option(5, "--window"),
+    tokens: int = typer.Option(50, "--tokens", help="Exact output tokens per request (EOS ignored)."),
+    store_device: str = _STORE_DEVICE,
+    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
+    questions: int = typer.Option(0, "--questions", help="Question pool (0 = all category 1-4)."),
+    out: Path = typer.Option(Path("runs/bench/throughput"), "--out"), show_progress: bool = _PROGRESS,
+):
+    """Requests per second vs concurrent users (2 questions each), retrieval and composition included."""
+    from .bench import throughput
+    from .bench.common import int_list
+
+    if k < 1 or tokens < 1:
+        raise ValueError("--k and --tokens must be >= 1")
+    throughput.run(data, out, int_list(users, "--users", 1), k, window, _bench_args(samples), questions, model,
+                   engine, tokens, store_device, show_progress, typer.echo)
+
+
+@bench_app.command("footprint")
+@friendly
+def bench_footprint(
+    window: int = typer.Option(5, "--window"),
+    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
+    questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/footprint"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """Stored KV bytes per fact token and per conversation vs 2*L*h*d*b, index/metadata bytes, serving RSS."""
+    from .bench import footprint
+
+    footprint.run(data, out, window, _bench_args(samples), questions, model, engine, show_progress=show_progress,
+                  echo=typer.echo)
+
+
+@bench_app.command("encode")
+@friendly
+def bench_encode(
+    window: str = typer.Option("0,5,20,50", "--window", help="Comma-separated encoding windows."),
+    batch_tokens: int = typer.Option(8192, help="Padded tokens per forward pass."),
+    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
+    questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/encode"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """Offline encoding seconds per conversation and tokens/s, vs the plain batched forward on the same tokens."""
+    from .bench import encode
+    from .bench.common import int_list
+
+    encode.run(data, out, int_list(window, "--window"), _bench_args(samples), questions, model, engine,
+               batch_tokens, show_progress, typer.echo)
+
+
+@eval_app.command("locomo")
+@friendly
+def eval_locomo(
+    k: str = typer.Option("20", "--k", help="Comma-separated k values."),
+    window: str = typer.Option("20", "--window", help="Comma-separated encoding windows."),
+    mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt."),
+    max_new_tokens: int = typer.Option(32),
+    judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
+    judge_model: Optional[str] = typer.Option(None, "--judge-model"),
+    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
+    questions: int = typer.Option(0, "--questions", help="Deterministic subset of N questions (0 = all)."),
+    out: Path = typer.Option(Path("runs/eval/locomo"), "--out"), show_progress: bool = _PROGRESS,
+):
+    """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl)."""
+    from .bench import eval_locomo as ev
+    from .bench.common import int_list, str_list
+
+    ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
+           questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo)
 
 
 def main():  # pragma: no cover

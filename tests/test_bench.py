@@ -1,0 +1,230 @@
+"""Benchmarks and the LoCoMo evaluation: scoring unit tests, and every command on a tiny config (fast model, two
+sessions of one conversation, 2 questions, k in {1, 2}) writing well-formed output. Not timed tests."""
+
+from __future__ import annotations
+
+import csv
+import http.server
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvmem.bench.common import select_questions
+from kvmem.bench.eval_locomo import exact_match, f1_multi, f1_score, locomo_f1, normalize_answer, parse_verdict
+from kvmem.models import MANIFEST, model_dir
+
+FAST = "smollm2-135m-instruct"
+
+
+# --- scoring -----------------------------------------------------------------------------------------------
+
+def test_normalize_and_f1_values():
+    assert normalize_answer("The Cat, and a dog!") == "cat dog"
+    assert f1_score("The cat sat", "cat sat down") == pytest.approx(0.8)  # p=1, r=2/3
+    assert f1_score("Paris", "paris.") == 1.0
+    assert f1_score("no overlap", "something else") == 0.0
+    assert f1_score("a the", "cat") == 0.0  # empty after normalisation
+    assert f1_score("red red blue", "red blue blue") == pytest.approx(2 / 3)  # multiset overlap
+    assert exact_match("The Cat.", "cat") == 1.0 and exact_match("cat sat", "cat") == 0.0
+
+
+def test_multi_hop_splits_reference_on_commas():
+    # sub-answers "pottery" (best match 1.0) and "camping" (best match 0.0) -> 0.5
+    assert f1_multi("pottery", "pottery, camping") == pytest.approx(0.5)
+    assert f1_multi("camping, pottery", "pottery, camping") == 1.0
+    assert locomo_f1("pottery", "pottery, camping", 1) == pytest.approx(0.5)
+    # other categories: commas are dropped by normalisation, the whole answer is one bag of tokens
+    assert locomo_f1("pottery", "pottery, camping", 4) == pytest.approx(2 / 3)
+    # category 3 keeps the reference before ';'
+    assert locomo_f1("likely yes", "Likely yes; she said so", 3) == 1.0
+
+
+def test_judge_verdict_parsing():
+    assert parse_verdict('{"label": "CORRECT"}') == 1
+    assert parse_verdict('```json\n{"label": "WRONG"}\n```') == 0
+    assert parse_verdict("The answer is CORRECT.") == 1
+    assert parse_verdict("INCORRECT") == 0
+    assert parse_verdict("maybe") is None and parse_verdict("CORRECT or WRONG") is None
+
+
+def test_question_subset_is_deterministic_prefix(locomo_path):
+    from kvmem.locomo import load_locomo
+
+    convs = load_locomo(locomo_path)[:2]
+    a, b = select_questions(convs, 10), select_questions(convs, 30)
+    assert a == select_questions(convs, 10) and b[:10] == a and len(b) == 30
+    assert {q.category for q in b} <= {1, 2, 3, 4}
+    assert {q.sample for q in a} == {"conv-26", "conv-30"}  # round-robin over samples
+    assert len({q.qid for q in b}) == 30
+
+
+# --- commands on a tiny config -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, locomo_path):
+    """conv-26 with only sessions 1-2 of facts; a private store cache; one torch thread (the CPU may be shared)."""
+    if not (model_dir(FAST) / MANIFEST).exists():
+        pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
+    import torch
+
+    sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
+    sample["observation"] = {k: v for k, v in sample["observation"].items()
+                             if k in ("session_1_observation", "session_2_observation")}
+    root = tmp_path_factory.mktemp("bench")
+    data = root / "small.json"
+    data.write_text(json.dumps([sample]))
+    old_env, old_threads = os.environ.get("KVMEM_BENCH_CACHE"), torch.get_num_threads()
+    os.environ["KVMEM_BENCH_CACHE"] = str(root / "stores")
+    torch.set_num_threads(1)
+    yield {"data": data, "root": root}
+    torch.set_num_threads(old_threads)
+    if old_env is None:
+        os.environ.pop("KVMEM_BENCH_CACHE", None)
+    else:
+        os.environ["KVMEM_BENCH_CACHE"] = old_env
+
+
+def cli(*args, rc: int = 0):
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert res.exit_code == rc, (res.output, res.exception)
+    return res
+
+
+def common(tiny, out: Path, questions: int = 2):
+    return ["--data", tiny["data"], "--model", FAST, "--samples", "conv-26", "--questions", questions, "--out", out,
+            "--no-progress"]
+
+
+def check_outputs(out: Path, png: str) -> dict:
+    summary = json.loads((out / "summary.json").read_text())
+    assert isinstance(json.loads((out / "records.json").read_text()), list)
+    with open(out / "records.csv") as f:
+        assert len(list(csv.DictReader(f))) >= 1
+    assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["machine"]["cores"] >= 1 and summary["machine"]["torch"]
+    return summary
+
+
+def test_vllm_engine_flag(tiny, tmp_path):
+    try:
+        import kvmem.engines.vllm_engine  # noqa: F401
+    except Exception:
+        res = cli("bench", "latency", "--engine", "vllm", *common(tiny, tmp_path), rc=2)
+        assert "vllm" in res.output and "Traceback" not in res.output
+        assert len(res.output.strip().splitlines()) == 1
+    else:
+        pytest.skip("the vLLM engine is importable here")
+
+
+def test_bench_latency(tiny):
+    out = tiny["root"] / "latency"
+    res = cli("bench", "latency", "--k", "1,2", "--window", "0", "--max-new-tokens", 4, *common(tiny, out))
+    s = check_outputs(out, "latency_vs_k.png")
+    assert set(s["ttft_ms"]["kv"]) == {"1", "2"} and set(s["ttft_ms"]["prompt"]) == {"1", "2"}
+    assert s["ttft_ms"]["bare"] > 0
+    assert set(s["ratios"]["prompt_over_kv"]) == {"1", "2"}
+    assert s["ratios"]["kv_kmax_over_kmin"] > 0 and s["ratios"]["kv_over_bare"] > 0
+    assert 0 < s["overhead_fraction"] < 1
+    assert "host" in s["store_device_note"]
+    recs = json.loads((out / "records.json").read_text())
+    assert len(recs) == 2 * (1 + 2 * 2)  # per question: bare + (kv, prompt) x 2 k
+    for r in recs:
+        assert r["q2fa"] >= r["q2ft"] >= r["ttft"] > 0
+        if r["mode"] == "kv":
+            assert r["prefilled_tokens"] < r["prompt_tokens"]
+        elif r["mode"] == "prompt":
+            assert r["prefilled_tokens"] == r["prompt_tokens"]
+    assert "pr/kv" in res.output
+
+
+def test_bench_throughput(tiny):
+    out = tiny["root"] / "throughput"
+    cli("bench", "throughput", "--users", "1,2", "--k", 2, "--window", 0, "--tokens", 4, *common(tiny, out, 4))
+    s = check_outputs(out, "qps_vs_users.png")
+    assert set(s["qps"]["kv"]) == {"1", "2"} and set(s["qps"]["prompt"]) == {"1", "2"}
+    assert all(v > 0 for m in ("kv", "prompt") for v in s["qps"][m].values())
+    assert set(s["ratios"]["kv_over_prompt"]) == {"1", "2"}
+    assert "one at a time" in s["concurrency_note"] and s["includes_retrieval_and_composition"]
+    recs = json.loads((out / "records.json").read_text())
+    assert len(recs) == 2 * (2 + 4) and all(r["generated_tokens"] == 4 for r in recs)
+    u2 = [r for r in recs if r["users"] == 2 and r["mode"] == "kv"]
+    assert len({r["qid"] for r in u2}) == 4  # 2 users x 2 distinct questions
+
+
+def test_bench_footprint(tiny):
+    out = tiny["root"] / "footprint"
+    cli("bench", "footprint", "--window", 0, *common(tiny, out))
+    s = check_outputs(out, "footprint.png")
+    # SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, bf16 -> 2*30*3*64*2 bytes per token, stored exactly
+    assert s["theory_bytes_per_token"] == 2 * s["L"] * s["h"] * s["d"] * s["b"] == 23040
+    assert s["kv_bytes_per_token"] == s["theory_bytes_per_token"]
+    assert s["kv_bytes_per_conversation"]["conv-26"] > 0 and s["index_bytes"]["conv-26"] > 0
+    assert s["metadata_bytes"]["conv-26"] > 0
+    assert s["rss_bytes"]["serving"] >= s["rss_bytes"]["before_load"] > 0
+
+
+def test_bench_encode(tiny):
+    out = tiny["root"] / "encode"
+    cli("bench", "encode", "--window", "0,2", *common(tiny, out))
+    s = check_outputs(out, "encode.png")
+    assert set(s["by_window"]) == {"0", "2"}
+    for w in s["by_window"].values():
+        assert w["tokens_per_s"] > 0 and w["plain_tokens_per_s"] > 0 and w["fraction_of_plain_forward"] > 0
+        assert w["seconds_per_conversation"] > 0
+    assert s["by_window"]["2"]["encoded_tokens"] > s["by_window"]["0"]["encoded_tokens"]
+
+
+class _Judge(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible stub: CORRECT for the first question it sees, an unparseable reply afterwards."""
+
+    calls: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Judge.calls.append(body)
+        text = '{"label": "CORRECT"}' if len(_Judge.calls) == 1 else "I cannot tell."
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_eval_locomo_scores_judges_and_resumes(tiny):
+    out = tiny["root"] / "eval"
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Judge)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}/v1"
+        args = ["eval", "locomo", "--k", "1", "--window", "0", "--mode", "kv,prompt", "--max-new-tokens", 8,
+                "--judge-url", url, "--judge-model", "stub", *common(tiny, out)]
+        res = cli(*args)
+        assert "4 to answer" in res.output
+        s = check_outputs(out, "accuracy_vs_k.png")
+        rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+        assert len(rows) == 4 and {r["mode"] for r in rows} == {"kv", "prompt"}
+        for r in rows:
+            assert 0 <= r["f1"] <= 1 and r["em"] in (0, 1) and r["judge"] in (0, 1)
+            assert r["f1"] == pytest.approx(locomo_f1(r["answer"], r["reference"], r["category"]), abs=1e-4)
+        assert sum(r["judge"] for r in rows) == 1  # one CORRECT; unparseable verdicts count as wrong
+        assert sum(1 for r in rows if r.get("judge_parsed") is False) == 3
+        assert s["f1"]["0"]["1"]["kv"]["overall"] is not None and "overall" in s["f1_gap_prompt_minus_kv"]["0"]["1"]
+        assert {r["category"] for r in s["table"]} == {1, 2, 3, 4, "overall"}
+        # rerun: nothing is answered again, the file is unchanged
+        before = (out / "records.jsonl").read_text()
+        res = cli(*args)
+        assert "0 to answer, 4 already" in res.output
+        assert (out / "records.jsonl").read_text() == before and len(_Judge.calls) == 4
+    finally:
+        srv.shutdown()
