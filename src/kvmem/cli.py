@@ -114,6 +114,7 @@ def ask(
     mode: str = typer.Option("kv", help="kv (KV injection) or prompt (prompt injection baseline)."),
     max_new_tokens: int = typer.Option(32),
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the model's)."),
+    engine: str = typer.Option("hf", "--engine", help="hf (transformers) or vllm (stock vLLM + kvmem connector)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
 ):
     """Answer QUESTION from USER's memory."""
@@ -123,15 +124,17 @@ def ask(
         raise ValueError(f"--k must be >= 1, got {k}")
     if mode not in ("kv", "prompt"):
         raise ValueError(f"--mode must be kv or prompt, not {mode!r}")
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"--engine must be hf or vllm, not {engine!r}")
     from .serve import MemoryService
 
-    svc = MemoryService(store, max_context=max_context)
+    svc = MemoryService(store, max_context=max_context, engine=engine)
     ans = svc.ask(user, question, k, mode, max_new_tokens)
     if as_json:
         _emit(ans.to_json(), True)
     else:
         t = ans.timings_ms
-        typer.echo(f"{ans.answer}\n[{mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
+        typer.echo(f"{ans.answer}\n[{engine} {mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
                    f"ttft={t['ttft']:.0f} ms total={t['total']:.0f} ms]")
 
 

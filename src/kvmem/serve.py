@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from .compose import ContextOverflow, PromptFormat, compose, max_facts_that_fit
 from .engines.hf import HFEngine
-from .models import LoadedModel, fingerprint, load
+from .models import REGISTRY, LoadedModel, fingerprint, load, model_dir
 from .rope import Rotary
 from .retrieve import Embedder, FlatIPIndex, Retrieved, order_reverse_proximity
 from .store import Store
@@ -43,12 +43,18 @@ class Answer:
 class MemoryService:
     """A long-lived answerer over one store: model, embedder, per-user indexes and the engine stay loaded.
 
+    ``engine``: "hf" (transformers, the reference) or "vllm" (stock vLLM with the kvmem KV connector; the
+    transformers model still gives the tokenizer and the store fingerprint). ``vllm_options`` go to ``VLLMEngine``.
+
     Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model,
     ModelError if the store's model is not installed.
     """
 
     def __init__(self, store_root, model: LoadedModel | str | None = None, device=None, dtype=None,
-                 max_context: int | None = None, embedder: Embedder | None = None):
+                 max_context: int | None = None, embedder: Embedder | None = None, engine: str = "hf",
+                 vllm_options: dict | None = None):
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"engine must be 'hf' or 'vllm', not {engine!r}")
         store = Store.open(store_root)  # read the manifest first: it names the model
         if model is None or isinstance(model, str):
             model = load(model or store.fingerprint["model"], dtype=dtype or store.fingerprint["dtype"], device=device)
@@ -61,6 +67,13 @@ class MemoryService:
         self.rotary = Rotary.for_model(model.model)
         self.max_context = max_context or model.config.max_position_embeddings
         self._indexes: dict[tuple[str, str], FlatIPIndex] = {}
+        self.engine_name, self.vllm = engine, None
+        if engine == "vllm":
+            from .engines.vllm_engine import VLLMEngine
+
+            path = model_dir(model.name) if model.name in REGISTRY else model.name
+            opts = {"dtype": str(model.dtype).removeprefix("torch."), "max_model_len": min(self.max_context, 32768)}
+            self.vllm = VLLMEngine(path, **{**opts, **(vllm_options or {})})
 
     def index(self, user: str) -> FlatIPIndex:
         ukv = self.store.user_kv(user)
@@ -99,21 +112,34 @@ class MemoryService:
             raise ContextOverflow(
                 f"memory ({len(header_ids) + sum(lens)} tokens for k={len(lens)}) + query ({len(query_ids)} tokens) "
                 f"= {need} tokens exceeds the model context of {self.max_context} tokens; at most k={fits} fits")
-        memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, order_reverse_proximity(retrieved),
-                         device=self.lm.device, served_len=need)
-        prompt_ids = memory.token_ids + query_ids
+        rows = order_reverse_proximity(retrieved)
+        if self.vllm is None:
+            memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, rows, device=self.lm.device,
+                             served_len=need)
+            token_ids, fact_ids = memory.token_ids, memory.fact_ids
+        else:  # the connector's worker composes the KV itself; here only the ids
+            token_ids = header_ids + [t for r in rows for t in ukv.facts[r].token_ids]
+            fact_ids = [ukv.facts[r].fact_id for r in rows]
+        prompt_ids = token_ids + query_ids
         t3 = time.perf_counter()
-        gen = self.engine.generate(query_ids, memory, mode, max_new_tokens)
-        expected = len(query_ids) if mode == "kv" else len(prompt_ids)
-        assert gen.prefilled_tokens == expected, (gen.prefilled_tokens, expected)
+        if self.vllm is None:
+            gen = self.engine.generate(query_ids, memory, mode, max_new_tokens)
+            expected = len(query_ids) if mode == "kv" else len(prompt_ids)
+            assert gen.prefilled_tokens == expected, (gen.prefilled_tokens, expected)
+        else:
+            from .engines.vllm_engine import MemoryRef
+
+            ref = MemoryRef(str(self.store.root.resolve()), user, ukv.version, fact_ids) if mode == "kv" else None
+            # prompt mode: a fresh salt, so the baseline prefills everything (no prefix-cache reuse)
+            gen = self.vllm.generate(prompt_ids, ref, max_new_tokens, salt=None if ref else self.vllm.cold_salt())
         text = self.lm.tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip()
         timings = {
             "embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3,
             "ttft": gen.ttft_ms, "total": (t3 - t0) * 1e3 + gen.ttft_ms, "decode": gen.decode_ms,
         }
-        return Answer(text, mode, len(memory.fact_ids), memory.fact_ids, len(prompt_ids), gen.prefilled_tokens,
-                      {k: round(v, 3) for k, v in timings.items()}, user, question, "hf", len(gen.token_ids),
-                      prompt_ids)
+        return Answer(text, mode, len(fact_ids), fact_ids, len(prompt_ids), gen.prefilled_tokens,
+                      {k: round(v, 3) for k, v in timings.items()}, user, question, self.engine_name,
+                      len(gen.token_ids), prompt_ids)
 
 
 def same_prompt(a: Answer, b: Answer) -> None:

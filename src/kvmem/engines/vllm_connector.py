@@ -122,6 +122,7 @@ class KvmemLoad:
     block_ids: list[int]
     first: int
     count: int
+    served_len: int  # prompt tokens, for length-dependent RoPE types
 
 
 @dataclass
@@ -204,7 +205,8 @@ class KvmemConnector(KVConnectorBase_V1):
             return
         p, first = matched
         block_ids = list(blocks.get_block_ids()[0])
-        self._pending.append(KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens))
+        self._pending.append(KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens,
+                                       request.num_prompt_tokens))
         self._count("requests_injected")
         self._count("tokens_injected", num_external_tokens)
 
@@ -231,7 +233,7 @@ class KvmemConnector(KVConnectorBase_V1):
             self._rotary = Rotary.from_config(self._hf_config)
         return self._rotary
 
-    def _compose(self, p: dict):
+    def _compose(self, p: dict, served_len: int):
         from ..compose import compose
 
         st = _store(p["store"])
@@ -240,7 +242,7 @@ class KvmemConnector(KVConnectorBase_V1):
             raise LookupError(f"memory version {p['version']} of {p['user']!r} is no longer current")
         rows = ukv.row_of()
         return compose(self._rot(), st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in p["fact_ids"]],
-                       start=int(p.get("start", 0)))
+                       start=int(p.get("start", 0)), served_len=served_len)
 
     @torch.inference_mode()
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -261,7 +263,7 @@ class KvmemConnector(KVConnectorBase_V1):
             layers.append((extract_layer_index(name), layer, kv_cache))
         bs = self._block_size
         for ld in meta.loads:
-            memory = self._compose(ld.params)
+            memory = self._compose(ld.params, ld.served_len)
             pos = torch.arange(ld.first, ld.first + ld.count)
             blocks = torch.tensor(ld.block_ids, dtype=torch.long)
             for idx, layer, kv_cache in layers:

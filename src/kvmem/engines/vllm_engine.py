@@ -62,7 +62,7 @@ class VLLMEngine:
         dtype: "bfloat16" on CPU (AMX); "float32" for exactness tests.
         kv_cache_memory_bytes: explicit KV-cache size.
         in_process: True -> VLLM_ENABLE_V1_MULTIPROCESSING=0 + "uni" executor; False -> vLLM's default
-            multi-process mode; None -> leave the environment as it is.
+            multi-process mode; None -> as VLLM_ENABLE_V1_MULTIPROCESSING says (default multi-process).
         metrics_file: where the connector's scheduler side writes its counters (mismatch, injected, ...).
     """
 
@@ -72,6 +72,7 @@ class VLLMEngine:
                  seed: int = 0, **llm_kwargs):
         if in_process is not None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
@@ -88,8 +89,7 @@ class VLLMEngine:
         if block_size:
             kwargs["block_size"] = block_size
         kwargs.update(llm_kwargs)
-        self.in_process = bool(in_process) if in_process is not None else \
-            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        self.in_process = in_process
         self.llm = LLM(**kwargs)
 
     def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool):
