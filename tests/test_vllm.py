@@ -133,6 +133,22 @@ def run_mode(spec_path: str, mode: str) -> None:
                                 "prefilled": g.prefilled_tokens, "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms}
                                for g in gens]
         i = j
+    # Requests that name a memory but must not get it: a foreign cache salt, and a stale memory version.
+    from vllm import SamplingParams
+
+    from kvmem.engines.vllm_connector import kvmem_cache_salt, kvmem_params
+
+    ids = spec["memory"] + spec["query"]
+    v = spec["versions"]["indep"]
+    for name, params, salt in [("unsalted", kvmem_params(spec["store"], "indep", v, fact_ids), "someone-else"),
+                               ("stale", kvmem_params(spec["store"], "indep", "0ld", fact_ids),
+                                kvmem_cache_salt("indep", "0ld"))]:
+        sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, detokenize=False,
+                            extra_args={"kv_transfer_params": params})
+        (o,) = eng.llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)
+        g = eng._result(o)
+        results[name] = [{"tokens": g.token_ids, "cached": g.num_cached_tokens, "prefilled": g.prefilled_tokens,
+                          "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms}]
     (out_dir / f"result-{mode}.json").write_text(json.dumps(results))
 
 
@@ -202,6 +218,16 @@ def test_mismatched_prompt_falls_back_and_is_counted(run, spec):
     assert mm["tokens"] == ref["tokens"]
     assert run["_metrics"].get("mismatch", 0) >= 1
     assert run["_metrics"].get("requests_injected", 0) >= 7
+
+
+def test_foreign_salt_or_stale_version_is_refused(run, spec):
+    """A request naming a memory without its user/version salt, or naming a replaced version, gets a plain
+    prefill (its blocks could otherwise be shared, or its KV be out of date)."""
+    joint = run["prompt"][0]["tokens"]
+    for name, metric in (("unsalted", "unsalted"), ("stale", "store_error")):
+        (g,) = run[name]
+        assert (g["cached"], g["tokens"]) == (0, joint), name
+        assert run["_metrics"].get(metric, 0) >= 1, name
 
 
 if __name__ == "__main__":

@@ -141,3 +141,18 @@ class VLLMEngine:
                 prefill = (m.first_token_ts - m.scheduled_ts) * 1e3
         return VLLMGeneration(list(comp.token_ids), ttft, decode, n_prompt - cached, torch.empty(0),
                               prompt_tokens=n_prompt, num_cached_tokens=cached, engine_prefill_ms=prefill)
+
+
+def bench_service(store_root, lm, embedder, **vllm_options):
+    """A ``serve.MemoryService`` answering through vLLM (``kvmem bench ... --engine vllm``), with ``bare`` (the
+    query alone, no memory, cold prefix cache) for the no-memory baseline."""
+    from ..serve import MemoryService
+
+    class _VLLMService(MemoryService):
+        def bare(self, question: str, max_new_tokens: int) -> dict:
+            ids = self.fmt.query_ids(self.lm.tokenizer, question)
+            gen = self.vllm.generate(ids, None, max_new_tokens, salt=self.vllm.cold_salt())
+            return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
+                    "generated_tokens": len(gen.token_ids)}
+
+    return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options or None)
