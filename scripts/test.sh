@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/kvmem models install smollm2-135m-instruct
 .venv/bin/kvmem models install qwen2.5-coder-0.5b-instruct
+.venv/bin/kvmem models install gemma3-270m
 exec .venv/bin/python -m pytest -q "$@"

@@ -14,6 +14,7 @@ from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
 DEFAULT = "qwen2.5-coder-0.5b-instruct"
+GEMMA = "gemma3-270m"
 KVMEM = [sys.executable, "-m", "kvmem.cli"]
 
 
@@ -98,7 +99,7 @@ def test_store_refuses_other_model(store, small_locomo):
     assert (store / "meta.sqlite").read_bytes() == before  # nothing stored was touched
 
 
-@pytest.mark.parametrize("name", [FAST, DEFAULT])
+@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
 def test_check_exactness_real_model(name):
     require(name)
     p = run("check-exactness", "--model", name, "--json")
@@ -106,3 +107,17 @@ def test_check_exactness_real_model(name):
     assert r["passed"] is True and r["greedy_match_joint"] and r["greedy_match_relocated"]
     assert r["rel_logit_diff_joint"] <= 1e-5 and r["rel_logit_diff_relocated"] <= 1e-5
     assert r["rel_key_diff_window"] <= 1e-5 and r["memory_tokens"] > 300
+
+
+def test_gemma3_end_to_end(tmp_path, small_locomo):
+    """Gemma 3 (sliding-window layers, two RoPE bases, completion-style prompt) through ingest and ask."""
+    require(GEMMA)
+    root = tmp_path / "g"
+    run("ingest-locomo", small_locomo, "--sample", "conv-26", "--store", root, "--window", "2", "--model", GEMMA)
+    q = "What did Caroline research?"
+    kv = json.loads(run("ask", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "kv", "--json",
+                        "--max-new-tokens", 8, q).stdout)
+    pr = json.loads(run("ask", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "prompt", "--json",
+                        "--max-new-tokens", 8, q).stdout)
+    assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
+    assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]

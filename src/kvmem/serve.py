@@ -63,7 +63,12 @@ class MemoryService:
         self.store = Store.open(store_root, fingerprint(model))
         self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
         self.fmt = PromptFormat.for_tokenizer(model.tokenizer, model.chat)
-        self.engine = HFEngine(model.model)
+        eos = model.model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if not model.chat:  # completion-style prompts: the answer ends at the line break
+            eos += [i for i, t in enumerate(model.tokenizer.convert_ids_to_tokens(range(len(model.tokenizer))))
+                    if t is not None and "\n" in model.tokenizer.convert_tokens_to_string([t])]
+        self.engine = HFEngine(model.model, eos_token_ids=eos)
         self.rotary = Rotary.for_model(model.model)
         self.max_context = max_context or model.config.max_position_embeddings
         self._indexes: dict[tuple[str, str], FlatIPIndex] = {}
