@@ -2,7 +2,7 @@
 isolation, fallback and preemption, in vLLM's default multi-process mode and in-process mode.
 
 Runs: Llama in multi-process and in in-process mode; Qwen2 in-process with a KV cache of a few blocks, so that
-the batched requests are preempted and resumed (re-injected) mid-decode.
+the batched requests are preempted mid-decode and resumed.
 
 Each mode runs in its own subprocess (this file run as a script) holding one engine for all cases; the test
 process builds the tiny model and store, computes the transformers-engine references and asserts.
@@ -49,7 +49,7 @@ def build(tmp: Path, family: str) -> dict:
     from kvmem.store import FactRecord, Store
 
     model = tiny_model(family, common=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                            intermediate_size=256))
+                                            intermediate_size=256, initializer_range=0.1))
     mdir = tmp / "model"
     model.save_pretrained(mdir)
     header = random_ids(12, seed=20)
@@ -212,7 +212,7 @@ def spec(run):
 
 def test_joint_injection_equals_vllm_prompt_prefill(run, spec):
     (p,), (j,) = run["prompt"], run["joint"]
-    assert len(p["tokens"]) == STEPS and len(set(p["tokens"])) > 1
+    assert len(p["tokens"]) == STEPS and len(set(p["tokens"])) > 5, "degenerate greedy path"
     assert j["tokens"] == p["tokens"]
     assert p["cached"] == 0 and p["prefilled"] == len(spec["memory"]) + len(spec["query"])
 
@@ -268,8 +268,10 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
 
 
 def test_preempted_requests_are_reinjected(run, spec):
-    """With a KV cache of a few blocks the batched pair is preempted mid-decode; on resumption the connector
-    injects again (beyond any surviving prefix-cache blocks) and the answers stay exact."""
+    """With a KV cache of a few blocks the batched pair is preempted mid-decode. On resumption the scheduler asks
+    the connector again: surviving prefix-cache blocks (salted, so the request's own injected ones) cover what
+    they can and the connector injects the rest (here the blocks survived, so nothing more was injected).
+    The answers stay exact."""
     if "preempt" not in run["_name"]:
         pytest.skip("only the small-cache run preempts")
     a, b = run["pair"]
