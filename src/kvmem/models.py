@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -238,7 +238,6 @@ class LoadedModel:
     tokenizer: object | None
     chat: bool
     weights_sha256: str
-    extra: dict = field(default_factory=dict)
 
     @property
     def config(self):

@@ -66,6 +66,7 @@ class UserKV:
     embeddings: torch.Tensor  # [F, E] float32, L2-normalised
 
     def row_of(self) -> dict[str, int]:
+        """fact_id -> row in ``facts`` (and in ``embeddings``)."""
         return {f.fact_id: i for i, f in enumerate(self.facts)}
 
 
