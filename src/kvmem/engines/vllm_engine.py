@@ -19,8 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .hf import Generation
-from .vllm_connector import kvmem_cache_salt, kvmem_params
+# vLLM logs to stdout at INFO by default; keep stdout for answers (``kvmem ask --json``). Set before vLLM is imported.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+from .hf import Generation  # noqa: E402
+from .vllm_connector import kvmem_cache_salt, kvmem_params  # noqa: E402
 
 CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.engines.vllm_connector"
