@@ -56,8 +56,10 @@ def test_ask_both_modes_same_prompt(store):
     from kvmem.store import Store
 
     q = "What did Caroline research?"
-    kv = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "kv", "--json", q).stdout)
-    pr = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "prompt", "--json", q).stdout)
+    kv = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "kv", "--json",
+                        q).stdout)
+    pr = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "prompt",
+                        "--json", q).stdout)
     assert kv["fact_ids"] == pr["fact_ids"] and len(kv["fact_ids"]) == 5 and kv["k"] == 5
     assert kv["prompt_tokens"] == pr["prompt_tokens"]
     st = Store.open(store)
@@ -78,9 +80,22 @@ def test_ask_both_modes_same_prompt(store):
     (["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"], "at most k="),
 ])
 def test_bad_input_is_one_line_exit_2(store, args, needle):
-    p = run("ask", "--store", store, *args, check_rc=2)
+    p = run("ask", "--engine", "hf", "--store", store, *args, check_rc=2)
     assert needle in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_ask_default_engine_is_vllm(store):
+    """The default engine is stock vLLM with the kvmem connector: only the query is prefilled."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    q = "What did Caroline research?"
+    kv = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--json", "--max-new-tokens", 8,
+                        q).stdout.strip().splitlines()[-1])
+    hf = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--json",
+                        "--max-new-tokens", 8, q).stdout)
+    assert kv["engine"] == "vllm" and kv["mode"] == "kv"
+    assert kv["fact_ids"] == hf["fact_ids"] and kv["prompt_tokens"] == hf["prompt_tokens"]
+    assert kv["prefilled_tokens"] == hf["prefilled_tokens"]  # the query alone, as vLLM counts it
 
 
 def test_missing_store_and_bad_file(tmp_path, store):
@@ -115,9 +130,10 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
     root = tmp_path / "g"
     run("ingest-locomo", small_locomo, "--sample", "conv-26", "--store", root, "--window", "2", "--model", GEMMA)
     q = "What did Caroline research?"
-    kv = json.loads(run("ask", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "kv", "--json",
+    kv = json.loads(run("ask", "--engine", "hf", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "kv", "--json",
                         "--max-new-tokens", 8, q).stdout)
-    pr = json.loads(run("ask", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "prompt", "--json",
+    pr = json.loads(run("ask", "--engine", "hf", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "prompt",
+                        "--json",
                         "--max-new-tokens", 8, q).stdout)
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]

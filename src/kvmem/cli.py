@@ -114,7 +114,8 @@ def ask(
     mode: str = typer.Option("kv", help="kv (KV injection) or prompt (prompt injection baseline)."),
     max_new_tokens: int = typer.Option(32),
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the model's)."),
-    engine: str = typer.Option("hf", "--engine", help="hf (transformers) or vllm (stock vLLM + kvmem connector)."),
+    engine: str = typer.Option("vllm", "--engine", help="vllm (stock vLLM + kvmem connector) or hf (transformers, "
+                               "the reference engine)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
 ):
     """Answer QUESTION from USER's memory."""
@@ -127,7 +128,16 @@ def ask(
     if engine not in ("hf", "vllm"):
         raise ValueError(f"--engine must be hf or vllm, not {engine!r}")
     from .serve import MemoryService
+    from .store import Store
 
+    with_store = Store.open(store)  # unknown store/user fail here, before any engine starts
+    with_store.user_info(user)
+    with_store.close()
+    if engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ValueError("vLLM is not installed (run scripts/setup.sh), or pass --engine hf") from None
     svc = MemoryService(store, max_context=max_context, engine=engine)
     ans = svc.ask(user, question, k, mode, max_new_tokens)
     if as_json:
@@ -179,6 +189,7 @@ def demo(
     k: int = typer.Option(10, "--k"),
     questions: int = typer.Option(8, help="Questions to answer (categories 1-4, evenly spread)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct"),
+    engine: str = typer.Option("hf", help="hf (transformers) or vllm (stock vLLM + kvmem connector)."),
 ):
     """The main job: ingest one LoCoMo conversation, then answer its questions by KV and by prompt injection."""
     from .ingest import ingest_conversation
@@ -199,7 +210,7 @@ def demo(
     if not have:
         rep = ingest_conversation(lm, emb, store, conv, window, source=str(file))
         typer.echo(f"ingested {rep.num_facts} facts of {sample} (w={window}) in {rep.total_s:.1f} s")
-    svc = MemoryService(store, model=lm, embedder=emb)
+    svc = MemoryService(store, model=lm, embedder=emb, engine=engine)
     qs = answerable(conv.questions)
     step = max(1, len(qs) // max(questions, 1))
     ttft = {"kv": [], "prompt": []}
