@@ -246,6 +246,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     ax.set_xscale("log")
     ax.set_xticks(ks)
     ax.set_xticklabels([str(k) for k in ks])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("k (retrieved facts)")
     ax.set_ylabel("LoCoMo token F1 (%)")
     ax.set_title(f"Accuracy vs k ({model}, {len(qs)} questions)")

@@ -92,6 +92,7 @@ def plot(path: Path, per_window: dict, ks: list[int]) -> None:
     ax.set_xscale("log")
     ax.set_xticks(ks)
     ax.set_xticklabels([str(k) for k in ks])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("k (retrieved facts)")
     ax.set_ylabel("median latency (ms)")
     ax.set_title("Latency vs k: KV injection vs prompt injection")
