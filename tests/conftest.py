@@ -11,7 +11,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCOMO = Path(os.environ.get("KVMEM_LOCOMO", ROOT.parent / "shared" / "data" / "locomo" / "locomo7.json"))
+_LOCOMO_CANDIDATES = [Path(p) for p in (os.environ.get("KVMEM_LOCOMO"),) if p] + [
+    ROOT.parent / "shared" / "data" / "locomo" / "locomo7.json",  # the team's shared data beside the checkout
+    Path("/work/shared/data/locomo/locomo7.json"),
+]
+LOCOMO = next((p for p in _LOCOMO_CANDIDATES if p.exists()), _LOCOMO_CANDIDATES[0])
 
 
 def tiny_model(family: str, **overrides):
@@ -57,6 +61,6 @@ def random_ids(n: int, vocab: int = 320, seed: int = 1) -> list[int]:
 
 @pytest.fixture(scope="session")
 def locomo_path() -> Path:
-    if not LOCOMO.exists():
-        pytest.skip(f"LoCoMo data not found at {LOCOMO}")
+    # Missing data is a failure, not a skip: the end-to-end tests must not pass vacuously.
+    assert LOCOMO.exists(), f"LoCoMo data not found (tried {', '.join(map(str, _LOCOMO_CANDIDATES))}); set KVMEM_LOCOMO"
     return LOCOMO

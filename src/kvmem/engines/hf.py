@@ -31,6 +31,37 @@ class Generation:
     step_logits: list[torch.Tensor] = field(default_factory=list)
 
 
+GQA_SDPA = "kvmem_gqa_sdpa"
+
+
+def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                               scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """transformers' SDPA attention, but grouped-query K/V stay un-expanded (``enable_gqa``) also under a mask.
+
+    transformers expands K/V to every query head (``repeat_kv``) whenever a mask is present on CPU, i.e. for every
+    query prefilled after an injected memory: a copy of the whole cache per layer, the one cost that grows with
+    the memory length. The result is the same attention; only that copy is gone. Shapes: query [B, Hq, T, D],
+    key/value [B, Hkv, S, D]; returns [B, T, Hq, D]."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_sdpa(model) -> None:
+    """Switch a model on transformers' plain ``sdpa`` attention to ``gqa_sdpa_attention_forward`` (same masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if model.config._attn_implementation != "sdpa" or getattr(model.config, "attn_logit_softcapping", None):
+        return
+    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.config._attn_implementation = GQA_SDPA
+
+
 def build_cache(model, memory: ComposedMemory) -> DynamicCache:
     """A transformers cache holding the composed memory's rotated keys and values, [1, H, m, D] per layer.
 
@@ -46,6 +77,7 @@ class HFEngine:
     """Greedy generation with optional injected memory. Picks nothing itself: runs on the model's device."""
 
     def __init__(self, model, eos_token_ids: list[int] | None = None):
+        use_gqa_sdpa(model)
         self.model = model
         self.device = next(model.parameters()).device
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
