@@ -71,6 +71,27 @@ def capture_kv(model):
             hd.remove()
 
 
+def length_batches(sequences: list[list[int]], max_batch_tokens: int, equal_lengths_only: bool = False):
+    """Yield ``(items, ids)``: sequences sorted by length, grouped so that batch x longest <= max_batch_tokens
+    (a longer single sequence goes alone), right-padded into ids [B, longest] int64 (pad 0)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    i = 0
+    while i < len(order):
+        longest = len(sequences[order[i]])
+        j = i
+        while j < len(order) and (j - i + 1) * max(longest, len(sequences[order[j]])) <= max(max_batch_tokens, longest):
+            if equal_lengths_only and len(sequences[order[j]]) != longest:
+                break
+            longest = max(longest, len(sequences[order[j]]))
+            j += 1
+        batch = order[i:j]
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)
+        for r, item in enumerate(batch):
+            ids[r, : len(sequences[item])] = torch.tensor(sequences[item])
+        yield batch, ids
+        i = j
+
+
 @torch.inference_mode()
 def encode_spans(
     model,
@@ -101,24 +122,11 @@ def encode_spans(
         raise ValueError("sequences and spans differ in length")
     device = next(model.parameters()).device
     base = getattr(model, "model", model)
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     rotary = base.rotary_emb
     equal_lengths_only = served_len is None and is_length_dependent(rotary)
     out: list[SpanKV | None] = [None] * len(sequences)
     with capture_kv(model) as (keys, values), served_length(model, served_len):
-        i = 0
-        while i < len(order):
-            longest = len(sequences[order[i]])
-            j = i
-            while j < len(order) and (j - i + 1) * max(longest, len(sequences[order[j]])) <= max(max_batch_tokens, longest):
-                if equal_lengths_only and len(sequences[order[j]]) != longest:
-                    break
-                longest = max(longest, len(sequences[order[j]]))
-                j += 1
-            batch = order[i:j]
-            ids = torch.zeros((len(batch), longest), dtype=torch.long)
-            for r, item in enumerate(batch):
-                ids[r, : len(sequences[item])] = torch.tensor(sequences[item])
+        for batch, ids in length_batches(sequences, max_batch_tokens, equal_lengths_only):
             if served_len is None:
                 reset_rope_state(rotary)
             base(input_ids=ids.to(device), use_cache=False)
@@ -130,5 +138,4 @@ def encode_spans(
                 )
             if progress:
                 progress(len(batch))
-            i = j
     return out  # type: ignore[return-value]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..encode import length_batches
+from ..rope import is_length_dependent
 from .common import Setup, machine, progress, pyplot, table, write_csv, write_json
 
 
@@ -35,21 +37,9 @@ def plain_forward(model, sequences: list[list[int]], max_batch_tokens: int = 819
     ``encode.encode_spans`` batches them."""
     device = next(model.parameters()).device
     base = getattr(model, "model", model)
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     t0 = time.perf_counter()
-    i = 0
-    while i < len(order):
-        longest = len(sequences[order[i]])
-        j = i
-        while j < len(order) and (j - i + 1) * max(longest, len(sequences[order[j]])) <= max(max_batch_tokens, longest):
-            longest = max(longest, len(sequences[order[j]]))
-            j += 1
-        batch = order[i:j]
-        ids = torch.zeros((len(batch), longest), dtype=torch.long)
-        for r, item in enumerate(batch):
-            ids[r, : len(sequences[item])] = torch.tensor(sequences[item])
+    for _, ids in length_batches(sequences, max_batch_tokens, is_length_dependent(base.rotary_emb)):
         base(input_ids=ids.to(device), use_cache=False)
-        i = j
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0
