@@ -87,9 +87,11 @@ class MemoryService:
             self._indexes[key] = FlatIPIndex(ukv.embeddings)
         return self._indexes[key]
 
-    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
-        """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts.
+    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv") -> "Prepared":
+        """Everything before the model call: embed, retrieve, order, check the budget, compose.
 
+        For the hf engine the composed KV is built here (chunked RoPE); for vLLM only the ids and the memory
+        reference, since the connector's worker composes the KV itself.
         Raises ValueError for an empty question, top_k < 1 or an unknown mode; StoreError for an unknown user;
         ContextOverflow when memory + query exceed the model context (the message gives the k that fits,
         paper Corollary 7).
@@ -118,6 +120,7 @@ class MemoryService:
                 f"memory ({len(header_ids) + sum(lens)} tokens for k={len(lens)}) + query ({len(query_ids)} tokens) "
                 f"= {need} tokens exceeds the model context of {self.max_context} tokens; at most k={fits} fits")
         rows = order_reverse_proximity(retrieved)
+        memory = ref = None
         if self.vllm is None:
             memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, rows, device=self.lm.device,
                              served_len=need)
@@ -125,26 +128,52 @@ class MemoryService:
         else:  # the connector's worker composes the KV itself; here only the ids
             token_ids = header_ids + [t for r in rows for t in ukv.facts[r].token_ids]
             fact_ids = [ukv.facts[r].fact_id for r in rows]
-        prompt_ids = token_ids + query_ids
+            if mode == "kv":
+                from .engines.vllm_engine import MemoryRef
+
+                ref = MemoryRef(str(self.store.root.resolve()), user, ukv.version, fact_ids)
         t3 = time.perf_counter()
+        timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3}
+        return Prepared(user, question, mode, query_ids, token_ids + query_ids, fact_ids, memory, ref, timings)
+
+    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
+        """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
+        engine call). Raises what ``prepare`` raises."""
+        req = self.prepare(user, question, top_k, mode)
         if self.vllm is None:
-            gen = self.engine.generate(query_ids, memory, mode, max_new_tokens)
-            expected = len(query_ids) if mode == "kv" else len(prompt_ids)
+            gen = self.engine.generate(req.query_ids, req.memory, mode, max_new_tokens)
+            expected = len(req.query_ids) if mode == "kv" else len(req.prompt_ids)
             assert gen.prefilled_tokens == expected, (gen.prefilled_tokens, expected)
         else:
-            from .engines.vllm_engine import MemoryRef
-
-            ref = MemoryRef(str(self.store.root.resolve()), user, ukv.version, fact_ids) if mode == "kv" else None
             # prompt mode: a fresh salt, so the baseline prefills everything (no prefix-cache reuse)
-            gen = self.vllm.generate(prompt_ids, ref, max_new_tokens, salt=None if ref else self.vllm.cold_salt())
+            gen = self.vllm.generate(req.prompt_ids, req.ref, max_new_tokens,
+                                     salt=None if req.ref else self.vllm.cold_salt())
+        return self.answer(req, gen)
+
+    def answer(self, req: "Prepared", gen) -> Answer:
+        """The Answer record for a prepared request and its engine generation."""
         text = self.lm.tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip()
-        timings = {
-            "embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3,
-            "ttft": gen.ttft_ms, "total": (t3 - t0) * 1e3 + gen.ttft_ms, "decode": gen.decode_ms,
-        }
-        return Answer(text, mode, len(fact_ids), fact_ids, len(prompt_ids), gen.prefilled_tokens,
-                      {k: round(v, 3) for k, v in timings.items()}, user, question, self.engine_name,
-                      len(gen.token_ids), prompt_ids)
+        pre = sum(req.timings_ms.values())
+        timings = {**req.timings_ms, "ttft": gen.ttft_ms, "total": pre + gen.ttft_ms, "decode": gen.decode_ms}
+        return Answer(text, req.mode, len(req.fact_ids), req.fact_ids, len(req.prompt_ids), gen.prefilled_tokens,
+                      {k: round(v, 3) for k, v in timings.items()}, req.user, req.question, self.engine_name,
+                      len(gen.token_ids), req.prompt_ids)
+
+
+@dataclass
+class Prepared:
+    """A request after retrieval and composition, before the model call. ``memory``: composed KV (hf engine);
+    ``ref``: the connector's memory reference (vLLM, kv mode); ``timings_ms``: embed, search, compose."""
+
+    user: str
+    question: str
+    mode: str
+    query_ids: list[int]
+    prompt_ids: list[int]
+    fact_ids: list[str]
+    memory: object | None
+    ref: object | None
+    timings_ms: dict[str, float]
 
 
 def same_prompt(a: Answer, b: Answer) -> None:
