@@ -1,6 +1,6 @@
 """Serving: question -> embed -> top-k retrieval -> compose (chunked RoPE) -> inject or prompt -> answer.
 
-One request reads as one straight line through ``ask``. Paper §3.3 (serving path) and §5.1 (position policy).
+One request reads as one straight line: ``prepare`` (embed, retrieve, compose), then the engine call, in ``ask``. Paper §3.3 (serving path) and §5.1 (position policy).
 """
 
 from __future__ import annotations
