@@ -77,6 +77,9 @@ def test_ask_both_modes_same_prompt(store):
     (["--user", "conv-26", "--k", "0", "q?"], "--k must be >= 1"),
     (["--user", "conv-26", "--k", "3", "  "], "empty question"),
     (["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"], "at most k="),
+    (["--user", "conv-26", "--k", "8", "--max-context", "10", "What did Caroline research?"], "no memory fits"),
+    (["--user", "conv-26", "--k", "3", "--max-context", "0", "q?"], "--max-context must be >= 1"),
+    (["--user", "conv-26", "--k", "3", "--max-new-tokens", "0", "q?"], "--max-new-tokens must be >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2(store, args, needle):
     p = run("ask", "--engine", "hf", "--store", store, *args, check_rc=2)

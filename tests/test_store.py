@@ -93,3 +93,27 @@ def test_retrieval_order_and_budget():
     assert max_facts_that_fit(10, [20, 30, 40], 5, 70) == 2
     assert max_facts_that_fit(10, [20, 30, 40], 5, 14) == 0
     assert max_facts_that_fit(10, [20, 30, 40], 5, 105) == 3
+
+
+def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
+    model = tiny_model("llama")
+    st, header, facts, kvs, emb = _store(tmp_path, model)
+    st.close()
+    root = tmp_path / "s"
+    manifest = (root / "manifest.json").read_text()
+    (root / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(StoreError, match="store format list"):
+        Store.open(root, FP)
+    (root / "manifest.json").write_text('{"format": 1}')
+    with pytest.raises(StoreError, match="corrupt"):
+        Store.open(root, FP)
+    (root / "manifest.json").unlink()
+    hk = encode_spans(model, [header], [(0, 6)])[0].keys
+    with pytest.raises(StoreError, match="no manifest.json"):
+        Store.create(root, FP, "hdr", header, hk, hk, {"name": "e", "dim": 8})
+    assert any((root / "users").glob("*.kv.safetensors"))  # nothing deleted
+    (root / "manifest.json").write_text(manifest)
+    for p in (root / "users").glob("*.kv.safetensors"):
+        p.write_bytes(p.read_bytes()[:1000])
+    with pytest.raises(StoreError, match="cannot read user 'u1'"):
+        Store.open(root, FP).user_kv("u1")

@@ -31,7 +31,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .retrieve import RetrievalError
     from .store import StoreError
 
-    return (ContextOverflow, LocomoError, ModelError, RetrievalError, StoreError, ValueError, FileNotFoundError)
+    # OSError: a directory or unreadable path given where a file was expected (and the reverse).
+    return (ContextOverflow, LocomoError, ModelError, RetrievalError, StoreError, ValueError, OSError)
 
 
 def friendly(fn):
@@ -91,6 +92,8 @@ def ingest_locomo(
 
     if window < 0:
         raise ValueError("--window must be >= 0")
+    if batch_tokens < 1:
+        raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     conv = get_conversation(file, sample)
     lm = load(model)
     report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file))
@@ -123,6 +126,10 @@ def ask(
         raise ValueError("empty question")
     if k < 1:
         raise ValueError(f"--k must be >= 1, got {k}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if max_context is not None and max_context < 1:
+        raise ValueError(f"--max-context must be >= 1, got {max_context}")
     if mode not in ("kv", "prompt"):
         raise ValueError(f"--mode must be kv or prompt, not {mode!r}")
     if engine not in ("hf", "vllm"):

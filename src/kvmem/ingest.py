@@ -44,6 +44,8 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
         if store.manifest["embedder"]["name"] != embedder.name:
             raise StoreError(f"store {root} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}")
         return store, fmt
+    if Path(root).exists() and not Path(root).is_dir():
+        raise StoreError(f"--store {root} is a file, not a directory")
     (hkv,) = encode_spans(lm.model, [header_ids], [(0, len(header_ids))])
     store = Store.create(root, fp, fmt.header, header_ids, hkv.keys.cpu(), hkv.values.cpu(), embedder.describe())
     return store, fmt

@@ -152,7 +152,8 @@ def get_conversation(path: str | Path, sample_id: str) -> Conversation:
     for c in convs:
         if c.sample_id == sample_id:
             return c
-    raise LocomoError(f"sample {sample_id!r} not in {path}; it has: {', '.join(c.sample_id for c in convs)}")
+    have = ", ".join(c.sample_id for c in convs) or "no samples"
+    raise LocomoError(f"sample {sample_id!r} not in {path}; it has: {have}")
 
 
 def answerable(questions: list[Question]) -> list[Question]:

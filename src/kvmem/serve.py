@@ -114,6 +114,10 @@ class MemoryService:
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
         need = len(header_ids) + sum(lens) + len(query_ids)
+        if len(header_ids) + len(query_ids) > self.max_context:
+            raise ContextOverflow(
+                f"the header ({len(header_ids)} tokens) and query ({len(query_ids)} tokens) alone exceed the model "
+                f"context of {self.max_context} tokens; no memory fits")
         if need > self.max_context:
             fits = max_facts_that_fit(len(header_ids), lens, len(query_ids), self.max_context)
             raise ContextOverflow(

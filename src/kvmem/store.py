@@ -95,8 +95,11 @@ class Store:
     def __init__(self, root: Path, manifest: dict):
         self.root = root
         self.manifest = manifest
-        self._db = sqlite3.connect(root / "meta.sqlite", isolation_level=None, check_same_thread=False)
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(root / "meta.sqlite", isolation_level=None, check_same_thread=False)
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{root / 'meta.sqlite'} is corrupt: {exc}") from None
         self._user_cache: dict[str, UserKV] = {}
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -109,6 +112,10 @@ class Store:
         root = Path(root)
         if (root / "manifest.json").exists():
             raise StoreError(f"{root} already holds a store")
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"--store {root} is a file, not a directory")
+        if (root / "meta.sqlite").exists() or any((root / "users").glob("*")):
+            raise StoreError(f"store {root} has data but no manifest.json (corrupt); refusing to overwrite it")
         (root / "users").mkdir(parents=True, exist_ok=True)
         save_file({"keys": header_keys.contiguous(), "values": header_values.contiguous()}, root / "header.safetensors")
         manifest = {
@@ -139,8 +146,12 @@ class Store:
             manifest = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise StoreError(f"{path} is corrupt: {exc}") from None
-        if manifest.get("format") != FORMAT_VERSION:
-            raise StoreError(f"{root}: store format {manifest.get('format')} is not {FORMAT_VERSION}")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+            got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+            raise StoreError(f"{root}: store format {got} is not {FORMAT_VERSION}")
+        if not isinstance(manifest.get("fingerprint"), dict) or not isinstance(manifest.get("header"), dict) \
+                or not isinstance(manifest.get("embedder"), dict):
+            raise StoreError(f"{path} is corrupt: fingerprint, header or embedder missing")
         if fingerprint is not None and manifest["fingerprint"] != fingerprint:
             diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
             raise StoreMismatch(
@@ -198,7 +209,10 @@ class Store:
         if cached is not None and cached.version == info["version"]:
             return cached
         kv_path, emb_path = self._files(user, info["version"])
-        kv, emb = load_file(kv_path), load_file(emb_path)
+        try:
+            kv, emb = load_file(kv_path), load_file(emb_path)
+        except Exception as exc:  # missing or truncated files: report, never a traceback
+            raise StoreError(f"store {self.root}: cannot read user {user!r} ({exc})") from None
         ukv = UserKV(user, info["version"], self.facts(user), kv["keys"], kv["values"], emb["embeddings"])
         self._user_cache[user] = ukv
         return ukv
