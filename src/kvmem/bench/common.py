@@ -276,6 +276,22 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def write_summary_and_records(out: Path, summary: dict, records: list[dict]) -> None:
+    """The files every bench command writes: summary.json, records.json and records.csv under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "summary.json", summary)
+    write_json(out / "records.json", records)
+    write_csv(out / "records.csv", records)
+
+
+def log_k_axis(ax, ks: list[int], plt) -> None:
+    """A log-scale x axis labelled with exactly the k values measured."""
+    ax.set_xscale("log")
+    ax.set_xticks(ks)
+    ax.set_xticklabels([str(k) for k in ks])
+    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+
+
 def write_csv(path: Path, rows: list[dict]) -> Path:
     """Rows of (possibly nested) dicts, flattened with dotted keys; columns = union in first-seen order."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import torch
 
 from ..encode import length_batches
 from ..rope import is_length_dependent
-from .common import Setup, machine, progress, pyplot, table, write_csv, write_json
+from .common import (machine, progress, pyplot, Setup, table, write_csv, write_summary_and_records)
 
 
 def fact_sequences(lm, conv, window: int) -> list[list[int]]:
@@ -96,10 +96,7 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
                 "batches with no taps and nothing kept (hf engine: encoding always uses transformers)",
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "summary.json", summary)
-    write_json(out / "records.json", records)
-    write_csv(out / "records.csv", records)
+    write_summary_and_records(out, summary, records)
     header = ["window", "s/conv", "encode_s/conv", "tokens", "tok/s", "plain tok/s", "fraction"]
     rows = [[w, s["seconds_per_conversation"], s["encode_seconds_per_conversation"], s["encoded_tokens"],
              s["tokens_per_s"], s["plain_tokens_per_s"], s["fraction_of_plain_forward"]] for w, s in per_window.items()]

@@ -27,7 +27,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from .common import (Setup, log_err, machine, progress, pyplot, select_questions, table, write_csv, write_json)
+from .common import (
+    log_err, log_k_axis, machine, progress, pyplot, select_questions, Setup, table, write_csv, write_json)
 
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 _PUNCT = set(string.punctuation)
@@ -243,10 +244,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         for mode in modes:
             ys = [by[(w, k, mode, "overall")]["f1"] for k in ks]
             ax.plot(ks, ys, styles[wi % 4], marker="o", color=colors[mode], label=f"{mode} w={w}")
-    ax.set_xscale("log")
-    ax.set_xticks(ks)
-    ax.set_xticklabels([str(k) for k in ks])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    log_k_axis(ax, ks, plt)
     ax.set_xlabel("k (retrieved facts)")
     ax.set_ylabel("LoCoMo token F1 (%)")
     ax.set_title(f"Accuracy vs k ({model}, {len(qs)} questions)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .common import Setup, log_err, machine, pyplot, rss_bytes, select_questions, table, write_csv, write_json
+from .common import (
+    log_err, machine, pyplot, rss_bytes, select_questions, Setup, table, write_csv, write_summary_and_records)
 
 
 def _size(p: Path) -> int:
@@ -72,10 +73,7 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
                     "one question answered per user); peak includes ingestion when the store cache was cold",
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "summary.json", summary)
-    write_json(out / "records.json", records)
-    write_csv(out / "records.csv", records)
+    write_summary_and_records(out, summary, records)
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
     names = [r["sample"] for r in records]

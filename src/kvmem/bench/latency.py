@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (Setup, log_err, machine, median, p95, progress, pyplot, ratio, select_questions,
-                     store_device_note, table, write_csv, write_json)
+from .common import (
+    log_err, log_k_axis, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note,
+    table, write_csv, write_summary_and_records)
 
 MODES = ("kv", "prompt")
 METRICS = ("ttft", "q2ft", "q2fa")
@@ -89,10 +90,7 @@ def plot(path: Path, per_window: dict, ks: list[int]) -> None:
                         label=f"{mode} {m}" + (f" w={w}" if len(per_window) > 1 else ""))
         ax.axhline(s["ttft_ms"]["bare"], color="gray", lw=1, ls="-.",
                    label="bare query ttft" + (f" w={w}" if len(per_window) > 1 else ""))
-    ax.set_xscale("log")
-    ax.set_xticks(ks)
-    ax.set_xticklabels([str(k) for k in ks])
-    ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    log_k_axis(ax, ks, plt)
     ax.set_xlabel("k (retrieved facts)")
     ax.set_ylabel("median latency (ms)")
     ax.set_title("Latency vs k: KV injection vs prompt injection")
@@ -161,10 +159,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
         "ttft_ms": head["ttft_ms"], "ratios": head["ratios"], "overhead_fraction": head["overhead_fraction"],
         "by_window": per_window,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "summary.json", summary)
-    write_json(out / "records.json", records)
-    write_csv(out / "records.csv", records)
+    write_summary_and_records(out, summary, records)
     rows = []
     for w, s in per_window.items():
         for k in ks:

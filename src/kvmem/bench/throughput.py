@@ -14,8 +14,9 @@ import os
 import time
 from pathlib import Path
 
-from .common import (Setup, log_err, machine, median, p95, progress, pyplot, ratio, select_questions,
-                     store_device_note, table, write_csv, write_json)
+from .common import (
+    log_err, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note, table,
+    write_csv, write_summary_and_records)
 
 MODES = ("kv", "prompt")
 HF_NOTE = ("hf engine: requests are served one at a time in arrival order (batch size 1, no continuous "
@@ -134,10 +135,7 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         "store_device": store_device, "store_device_note": note,
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "summary.json", summary)
-    write_json(out / "records.json", records)
-    write_csv(out / "records.csv", records)
+    write_summary_and_records(out, summary, records)
     rows = [[u, qps["kv"][str(u)], qps["prompt"][str(u)], ratios["kv_over_prompt"][str(u)],
              lat["kv"][str(u)]["p95_completion_ms"], lat["prompt"][str(u)]["p95_completion_ms"]] for u in users]
     header = ["users", "kv_qps", "prompt_qps", "kv/prompt", "kv_p95_ms", "prompt_p95_ms"]
