@@ -41,6 +41,9 @@ def test_reopen_is_bit_identical(tmp_path):
         assert torch.equal(ukv.keys[:, :, sl], kv.keys) and torch.equal(ukv.values[:, :, sl], kv.values)
     assert torch.equal(ukv.embeddings, emb)
     assert st2.header_token_ids == header
+    # every store file gets the same umask-derived mode (safetensors alone would write 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "s").rglob("*") if p.is_file()}
+    assert len(set(modes.values())) == 1 and any(n.endswith(".kv.safetensors") for n in modes), modes
 
 
 def test_other_model_is_refused(tmp_path):

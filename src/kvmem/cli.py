@@ -147,6 +147,9 @@ def ask(
             raise ValueError("vLLM is not installed (run scripts/setup.sh), or pass --engine hf") from None
     svc = MemoryService(store, max_context=max_context, engine=engine)
     ans = svc.ask(user, question, k, mode, max_new_tokens)
+    if ans.k < k:
+        typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
+                   err=True)
     if as_json:
         _emit(ans.to_json(), True)
     else:

@@ -16,6 +16,7 @@ Stored KV carries the model fingerprint; opening a store with another model is r
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
 import time
@@ -24,9 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save_file as _save_file
 
 FORMAT_VERSION = 1
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def save_file(tensors: dict, path: Path) -> None:
+    """safetensors' writer creates files 0600; give them the same umask-derived mode as the manifest and SQLite."""
+    _save_file(tensors, path)
+    os.chmod(path, 0o666 & ~_UMASK)
 
 
 class StoreError(RuntimeError):
