@@ -132,6 +132,15 @@ def test_vllm_engine_flag(tiny, tmp_path):
         s = check_outputs(out, "qps_vs_users.png")
         assert set(s["qps"]["kv"]) == {"1", "2"} and all(v > 0 for v in s["qps"]["prompt"].values())
         assert "batching" in s["concurrency_note"]
+        # eval: requests batched through the one engine; same rows and fields as the hf engine writes
+        out = tmp_path / "vllm-eval"
+        res = cli("eval", "locomo", "--engine", "vllm", "--k", "1,2", "--window", "0", "--max-new-tokens", 4,
+                  *common(tiny, out, 3))
+        assert "12 to answer" in res.output
+        rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+        assert len(rows) == 12 and {(r["mode"], r["k"]) for r in rows} == {(m, k) for m in ("kv", "prompt") for k in (1, 2)}
+        assert all(r["engine"] == "vllm" and r["k_used"] == r["k"] and len(r["fact_ids"]) == r["k"] for r in rows)
+        assert check_outputs(out, "accuracy_vs_k.png")["f1"]["0"]["2"]["kv"]["overall"] is not None
 
 
 def test_bench_latency(tiny):

@@ -44,7 +44,9 @@ class MemoryService:
     """A long-lived answerer over one store: model, embedder, per-user indexes and the engine stay loaded.
 
     ``engine``: "hf" (transformers, the reference) or "vllm" (stock vLLM with the kvmem KV connector; the
-    transformers model still gives the tokenizer and the store fingerprint). ``vllm_options`` go to ``VLLMEngine``.
+    transformers model still gives the tokenizer and the store fingerprint). ``vllm_options`` go to ``VLLMEngine``;
+    ``vllm_engine`` reuses a running one instead (one engine serves any number of stores: the connector reads the
+    store named in each request).
 
     Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model,
     ModelError if the store's model is not installed.
@@ -52,7 +54,7 @@ class MemoryService:
 
     def __init__(self, store_root, model: LoadedModel | str | None = None, device=None, dtype=None,
                  max_context: int | None = None, embedder: Embedder | None = None, engine: str = "hf",
-                 vllm_options: dict | None = None):
+                 vllm_options: dict | None = None, vllm_engine=None):
         if engine not in ("hf", "vllm"):
             raise ValueError(f"engine must be 'hf' or 'vllm', not {engine!r}")
         store = Store.open(store_root)  # read the manifest first: it names the model
@@ -73,7 +75,9 @@ class MemoryService:
         self.max_context = max_context or model.config.max_position_embeddings
         self._indexes: dict[tuple[str, str], FlatIPIndex] = {}
         self.engine_name, self.vllm = engine, None
-        if engine == "vllm":
+        if engine == "vllm" and vllm_engine is not None:
+            self.vllm = vllm_engine
+        elif engine == "vllm":
             from .engines.vllm_engine import VLLMEngine
 
             path = model_dir(model.name) if model.name in REGISTRY else model.name

@@ -159,14 +159,34 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None) -> Path:
     return root
 
 
-def make_service(engine: str, store_root: Path, lm, embedder):
-    """A serving object with ``ask(user, question, top_k, mode, max_new_tokens) -> serve.Answer``."""
+def make_service(engine: str, store_root: Path, lm, embedder, vllm_engine=None):
+    """A serving object with ``ask(user, question, top_k, mode, max_new_tokens) -> serve.Answer``.
+    ``vllm_engine``: a running vLLM engine to reuse (vllm only)."""
     if engine == "vllm":
         check_engine("vllm")
-        return sys.modules["kvmem.engines.vllm_engine"].bench_service(store_root, lm, embedder)
+        return sys.modules["kvmem.engines.vllm_engine"].bench_service(store_root, lm, embedder, vllm_engine)
     from ..serve import MemoryService
 
     return MemoryService(store_root, model=lm, embedder=embedder)
+
+
+def answer_batch(svcs: dict, items: list[tuple[str, str, int, str]], max_new_tokens: int,
+                 ignore_eos: bool = False) -> list:
+    """Answers (``serve.Answer``) for ``(sample, question, k, mode)`` items, in order.
+
+    vLLM: every item is retrieved and composed first, then all go to the shared engine in one ``generate_many``
+    call (continuous batching; each prompt names its own store and memory). Prompt mode gets cold cache salts, so
+    the baseline prefills every prompt in full. hf: one request at a time (the engine does not batch)."""
+    if not items:
+        return []
+    first = svcs[items[0][0]]
+    if getattr(first, "vllm", None) is None:
+        return [svcs[s].ask(s, q, k, m, max_new_tokens) for s, q, k, m in items]
+    preps = [svcs[s].prepare(s, q, k, m) for s, q, k, m in items]
+    gens = first.vllm.generate_many([p.prompt_ids for p in preps], [p.ref for p in preps], max_new_tokens,
+                                    ignore_eos=ignore_eos, salts=[None if p.ref else first.vllm.cold_salt()
+                                                                  for p in preps])
+    return [svcs[s].answer(p, g) for (s, *_), p, g in zip(items, preps, gens)]
 
 
 def store_device_note(store_device: str) -> str:
@@ -340,6 +360,7 @@ class Setup:
     lm: object
     embedder: object
     engine: str
+    _vllm: object = None  # the vLLM engine, once started
 
     @classmethod
     def load(cls, data: Path, samples: list[str] | None, model: str, engine: str) -> "Setup":
@@ -351,9 +372,14 @@ class Setup:
         return cls(Path(data), convs, load(model), Embedder(), engine)
 
     def services(self, window: int, log=None) -> dict:
-        """sample -> serving object over that sample's cached store at ``window``."""
-        return {c.sample_id: make_service(self.engine, ensure_store(self.data, c, self.lm, self.embedder, window, log),
-                                          self.lm, self.embedder) for c in self.convs}
+        """sample -> serving object over that sample's cached store at ``window``. Every store is ingested
+        before any engine starts; with vLLM, all samples share one engine (started once per Setup)."""
+        roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log) for c in self.convs}
+        out = {}
+        for sample, root in roots.items():
+            out[sample] = make_service(self.engine, root, self.lm, self.embedder, self._vllm)
+            self._vllm = getattr(out[sample], "vllm", None)
+        return out
 
 
 def log_err(msg: str) -> None:

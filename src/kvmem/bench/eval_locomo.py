@@ -28,8 +28,9 @@ from collections import Counter
 from pathlib import Path
 
 from .common import (
-    log_err, log_k_axis, machine, progress, pyplot, select_questions, Setup, table, write_csv, write_json)
+    answer_batch, log_err, log_k_axis, machine, progress, pyplot, select_questions, Setup, table, write_csv, write_json)
 
+VLLM_BATCH = 32  # requests per vLLM generate call: batched decode; results are written after each batch
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
@@ -178,19 +179,23 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
             if not todo_w:
                 continue
             svcs = setup.services(w, log_err)
-            for _, q, k, mode in todo_w:
-                a = svcs[q.sample].ask(q.sample, q.question, k, mode, max_new_tokens)
-                rec = {"model": model, "engine": engine, "qid": q.qid, "sample": q.sample, "category": q.category,
-                       "window": w, "k": k, "k_used": a.k, "mode": mode, "question": q.question,
-                       "reference": q.answer, "answer": a.answer, "f1": round(locomo_f1(a.answer, q.answer, q.category), 4),
-                       "em": exact_match(a.answer, q.answer), "ttft_ms": a.timings_ms["ttft"],
-                       "prompt_tokens": a.prompt_tokens, "fact_ids": a.fact_ids}
-                if judge_url:
-                    rec.update(judge(judge_url, judge_model, q.question, q.answer, a.answer))
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                fh.flush()
-                done_rows.append(rec)
-                bar.update(1)
+            step = VLLM_BATCH if engine == "vllm" else 1
+            for i in range(0, len(todo_w), step):
+                chunk = todo_w[i:i + step]
+                answers = answer_batch(svcs, [(q.sample, q.question, k, mode) for _, q, k, mode in chunk],
+                                       max_new_tokens)
+                for (_, q, k, mode), a in zip(chunk, answers):
+                    rec = {"model": model, "engine": engine, "qid": q.qid, "sample": q.sample, "category": q.category,
+                           "window": w, "k": k, "k_used": a.k, "mode": mode, "question": q.question,
+                           "reference": q.answer, "answer": a.answer, "f1": round(locomo_f1(a.answer, q.answer, q.category), 4),
+                           "em": exact_match(a.answer, q.answer), "ttft_ms": a.timings_ms["ttft"],
+                           "prompt_tokens": a.prompt_tokens, "fact_ids": a.fact_ids}
+                    if judge_url:
+                        rec.update(judge(judge_url, judge_model, q.question, q.answer, a.answer))
+                    fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    fh.flush()
+                    done_rows.append(rec)
+                    bar.update(1)
     bar.close()
     wanted = {q.qid for q in qs}
     rows = [r for r in done_rows if r["model"] == model and r["qid"] in wanted and r["window"] in windows

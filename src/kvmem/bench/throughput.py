@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from .common import (
-    log_err, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note, table,
+    answer_batch, log_err, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note, table,
     write_csv, write_summary_and_records)
 
 MODES = ("kv", "prompt")
@@ -47,22 +47,10 @@ def _hf_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tup
 
 
 def _vllm_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tuple[object, float]]:
-    """All requests of a round go to vLLM in one ``generate_many`` call (continuous batching), after each one's
-    retrieval and composition; completion time is the batch's end. Prompt mode uses cold cache salts, so the
-    baseline prefills every prompt in full."""
-    by_sample: dict[str, list[int]] = {}
-    for i, (_, q) in enumerate(reqs):
-        by_sample.setdefault(q.sample, []).append(i)
-    out: list = [None] * len(reqs)
-    for sample, idx in by_sample.items():
-        svc = svcs[sample]
-        preps = [svc.prepare(sample, reqs[i][1].question, k, mode) for i in idx]
-        gens = svc.vllm.generate_many([p.prompt_ids for p in preps], [p.ref for p in preps], tokens, ignore_eos=True,
-                                      salts=[None if p.ref else svc.vllm.cold_salt() for p in preps])
-        t_done = (time.perf_counter() - t0) * 1e3
-        for i, p, g in zip(idx, preps, gens):
-            out[i] = (svc.answer(p, g), t_done)
-    return out
+    """All requests of a round go to vLLM in one batch (``answer_batch``); completion time is the batch's end."""
+    answers = answer_batch(svcs, [(q.sample, q.question, k, mode) for _, q in reqs], tokens, ignore_eos=True)
+    t_done = (time.perf_counter() - t0) * 1e3
+    return [(a, t_done) for a in answers]
 
 
 def user_requests(qs, convs, users: int) -> list[tuple[int, object]]:

@@ -147,9 +147,10 @@ class VLLMEngine:
                               prompt_tokens=n_prompt, num_cached_tokens=cached, engine_prefill_ms=prefill)
 
 
-def bench_service(store_root, lm, embedder, **vllm_options):
+def bench_service(store_root, lm, embedder, vllm_engine: VLLMEngine | None = None, **vllm_options):
     """A ``serve.MemoryService`` answering through vLLM (``kvmem bench ... --engine vllm``), with ``bare`` (the
-    query alone, no memory, cold prefix cache) for the no-memory baseline."""
+    query alone, no memory, cold prefix cache) for the no-memory baseline. ``vllm_engine``: reuse a running engine
+    (several stores, one engine)."""
     from ..serve import MemoryService
 
     class _VLLMService(MemoryService):
@@ -159,4 +160,5 @@ def bench_service(store_root, lm, embedder, **vllm_options):
             return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
                     "generated_tokens": len(gen.token_ids)}
 
-    return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options or None)
+    return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options or None,
+                         vllm_engine=vllm_engine)
