@@ -15,6 +15,10 @@ OpenAI-compatible chat endpoint for CORRECT/WRONG; anything unparseable (or an H
 
 Resumable: each scored answer is appended to ``records.jsonl`` at once; a rerun skips (question, mode, k, window)
 rows already there for the same model.
+
+``--engine vllm`` answers 32 requests per ``generate`` call (one engine for all samples), which is several times
+faster for long runs; greedy answers do not depend on the batch, but the records' ``ttft_ms`` then comes from
+inside a batch and is not a latency figure (use ``kvmem bench latency`` for that).
 """
 
 from __future__ import annotations
