@@ -17,8 +17,8 @@ Resumable: each scored answer is appended to ``records.jsonl`` at once; a rerun 
 rows already there for the same model.
 
 ``--engine vllm`` answers 32 requests per ``generate`` call (one engine for all samples), which is several times
-faster for long runs; greedy answers do not depend on the batch, but the records' ``ttft_ms`` then comes from
-inside a batch and is not a latency figure (use ``kvmem bench latency`` for that).
+faster for long runs. Batch shapes can change bf16 rounding and so, rarely, a greedy token, for both modes alike;
+the records' ``ttft_ms`` then comes from inside a batch and is not a latency figure (``kvmem bench latency`` is).
 """
 
 from __future__ import annotations
