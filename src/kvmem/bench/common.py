@@ -136,7 +136,7 @@ def store_path(data: Path, sample: str, model: str, window: int) -> Path:
     return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / f"w{window}"
 
 
-def ensure_store(data: Path, conv, lm, embedder, window: int, log=None) -> Path:
+def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True) -> Path:
     """The cached store for ``conv`` at ``window``, ingesting it first when missing (or built differently)."""
     from ..ingest import ingest_conversation
     from ..store import Store, StoreError
@@ -153,7 +153,7 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None) -> Path:
             import shutil
 
             shutil.rmtree(root)
-        rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data))
+        rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data), progress=show_progress)
         if log:
             log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}) in {rep.total_s:.1f} s -> {root}")
     return root
@@ -360,21 +360,24 @@ class Setup:
     lm: object
     embedder: object
     engine: str
+    show_progress: bool = True
     _vllm: object = None  # the vLLM engine, once started
 
     @classmethod
-    def load(cls, data: Path, samples: list[str] | None, model: str, engine: str) -> "Setup":
+    def load(cls, data: Path, samples: list[str] | None, model: str, engine: str,
+             show_progress: bool = True) -> "Setup":
         check_engine(engine)
         from ..models import load
         from ..retrieve import Embedder
 
         convs = load_samples(Path(data), samples)
-        return cls(Path(data), convs, load(model), Embedder(), engine)
+        return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
 
     def services(self, window: int, log=None) -> dict:
         """sample -> serving object over that sample's cached store at ``window``. Every store is ingested
         before any engine starts; with vLLM, all samples share one engine (started once per Setup)."""
-        roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log) for c in self.convs}
+        roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress)
+                 for c in self.convs}
         out = {}
         for sample, root in roots.items():
             out[sample] = make_service(self.engine, root, self.lm, self.embedder, self._vllm)

@@ -49,7 +49,7 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
         engine: str, batch_tokens: int = 8192, show_progress: bool = True, echo=print) -> dict:
     from ..ingest import ingest_conversation
 
-    setup = Setup.load(data, samples, model, engine)
+    setup = Setup.load(data, samples, model, engine, show_progress)
     info = machine()
     lm = setup.lm
     # warm-up: one small batched forward

@@ -163,7 +163,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         raise ValueError(f"--mode must be a comma-separated subset of kv,prompt, not {','.join(modes) or '(empty)'}")
     if bool(judge_url) != bool(judge_model):
         raise ValueError("--judge-url and --judge-model go together")
-    setup = Setup.load(data, samples, model, engine)
+    setup = Setup.load(data, samples, model, engine, show_progress)
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")

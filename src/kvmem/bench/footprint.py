@@ -17,7 +17,7 @@ def _size(p: Path) -> int:
 def run(data: Path, out: Path, window: int, samples: list[str] | None, questions: int | None, model: str,
         engine: str, k: int = 10, show_progress: bool = True, echo=print) -> dict:
     rss0 = rss_bytes()
-    setup = Setup.load(data, samples, model, engine)
+    setup = Setup.load(data, samples, model, engine, show_progress)
     rss_model = rss_bytes()
     info = machine()
     cfg = setup.lm.config

@@ -72,7 +72,7 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         questions: int | None, model: str, engine: str, tokens: int = 50, store_device: str = "host",
         show_progress: bool = True, echo=print) -> dict:
     note = store_device_note(store_device)
-    setup = Setup.load(data, samples, model, engine)
+    setup = Setup.load(data, samples, model, engine, show_progress)
     qs = select_questions(setup.convs, questions)
     per_sample = {}
     for q in qs:
