@@ -29,3 +29,5 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -c "import vllm, kvmem.engines.vllm_connector"
   touch "$stamp"
 fi
+# What this machine gets (dtype, engine, vLLM's kernel flavour), and why: the CPU kind varies between machines.
+.venv/bin/kvmem doctor 2>/dev/null

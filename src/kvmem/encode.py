@@ -97,7 +97,7 @@ def encode_spans(
     model,
     sequences: list[list[int]],
     spans: list[tuple[int, int]],
-    max_batch_tokens: int = 8192,
+    max_batch_tokens: int = 2048,
     progress=None,
     served_len: int | None = None,
 ) -> list[SpanKV]:
@@ -112,7 +112,9 @@ def encode_spans(
         sequences: token ids, one list per item.
         spans: (start, end) token offsets of the span to keep, per item.
         max_batch_tokens: padded tokens per forward pass (batch x longest sequence).
-        progress: optional callable(n_items_done) for progress bars.
+        progress: optional callable(n_tokens_done), called after every decoder layer of every batch with that
+            layer's share of the batch's real tokens, so a bar advances within a long batch (and sums to the
+            total number of tokens).
         served_len: encode under the RoPE frequencies of a served prompt of this many tokens (length-dependent
             RoPE types only; see ``rope.served_length``).
     Returns:
@@ -125,17 +127,25 @@ def encode_spans(
     rotary = base.rotary_emb
     equal_lengths_only = served_len is None and is_length_dependent(rotary)
     out: list[SpanKV | None] = [None] * len(sequences)
+    layers = _layers(model)
+    in_flight = [0]  # real tokens of the batch being run, for the per-layer progress ticks
+    hooks = [layer.register_forward_hook(
+        lambda _m, _i, _o, i=i: progress(in_flight[0] * (i + 1) // len(layers) - in_flight[0] * i // len(layers)))
+        for i, layer in enumerate(layers)] if progress else []
     with capture_kv(model) as (keys, values), served_length(model, served_len):
-        for batch, ids in length_batches(sequences, max_batch_tokens, equal_lengths_only):
-            if served_len is None:
-                reset_rope_state(rotary)
-            base(input_ids=ids.to(device), use_cache=False)
-            for r, item in enumerate(batch):
-                s, e = spans[item]
-                out[item] = SpanKV(
-                    torch.stack([k[r, :, s:e] for k in keys]).contiguous(),
-                    torch.stack([v[r, :, s:e] for v in values]).contiguous(),
-                )
-            if progress:
-                progress(len(batch))
+        try:
+            for batch, ids in length_batches(sequences, max_batch_tokens, equal_lengths_only):
+                in_flight[0] = sum(len(sequences[item]) for item in batch)
+                if served_len is None:
+                    reset_rope_state(rotary)
+                base(input_ids=ids.to(device), use_cache=False)
+                for r, item in enumerate(batch):
+                    s, e = spans[item]
+                    out[item] = SpanKV(
+                        torch.stack([k[r, :, s:e] for k in keys]).contiguous(),
+                        torch.stack([v[r, :, s:e] for v in values]).contiguous(),
+                    )
+        finally:
+            for h in hooks:
+                h.remove()
     return out  # type: ignore[return-value]

@@ -51,8 +51,22 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
     return store, fmt
 
 
+def context_sequences(tok, header_ids: list[int], conv: Conversation, window: int):
+    """Context-window encoding inputs (paper §3.2): per fact, ``[header][window turns before its source turn]
+    [fact]`` token ids, and the (start, end) span of the fact's own tokens in it."""
+    sequences, spans = [], []
+    for f in conv.facts:
+        ctx = "".join(t.render() for t in conv.turns_before(f.source_turn, window))
+        ctx_ids = text_ids(tok, ctx) if ctx else []
+        ids = text_ids(tok, f.render())
+        start = len(header_ids) + len(ctx_ids)
+        sequences.append(list(header_ids) + ctx_ids + ids)
+        spans.append((start, start + len(ids)))
+    return sequences, spans
+
+
 def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
-                        window: int = 5, max_batch_tokens: int = 8192, progress: bool = True,
+                        window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
                         source: str = "") -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically).
 
@@ -64,23 +78,17 @@ def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | P
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()
     store, fmt = open_or_create_store(store_root, lm, embedder)
-    tok = lm.tokenizer
-    header_ids = store.header_token_ids
-    sequences, spans, records = [], [], []
-    for f in conv.facts:
-        ctx = "".join(t.render() for t in conv.turns_before(f.source_turn, window))
-        ctx_ids = text_ids(tok, ctx) if ctx else []
-        ids = text_ids(tok, f.render())
-        start = len(header_ids) + len(ctx_ids)
-        sequences.append(header_ids + ctx_ids + ids)
-        spans.append((start, start + len(ids)))
-        records.append(FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, tuple(ids), 0,
-                                  window))
+    sequences, spans = context_sequences(lm.tokenizer, store.header_token_ids, conv, window)
+    records = [FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date,
+                          tuple(seq[s:e]), 0, window) for f, seq, (s, e) in zip(conv.facts, sequences, spans)]
     bar = None
-    if progress:
+    if progress:  # by tokens, ticking per decoder layer, so it moves (with an ETA) even on a slow CPU
+        import sys
+
         from tqdm import tqdm
 
-        bar = tqdm(total=len(sequences), desc=f"encode {conv.sample_id} (w={window})", unit="fact")
+        bar = tqdm(total=sum(map(len, sequences)), desc=f"encode {conv.sample_id} ({len(records)} facts, w={window})",
+                   unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0)
     t1 = time.perf_counter()
     kvs = encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=bar.update if bar else None)
     encode_s = time.perf_counter() - t1

@@ -35,7 +35,6 @@ class ModelSpec:
     gguf_sha256: str
     gguf_bytes: int
     chat: bool  # True: prompt through the tokenizer's chat template; False: completion style
-    dtype: str = "bfloat16"  # recommended serving dtype on CPU (AMX)
     good_for: str = ""
     pip_flags: tuple[str, ...] = ()
 
@@ -255,6 +254,9 @@ class LoadedModel:
 def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> LoadedModel:
     """Load an installed registry model (or a local HF folder path) in eval mode.
 
+    ``dtype``: None or "auto" -> this machine's compute dtype (``hardware.choose_dtype``: bf16 on a GPU or a
+    native-bf16 CPU, fp32 elsewhere); the installed bf16 weights upcast to fp32 exactly.
+
     Raises ModelError if the model is not installed (with the command that installs it) or cannot take injected KV.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -268,12 +270,14 @@ def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device
             raise ModelError(f"model {name!r} is not installed; run: kvmem models install {name}")
         info = json.loads((path / MANIFEST).read_text())
         chat, wsha = REGISTRY[name].chat, info["weights_sha256"]
-        default_dtype = REGISTRY[name].dtype
     elif path.is_dir():
-        chat, wsha, default_dtype = True, weights_hash(path), "bfloat16"
+        chat, wsha = True, weights_hash(path)
     else:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or a local HF folder)")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or getattr(torch, default_dtype)
+    from .hardware import configure_threads, resolve_dtype
+
+    configure_threads()
+    dtype = getattr(torch, resolve_dtype(str(dtype) if dtype is not None else None))
     device = torch.device(device) if device else pick_device()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

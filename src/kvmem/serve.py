@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from .compose import ContextOverflow, PromptFormat, compose, max_facts_that_fit
 from .engines.hf import HFEngine
+from .hardware import EngineUnavailable, resolve_engine
 from .models import REGISTRY, LoadedModel, fingerprint, load, model_dir
 from .rope import Rotary
 from .retrieve import Embedder, FlatIPIndex, Retrieved, order_reverse_proximity
@@ -43,23 +44,28 @@ class Answer:
 class MemoryService:
     """A long-lived answerer over one store: model, embedder, per-user indexes and the engine stay loaded.
 
-    ``engine``: "hf" (transformers, the reference) or "vllm" (stock vLLM with the kvmem KV connector; the
-    transformers model still gives the tokenizer and the store fingerprint). ``vllm_options`` go to ``VLLMEngine``;
+    ``engine``: "auto" (vLLM where it runs here, else transformers; ``engine_note`` says why), "hf"
+    (transformers, the reference) or "vllm" (stock vLLM with the kvmem KV connector; the transformers model
+    still gives the tokenizer and the store fingerprint). ``dtype``: None -> this machine's compute dtype
+    (``hardware.choose_dtype``); the store must have been computed in the same dtype. ``vllm_options`` go to ``VLLMEngine``;
     ``vllm_engine`` reuses a running one instead (one engine serves any number of stores: the connector reads the
     store named in each request).
 
-    Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model,
-    ModelError if the store's model is not installed.
+    Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model
+    (StoreDtypeMismatch: computed in another dtype), ModelError if the store's model is not installed,
+    EngineUnavailable if ``engine="vllm"`` cannot run or start here.
     """
 
     def __init__(self, store_root, model: LoadedModel | str | None = None, device=None, dtype=None,
                  max_context: int | None = None, embedder: Embedder | None = None, engine: str = "hf",
                  vllm_options: dict | None = None, vllm_engine=None):
-        if engine not in ("hf", "vllm"):
-            raise ValueError(f"engine must be 'hf' or 'vllm', not {engine!r}")
+        self.engine_note, requested = None, engine
+        if vllm_engine is not None:
+            engine = "vllm"
+        engine, self.engine_note = resolve_engine(engine)
         store = Store.open(store_root)  # read the manifest first: it names the model
         if model is None or isinstance(model, str):
-            model = load(model or store.fingerprint["model"], dtype=dtype or store.fingerprint["dtype"], device=device)
+            model = load(model or store.fingerprint["model"], dtype=dtype, device=device)
         store.close()
         self.lm = model
         self.store = Store.open(store_root, fingerprint(model))
@@ -82,7 +88,14 @@ class MemoryService:
 
             path = model_dir(model.name) if model.name in REGISTRY else model.name
             opts = {"dtype": str(model.dtype).removeprefix("torch."), "max_model_len": min(self.max_context, 32768)}
-            self.vllm = VLLMEngine(path, **{**opts, **(vllm_options or {})})
+            try:
+                self.vllm = VLLMEngine(path, **{**opts, **(vllm_options or {})})
+            except EngineUnavailable as exc:
+                if requested != "auto":
+                    raise
+                self.engine_name, self.engine_note = "hf", f"note: using the transformers engine: {exc}"
+        if self.vllm is not None:
+            self.max_context = min(self.max_context, self.vllm.max_model_len)
 
     def index(self, user: str) -> FlatIPIndex:
         ukv = self.store.user_kv(user)

@@ -47,6 +47,10 @@ class StoreMismatch(StoreError):
     """The store's KV was produced by a different model, tokenizer, dtype or RoPE config."""
 
 
+class StoreDtypeMismatch(StoreMismatch):
+    """Same model, but the store's KV was computed in another dtype than the one serving it."""
+
+
 @dataclass(frozen=True)
 class FactRecord:
     fact_id: str
@@ -163,6 +167,13 @@ class Store:
                 or not isinstance(manifest.get("embedder"), dict):
             raise StoreError(f"{path} is corrupt: fingerprint, header or embedder missing")
         if fingerprint is not None and manifest["fingerprint"] != fingerprint:
+            theirs, ours = manifest["fingerprint"], fingerprint
+            if {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)} == {"dtype"}:
+                raise StoreDtypeMismatch(
+                    f"store {root} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
+                    f"KV is never served in another dtype than it was computed in. Either serve it with "
+                    f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode it into a "
+                    f"new store with `kvmem ingest-locomo ... --store NEW_DIR --dtype {ours['dtype']}`")
             diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
             raise StoreMismatch(
                 f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "

@@ -25,10 +25,6 @@ from pathlib import Path
 CACHE_ENV = "KVMEM_BENCH_CACHE"
 
 
-class EngineUnavailable(ValueError):
-    """The requested engine cannot run here (e.g. the vLLM connector is not importable)."""
-
-
 # --- option parsing -----------------------------------------------------------------------------------
 
 def int_list(text: str, name: str, minimum: int = 0) -> list[int]:
@@ -49,24 +45,15 @@ def str_list(text: str | None) -> list[str]:
     return [x for x in (text or "").replace(" ", "").split(",") if x]
 
 
-def check_engine(engine: str) -> None:
-    """``hf`` always works; ``vllm`` needs ``kvmem.engines.vllm_engine`` to be importable.
+def check_engine(engine: str) -> str:
+    """The engine a bench command runs: ``hf`` always works; ``vllm`` must run here; ``auto`` is vllm where it
+    runs, else hf (with a note on stderr). Raises EngineUnavailable (a ValueError: one line, exit code 2)."""
+    from ..hardware import resolve_engine
 
-    Raises EngineUnavailable (a ValueError: the CLI turns it into one line and exit code 2).
-    """
-    if engine == "hf":
-        return
-    if engine != "vllm":
-        raise ValueError(f"--engine must be hf or vllm, not {engine!r}")
-    try:
-        import kvmem.engines.vllm_engine  # noqa: F401
-    except Exception as exc:  # ImportError, or vllm itself failing to import
-        raise EngineUnavailable(f"--engine vllm is not available: kvmem.engines.vllm_engine is not importable "
-                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    mod = sys.modules["kvmem.engines.vllm_engine"]
-    if not hasattr(mod, "bench_service"):
-        raise EngineUnavailable("--engine vllm is not wired into kvmem bench yet: kvmem.engines.vllm_engine has no "
-                                "bench_service(store_root, lm, embedder) factory")
+    engine, note = resolve_engine(engine)
+    if note:
+        log_err(note)
+    return engine
 
 
 # --- data, questions, stores ---------------------------------------------------------------------------
@@ -130,10 +117,10 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, ".cache/stores"))
 
 
-def store_path(data: Path, sample: str, model: str, window: int) -> Path:
-    """Cache directory of the store for (data file, sample, model, window)."""
+def store_path(data: Path, sample: str, model: str, window: int, dtype: str = "bfloat16") -> Path:
+    """Cache directory of the store for (data file, sample, model, compute dtype, window)."""
     safe_model = Path(model).name if os.sep in model else model
-    return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / f"w{window}"
+    return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / dtype / f"w{window}"
 
 
 def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True) -> Path:
@@ -141,9 +128,11 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
     from ..ingest import ingest_conversation
     from ..store import Store, StoreError
 
-    root = store_path(data, conv.sample_id, lm.name, window)
+    from ..models import fingerprint
+
+    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."))
     try:
-        st = Store.open(root)
+        st = Store.open(root, fingerprint(lm))
         ok = conv.sample_id in st.users() and st.user_info(conv.sample_id)["window"] == window
         st.close()
     except StoreError:
@@ -163,8 +152,9 @@ def make_service(engine: str, store_root: Path, lm, embedder, vllm_engine=None):
     """A serving object with ``ask(user, question, top_k, mode, max_new_tokens) -> serve.Answer``.
     ``vllm_engine``: a running vLLM engine to reuse (vllm only)."""
     if engine == "vllm":
-        check_engine("vllm")
-        return sys.modules["kvmem.engines.vllm_engine"].bench_service(store_root, lm, embedder, vllm_engine)
+        from ..engines.vllm_engine import bench_service
+
+        return bench_service(store_root, lm, embedder, vllm_engine)
     from ..serve import MemoryService
 
     return MemoryService(store_root, model=lm, embedder=embedder)
@@ -366,7 +356,7 @@ class Setup:
     @classmethod
     def load(cls, data: Path, samples: list[str] | None, model: str, engine: str,
              show_progress: bool = True) -> "Setup":
-        check_engine(engine)
+        engine = check_engine(engine)
         from ..models import load
         from ..retrieve import Embedder
 

@@ -20,19 +20,15 @@ from .common import (machine, progress, pyplot, Setup, table, write_csv, write_s
 
 def fact_sequences(lm, conv, window: int) -> list[list[int]]:
     """The sequences ``ingest_conversation`` encodes: header + ``window`` turns before the fact + the fact."""
-    from ..compose import PromptFormat, text_ids
+    from ..compose import PromptFormat
+    from ..ingest import context_sequences
 
     tok = lm.tokenizer
-    header = PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok)
-    seqs = []
-    for f in conv.facts:
-        ctx = "".join(t.render() for t in conv.turns_before(f.source_turn, window))
-        seqs.append(header + (text_ids(tok, ctx) if ctx else []) + text_ids(tok, f.render()))
-    return seqs
+    return context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)[0]
 
 
 @torch.inference_mode()
-def plain_forward(model, sequences: list[list[int]], max_batch_tokens: int = 8192) -> float:
+def plain_forward(model, sequences: list[list[int]], max_batch_tokens: int = 2048) -> float:
     """Seconds for the model's plain forward (no hooks, no KV kept) over ``sequences`` batched exactly as
     ``encode.encode_spans`` batches them."""
     device = next(model.parameters()).device
@@ -46,10 +42,11 @@ def plain_forward(model, sequences: list[list[int]], max_batch_tokens: int = 819
 
 
 def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, questions: int | None, model: str,
-        engine: str, batch_tokens: int = 8192, show_progress: bool = True, echo=print) -> dict:
+        engine: str, batch_tokens: int = 2048, show_progress: bool = True, echo=print) -> dict:
     from ..ingest import ingest_conversation
 
     setup = Setup.load(data, samples, model, engine, show_progress)
+    engine = setup.engine  # auto resolved
     info = machine()
     lm = setup.lm
     # warm-up: one small batched forward
@@ -76,6 +73,13 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
             })
             bar.update(1)
     bar.close()
+    # The yardstick: this machine's GEMM rate in the model's dtype, and the linear-layer FLOPs per token
+    # (2 x decoder weights; attention scores are small at these lengths and left out, so the fraction is a floor).
+    from ..hardware import gemm_gflops
+
+    gemm = gemm_gflops(str(lm.dtype).removeprefix("torch."))
+    flop_per_token = 2 * sum(p.numel() for p in getattr(lm.model, "model", lm.model).layers.parameters()
+                             if p.dim() == 2)
     per_window = {}
     for w in windows:
         sel = [r for r in records if r["window"] == w]
@@ -87,8 +91,11 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
             "encoded_tokens": toks, "fact_tokens": sum(r["fact_tokens"] for r in sel),
             "tokens_per_s": round(toks / enc_s, 2), "plain_tokens_per_s": round(toks / pl_s, 2),
             "fraction_of_plain_forward": round(pl_s / enc_s, 4),
+            "fraction_of_gemm_rate": round(toks / enc_s * flop_per_token / 1e9 / gemm, 4),
         }
     summary = {
+        "dtype": str(lm.dtype).removeprefix("torch."), "gemm_gflops": round(gemm, 2),
+        "decoder_gflop_per_token": round(flop_per_token / 1e9, 4),
         "command": "bench encode", "engine": engine, "model": model, "data": str(data), "windows": windows,
         "samples": [c.sample_id for c in setup.convs], "batch_tokens": batch_tokens, "by_window": per_window,
         "note": "seconds_per_conversation = full ingest (encode + embed + store write); tokens_per_s counts every "
@@ -97,9 +104,10 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_summary_and_records(out, summary, records)
-    header = ["window", "s/conv", "encode_s/conv", "tokens", "tok/s", "plain tok/s", "fraction"]
+    header = ["window", "s/conv", "encode_s/conv", "tokens", "tok/s", "plain tok/s", "fraction", "of GEMM rate"]
     rows = [[w, s["seconds_per_conversation"], s["encode_seconds_per_conversation"], s["encoded_tokens"],
-             s["tokens_per_s"], s["plain_tokens_per_s"], s["fraction_of_plain_forward"]] for w, s in per_window.items()]
+             s["tokens_per_s"], s["plain_tokens_per_s"], s["fraction_of_plain_forward"], s["fraction_of_gemm_rate"]]
+            for w, s in per_window.items()]
     write_csv(out / "summary.csv", [dict(zip(header, r)) for r in rows])
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -119,5 +127,6 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
     fig.savefig(out / "encode.png", dpi=120)
     plt.close(fig)
     echo(table(rows, header))
+    echo(f"{summary['dtype']} GEMM rate here: {gemm:.1f} GFLOP/s; decoder {flop_per_token / 1e9:.3f} GFLOP/token")
     echo(f"wrote {out}/summary.json, records.json, records.csv, summary.csv, encode.png")
     return summary

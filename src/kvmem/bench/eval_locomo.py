@@ -164,6 +164,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     if bool(judge_url) != bool(judge_model):
         raise ValueError("--judge-url and --judge-model go together")
     setup = Setup.load(data, samples, model, engine, show_progress)
+    engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")

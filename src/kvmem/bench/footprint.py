@@ -18,6 +18,7 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
         engine: str, k: int = 10, show_progress: bool = True, echo=print) -> dict:
     rss0 = rss_bytes()
     setup = Setup.load(data, samples, model, engine, show_progress)
+    engine = setup.engine  # auto resolved
     rss_model = rss_bytes()
     info = machine()
     cfg = setup.lm.config

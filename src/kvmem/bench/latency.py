@@ -108,6 +108,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
 
     note = store_device_note(store_device)
     setup = Setup.load(data, samples, model, engine, show_progress)
+    engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")

@@ -73,6 +73,7 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         show_progress: bool = True, echo=print) -> dict:
     note = store_device_note(store_device)
     setup = Setup.load(data, samples, model, engine, show_progress)
+    engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
     per_sample = {}
     for q in qs:

@@ -23,6 +23,7 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from ..hardware import EngineUnavailable, resolve_dtype  # noqa: E402
 from .hf import Generation  # noqa: E402
 from .vllm_connector import kvmem_cache_salt, kvmem_params  # noqa: E402
 
@@ -58,22 +59,55 @@ class MemoryRef:
         return kvmem_cache_salt(self.user, self.version)
 
 
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """KV-cache bytes one token takes in vLLM: 2 (K, V) x layers x num_kv_heads x head_dim x dtype bytes. Every
+    layer counts at full length: the connector does not implement ``SupportsHMA``, so sliding-window layers get
+    full-size KV too."""
+    from ..models import head_dim
+
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize
+
+
+def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int, wanted: int) -> int:
+    """The largest context (tokens, a multiple of 256) <= ``wanted`` and the model's own limit whose KV fits in
+    ``kv_cache_memory_bytes`` for ``dtype``. Raises EngineUnavailable if not even 256 tokens fit."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model))
+    cfg = getattr(cfg, "text_config", None) or cfg
+    per_token = kv_bytes_per_token(cfg, dtype)
+    fits = (int(kv_cache_memory_bytes) // per_token) // 256 * 256
+    if fits < 256:
+        raise EngineUnavailable(f"a KV cache of {kv_cache_memory_bytes} bytes holds {fits} tokens of this model in "
+                                f"{dtype} ({per_token} bytes/token); give vLLM more KV-cache memory")
+    return min(int(wanted), int(getattr(cfg, "max_position_embeddings", wanted) or wanted), fits)
+
+
 class VLLMEngine:
     """Greedy generation on a vLLM engine with the kvmem connector.
 
     Args:
         model: a HF safetensors folder (e.g. ``models.model_dir(name)``).
-        dtype: "bfloat16" on CPU (AMX); "float32" for exactness tests.
-        kv_cache_memory_bytes: explicit KV-cache size.
+        dtype: None -> this machine's dtype (``hardware.choose_dtype``: bf16 only where native); "float32" for
+            exactness tests.
+        kv_cache_memory_bytes: explicit KV-cache size (bytes).
+        max_model_len: context limit (tokens); lowered to what the KV cache holds for this dtype
+            (``fit_max_model_len``), so the engine always starts. ``self.max_model_len`` is the value used.
+
+    Raises EngineUnavailable (one line) if vLLM cannot start.
         in_process: True -> VLLM_ENABLE_V1_MULTIPROCESSING=0 + "uni" executor; False -> vLLM's default
             multi-process mode; None -> as VLLM_ENABLE_V1_MULTIPROCESSING says (default multi-process).
         metrics_file: where the connector's scheduler side writes its counters (mismatch, injected, ...).
     """
 
-    def __init__(self, model: str | Path, dtype: str = "bfloat16", kv_cache_memory_bytes: int = 1 << 30,
+    def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
                  enforce_eager: bool = True, skip_tokenizer_init: bool = False, metrics_file: str | None = None,
                  seed: int = 0, **llm_kwargs):
+        dtype = resolve_dtype(dtype)
+        self.max_model_len = fit_max_model_len(model, dtype, kv_cache_memory_bytes, max_model_len)
+        max_model_len = self.max_model_len
         if in_process is not None:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
@@ -94,7 +128,11 @@ class VLLMEngine:
             kwargs["block_size"] = block_size
         kwargs.update(llm_kwargs)
         self.in_process = in_process
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:  # vLLM raises many kinds; the user gets one line, never a traceback box
+            first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            raise EngineUnavailable(f"vLLM could not start ({type(exc).__name__}: {first})") from exc
 
     def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool):
         from vllm import SamplingParams

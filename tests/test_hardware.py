@@ -1,0 +1,132 @@
+"""The machine decides the dtype and the engine: every rule checked on injected CPU facts (both answers), plus
+the real detection under the AVX2 emulation variables, KV-cache sizing per dtype, and per-layer encode progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvmem import hardware
+from kvmem.hardware import CpuFacts, EngineUnavailable, choose_dtype, plan, resolve_dtype, resolve_engine, vllm_kernels
+
+ZEN3 = CpuFacts("AMD EPYC 7B13 (Zen 3)", "AVX2", avx2=True, avx512=False, avx512_bf16=False, amx=False,
+                onednn_max_isa="", cuda=False, cores=2)
+GENOA = CpuFacts("AMD EPYC 9B14 (Zen 4)", "AVX512", avx2=True, avx512=True, avx512_bf16=True, amx=False,
+                 onednn_max_isa="", cuda=False, cores=2)
+SAPPHIRE = CpuFacts("Intel Xeon (Sapphire Rapids)", "AVX512", avx2=True, avx512=True, avx512_bf16=True, amx=True,
+                    onednn_max_isa="", cuda=False, cores=2)
+SKYLAKE = CpuFacts("Intel Xeon (Skylake)", "AVX512", avx2=True, avx512=True, avx512_bf16=False, amx=False,
+                   onednn_max_isa="", cuda=False, cores=2)
+OLD = CpuFacts("no AVX2", "DEFAULT", avx2=False, avx512=False, avx512_bf16=False, amx=False, onednn_max_isa="",
+               cuda=False, cores=2)
+
+
+@pytest.mark.parametrize("facts,dtype,kernels", [
+    (ZEN3, "float32", "AVX2 (vllm._C_AVX2)"),
+    (SKYLAKE, "float32", "AVX-512 (vllm._C_AVX512)"),
+    (GENOA, "bfloat16", "AVX-512 + BF16 (vllm._C)"),
+    (SAPPHIRE, "bfloat16", "AVX-512 + BF16 (vllm._C)"),
+    (replace(ZEN3, cuda=True), "bfloat16", "AVX2 (vllm._C_AVX2)"),
+    (OLD, "float32", None),
+])
+def test_dtype_and_vllm_kernels_per_cpu(facts, dtype, kernels):
+    assert choose_dtype(facts)[0] == dtype
+    assert vllm_kernels(facts) == kernels
+
+
+def test_emulation_caps_turn_native_bf16_off():
+    """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16, or torch dispatching at AVX2, make bf16 emulated: fp32."""
+    dtype, why = choose_dtype(replace(SAPPHIRE, onednn_max_isa="AVX2"))
+    assert dtype == "float32" and "ONEDNN_MAX_CPU_ISA=AVX2" in why
+    dtype, why = choose_dtype(replace(GENOA, capability="AVX2"))
+    assert dtype == "float32" and "AVX2" in why
+    assert choose_dtype(replace(SAPPHIRE, onednn_max_isa="AVX512_CORE_AMX"))[0] == "bfloat16"
+    assert "emulated" in choose_dtype(ZEN3)[1]
+
+
+def test_engine_auto_falls_back_and_vllm_refuses_with_one_line():
+    engine, note = resolve_engine("auto", OLD)
+    assert engine == "hf" and note.startswith("note: using the transformers engine") and "AVX2" in note
+    with pytest.raises(EngineUnavailable, match="--engine vllm cannot run here: vLLM's CPU build needs AVX2"):
+        resolve_engine("vllm", OLD)
+    assert resolve_engine("hf", OLD) == ("hf", None)
+    with pytest.raises(ValueError, match="--engine must be one of auto, vllm, hf"):
+        resolve_engine("tgi", OLD)
+    p = plan(OLD)
+    assert p.engine == "hf" and p.vllm_kernels is None and p.dtype == "float32"
+
+
+def test_engine_auto_picks_vllm_where_it_runs():
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    assert resolve_engine("auto", ZEN3) == ("vllm", None)
+    assert plan(ZEN3).engine == "vllm" and "AVX2" in plan(ZEN3).engine_reason
+
+
+def test_resolve_dtype_names():
+    assert resolve_dtype("bf16") == "bfloat16" and resolve_dtype("fp32") == "float32"
+    assert resolve_dtype("torch.float32") == "float32"
+    assert resolve_dtype("auto") == resolve_dtype(None) == choose_dtype(hardware.cpu_facts())[0]
+    with pytest.raises(ValueError, match="--dtype must be auto"):
+        resolve_dtype("int8")
+
+
+def test_threads_follow_usable_cores():
+    n = hardware.configure_threads()
+    assert n == hardware.usable_cores() == torch.get_num_threads() >= 1
+    assert n <= len(os.sched_getaffinity(0))
+
+
+def _doctor(env: dict) -> dict:
+    p = subprocess.run([sys.executable, "-m", "kvmem.cli", "doctor", "--json"], capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+def test_doctor_under_avx2_emulation_says_fp32():
+    """The real detection, with the variables that emulate an AVX2 machine on a native-bf16 one."""
+    d = _doctor({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})
+    assert d["dtype"] == "float32" and d["facts"]["capability"] == "AVX2"
+    plain = _doctor({})
+    assert plain["dtype"] == choose_dtype(hardware.cpu_facts())[0]
+    assert plain["threads"] == hardware.usable_cores()
+
+
+def test_kv_cache_sizing_per_dtype(tmp_path):
+    """gemma3-270m-shaped config: 32,768 tokens of fp32 KV (all 18 layers full-size) need 1.125 GiB, more than
+    1 GiB; the context is lowered to what fits instead of vLLM refusing to start."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    import transformers as tf
+
+    from kvmem.engines.vllm_engine import fit_max_model_len, kv_bytes_per_token
+
+    cfg = tf.Gemma3TextConfig(num_hidden_layers=18, num_key_value_heads=1, head_dim=256, hidden_size=640,
+                              num_attention_heads=4, max_position_embeddings=32768)
+    cfg.save_pretrained(tmp_path)
+    assert kv_bytes_per_token(cfg, "float32") == 2 * 18 * 1 * 256 * 4 == 36864
+    assert 32768 * 36864 > 1 << 30
+    fp32 = fit_max_model_len(tmp_path, "float32", 1 << 30, 32768)
+    assert fp32 == 28928 and fp32 * 36864 <= 1 << 30 and fp32 % 256 == 0
+    assert fit_max_model_len(tmp_path, "bfloat16", 1 << 30, 32768) == 32768
+    with pytest.raises(EngineUnavailable, match="holds 0 tokens"):
+        fit_max_model_len(tmp_path, "float32", 1000, 32768)
+
+
+def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
+    from conftest import random_ids, tiny_model
+
+    from kvmem.encode import encode_spans
+
+    model = tiny_model("llama")
+    seqs = [random_ids(n, seed=n) for n in (40, 41, 90)]
+    ticks = []
+    encode_spans(model, seqs, [(0, 5)] * 3, max_batch_tokens=100, progress=ticks.append)
+    assert sum(ticks) == 40 + 41 + 90
+    n_batches = 2  # [40, 41] fit 100 padded tokens together, 90 goes alone
+    assert len(ticks) == n_batches * model.config.num_hidden_layers
