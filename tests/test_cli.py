@@ -87,15 +87,59 @@ def test_bad_input_is_one_line_exit_2(store, args, needle):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-def test_ask_default_engine_is_vllm(store):
-    """The default engine is stock vLLM with the kvmem connector: only the query is prefilled."""
-    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+def test_budget_reserves_the_answer(store):
+    """Issue 10 (f): a context exactly as long as the composed prompt leaves no room for the answer: refused
+    with kvmem's own "at most k" error, not accepted (and decoded past the context)."""
+    q = "What did Caroline research?"
+    a = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--json",
+                       "--max-new-tokens", 4, q).stdout)
+    p = run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--max-new-tokens", 4,
+            "--max-context", a["prompt_tokens"], q, check_rc=2)
+    assert "+ answer (4 tokens)" in p.stderr and "at most k=2 fits" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--max-new-tokens", 4,
+        "--max-context", a["prompt_tokens"] + 4, q)
+
+
+def test_store_in_another_dtype_is_refused_with_how_to_reencode(store):
+    from kvmem.hardware import resolve_dtype
+
+    other = "float32" if resolve_dtype(None) == "bfloat16" else "bfloat16"
+    p = run("ask", "--engine", "hf", "--dtype", other, "--store", store, "--user", "conv-26", "--k", 3, "q?",
+            check_rc=2)
+    assert f"computed in {resolve_dtype(None)}, but this run computes in {other}" in p.stderr
+    assert "--dtype" in p.stderr and "re-encode" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
+def test_bos_and_eos_follow_the_gguf(name):
+    """Issue 10 (d): the prompt starts with BOS exactly when the GGUF says add_bos (Gemma 3's converted tokenizer
+    had lost it), and the GGUF's EOS is a stop id of the service."""
+    require(name)
+    from kvmem.compose import PromptFormat
+    from kvmem.models import load
+
+    meta = json.loads((model_dir(name) / MANIFEST).read_text())["tokenizer"]
+    lm = load(name)
+    ids = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat).header_ids(lm.tokenizer)
+    assert (ids[0] == meta["bos_token_id"]) == meta["add_bos"]
+    assert meta["add_bos"] == (name == GEMMA)
+    eos = lm.model.generation_config.eos_token_id
+    assert meta["eos_token_id"] in ([eos] if isinstance(eos, int) else eos)
+
+
+def test_ask_default_engine_is_auto(store):
+    """The default engine is auto: stock vLLM with the kvmem connector where it runs (only the query is
+    prefilled), and --json names the engine that answered."""
+    from kvmem.hardware import plan
+
     q = "What did Caroline research?"
     kv = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--json", "--max-new-tokens", 8,
                         q).stdout.strip().splitlines()[-1])
     hf = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--json",
                         "--max-new-tokens", 8, q).stdout)
-    assert kv["engine"] == "vllm" and kv["mode"] == "kv"
+    assert kv["engine"] == plan().engine and kv["mode"] == "kv"
     assert kv["fact_ids"] == hf["fact_ids"] and kv["prompt_tokens"] == hf["prompt_tokens"]
     assert kv["prefilled_tokens"] == hf["prefilled_tokens"]  # the query alone, as vLLM counts it
 
@@ -139,3 +183,11 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
                         "--max-new-tokens", 8, q).stdout)
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]
+    # Issue 10 (g): one stop rule for both engines: a completion-style answer ends at the line break in vLLM too.
+    from kvmem.hardware import plan
+
+    if plan().engine == "vllm":
+        for k in (1, 4):
+            v = json.loads(run("ask", "--engine", "vllm", "--store", root, "--user", "conv-26", "--k", k, "--json",
+                               "--max-new-tokens", 16, q).stdout.strip().splitlines()[-1])
+            assert v["engine"] == "vllm" and "\n" not in v["answer"] and v["generated_tokens"] >= 1

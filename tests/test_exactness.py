@@ -81,3 +81,22 @@ def test_run_all_report_passes_on_tiny_llama():
     report = run_all(model, random_ids(10, seed=19), facts, random_ids(30, seed=30), random_ids(8, seed=31))
     assert report["passed"] is True
     assert report["memory_tokens"] == 10 + 6 * 12
+
+
+def test_off_by_one_rotation_fails_the_bound():
+    """Control for the 1e-5 bound: keys rotated one position too far (start + 1, the query where it belongs)
+    must fail it, so the exactness checks can see a position bug."""
+    from kvmem.compose import ComposedMemory
+
+    model = tiny_model("llama")
+    memory, query = random_ids(60, seed=14), random_ids(6, seed=15)
+    (kv,) = encode_spans(model, [memory], [(0, 60)])
+    rot = Rotary.for_model(model)
+    engine = HFEngine(model, eos_token_ids=[])
+    ref = engine.generate(query, compose_raw(rot, memory, kv.keys, kv.values), "prompt", 1).first_logits
+    good = engine.generate(query, compose_raw(rot, memory, kv.keys, kv.values), "kv", 1).first_logits
+    shifted = compose_raw(rot, memory, kv.keys, kv.values, start=1)
+    off = engine.generate(query, ComposedMemory(memory, [], 0, shifted.keys, shifted.values), "kv", 1).first_logits
+    bound = REL_TOL * ref.abs().max()
+    assert (good - ref).abs().max() <= bound
+    assert (off - ref).abs().max() > 10 * bound

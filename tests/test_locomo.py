@@ -43,3 +43,22 @@ def test_bad_files(tmp_path, locomo_path):
         load_locomo(bad)
     with pytest.raises(LocomoError, match="conv-26"):
         get_conversation(locomo_path, "conv-99")
+
+
+def test_lone_surrogates_are_replaced_in_data_and_refused_in_questions(tmp_path):
+    """Issue 10 (e): "\\ud83d" alone is valid JSON but no tokenizer takes it. Data files get U+FFFD (documented);
+    a question gets a clear ValueError (one error line on the CLI)."""
+    from kvmem.compose import PromptFormat, check_text
+
+    sample = {"sample_id": "s", "conversation": {
+        "session_1": [{"dia_id": "D1:1", "speaker": "A", "text": "hi \\ud83d there"}], "session_1_date_time": "d"},
+        "observation": {"session_1_observation": {"A": [["A likes \\ud83d tea", "D1:1"]]}}, "qa": []}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(sample).replace("\\\\ud83d", "\\ud83d"))
+    assert "\\ud83d" in path.read_text()  # the raw escape is in the file
+    (conv,) = load_locomo(path)
+    assert conv.facts[0].text == "A likes \ufffd tea" and conv.turns[0].text == "hi \ufffd there"
+    fmt = PromptFormat("h", "Q: ", "\nA:")
+    with pytest.raises(ValueError, match="the question is not valid Unicode: a lone surrogate U\\+D83D"):
+        fmt.query_ids(None, "when \ud83d?")
+    assert check_text("fine 😀") == "fine 😀"

@@ -108,6 +108,9 @@ def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
     with pytest.raises(StoreError, match="store format list"):
         Store.open(root, FP)
     (root / "manifest.json").write_text('{"format": 1}')
+    with pytest.raises(StoreError, match="store format 1 is not 2; re-ingest"):
+        Store.open(root, FP)
+    (root / "manifest.json").write_text('{"format": 2}')
     with pytest.raises(StoreError, match="corrupt"):
         Store.open(root, FP)
     (root / "manifest.json").unlink()
@@ -118,5 +121,5 @@ def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
     (root / "manifest.json").write_text(manifest)
     for p in (root / "users").glob("*.kv.safetensors"):
         p.write_bytes(p.read_bytes()[:1000])
-    with pytest.raises(StoreError, match="cannot read user 'u1'"):
+    with pytest.raises(StoreError, match="KV of user 'u1' version .* fails its checksum"):
         Store.open(root, FP).user_kv("u1")

@@ -37,8 +37,12 @@ RUNS = {  # run name -> (family, mode, engine options)
 }
 
 
-def _fingerprint(path: Path, family: str) -> dict:
-    return {"model": str(path), "architecture": family, "weights_sha256": "tiny", "dtype": "float32"}
+def _fingerprint(path: Path, family: str, config) -> dict:
+    from kvmem.models import weights_hash
+
+    return {"model": str(path), "architecture": family, "weights_sha256": weights_hash(path), "dtype": "float32",
+            "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
+            "head_dim": config.hidden_size // config.num_attention_heads}
 
 
 def build(tmp: Path, family: str) -> dict:
@@ -56,7 +60,8 @@ def build(tmp: Path, family: str) -> dict:
     facts = {f"f{i}": random_ids(14 + 3 * i, seed=30 + i) for i in range(4)}
     query = random_ids(7, seed=40)
     (hkv,) = encode_spans(model, [header], [(0, len(header))])
-    store = Store.create(tmp / "store", _fingerprint(mdir, family), "", header, hkv.keys, hkv.values, {"name": "none"})
+    fp = _fingerprint(mdir, family, model.config)
+    store = Store.create(tmp / "store", fp, "", header, hkv.keys, hkv.values, {"name": "none"})
 
     def put(user: str, kvs: list) -> str:
         recs = [FactRecord(fid, user, fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
@@ -81,7 +86,19 @@ def build(tmp: Path, family: str) -> dict:
     g = torch.Generator().manual_seed(7)
     versions["random"] = put("random", [(torch.randn(s.keys.shape, generator=g) * s.keys.std(),
                                          torch.randn(s.values.shape, generator=g) * s.values.std()) for s in ind])
+    # "trunc": indep's KV, whose file is truncated below: the scheduler (metadata only) accepts it, the worker's
+    # checksum refuses it, and only that request's load fails.
+    versions["trunc"] = put("trunc", [(s.keys, s.values) for s in ind])
+    put("replaced", [(s.keys, s.values) for s in ind])  # indep's KV; each run replaces it (its version is read live)
     store.close()
+    # The same memory in two more stores: one built by another model (same shapes, other weights), and one the
+    # engine was not started with.
+    for name, f in (("foreign", dict(fp, weights_sha256="0" * 64)), ("unlisted", fp)):
+        other = Store.create(tmp / name, f, "", header, hkv.keys, hkv.values, {"name": "none"})
+        recs = [FactRecord(fid, "indep", fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
+        versions[name] = other.put_user("indep", recs, [s.keys for s in ind], [s.values for s in ind],
+                                        torch.zeros(len(recs), 4), 0)
+        other.close()
 
     # transformers-engine references: the same composed KV injected into a DynamicCache.
     from kvmem.compose import compose
@@ -97,11 +114,15 @@ def build(tmp: Path, family: str) -> dict:
         mem = compose(rot, header, st.header_kv(), ukv, [rows[f] for f in ORDER])
         assert mem.token_ids == joint_ids
         refs[user] = engine.generate(query, mem, "kv", STEPS).token_ids
+    kv_file = next((tmp / "store" / "users").glob(f"trunc.{versions['trunc']}.kv.safetensors"))
+    kv_file.write_bytes(kv_file.read_bytes()[:-64])
     st.close()
     cfg = model.config
     block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * BLOCK * (cfg.hidden_size //
                                                                               cfg.num_attention_heads) * 4
-    return {"model": str(mdir), "store": str(tmp / "store"), "memory": joint_ids, "query": query,
+    return {"model": str(mdir), "store": str(tmp / "store"), "foreign": str(tmp / "foreign"),
+            "unlisted": str(tmp / "unlisted"), "memory": joint_ids, "query": query,
+            "memory_rev": header + [t for f in reversed(ORDER) for t in facts[f]],
             "versions": versions, "hf": refs, "block_bytes": block_bytes}
 
 
@@ -125,7 +146,7 @@ def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
 def _row(g, out) -> dict:
     return {"tokens": g.token_ids, "cached": g.num_cached_tokens, "prefilled": g.prefilled_tokens,
             "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms,
-            "preemptions": out.metrics.num_preemptions if out.metrics is not None else 0}
+            "preemptions": out.metrics.num_preemptions if out is not None and out.metrics is not None else 0}
 
 
 def run_mode(spec_path: str, run: str) -> None:
@@ -138,7 +159,8 @@ def run_mode(spec_path: str, run: str) -> None:
     kv_bytes = opts["kv_blocks"] * spec["block_bytes"] if "kv_blocks" in opts else 64 << 20
     eng = VLLMEngine(spec["model"], dtype="float32", kv_cache_memory_bytes=kv_bytes,
                      max_model_len=opts.get("max_model_len", 1024), block_size=BLOCK, in_process=(mode == "inproc"),
-                     skip_tokenizer_init=True, metrics_file=str(out_dir / f"metrics-{run}.json"))
+                     skip_tokenizer_init=True, metrics_file=str(out_dir / f"metrics-{run}.json"),
+                     stores=[spec["store"], spec["foreign"]])
     outputs = []
     gen_many = eng.llm.generate
 
@@ -176,6 +198,34 @@ def run_mode(spec_path: str, run: str) -> None:
                             extra_args={"kv_transfer_params": params})
         (o,) = eng.llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)
         results[name] = [_row(eng._result(o), o)]
+    # Faults that used to kill the engine or inject wrong KV; each must cost only that request a plain prefill.
+    mem_ids = spec["memory"] + spec["query"]
+    faults = [("trunc", MemoryRef(spec["store"], "trunc", spec["versions"]["trunc"], fact_ids)),
+              ("foreign", MemoryRef(spec["foreign"], "indep", spec["versions"]["foreign"], fact_ids)),
+              ("unlisted", MemoryRef(spec["unlisted"], "indep", spec["versions"]["unlisted"], fact_ids))]
+    for name, ref in faults:
+        results[name] = [_row(eng.generate(mem_ids, ref, STEPS, ignore_eos=True), None)]
+    # (a) re-ingest while a version is cached on the scheduler side, then a request still naming the old one.
+    from kvmem.store import Store
+
+    st = Store.open(spec["store"])
+    old = st.snapshot("replaced")
+    results["before_replace"] = [_row(eng.generate(mem_ids, MemoryRef(spec["store"], "replaced", old.version, fact_ids),
+                                                   STEPS, ignore_eos=True), None)]
+    new_version = st.put_user("replaced", old.facts, [old.keys[:, :, f.token_offset:f.token_offset + f.num_tokens]
+                                                    for f in old.facts],
+                              [old.values[:, :, f.token_offset:f.token_offset + f.num_tokens] for f in old.facts],
+                              old.embeddings, 0)
+    st.close()
+    # in another fact order, so no block of it is in vLLM's prefix cache: only the connector decides
+    rev_ids = spec["memory_rev"] + spec["query"]
+    results["stale_ref"] = [_row(eng.generate(rev_ids, None, STEPS, ignore_eos=True, salt="cold-3"), None)]
+    results["stale_cached"] = [_row(eng.generate(rev_ids, MemoryRef(spec["store"], "replaced", old.version,
+                                                                     list(reversed(fact_ids))), STEPS,
+                                                 ignore_eos=True), None)]
+    # the engine is alive and injects the new version
+    results["after"] = [_row(eng.generate(mem_ids, MemoryRef(spec["store"], "replaced", new_version, fact_ids), STEPS,
+                                          ignore_eos=True), None)]
     (out_dir / f"result-{run}.json").write_text(json.dumps(results))
 
 
@@ -267,11 +317,28 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
 
 
 
-def test_preempted_requests_are_reinjected(run, spec):
+def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
+    """Issue 10 (a), (b), item 1-4: a truncated KV file (the worker's load fails: vLLM recomputes those blocks),
+    a store built by another model, a store the engine was not started with, and a version replaced after the
+    scheduler cached it. Each answers exactly like a plain prefill; then the engine still injects."""
+    joint = run["prompt"][0]["tokens"]
+    m, q = len(spec["memory"]), len(spec["query"])
+    for name in ("trunc", "foreign", "unlisted"):
+        (g,) = run[name]
+        assert g["tokens"] == joint, name
+    assert run["stale_cached"][0]["tokens"] == run["stale_ref"][0]["tokens"]
+    for name in ("foreign", "unlisted", "stale_cached"):  # refused by the scheduler: nothing reported as cached
+        assert run[name][0]["cached"] == 0, name
+    assert run["_metrics"].get("untrusted_store", 0) >= 2
+    for name in ("before_replace", "after"):
+        (g,) = run[name]
+        assert (g["cached"], g["prefilled"]) == (m, q) and g["tokens"] == spec["hf"]["indep"], name
+
+
+def test_preempted_requests_resume_exactly(run, spec):
     """With a KV cache of a few blocks the batched pair is preempted mid-decode. On resumption the scheduler asks
-    the connector again: surviving prefix-cache blocks (salted, so the request's own injected ones) cover what
-    they can and the connector injects the rest (here the blocks survived, so nothing more was injected).
-    The answers stay exact."""
+    the connector again; here the request's own salted prefix-cache blocks survived, so they cover the memory and
+    nothing is injected again (this run cannot force a re-injection). The answers stay exact."""
     if "preempt" not in run["_name"]:
         pytest.skip("only the small-cache run preempts")
     a, b = run["pair"]

@@ -8,6 +8,7 @@ so the baseline is fair by construction.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -52,11 +53,32 @@ class PromptFormat:
         return ([self.bos_token_id] if self.bos_token_id is not None else []) + ids
 
     def query_ids(self, tokenizer, question: str) -> list[int]:
+        check_text(question, "the question")
         return tokenizer(self.query_prefix + question + self.query_suffix, add_special_tokens=False)["input_ids"]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, what: str = "text") -> str:
+    """All text is untrusted: a lone UTF-16 surrogate (half an emoji, valid JSON as "\\ud83d") cannot be encoded
+    or tokenized. Raises ValueError naming where it is; returns ``text`` unchanged otherwise."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string, not {type(text).__name__}")
+    m = _SURROGATE.search(text)
+    if m:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(m.group()):04X} at character "
+                         f"{m.start()}")
+    return text
+
+
+def replace_invalid(text: str) -> str:
+    """Lone surrogates -> U+FFFD (the documented replacement for data files such as LoCoMo JSON)."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
 def text_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(check_text(text), add_special_tokens=False)["input_ids"]
 
 
 @dataclass

@@ -98,11 +98,26 @@ def load_locomo(path: str | Path) -> list[Conversation]:
         raise LocomoError(f"LoCoMo file not found: {path}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LocomoError(f"{path} is not valid JSON: {exc}") from None
+    raw = _replace_invalid(raw)
     if isinstance(raw, dict):
         raw = [raw]
     if not isinstance(raw, list) or not all(isinstance(s, dict) and "sample_id" in s for s in raw):
         raise LocomoError(f"{path} is not in LoCoMo format (expected a list of samples with 'sample_id')")
     return [_parse_sample(s, path) for s in raw]
+
+
+def _replace_invalid(x):
+    """Every string of the file with lone UTF-16 surrogates replaced by U+FFFD (JSON allows "\\ud83d" alone;
+    no tokenizer does)."""
+    from .compose import replace_invalid
+
+    if isinstance(x, str):
+        return replace_invalid(x)
+    if isinstance(x, list):
+        return [_replace_invalid(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _replace_invalid(v) for k, v in x.items()}
+    return x
 
 
 def _parse_sample(sample: dict, path: Path) -> Conversation:

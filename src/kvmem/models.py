@@ -165,7 +165,8 @@ def install(name: str, force: bool = False, log=print) -> Path:
     manifest = target / MANIFEST
     if manifest.exists() and not force:
         info = json.loads(manifest.read_text())
-        if not spec.gguf_sha256 or info.get("gguf_sha256") == spec.gguf_sha256:
+        # an install from before the GGUF tokenizer facts were recorded is converted again, once
+        if (not spec.gguf_sha256 or info.get("gguf_sha256") == spec.gguf_sha256) and "tokenizer" in info:
             log(f"{name}: already installed at {target}")
             return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -182,6 +183,7 @@ def install(name: str, force: bool = False, log=print) -> Path:
         digest = _sha256(gguf)
         if spec.gguf_sha256 and digest != spec.gguf_sha256:
             raise ModelError(f"{name}: GGUF SHA-256 {digest} does not match the registry ({spec.gguf_sha256})")
+        tok_meta = gguf_tokenizer_meta(gguf)
         log(f"{name}: converting GGUF -> safetensors (bf16), once")
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -202,6 +204,7 @@ def install(name: str, force: bool = False, log=print) -> Path:
             "gguf_sha256": digest,
             "weights_sha256": weights_hash(work),
             "dtype": "bfloat16",
+            "tokenizer": tok_meta,
             "spec": asdict(spec),
         }
         (work / MANIFEST).write_text(json.dumps(info, indent=2))
@@ -211,6 +214,21 @@ def install(name: str, force: bool = False, log=print) -> Path:
         shutil.rmtree(work, ignore_errors=True)
     log(f"{name}: installed at {target}")
     return target
+
+
+def gguf_tokenizer_meta(gguf: Path) -> dict:
+    """The GGUF's own word on special tokens: ``add_bos``, ``bos_token_id``, ``eos_token_id`` (the converted HF
+    tokenizer can lose ``add_bos``: Gemma 3's did, and its prompts then had no BOS)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def get(key):
+        f = fields.get(f"tokenizer.ggml.{key}")
+        return f.contents() if f is not None else None
+
+    return {"add_bos": bool(get("add_bos_token")), "bos_token_id": get("bos_token_id"),
+            "eos_token_id": get("eos_token_id")}
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -270,8 +288,9 @@ def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device
             raise ModelError(f"model {name!r} is not installed; run: kvmem models install {name}")
         info = json.loads((path / MANIFEST).read_text())
         chat, wsha = REGISTRY[name].chat, info["weights_sha256"]
+        add_bos = info.get("tokenizer", {}).get("add_bos")
     elif path.is_dir():
-        chat, wsha = True, weights_hash(path)
+        chat, wsha, add_bos = True, weights_hash(path), None
     else:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or a local HF folder)")
     from .hardware import configure_threads, resolve_dtype
@@ -280,6 +299,8 @@ def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device
     dtype = getattr(torch, resolve_dtype(str(dtype) if dtype is not None else None))
     device = torch.device(device) if device else pick_device()
     tok = AutoTokenizer.from_pretrained(path)
+    if add_bos is not None:  # the GGUF's rule, recorded at install (``gguf_tokenizer_meta``)
+        tok.add_bos_token = add_bos
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     check_injectable(model)
     chat = chat and getattr(tok, "chat_template", None) is not None

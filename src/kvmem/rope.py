@@ -135,3 +135,15 @@ def is_length_dependent(rotary: torch.nn.Module) -> bool:
     """True for RoPE types whose frequencies depend on the sequence length (``dynamic``, ``longrope``)."""
     types = rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
     return any("dynamic" in t or t == "longrope" for t in types)
+
+
+LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+def rope_type(cfg) -> str:
+    """A config's RoPE type: a length-dependent one (``LENGTH_DEPENDENT``) if any layer type has it, else the
+    first one ("default", "linear", "yarn", "llama3", ...)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    dicts = [v for v in params.values() if isinstance(v, dict)] or [params]
+    types = [d.get("rope_type") or d.get("type") or "default" for d in dicts]
+    return next((t for t in types if any(x in t for x in LENGTH_DEPENDENT)), types[0] if types else "default")

@@ -76,6 +76,7 @@ class MemoryService:
         if not model.chat:  # completion-style prompts: the answer ends at the line break
             eos += [i for i, t in enumerate(model.tokenizer.convert_ids_to_tokens(range(len(model.tokenizer))))
                     if t is not None and "\n" in model.tokenizer.convert_tokens_to_string([t])]
+        self.stop_ids = eos  # one stop rule for both engines (EOS, and the line break for completion models)
         self.engine = HFEngine(model.model, eos_token_ids=eos)
         self.rotary = Rotary.for_model(model.model)
         self.max_context = max_context or model.config.max_position_embeddings
@@ -87,7 +88,8 @@ class MemoryService:
             from .engines.vllm_engine import VLLMEngine
 
             path = model_dir(model.name) if model.name in REGISTRY else model.name
-            opts = {"dtype": str(model.dtype).removeprefix("torch."), "max_model_len": min(self.max_context, 32768)}
+            opts = {"dtype": str(model.dtype).removeprefix("torch."), "max_model_len": min(self.max_context, 32768),
+                    "stores": [self.store.root]}
             try:
                 self.vllm = VLLMEngine(path, **{**opts, **(vllm_options or {})})
             except EngineUnavailable as exc:
@@ -104,14 +106,14 @@ class MemoryService:
             self._indexes[key] = FlatIPIndex(ukv.embeddings)
         return self._indexes[key]
 
-    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv") -> "Prepared":
+    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> "Prepared":
         """Everything before the model call: embed, retrieve, order, check the budget, compose.
 
         For the hf engine the composed KV is built here (chunked RoPE); for vLLM only the ids and the memory
         reference, since the connector's worker composes the KV itself.
         Raises ValueError for an empty question, top_k < 1 or an unknown mode; StoreError for an unknown user;
-        ContextOverflow when memory + query exceed the model context (the message gives the k that fits,
-        paper Corollary 7).
+        ContextOverflow when memory + query + ``max_new_tokens`` (room for the answer) exceed the model context
+        (the message gives the k that fits, paper Corollary 7).
         """
         if not question or not question.strip():
             raise ValueError("empty question")
@@ -131,15 +133,16 @@ class MemoryService:
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
         need = len(header_ids) + sum(lens) + len(query_ids)
-        if len(header_ids) + len(query_ids) > self.max_context:
+        if len(header_ids) + len(query_ids) + max_new_tokens > self.max_context:
             raise ContextOverflow(
-                f"the header ({len(header_ids)} tokens) and query ({len(query_ids)} tokens) alone exceed the model "
-                f"context of {self.max_context} tokens; no memory fits")
-        if need > self.max_context:
-            fits = max_facts_that_fit(len(header_ids), lens, len(query_ids), self.max_context)
+                f"the header ({len(header_ids)} tokens), query ({len(query_ids)} tokens) and answer ({max_new_tokens} "
+                f"tokens) alone exceed the model context of {self.max_context} tokens; no memory fits")
+        if need + max_new_tokens > self.max_context:
+            fits = max_facts_that_fit(len(header_ids), lens, len(query_ids) + max_new_tokens, self.max_context)
             raise ContextOverflow(
                 f"memory ({len(header_ids) + sum(lens)} tokens for k={len(lens)}) + query ({len(query_ids)} tokens) "
-                f"= {need} tokens exceeds the model context of {self.max_context} tokens; at most k={fits} fits")
+                f"+ answer ({max_new_tokens} tokens) = {need + max_new_tokens} tokens exceeds the model context of "
+                f"{self.max_context} tokens; at most k={fits} fits")
         rows = order_reverse_proximity(retrieved)
         memory = ref = None
         if self.vllm is None:
@@ -160,7 +163,7 @@ class MemoryService:
     def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
         engine call). Raises what ``prepare`` raises."""
-        req = self.prepare(user, question, top_k, mode)
+        req = self.prepare(user, question, top_k, mode, max_new_tokens)
         if self.vllm is None:
             gen = self.engine.generate(req.query_ids, req.memory, mode, max_new_tokens)
             expected = len(req.query_ids) if mode == "kv" else len(req.prompt_ids)
@@ -168,7 +171,7 @@ class MemoryService:
         else:
             # prompt mode: a fresh salt, so the baseline prefills everything (no prefix-cache reuse)
             gen = self.vllm.generate(req.prompt_ids, req.ref, max_new_tokens,
-                                     salt=None if req.ref else self.vllm.cold_salt())
+                                     salt=None if req.ref else self.vllm.cold_salt(), stop_token_ids=self.stop_ids)
         return self.answer(req, gen)
 
     def answer(self, req: "Prepared", gen) -> Answer:

@@ -172,10 +172,10 @@ def answer_batch(svcs: dict, items: list[tuple[str, str, int, str]], max_new_tok
     first = svcs[items[0][0]]
     if getattr(first, "vllm", None) is None:
         return [svcs[s].ask(s, q, k, m, max_new_tokens) for s, q, k, m in items]
-    preps = [svcs[s].prepare(s, q, k, m) for s, q, k, m in items]
+    preps = [svcs[s].prepare(s, q, k, m, max_new_tokens) for s, q, k, m in items]
     gens = first.vllm.generate_many([p.prompt_ids for p in preps], [p.ref for p in preps], max_new_tokens,
                                     ignore_eos=ignore_eos, salts=[None if p.ref else first.vllm.cold_salt()
-                                                                  for p in preps])
+                                                                  for p in preps], stop_token_ids=first.stop_ids)
     return [svcs[s].answer(p, g) for (s, *_), p, g in zip(items, preps, gens)]
 
 

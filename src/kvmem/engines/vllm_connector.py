@@ -25,14 +25,26 @@ Nothing is shared with the API process except what travels in the request and in
 
 Isolation: injected blocks become ordinary prefix-cache blocks keyed by token ids *and* the request's cache salt;
 the salt covers user and memory version, so blocks are never served to another user or version.
+
+Trust: the stores an engine may read are fixed at engine start (``kv_connector_extra_config["stores"]``: store
+directories or folders holding them); a store's fingerprint must match the engine's model (weights, dtype,
+shapes) on both sides; the worker re-checks that the ids it composed hash to what the scheduler verified.
+Failure isolation: any scheduler-side error is a counted fallback to a normal prefill; any worker-side error
+fails only that request's load, reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those
+blocks (``kv_load_failure_policy="recompute"``). The engine never dies for one request.
+Refused at engine start, until implemented: tensor parallelism > 1, more than one KV-cache group, fp8 KV caches,
+and length-dependent RoPE (``dynamic``, ``longrope``: keys rotated for one served length would enter the prefix
+cache and be reused at another).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import threading
+from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -86,14 +98,15 @@ def _store(root: str):
 
 
 def _fact_tokens(root: str, user: str, version: str) -> dict[str, tuple[int, ...]]:
-    """fact_id -> token ids for ``user`` at ``version`` (metadata only; no KV is read)."""
+    """fact_id -> token ids for ``user`` at ``version`` (metadata only; no KV is read). The version is checked
+    against the store on every call, cached or not: a replaced memory is never served."""
     key = (root, user, version)
+    st = _store(root)
+    if st.user_info(user)["version"] != version:
+        raise LookupError(f"memory version {version} of {user!r} is no longer current")
     got = _FACT_TOKENS.get(key)
     if got is None:
-        st = _store(root)
-        if st.user_info(user)["version"] != version:
-            raise LookupError(f"memory version {version} of {user!r} is no longer current")
-        got = {f.fact_id: f.token_ids for f in st.facts(user)}
+        got = {f.fact_id: f.token_ids for f in st.snapshot(user, version).facts}
         with _LOCK:
             for k in [k for k in _FACT_TOKENS if k[:2] == (root, user)]:
                 del _FACT_TOKENS[k]
@@ -107,8 +120,50 @@ def memory_token_ids(p: dict) -> list[int]:
     facts = _fact_tokens(p["store"], p["user"], p["version"])
     ids = list(st.header_token_ids)
     for fid in p["fact_ids"]:
+        if fid not in facts:
+            raise LookupError(f"fact {fid!r} is not in memory version {p['version']} of {p['user']!r}")
         ids.extend(facts[fid])
     return ids
+
+
+def ids_digest(ids) -> str:
+    """What the worker re-checks: SHA-256 of the composed memory token ids the scheduler verified."""
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+
+
+def engine_identity(vllm_config) -> dict:
+    """The engine model's side of the store fingerprint: weights hash, dtype and KV shapes."""
+    from ..models import MANIFEST, head_dim, weights_hash
+
+    mc = vllm_config.model_config
+    folder = Path(mc.model)
+    manifest = folder / MANIFEST
+    weights = json.loads(manifest.read_text())["weights_sha256"] if manifest.exists() else weights_hash(folder)
+    cfg = getattr(mc.hf_config, "text_config", None) or mc.hf_config
+    return {"weights_sha256": weights, "dtype": str(mc.dtype).removeprefix("torch."),
+            "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
+
+
+def check_engine_config(vllm_config, kv_cache_config=None) -> None:
+    """Refuse, with one clear error at engine start, what the connector does not implement (module docstring)."""
+    from ..rope import LENGTH_DEPENDENT, rope_type
+
+    par = vllm_config.parallel_config
+    if getattr(par, "tensor_parallel_size", 1) > 1 or getattr(par, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("kvmem connector: tensor/pipeline parallelism > 1 is not supported yet")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype.startswith("fp8"):
+        raise ValueError(f"kvmem connector: kv_cache_dtype={cache_dtype!r} is not supported yet (its scale would "
+                         f"be skipped); use the model dtype")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(f"kvmem connector: {len(groups)} KV-cache groups (hybrid/sliding-window manager) are not "
+                         f"supported yet")
+    cfg = vllm_config.model_config.hf_config
+    rt = rope_type(getattr(cfg, "text_config", None) or cfg)
+    if any(x in rt for x in LENGTH_DEPENDENT):
+        raise ValueError(f"kvmem connector: RoPE scaling {rt!r} depends on the served length, and injected blocks "
+                         f"enter vLLM's prefix cache keyed by tokens only; use the transformers engine (--engine hf)")
 
 
 # --- metadata passed scheduler -> worker ---------------------------------------------------------------------
@@ -122,7 +177,8 @@ class KvmemLoad:
     block_ids: list[int]
     first: int
     count: int
-    served_len: int  # prompt tokens, for length-dependent RoPE types
+    served_len: int  # prompt tokens
+    ids_sha256: str  # ids_digest of the memory ids the scheduler verified against the prompt
 
 
 @dataclass
@@ -135,17 +191,37 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_engine_config(vllm_config, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._hf_config = vllm_config.model_config.hf_config
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._metrics_file = extra.get("metrics_file")
+        self._allowed = [Path(p).resolve() for p in extra.get("stores") or []]
+        self._identity = engine_identity(vllm_config)
+        self._trusted: dict[str, str | None] = {}  # store root -> None if it matches the engine, else why not
         # scheduler side
-        self._matched: dict[str, tuple[dict, int]] = {}  # req_id -> (params, local computed tokens)
+        self._matched: dict[str, tuple[dict, int, str]] = {}  # req_id -> (params, local computed tokens, ids hash)
         self._pending: list[KvmemLoad] = []
         self.metrics: Counter = Counter()
         # worker side
         self._rotary = None
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._load_errors: set[int] = set()
+        self._num_layers = (getattr(self._hf_config, "text_config", None) or self._hf_config).num_hidden_layers
+
+    def _untrusted(self, root: str) -> str | None:
+        """Why the store at ``root`` may not be injected into this engine (not allow-listed at engine start, or
+        built by another model/dtype), or None."""
+        if root not in self._trusted:
+            path = Path(root).resolve()
+            if not any(path == a or a in path.parents for a in self._allowed):
+                self._trusted[root] = f"store {root} is not among the engine's allowed stores"
+            else:
+                fp = _store(root).fingerprint
+                bad = [k for k, v in self._identity.items() if fp.get(k) != v]
+                self._trusted[root] = (f"store {root} was built by another model ({', '.join(bad)} differ)"
+                                       if bad else None)
+        return self._trusted[root]
 
     # ==================== scheduler side ====================
 
@@ -172,10 +248,15 @@ class KvmemConnector(KVConnectorBase_V1):
                 logger.warning("kvmem: request %s lacks the user/version cache salt; normal prefill",
                                request.request_id)
                 return None
+            why = self._untrusted(str(p["store"]))
+            if why:
+                self._count("untrusted_store")
+                logger.warning("kvmem: request %s: %s; normal prefill", request.request_id, why)
+                return None
             mem = memory_token_ids(p)
-        except (LookupError, ValueError, RuntimeError) as exc:  # StoreError is a RuntimeError
+        except Exception as exc:  # a store error (locked, missing, corrupt), bad params: never the engine's end
             self._count("store_error")
-            logger.warning("kvmem: request %s: %s; normal prefill", request.request_id, exc)
+            logger.warning("kvmem: request %s: %s: %s; normal prefill", request.request_id, type(exc).__name__, exc)
             return None
         if len(prompt) < len(mem) or prompt[: len(mem)] != mem:
             self._count("mismatch")
@@ -183,30 +264,30 @@ class KvmemConnector(KVConnectorBase_V1):
                            "normal prefill (mismatches so far: %d)", request.request_id, len(mem),
                            self.metrics["mismatch"])
             return None
-        return p, len(mem)
+        return p, mem
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matched.pop(request.request_id, None)
         checked = self._check(request)
         if checked is None:
             return 0, False
-        p, m = checked
+        p, mem = checked
         # vLLM must compute at least the last prompt token to produce logits.
-        end = min(m, request.num_prompt_tokens - 1)
+        end = min(len(mem), request.num_prompt_tokens - 1)
         ext = end - num_computed_tokens
         if ext <= 0:
             return 0, False
-        self._matched[request.request_id] = (p, num_computed_tokens)
+        self._matched[request.request_id] = (p, num_computed_tokens, ids_digest(mem))
         return ext, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
-        p, first = matched
+        p, first, digest = matched
         block_ids = list(blocks.get_block_ids()[0])
         self._pending.append(KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens,
-                                       request.num_prompt_tokens))
+                                       request.num_prompt_tokens, digest))
         self._count("requests_injected")
         self._count("tokens_injected", num_external_tokens)
 
@@ -224,6 +305,12 @@ class KvmemConnector(KVConnectorBase_V1):
     # ==================== worker side ====================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        have = {extract_layer_index(n) for n in kv_caches}
+        if have != set(range(self._num_layers)):
+            raise ValueError(f"kvmem connector: the engine has KV caches for layers {sorted(have)}, not all "
+                             f"{self._num_layers}; partial injection would leave unwritten blocks")
         self._kv_caches = kv_caches
 
     def _rot(self):
@@ -233,16 +320,33 @@ class KvmemConnector(KVConnectorBase_V1):
             self._rotary = Rotary.from_config(self._hf_config)
         return self._rotary
 
-    def _compose(self, p: dict, served_len: int):
+    def _compose(self, ld: KvmemLoad):
+        """The load's composed memory, after the worker's own checks: allowed store, matching fingerprint, the
+        exact version (one snapshot), and the ids the scheduler verified. Raises on any mismatch."""
         from ..compose import compose
 
+        p = ld.params
+        why = self._untrusted(str(p["store"]))
+        if why:
+            raise PermissionError(why)
         st = _store(p["store"])
-        ukv = st.user_kv(p["user"])
-        if ukv.version != p["version"]:
-            raise LookupError(f"memory version {p['version']} of {p['user']!r} is no longer current")
+        ukv = st.snapshot(p["user"], p["version"])  # raises if that version is gone
         rows = ukv.row_of()
-        return compose(self._rot(), st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in p["fact_ids"]],
-                       start=int(p.get("start", 0)), served_len=served_len)
+        memory = compose(self._rot(), st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in p["fact_ids"]],
+                         start=int(p.get("start", 0)), served_len=ld.served_len)
+        if ids_digest(memory.token_ids) != ld.ids_sha256:
+            raise LookupError("composed memory ids differ from the ids the scheduler verified")
+        return memory
+
+    def _block_ids_of(self, ld: KvmemLoad) -> set[int]:
+        bs = self._block_size
+        return {ld.block_ids[i] for i in range(ld.first // bs, (ld.first + ld.count - 1) // bs + 1)
+                if i < len(ld.block_ids)}
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed in this step: vLLM recomputes them (or fails only those requests)."""
+        bad, self._load_errors = self._load_errors, set()
+        return bad
 
     @torch.inference_mode()
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -262,18 +366,27 @@ class KvmemConnector(KVConnectorBase_V1):
                 continue
             layers.append((extract_layer_index(name), layer, kv_cache))
         bs = self._block_size
+        complete = {idx for idx, _, _ in layers} == set(range(self._num_layers))
         for ld in meta.loads:
-            memory = self._compose(ld.params, ld.served_len)
-            pos = torch.arange(ld.first, ld.first + ld.count)
-            blocks = torch.tensor(ld.block_ids, dtype=torch.long)
-            for idx, layer, kv_cache in layers:
-                slots = (blocks[pos // bs] * bs + pos % bs).to(kv_cache.device)
-                # [H, m, D] -> [T, H, D], the layout the attention layer hands to its cache update.
-                key = memory.keys[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
-                value = memory.values[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
-                key = key.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
-                value = value.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
-                layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+            try:
+                if not complete:
+                    raise RuntimeError(f"only layers {sorted(i for i, _, _ in layers)} of {self._num_layers} "
+                                       f"can be written")
+                memory = self._compose(ld)
+                pos = torch.arange(ld.first, ld.first + ld.count)
+                blocks = torch.tensor(ld.block_ids, dtype=torch.long)
+                for idx, layer, kv_cache in layers:
+                    slots = (blocks[pos // bs] * bs + pos % bs).to(kv_cache.device)
+                    # [H, m, D] -> [T, H, D], the layout the attention layer hands to its cache update.
+                    key = memory.keys[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
+                    value = memory.values[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
+                    key = key.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
+                    value = value.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
+                    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+            except Exception as exc:  # this request's load fails; vLLM recomputes its blocks, the engine lives on
+                logger.warning("kvmem: load for request %s failed (%s: %s); its memory blocks are recomputed",
+                               ld.req_id, type(exc).__name__, exc)
+                self._load_errors |= self._block_ids_of(ld)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -99,12 +99,14 @@ class VLLMEngine:
         in_process: True -> VLLM_ENABLE_V1_MULTIPROCESSING=0 + "uni" executor; False -> vLLM's default
             multi-process mode; None -> as VLLM_ENABLE_V1_MULTIPROCESSING says (default multi-process).
         metrics_file: where the connector's scheduler side writes its counters (mismatch, injected, ...).
+        stores: the store directories (or folders holding stores) this engine may inject from, fixed here;
+            a request naming any other store gets a plain prefill.
     """
 
     def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
                  enforce_eager: bool = True, skip_tokenizer_init: bool = False, metrics_file: str | None = None,
-                 seed: int = 0, **llm_kwargs):
+                 seed: int = 0, stores: list[str | Path] = (), **llm_kwargs):
         dtype = resolve_dtype(dtype)
         self.max_model_len = fit_max_model_len(model, dtype, kv_cache_memory_bytes, max_model_len)
         max_model_len = self.max_model_len
@@ -114,13 +116,16 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
-        extra = {"metrics_file": metrics_file} if metrics_file else {}
+        extra = {"stores": [str(Path(p).resolve()) for p in stores]}
+        if metrics_file:
+            extra["metrics_file"] = metrics_file
         kwargs = dict(
             model=str(model), dtype=dtype, kv_cache_memory_bytes=int(kv_cache_memory_bytes),
             max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
             disable_log_stats=False, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
             kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
-                                                kv_role="kv_consumer", kv_connector_extra_config=extra),
+                                                kv_role="kv_consumer", kv_connector_extra_config=extra,
+                                                kv_load_failure_policy="recompute"),
         )
         if in_process:
             kwargs["distributed_executor_backend"] = "uni"
@@ -134,20 +139,24 @@ class VLLMEngine:
             first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
             raise EngineUnavailable(f"vLLM could not start ({type(exc).__name__}: {first})") from exc
 
-    def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool):
+    def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool,
+                  stop_token_ids: list[int] | None = None):
         from vllm import SamplingParams
 
         extra = {"kv_transfer_params": memory.params} if memory is not None else None
         return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                              detokenize=False, extra_args=extra)
+                              detokenize=False, extra_args=extra,
+                              stop_token_ids=None if ignore_eos else list(stop_token_ids or []) or None)
 
     def generate_many(self, prompts: list[list[int]], memories: list[MemoryRef | None], max_new_tokens: int = 32,
-                      ignore_eos: bool = False, salts: list[str | None] | None = None) -> list[VLLMGeneration]:
+                      ignore_eos: bool = False, salts: list[str | None] | None = None,
+                      stop_token_ids: list[int] | None = None) -> list[VLLMGeneration]:
         """Greedy answers for full prompt token ids (memory ids + query ids), one batch.
 
         A prompt with a MemoryRef gets the memory's kvmem params and user/version cache salt (the connector
         injects the memory's KV); one without gets ``salts[i]`` (None: shared prefix cache; give a unique salt
-        for a cold prompt-injection baseline).
+        for a cold prompt-injection baseline). ``stop_token_ids``: the service's stop rule (the same ids the
+        transformers engine stops at), on top of vLLM's EOS.
         """
         salts = salts or [None] * len(prompts)
         inputs, params = [], []
@@ -157,13 +166,14 @@ class VLLMEngine:
             if s is not None:
                 p["cache_salt"] = s
             inputs.append(p)
-            params.append(self._sampling(max_new_tokens, mem, ignore_eos))
+            params.append(self._sampling(max_new_tokens, mem, ignore_eos, stop_token_ids))
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [self._result(o) for o in outs]
 
     def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, max_new_tokens: int = 32,
-                 ignore_eos: bool = False, salt: str | None = None) -> VLLMGeneration:
-        return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt])[0]
+                 ignore_eos: bool = False, salt: str | None = None,
+                 stop_token_ids: list[int] | None = None) -> VLLMGeneration:
+        return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt], stop_token_ids)[0]
 
     def cold_salt(self) -> str:
         return f"cold:{uuid.uuid4().hex}"
@@ -194,9 +204,12 @@ def bench_service(store_root, lm, embedder, vllm_engine: VLLMEngine | None = Non
     class _VLLMService(MemoryService):
         def bare(self, question: str, max_new_tokens: int) -> dict:
             ids = self.fmt.query_ids(self.lm.tokenizer, question)
-            gen = self.vllm.generate(ids, None, max_new_tokens, salt=self.vllm.cold_salt())
+            gen = self.vllm.generate(ids, None, max_new_tokens, salt=self.vllm.cold_salt(), stop_token_ids=self.stop_ids)
             return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
                     "generated_tokens": len(gen.token_ids)}
 
-    return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options or None,
-                         vllm_engine=vllm_engine)
+    from ..bench.common import cache_root
+
+    vllm_options = {"stores": [cache_root(), store_root], **vllm_options}  # every cached bench store
+    return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options,
+                        vllm_engine=vllm_engine)

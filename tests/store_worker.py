@@ -1,0 +1,75 @@
+"""Subprocess roles for the store's concurrency and crash tests (tests/test_store_safety.py).
+
+    python store_worker.py write ROOT USER FIRST N [--big]   put_user generations FIRST.. FIRST+N-1 of USER
+    python store_worker.py read ROOT USER SECONDS        snapshot USER in a loop; count torn / failed reads
+
+Generation g of a user: facts "<user>-g<g>-<i>" whose keys and values are filled with the float g, so any read
+that pairs rows of one generation with tensors of another is seen at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from kvmem.store import FactRecord, Store, StoreError
+
+FP = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
+N_FACTS = 3
+
+
+def generation(user: str, g: int, big: bool = False):
+    tokens = 2000 if big else 4  # big: a few MB per file, so a kill lands inside a write
+    facts = [FactRecord(f"{user}-g{g}-{i}", user, f"fact {i} of gen {g}", "", "", "", tuple(range(tokens)), 0, 0)
+             for i in range(N_FACTS)]
+    kv = [torch.full((2, 1, tokens, 64), float(g)) for _ in facts]
+    return facts, kv, torch.full((N_FACTS, 4), float(g))
+
+
+def create(root) -> Store:
+    header = torch.zeros(2, 1, 3, 64)
+    return Store.create(root, FP, "hdr", [1, 2, 3], header, header.clone(), {"name": "e", "dim": 4})
+
+
+def check(ukv) -> int:
+    """The generation of a snapshot; raises AssertionError if its rows and tensors disagree."""
+    gens = {int(f.fact_id.split("-g")[1].split("-")[0]) for f in ukv.facts}
+    assert len(gens) == 1, f"fact rows of several generations: {gens}"
+    (g,) = gens
+    for t in (ukv.keys, ukv.values, ukv.embeddings):
+        assert bool((t == g).all()), f"rows of generation {g}, tensors of {t.flatten()[0].item()}"
+    assert ukv.keys.shape[2] == sum(f.num_tokens for f in ukv.facts)
+    return g
+
+
+def main(argv):
+    role, root, user = argv[:3]
+    if role == "write":
+        first, n, big = int(argv[3]), int(argv[4]), "--big" in argv
+        st = Store.open(root)
+        for g in range(first, first + n):
+            facts, kv, emb = generation(user, g, big)
+            st.put_user(user, facts, kv, kv, emb, window=0)
+            print(g, flush=True)  # generation g is committed
+        return
+    seconds = float(argv[3])
+    st = Store.open(root)
+    reads = torn = failed = 0
+    gens = set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            gens.add(check(st.user_kv(user)))
+        except AssertionError:
+            torn += 1
+        except (StoreError, OSError):
+            failed += 1
+        reads += 1
+    print(json.dumps({"reads": reads, "torn": torn, "failed": failed, "generations": len(gens)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,148 @@
+"""Issue 10, store side: counts checked before anything is written, WAL + busy timeout, no DDL on open, schema
+version, one consistent snapshot per read under a concurrent writer, serialized writers, crash and kill -9 safety
+(every kill leaves the previous or the new generation, checksummed, and fsck leaves no orphan)."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import store_worker as sw
+from kvmem.store import SCHEMA_VERSION, Store, StoreError
+
+WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    st = sw.create(tmp_path / "s")
+    facts, kv, emb = sw.generation("u", 1)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    return st
+
+
+def test_put_user_refuses_mismatched_counts_and_writes_nothing(store):
+    files = sorted(p.name for p in (store.root / "users").iterdir())
+    facts, kv, emb = sw.generation("u", 2)
+    for keys, values, e, what in ((kv[:2], kv, emb, "2 keys"), (kv, kv[:1], emb, "1 values"),
+                                  (kv, kv, emb[:2], "2 embeddings")):
+        with pytest.raises(StoreError, match=f"3 facts but .*{what}"):
+            store.put_user("u", facts, keys, values, e, window=0)
+    bad_values = [v[:, :, :2] for v in kv]
+    with pytest.raises(StoreError, match="values"):
+        store.put_user("u", facts, kv, bad_values, emb, window=0)
+    assert sorted(p.name for p in (store.root / "users").iterdir()) == files
+    assert sw.check(store.snapshot("u")) == 1
+
+
+def test_sqlite_wal_busy_timeout_schema_version(store):
+    db = sqlite3.connect(store.root / "meta.sqlite")
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] >= 10_000
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    with pytest.raises(StoreError, match="schema version 1 is not 2"):
+        Store.open(store.root)
+
+
+def test_open_never_writes(store):
+    """Opening runs no DDL: a table dropped from outside is not silently re-created (the old open did)."""
+    store.close()
+    db = sqlite3.connect(store.root / "meta.sqlite")
+    db.execute("DROP TABLE facts")
+    db.commit()
+    st = Store.open(store.root)
+    with pytest.raises(sqlite3.OperationalError, match="no such table: facts"):
+        st.snapshot("u")
+    assert db.execute("SELECT name FROM sqlite_master WHERE name='facts'").fetchone() is None
+
+
+def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch):
+    """A writer that dies after its tensor files are written but before the commit: the old generation stays
+    served, and the next writer (or fsck) removes the half-written files."""
+    import kvmem.store as ks
+
+    real = ks.save_file
+    calls = []
+
+    def dying(tensors, path):
+        calls.append(path)
+        digest = real(tensors, path)
+        if len(calls) == 2:  # both files of the new version are on disk; the commit never comes
+            raise KeyboardInterrupt
+        return digest
+
+    monkeypatch.setattr(ks, "save_file", dying)
+    facts, kv, emb = sw.generation("u", 2)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_user("u", facts, kv, kv, emb, window=0)
+    monkeypatch.setattr(ks, "save_file", real)
+    st = Store.open(store.root)
+    assert sw.check(st.snapshot("u")) == 1
+    assert len(list((store.root / "users").iterdir())) == 4  # 2 live + 2 orphans
+    report = st.fsck()
+    assert report["ok"] == ["u"] and len(report["removed"]) == 2 and report["bad"] == {}
+    assert len(list((store.root / "users").iterdir())) == 2
+
+
+def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
+    """Issue 10 (h): one process rewrites U, another writes V, a third reads U. No read may pair one
+    generation's rows with another's tensors, and none may fail."""
+    facts, kv, emb = sw.generation("v", 1)
+    store.put_user("v", facts, kv, kv, emb, window=0)
+    root = str(store.root)
+    procs = [subprocess.Popen(WORKER + ["write", root, "u", "2", "150"], stdout=subprocess.DEVNULL),
+             subprocess.Popen(WORKER + ["write", root, "v", "2", "150"], stdout=subprocess.DEVNULL)]
+    reader = subprocess.run(WORKER + ["read", root, "u", "6"], capture_output=True, text=True, timeout=120)
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    r = json.loads(reader.stdout)
+    assert r["reads"] > 50 and r["generations"] > 1, r  # it really read while the writer wrote
+    assert (r["torn"], r["failed"]) == (0, 0), r
+    st = Store.open(root)
+    assert sw.check(st.snapshot("u")) == 151 and sw.check(st.snapshot("v")) == 151
+    assert st.fsck()["removed"] == []  # two writers, serialized: no orphan
+
+
+def test_kill_dash_9_during_writes(store):
+    """Issue 10 item 9: kill a writer at random points, 20 times. After each kill the store opens, the user is
+    at the last committed generation or the one in flight, its KV passes the checksum, and fsck leaves only
+    live files."""
+    rng = random.Random(0)
+    root, committed = str(store.root), 1
+    for _ in range(20):
+        p = subprocess.Popen(WORKER + ["write", root, "u", str(committed + 1), "50", "--big"],
+                             stdout=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.3, 1.5))
+        p.send_signal(signal.SIGKILL)
+        out, _ = p.communicate(timeout=30)
+        done = [int(x) for x in out.split()]
+        last = done[-1] if done else committed
+        st = Store.open(root)
+        g = sw.check(st.snapshot("u"))  # raises on a checksum failure or a torn pair
+        assert g in (last, last + 1), (g, last)
+        st.fsck()
+        live = {p.name for p in st._files("u", st.user_info("u")["version"])}
+        assert {p.name for p in (Path(root) / "users").iterdir()} == live
+        committed = g
+        st.close()
+    assert committed > 3  # the writers made progress between kills
+
+
+def test_fsck_reports_a_corrupt_user(store):
+    kv_file, _ = store._files("u", store.user_info("u")["version"])
+    data = bytearray(kv_file.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte inside a tensor
+    kv_file.write_bytes(bytes(data))
+    report = Store.open(store.root).fsck()
+    assert report["ok"] == [] and "fails its checksum" in report["bad"]["u"]
