@@ -122,8 +122,9 @@ def test_bos_and_eos_follow_the_gguf(name):
 
     meta = json.loads((model_dir(name) / MANIFEST).read_text())["tokenizer"]
     lm = load(name)
-    ids = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat).header_ids(lm.tokenizer)
-    assert (ids[0] == meta["bos_token_id"]) == meta["add_bos"]
+    fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
+    plain = lm.tokenizer(fmt.header, add_special_tokens=False)["input_ids"]
+    assert fmt.header_ids(lm.tokenizer) == ([meta["bos_token_id"]] if meta["add_bos"] else []) + plain
     assert meta["add_bos"] == (name == GEMMA)
     eos = lm.model.generation_config.eos_token_id
     assert meta["eos_token_id"] in ([eos] if isinstance(eos, int) else eos)

@@ -126,7 +126,14 @@ def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
     model = tiny_model("llama")
     seqs = [random_ids(n, seed=n) for n in (40, 41, 90)]
     ticks = []
-    encode_spans(model, seqs, [(0, 5)] * 3, max_batch_tokens=100, progress=ticks.append)
+
+    def progress(n):  # like tqdm.update, returns a value; the hooks must not pass it on as the layer's output
+        ticks.append(n)
+        return True
+
+    plain = encode_spans(model, seqs, [(0, 5)] * 3, max_batch_tokens=100)
+    ticked = encode_spans(model, seqs, [(0, 5)] * 3, max_batch_tokens=100, progress=progress)
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(plain, ticked))
     assert sum(ticks) == 40 + 41 + 90
     n_batches = 2  # [40, 41] fit 100 padded tokens together, 90 goes alone
     assert len(ticks) == n_batches * model.config.num_hidden_layers

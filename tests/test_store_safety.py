@@ -146,3 +146,16 @@ def test_fsck_reports_a_corrupt_user(store):
     kv_file.write_bytes(bytes(data))
     report = Store.open(store.root).fsck()
     assert report["ok"] == [] and "fails its checksum" in report["bad"]["u"]
+
+
+def test_fsck_command(store):
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    (store.root / "users" / "u.deadbeef0000.kv.safetensors").write_bytes(b"half a write")
+    res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output) == {"users": 1, "ok": ["u"], "bad": {}, "removed": ["u.deadbeef0000.kv.safetensors"]}
+    res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root / "nope")])
+    assert res.exit_code == 2 and "no kvmem store" in res.output

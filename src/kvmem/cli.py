@@ -22,6 +22,8 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency, through
 eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluations.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
+store_app = typer.Typer(no_args_is_help=True, help="Store maintenance.")
+app.add_typer(store_app, name="store")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -186,6 +188,25 @@ def ask(
         t = ans.timings_ms
         typer.echo(f"{ans.answer}\n[{engine} {mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
                    f"ttft={t['ttft']:.0f} ms total={t['total']:.0f} ms]")
+
+
+@store_app.command("fsck")
+@friendly
+def store_fsck(store: Path = typer.Option(..., help="Store directory."), as_json: bool = typer.Option(False, "--json")):
+    """Check every user's rows, files and KV checksum; remove files left by a killed writer. Exit 1 if a user
+    is bad."""
+    from .store import Store
+
+    report = Store.open(store).fsck()
+    if as_json:
+        _emit(report, True)
+    else:
+        typer.echo(f"{report['users']} users: {len(report['ok'])} ok, {len(report['bad'])} bad; removed "
+                   f"{len(report['removed'])} orphaned files")
+        for user, why in report["bad"].items():
+            typer.echo(f"  {user}: {why}")
+    if report["bad"]:
+        raise typer.Exit(1)
 
 
 @app.command("check-exactness")

@@ -129,9 +129,13 @@ def encode_spans(
     out: list[SpanKV | None] = [None] * len(sequences)
     layers = _layers(model)
     in_flight = [0]  # real tokens of the batch being run, for the per-layer progress ticks
-    hooks = [layer.register_forward_hook(
-        lambda _m, _i, _o, i=i: progress(in_flight[0] * (i + 1) // len(layers) - in_flight[0] * i // len(layers)))
-        for i, layer in enumerate(layers)] if progress else []
+
+    def tick(i: int):
+        def hook(_module, _inputs, _output) -> None:  # returns None: a forward hook's value would replace the output
+            progress(in_flight[0] * (i + 1) // len(layers) - in_flight[0] * i // len(layers))
+        return hook
+
+    hooks = [layer.register_forward_hook(tick(i)) for i, layer in enumerate(layers)] if progress else []
     with capture_kv(model) as (keys, values), served_length(model, served_len):
         try:
             for batch, ids in length_batches(sequences, max_batch_tokens, equal_lengths_only):
