@@ -2,6 +2,7 @@
 
     python store_worker.py write ROOT USER FIRST N [--big]   put_user generations FIRST.. FIRST+N-1 of USER
     python store_worker.py read ROOT USER SECONDS        snapshot USER in a loop; count torn / failed reads
+    python store_worker.py churn ROOT USER N             N single-fact adds and deletes (ids c0, c1, ...)
 
 Generation g of a user: facts "<user>-g<g>-<i>" whose keys and values are filled with the float g, so any read
 that pairs rows of one generation with tensors of another is seen at once.
@@ -39,9 +40,10 @@ def check(ukv) -> int:
     gens = {int(f.fact_id.split("-g")[1].split("-")[0]) for f in ukv.facts}
     assert len(gens) == 1, f"fact rows of several generations: {gens}"
     (g,) = gens
-    for t in (ukv.keys, ukv.values, ukv.embeddings):
+    keys, values = ukv.gather(list(range(len(ukv.facts))))
+    for t in (keys, values, ukv.embeddings):
         assert bool((t == g).all()), f"rows of generation {g}, tensors of {t.flatten()[0].item()}"
-    assert ukv.keys.shape[2] == sum(f.num_tokens for f in ukv.facts)
+    assert keys.shape[2] == sum(f.num_tokens for f in ukv.facts)
     return g
 
 
@@ -54,6 +56,20 @@ def main(argv):
             facts, kv, emb = generation(user, g, big)
             st.put_user(user, facts, kv, kv, emb, window=0)
             print(g, flush=True)  # generation g is committed
+        return
+    if role == "churn":
+        import random
+
+        rng, st, live = random.Random(1), Store.open(root), []
+        for i in range(int(argv[3])):
+            if len(live) < 3 or rng.random() < 0.55:
+                fid = f"c{i}"
+                f = FactRecord(fid, user, fid, "", "", "", (1, 2), 0, 0)
+                k = torch.full((2, 1, 2, 64), float(i))
+                st.commit(user, [f], [k], [k.clone()], torch.nn.functional.normalize(torch.randn(1, 4), dim=1))
+                live.append(fid)
+            else:
+                st.commit(user, delete=[live.pop(rng.randrange(len(live)))])
         return
     seconds = float(argv[3])
     st = Store.open(root)

@@ -114,7 +114,8 @@ def build(tmp: Path, family: str) -> dict:
         mem = compose(rot, header, st.header_kv(), ukv, [rows[f] for f in ORDER])
         assert mem.token_ids == joint_ids
         refs[user] = engine.generate(query, mem, "kv", STEPS).token_ids
-    kv_file = next((tmp / "store" / "users").glob(f"trunc.{versions['trunc']}.kv.safetensors"))
+    (seg,) = st.snapshot("trunc").segments
+    kv_file = st._segment_path("trunc", seg)
     kv_file.write_bytes(kv_file.read_bytes()[:-64])
     st.close()
     cfg = model.config
@@ -212,10 +213,8 @@ def run_mode(spec_path: str, run: str) -> None:
     old = st.snapshot("replaced")
     results["before_replace"] = [_row(eng.generate(mem_ids, MemoryRef(spec["store"], "replaced", old.version, fact_ids),
                                                    STEPS, ignore_eos=True), None)]
-    new_version = st.put_user("replaced", old.facts, [old.keys[:, :, f.token_offset:f.token_offset + f.num_tokens]
-                                                    for f in old.facts],
-                              [old.values[:, :, f.token_offset:f.token_offset + f.num_tokens] for f in old.facts],
-                              old.embeddings, 0)
+    kvs = [old.fact_kv(i) for i in range(len(old.facts))]
+    new_version = st.put_user("replaced", old.facts, [k for k, _ in kvs], [v for _, v in kvs], old.embeddings, 0)
     st.close()
     # in another fact order, so no block of it is in vLLM's prefix cache: only the connector decides
     rev_ids = spec["memory_rev"] + spec["query"]

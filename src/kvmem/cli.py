@@ -24,6 +24,9 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
 store_app = typer.Typer(no_args_is_help=True, help="Store maintenance.")
 app.add_typer(store_app, name="store")
+memory_app = typer.Typer(no_args_is_help=True, help="Online memory (Mem0-shaped): add, search, list, get, update, "
+                         "delete, delete-all, history, compact.")
+app.add_typer(memory_app, name="memory")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -188,6 +191,127 @@ def ask(
         t = ans.timings_ms
         typer.echo(f"{ans.answer}\n[{engine} {mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
                    f"ttft={t['ttft']:.0f} ms total={t['total']:.0f} ms]")
+
+
+_MSTORE = typer.Option(..., "--store", help="Store directory (created on the first add).")
+_MUSER = typer.Option(..., "--user", help="User id.")
+_MJSON = typer.Option(False, "--json")
+
+
+def _memory(store: Path, model: Optional[str] = None, window: int = 5, dtype: str = "auto",
+            extractor_url: Optional[str] = None, extractor_model: Optional[str] = None):
+    from .memory import Memory
+
+    ext = {"base_url": extractor_url, "model": extractor_model or "default"} if extractor_url else None
+    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext)
+
+
+def _print_memories(items: list[dict], as_json: bool) -> None:
+    if as_json:
+        _emit({"results": items}, True)
+        return
+    for m in items:
+        score = f"{m['score']:.3f}  " if "score" in m else ""
+        typer.echo(f"{score}{m['id']}  {m['memory']}")
+
+
+@memory_app.command("add")
+@friendly
+def memory_add(
+    file: Optional[Path] = typer.Argument(None, help="Messages: a JSON list of {role, content}, or plain text; "
+                                          "'-' or nothing reads standard input."),
+    store: Path = _MSTORE, user: str = _MUSER,
+    infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
+                               "or store each message verbatim."),
+    window: int = typer.Option(5, help="Conversation turns encoded before each new fact."),
+    model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
+    extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
+    extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
+):
+    """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
+    text = sys.stdin.read() if file is None or str(file) == "-" else file.read_text()
+    if not text.strip():
+        raise ValueError("no messages given (a file, or standard input)")
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError:
+        messages = text.strip()
+    mem = _memory(store, model, window, dtype, extractor_url, extractor_model)
+    out = mem.add(messages, user, infer=infer)
+    if as_json:
+        _emit(out, True)
+    else:
+        for r in out["results"]:
+            typer.echo(f"{r['event']:6s} {r['id']}  {r['memory']}")
+
+
+@memory_app.command("search")
+@friendly
+def memory_search(query: str, store: Path = _MSTORE, user: str = _MUSER, limit: int = typer.Option(10),
+                  as_json: bool = _MJSON):
+    """The memories most similar to QUERY, best first."""
+    _print_memories(_memory(store).search(query, user, limit=limit)["results"], as_json)
+
+
+@memory_app.command("list")
+@friendly
+def memory_list(store: Path = _MSTORE, user: str = _MUSER, limit: int = typer.Option(100), as_json: bool = _MJSON):
+    """A user's live memories, oldest first."""
+    _print_memories(_memory(store).get_all(user, limit=limit)["results"], as_json)
+
+
+@memory_app.command("get")
+@friendly
+def memory_get(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+    """One memory by id."""
+    m = _memory(store).get(memory_id)
+    if m is None:
+        raise ValueError(f"memory {memory_id!r} not found")
+    _print_memories([m], as_json) if not as_json else _emit(m, True)
+
+
+@memory_app.command("update")
+@friendly
+def memory_update(memory_id: str, text: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+    """Replace a memory's text (re-encoded; the id stays)."""
+    out = _memory(store).update(memory_id, text)
+    _emit(out, True) if as_json else typer.echo(out["message"])
+
+
+@memory_app.command("delete")
+@friendly
+def memory_delete(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+    """Delete one memory (it is never retrieved or injected again)."""
+    out = _memory(store).delete(memory_id)
+    _emit(out, True) if as_json else typer.echo(out["message"])
+
+
+@memory_app.command("delete-all")
+@friendly
+def memory_delete_all(store: Path = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
+    """Delete every memory of a user."""
+    out = _memory(store).delete_all(user)
+    _emit(out, True) if as_json else typer.echo(out["message"])
+
+
+@memory_app.command("history")
+@friendly
+def memory_history(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+    """Every event of a memory: ADD, UPDATE (old and new text), DELETE, with times."""
+    events = _memory(store).history(memory_id)
+    if as_json:
+        _emit(events, True)
+        return
+    for e in events:
+        typer.echo(f"{e['created_at']}  {e['event']:6s} {e['old_memory'] or ''!s:30.30s} -> {e['new_memory'] or ''}")
+
+
+@memory_app.command("compact")
+@friendly
+def memory_compact(store: Path = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
+    """Rewrite a user's KV segments without deleted rows."""
+    out = _memory(store).compact(user)
+    _emit(out, True) if as_json else typer.echo(out["message"])
 
 
 @store_app.command("fsck")

@@ -112,7 +112,7 @@ def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor
     Args:
         rotary: the model's rotary (``Rotary.for_model(model)`` or ``Rotary.from_config(config)``).
         header_kv: header pre-RoPE keys, raw values, [L, H, h, D].
-        user_kv: ``store.UserKV`` (packed pre-RoPE keys / raw values [L, H, N, D]).
+        user_kv: ``store.UserKV`` (one version of a user's facts; pre-RoPE keys / raw values by segment).
         rows: fact rows of ``user_kv.facts``, in injected order (see ``retrieve.order_reverse_proximity``).
         start: virtual position of the first header token (0 in serving; d > 0 in the relocation check).
         device: where the composed tensors go (the engine's device); gathering happens on the store's side.
@@ -121,11 +121,10 @@ def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor
         ComposedMemory on ``device``, in the stored dtype.
     """
     facts = [user_kv.facts[r] for r in rows]
-    token_index = torch.cat([torch.arange(f.token_offset, f.token_offset + f.num_tokens) for f in facts]) \
-        if facts else torch.zeros(0, dtype=torch.long)
+    fk, fv = user_kv.gather(rows)
     hk, hv = header_kv
-    keys = torch.cat([hk, user_kv.keys.index_select(2, token_index)], dim=2).to(device)
-    values = torch.cat([hv, user_kv.values.index_select(2, token_index)], dim=2).to(device)
+    keys = torch.cat([hk, fk], dim=2).to(device)
+    values = torch.cat([hv, fv], dim=2).to(device)
     token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
     positions = torch.arange(start, start + len(token_ids))
     return ComposedMemory(token_ids, [f.fact_id for f in facts], start,

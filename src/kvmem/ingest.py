@@ -7,6 +7,7 @@ token is never an attention sink.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,24 +52,66 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
     return store, fmt
 
 
-def context_sequences(tok, header_ids: list[int], conv: Conversation, window: int):
-    """Context-window encoding inputs (paper §3.2): per fact, ``[header][window turns before its source turn]
-    [fact]`` token ids, and the (start, end) span of the fact's own tokens in it."""
+def build_sequences(tok, header_ids: list[int], contexts: list[str], facts: list[str]):
+    """Context-window encoding inputs (paper §3.2): per fact ``[header][context][fact]`` token ids, and the
+    (start, end) span of the fact's own tokens in it. ``facts``: rendered fact texts; ``contexts``: rendered turns."""
     sequences, spans = [], []
-    for f in conv.facts:
-        ctx = "".join(t.render() for t in conv.turns_before(f.source_turn, window))
+    for ctx, fact in zip(contexts, facts, strict=True):
         ctx_ids = text_ids(tok, ctx) if ctx else []
-        ids = text_ids(tok, f.render())
+        ids = text_ids(tok, fact)
         start = len(header_ids) + len(ctx_ids)
         sequences.append(list(header_ids) + ctx_ids + ids)
         spans.append((start, start + len(ids)))
     return sequences, spans
 
 
+def conversation_inputs(conv: Conversation, window: int) -> tuple[list[str], list[str]]:
+    """(contexts, rendered facts) of a LoCoMo conversation: each observation behind the ``window`` turns
+    before its source turn."""
+    contexts = ["".join(t.render() for t in conv.turns_before(f.source_turn, window)) for f in conv.facts]
+    return contexts, [f.render() for f in conv.facts]
+
+
+def context_sequences(tok, header_ids: list[int], conv: Conversation, window: int):
+    """``build_sequences`` for a LoCoMo conversation's facts (what ``ingest_conversation`` encodes)."""
+    return build_sequences(tok, header_ids, *conversation_inputs(conv, window))
+
+
+def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], facts: list[str],
+                 max_batch_tokens: int = 2048, progress=None):
+    """Encode many facts behind their contexts in batched forward passes (``build_sequences``). Returns (token
+    ids per fact, SpanKV per fact, tokens run through the model)."""
+    sequences, spans = build_sequences(lm.tokenizer, header_ids, contexts, facts)
+    kvs = encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=progress) if sequences else []
+    return [tuple(seq[s:e]) for seq, (s, e) in zip(sequences, spans)], kvs, sum(map(len, sequences))
+
+
+def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, facts: list[FactRecord],
+                contexts: list[str], rendered: list[str], delete: list[str] = (), replace: bool = False,
+                turns: list[dict] = (), events: list[tuple] = (), window: int = 0, source: str | None = None,
+                max_batch_tokens: int = 2048, progress=None, now: float | None = None) -> tuple[str, dict]:
+    """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): encode the new
+    facts behind their contexts in one batched pass, embed them in one call, and commit facts, tombstones, turns
+    and history in one store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``.
+    Returns (version, timings {encode_s, embed_s, encoded_tokens})."""
+    t0 = time.perf_counter()
+    ids, kvs, n_tokens = encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress)
+    t1 = time.perf_counter()
+    emb = embedder.embed([f.text for f in facts]) if facts else None
+    t2 = time.perf_counter()
+    facts = [dataclasses.replace(f, token_ids=i) for f, i in zip(facts, ids)]
+    version = store.commit(user, facts, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb,
+                           delete=list(delete), replace=replace, turns=list(turns), events=list(events),
+                           window=window, source=source, now=now)
+    return version, {"encode_s": t1 - t0, "embed_s": t2 - t1, "encoded_tokens": n_tokens}
+
+
 def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
                         window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
                         source: str = "") -> IngestReport:
-    """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically).
+    """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
+    through the one write path (``write_facts``): observations are the facts, their source turns' windows the
+    context, and the conversation's turns become the user's stored turns.
 
     Raises StoreError if the store belongs to another model or the conversation has no facts.
     """
@@ -78,27 +121,28 @@ def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | P
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()
     store, fmt = open_or_create_store(store_root, lm, embedder)
-    sequences, spans = context_sequences(lm.tokenizer, store.header_token_ids, conv, window)
-    records = [FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date,
-                          tuple(seq[s:e]), 0, window) for f, seq, (s, e) in zip(conv.facts, sequences, spans)]
+    contexts, rendered = conversation_inputs(conv, window)
+    records = [FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)
+               for f in conv.facts]
     bar = None
     if progress:  # by tokens, ticking per decoder layer, so it moves (with an ETA) even on a slow CPU
         import sys
 
         from tqdm import tqdm
 
-        bar = tqdm(total=sum(map(len, sequences)), desc=f"encode {conv.sample_id} ({len(records)} facts, w={window})",
+        total = sum(map(len, build_sequences(lm.tokenizer, store.header_token_ids, contexts, rendered)[0]))
+        bar = tqdm(total=total, desc=f"encode {conv.sample_id} ({len(records)} facts, w={window})",
                    unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0)
-    t1 = time.perf_counter()
-    kvs = encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=bar.update if bar else None)
-    encode_s = time.perf_counter() - t1
+    turns = [{"dia_id": t.dia_id, "speaker": t.speaker, "content": t.text} for t in conv.turns]
+    version, tm = write_facts(lm, embedder, store, conv.sample_id, records, contexts, rendered, replace=True,
+                              turns=turns, window=window,
+                              source=source, max_batch_tokens=max_batch_tokens,
+                              progress=bar.update if bar else None)
     if bar:
         bar.close()
-    t2 = time.perf_counter()
-    emb = embedder.embed([f.text for f in conv.facts])
-    embed_s = time.perf_counter() - t2
-    version = store.put_user(conv.sample_id, records, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs],
-                             emb, window, source)
+    n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id).facts)
     store.close()
-    return IngestReport(conv.sample_id, len(records), sum(r.num_tokens for r in records),
-                        sum(len(s) for s in sequences), window, encode_s, embed_s, time.perf_counter() - t0, version)
+    return IngestReport(conv.sample_id, len(records), n_fact, tm["encoded_tokens"], window, tm["encode_s"],
+                        tm["embed_s"], time.perf_counter() - t0, version)
+
+

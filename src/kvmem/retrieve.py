@@ -77,6 +77,54 @@ class FlatIPIndex:
         return scores[0], rows[0]
 
 
+class UserIndex:
+    """One user's exact inner-product index over store row ids (FAISS ``IndexIDMap2`` over ``IndexFlatIP``), kept
+    in step with the store incrementally: ``sync`` applies the facts added and tombstoned since the version it
+    reflects (``add_with_ids`` / ``remove_ids``), or rebuilds after a compaction. ``search`` returns
+    (scores [k], positions [k] into ``ukv.facts``), best first."""
+
+    def __init__(self, dim: int):
+        import faiss
+
+        self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        self.version: str | None = None
+
+    def __len__(self) -> int:
+        return self.index.ntotal
+
+    def _rebuild(self, ukv) -> None:
+        self.index.reset()
+        if ukv.facts:
+            self.index.add_with_ids(np.ascontiguousarray(ukv.embeddings.float().numpy()),
+                                    np.array([f.row for f in ukv.facts], dtype=np.int64))
+
+    def sync(self, store, ukv) -> "UserIndex":
+        """Bring the index to ``ukv.version`` (a snapshot of ``store``)."""
+        if self.version == ukv.version:
+            return self
+        delta = store.changes(ukv.user, self.version) if self.version is not None else None
+        if delta is None:
+            self._rebuild(ukv)
+        else:
+            added, removed = delta
+            if removed:
+                self.index.remove_ids(np.array(removed, dtype=np.int64))
+            if added:
+                self.index.add_with_ids(np.ascontiguousarray(torch.stack([e for _, e in added]).numpy()),
+                                        np.array([r for r, _ in added], dtype=np.int64))
+            if self.index.ntotal != len(ukv.facts):  # a writer committed between the snapshot and the delta
+                self._rebuild(ukv)
+        self.version = ukv.version
+        return self
+
+    def search(self, query: torch.Tensor, top_k: int, ukv) -> tuple[np.ndarray, np.ndarray]:
+        q = np.ascontiguousarray(query.float().reshape(1, -1).numpy())
+        scores, ids = self.index.search(q, min(top_k, self.index.ntotal))
+        pos = {f.row: i for i, f in enumerate(ukv.facts)}
+        keep = [j for j, i in enumerate(ids[0]) if i in pos]
+        return scores[0][keep], np.array([pos[ids[0][j]] for j in keep], dtype=np.int64)
+
+
 @dataclass
 class Retrieved:
     rows: list[int]  # rows into the user's facts, best first

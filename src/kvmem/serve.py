@@ -13,7 +13,7 @@ from .engines.hf import HFEngine
 from .hardware import EngineUnavailable, resolve_engine
 from .models import REGISTRY, LoadedModel, fingerprint, load, model_dir
 from .rope import Rotary
-from .retrieve import Embedder, FlatIPIndex, Retrieved, order_reverse_proximity
+from .retrieve import Embedder, Retrieved, UserIndex, order_reverse_proximity
 from .store import Store
 
 
@@ -80,7 +80,7 @@ class MemoryService:
         self.engine = HFEngine(model.model, eos_token_ids=eos)
         self.rotary = Rotary.for_model(model.model)
         self.max_context = max_context or model.config.max_position_embeddings
-        self._indexes: dict[tuple[str, str], FlatIPIndex] = {}
+        self._indexes: dict[str, UserIndex] = {}
         self.engine_name, self.vllm = engine, None
         if engine == "vllm" and vllm_engine is not None:
             self.vllm = vllm_engine
@@ -99,12 +99,12 @@ class MemoryService:
         if self.vllm is not None:
             self.max_context = min(self.max_context, self.vllm.max_model_len)
 
-    def index(self, user: str) -> FlatIPIndex:
-        ukv = self.store.user_kv(user)
-        key = (user, ukv.version)
-        if key not in self._indexes:
-            self._indexes[key] = FlatIPIndex(ukv.embeddings)
-        return self._indexes[key]
+    def index(self, user: str, ukv=None) -> UserIndex:
+        """``user``'s vector index, synced to ``ukv`` (default: the current snapshot) incrementally."""
+        ukv = ukv or self.store.user_kv(user)
+        if user not in self._indexes:
+            self._indexes[user] = UserIndex(ukv.embeddings.shape[1])
+        return self._indexes[user].sync(self.store, ukv)
 
     def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> "Prepared":
         """Everything before the model call: embed, retrieve, order, check the budget, compose.
@@ -123,10 +123,10 @@ class MemoryService:
             raise ValueError(f"mode must be 'kv' or 'prompt', not {mode!r}")
         t0 = time.perf_counter()
         ukv = self.store.user_kv(user)
-        index = self.index(user)
+        index = self.index(user, ukv)
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
-        scores, rows = index.search(q_vec, top_k)
+        scores, rows = index.search(q_vec, top_k, ukv)
         retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
         t2 = time.perf_counter()
         query_ids = self.fmt.query_ids(self.lm.tokenizer, question)

@@ -38,8 +38,8 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
-FORMAT_VERSION = 2  # manifest format; 2: checksummed, versioned schema (stores of format 1 must be re-ingested)
-SCHEMA_VERSION = 2  # meta.sqlite PRAGMA user_version
+FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
+SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version
 BUSY_TIMEOUT_S = 30.0
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -78,6 +78,9 @@ class StoreDtypeMismatch(StoreMismatch):
 
 @dataclass(frozen=True)
 class FactRecord:
+    """One stored fact. ``token_offset`` indexes its ``segment``'s [.., n, ..] tensors; ``row`` is the store's
+    stable row id (the vector index id); times are Unix seconds."""
+
     fact_id: str
     user: str
     text: str
@@ -85,8 +88,13 @@ class FactRecord:
     source_turn: str
     date: str
     token_ids: tuple[int, ...]
-    token_offset: int  # into the user's packed [.., N, ..] tensors
-    window: int
+    token_offset: int = 0
+    window: int = 0
+    segment: str = ""
+    row: int = 0
+    metadata: str = "{}"  # JSON
+    created_at: float = 0.0
+    updated_at: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -95,36 +103,92 @@ class FactRecord:
 
 @dataclass
 class UserKV:
-    """A user's packed fact KV: keys/values [L, H, N, D]; fact ``i`` owns tokens offsets[i]:offsets[i]+lengths[i]."""
+    """One version of a user's memory: its live facts (row order), their KV by segment, their embeddings.
+
+    ``segments[s]`` = (keys, values), each [L, H, n_s, D]; fact ``i`` owns tokens ``token_offset .. +num_tokens``
+    of its segment. ``embeddings``: [F, E] float32, L2-normalised, row ``i`` = ``facts[i]``."""
 
     user: str
     version: str
     facts: list[FactRecord]
-    keys: torch.Tensor
-    values: torch.Tensor
-    embeddings: torch.Tensor  # [F, E] float32, L2-normalised
+    segments: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    embeddings: torch.Tensor
 
     def row_of(self) -> dict[str, int]:
-        """fact_id -> row in ``facts`` (and in ``embeddings``)."""
+        """fact_id -> position in ``facts`` (and in ``embeddings``)."""
         return {f.fact_id: i for i, f in enumerate(self.facts)}
+
+    def fact_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each (views)."""
+        f = self.facts[i]
+        k, v = self.segments[f.segment]
+        return k[:, :, f.token_offset:f.token_offset + f.num_tokens], v[:, :, f.token_offset:f.token_offset + f.num_tokens]
+
+    def gather(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each."""
+        kvs = [self.fact_kv(r) for r in rows]
+        if not kvs:
+            k, _ = next(iter(self.segments.values()))
+            empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
+            return empty, empty.clone()
+        return torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(f.num_tokens for f in self.facts)
 
 
 _SCHEMA = f"""
 PRAGMA journal_mode=WAL;
 PRAGMA user_version={SCHEMA_VERSION};
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
 CREATE TABLE IF NOT EXISTS users (
-    user TEXT PRIMARY KEY, version TEXT NOT NULL, window INTEGER NOT NULL,
-    num_facts INTEGER NOT NULL, num_tokens INTEGER NOT NULL, source TEXT, updated REAL NOT NULL,
-    kv_sha256 TEXT NOT NULL);
+    user TEXT PRIMARY KEY, version INTEGER NOT NULL, window INTEGER NOT NULL, source TEXT,
+    compacted INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS segments (
+    user TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
+    PRIMARY KEY (user, segment));
 CREATE TABLE IF NOT EXISTS facts (
-    user TEXT NOT NULL, row INTEGER NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL, speaker TEXT,
-    source_turn TEXT, date TEXT, token_ids TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL,
-    PRIMARY KEY (user, row), UNIQUE (user, fact_id));
+    row INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL,
+    speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{{}}', token_ids TEXT NOT NULL,
+    segment TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL, embedding BLOB NOT NULL,
+    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
+CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
+CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
+CREATE TABLE IF NOT EXISTS history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, event TEXT NOT NULL,
+    old_memory TEXT, new_memory TEXT, time REAL NOT NULL, version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id);
+CREATE TABLE IF NOT EXISTS turns (
+    user TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL, time REAL,
+    PRIMARY KEY (user, idx));
 """
+
+_FACT_COLS = ("fact_id, user, text, speaker, source_turn, date, token_ids, token_offset, window, segment, row, "
+              "metadata, created_at, updated_at")
+
+
+def _fact(r) -> FactRecord:
+    return FactRecord(r[0], r[1], r[2], r[3] or "", r[4] or "", r[5] or "", tuple(json.loads(r[6])), r[7], r[8],
+                      r[9], r[10], r[11], r[12], r[13])
+
+
+def check_user(user: str) -> str:
+    """A user id: non-empty, at most 256 characters, no path separators or control characters.
+    Raises ValueError."""
+    if not isinstance(user, str) or not user.strip():
+        raise ValueError("user_id must be a non-empty string")
+    if len(user) > 256 or any(c in user for c in "/\\\0") or user in (".", "..") \
+            or any(ord(c) < 32 for c in user):
+        raise ValueError(f"user_id {user[:40]!r} is not allowed (no path characters, control characters, or more "
+                         f"than 256 characters)")
+    return user
 
 
 def _safe(user: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", user)
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:64] + "-" + hashlib.sha256(user.encode()).hexdigest()[:8]
 
 
 def fingerprint_diff(a: dict, b: dict) -> list[str]:
@@ -150,6 +214,7 @@ class Store:
         if got != SCHEMA_VERSION:
             raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
         self._user_cache: dict[str, UserKV] = {}
+        self._segments: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}  # immutable files
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -243,76 +308,125 @@ class Store:
         return self._header
 
     def users(self) -> list[str]:
-        return [r[0] for r in self._db.execute("SELECT user FROM users ORDER BY user")]
+        """Users with at least one live fact."""
+        return [r[0] for r in self._db.execute(
+            "SELECT DISTINCT user FROM facts WHERE deleted IS NULL ORDER BY user")]
+
+    def version(self, user: str) -> str | None:
+        """The user's current memory version (changes on every committed write), or None if never written."""
+        row = self._db.execute("SELECT version FROM users WHERE user=?", (user,)).fetchone()
+        return None if row is None else str(row[0])
 
     def user_info(self, user: str) -> dict:
-        row = self._db.execute(
-            "SELECT version, window, num_facts, num_tokens, source, kv_sha256 FROM users WHERE user=?",
-            (user,)).fetchone()
-        if row is None:
-            known = ", ".join(self.users()) or "none"
+        """version, window, num_facts, num_tokens (live), source. Raises StoreError for an unknown user."""
+        row = self._db.execute("SELECT version, window, source FROM users WHERE user=?", (user,)).fetchone()
+        n = self._db.execute("SELECT COUNT(*), COALESCE(SUM(json_array_length(token_ids)), 0) FROM facts "
+                             "WHERE user=? AND deleted IS NULL", (user,)).fetchone()
+        if row is None or n[0] == 0:
+            known = ", ".join(self.users()[:20]) or "none"
             raise StoreError(f"unknown user {user!r} in store {self.root} (users: {known})")
-        return dict(zip(("version", "window", "num_facts", "num_tokens", "source", "kv_sha256"), row))
-
-    def _fact_rows(self, user: str) -> list[FactRecord]:
-        rows = self._db.execute(
-            "SELECT fact_id, user, text, speaker, source_turn, date, token_ids, token_offset, window "
-            "FROM facts WHERE user=? ORDER BY row", (user,))
-        return [FactRecord(r[0], r[1], r[2], r[3], r[4], r[5], tuple(json.loads(r[6])), r[7], r[8]) for r in rows]
+        return {"version": str(row[0]), "window": row[1], "num_facts": n[0], "num_tokens": n[1], "source": row[2]}
 
     def facts(self, user: str) -> list[FactRecord]:
-        return self._read(user)[1]
+        return self.snapshot(user).facts
 
-    def _read(self, user: str) -> tuple[dict, list[FactRecord]]:
-        """The user row and its fact rows from one read transaction (one snapshot of the database)."""
-        self._db.execute("BEGIN")
-        try:
-            return self.user_info(user), self._fact_rows(user)
-        finally:
-            self._db.execute("COMMIT")
+    def fact(self, fact_id: str) -> FactRecord | None:
+        """The live fact with this id, or None (ids are unique per user; ``Memory`` ids are UUIDs)."""
+        r = self._db.execute(f"SELECT {_FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL ORDER BY row",
+                             (fact_id,)).fetchone()
+        return None if r is None else _fact(r)
 
-    def _files(self, user: str, version: str) -> tuple[Path, Path]:
-        stem = self.root / "users" / f"{_safe(user)}.{version}"
-        return stem.with_name(stem.name + ".kv.safetensors"), stem.with_name(stem.name + ".emb.safetensors")
+    def history(self, fact_id: str) -> list[dict]:
+        """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
+        rows = self._db.execute("SELECT id, fact_id, user, event, old_memory, new_memory, time FROM history "
+                                "WHERE fact_id=? ORDER BY id", (fact_id,))
+        return [dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
+                for r in rows]
 
-    def snapshot(self, user: str, version: str | None = None, retries: int = 5) -> UserKV:
-        """One consistent version of ``user``'s memory: rows and tensors of the same version, KV checksummed.
+    def turns(self, user: str, last: int | None = None) -> list[dict]:
+        """The user's stored conversation turns (oldest first; the ``last`` n): idx, dia_id, speaker, content, time."""
+        q = "SELECT idx, dia_id, speaker, content, time FROM turns WHERE user=? ORDER BY idx DESC LIMIT ?"
+        rows = self._db.execute(q, (user, -1 if last is None else max(last, 0))).fetchall()
+        return [dict(zip(("idx", "dia_id", "speaker", "content", "time"), r)) for r in reversed(rows)]
+
+    def _segment_path(self, user: str, segment: str) -> Path:
+        return self.root / "users" / f"{_safe(user)}.{segment}.kv.safetensors"
+
+    def _load_segment(self, user: str, segment: str, sha: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (user, segment)
+        if key not in self._segments:
+            data = self._segment_path(user, segment).read_bytes()  # FileNotFoundError: the caller retries
+            if hashlib.sha256(data).hexdigest() != sha:
+                raise StoreError(f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
+                                 f"(truncated or corrupt file)")
+            try:
+                t = load_bytes(data)
+            except Exception as exc:  # corrupt despite a matching checksum: report, never a traceback
+                raise StoreError(f"store {self.root}: cannot read user {user!r} ({exc})") from None
+            self._segments[key] = (t["keys"], t["values"])
+        return self._segments[key]
+
+    def snapshot(self, user: str, version: str | None = None, retries: int = 5, kv: bool = True) -> UserKV:
+        """One consistent version of ``user``'s memory: rows, embeddings and KV segments of the same version, each
+        segment checksummed.
 
         ``version``: that exact version or LookupError (it was replaced); None: the current one, retried
-        cleanly when a concurrent writer replaces it between the row read and the file read. Cached in memory
-        per (user, version). Raises StoreError for an unknown user or missing/corrupt files of a current version.
+        cleanly when a concurrent writer removes a segment between the row read and the file read. Cached per
+        version; a new version loads only its new segments. ``kv=False``: rows and embeddings only (search,
+        listing), ``segments`` left empty. Raises StoreError for an unknown user or missing/corrupt files of a
+        current version.
         """
         for attempt in range(retries + 1):
-            cached = self._user_cache.get(user)
-            info, facts = self._read(user)
-            if version is not None and info["version"] != version:
+            current = self.version(user)
+            if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
-            if cached is not None and cached.version == info["version"]:
+            cached = self._user_cache.get(user)
+            if cached is not None and cached.version == current and (cached.segments or not kv):
                 return cached
-            kv_path, emb_path = self._files(user, info["version"])
+            self._db.execute("BEGIN")
             try:
-                data = kv_path.read_bytes()
-                emb = load_file(emb_path)
+                current = self.version(user)
+                facts = [_fact(r) for r in self._db.execute(
+                    f"SELECT {_FACT_COLS} FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,))]
+                emb = [r[0] for r in self._db.execute(
+                    "SELECT embedding FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,))]
+                shas = dict(self._db.execute("SELECT segment, kv_sha256 FROM segments WHERE user=?", (user,)))
+            finally:
+                self._db.execute("COMMIT")
+            if not facts:
+                self.user_info(user)  # raises: unknown user
+            if version is not None and current != version:
+                raise LookupError(f"memory version {version} of {user!r} is no longer current")
+            try:
+                segments = {s: self._load_segment(user, s, shas[s]) for s in {f.segment for f in facts}} if kv else {}
             except FileNotFoundError:
-                if attempt < retries and self.user_info(user)["version"] != info["version"]:
-                    continue  # replaced under us: read the new version
-                raise StoreError(f"store {self.root}: files of user {user!r} version {info['version']} are missing "
+                if attempt < retries and self.version(user) != current:
+                    continue  # compacted or replaced under us: read the new version
+                raise StoreError(f"store {self.root}: KV files of user {user!r} version {current} are missing "
                                  f"(run `kvmem store fsck --store {self.root}`)") from None
-            if hashlib.sha256(data).hexdigest() != info["kv_sha256"]:
-                raise StoreError(f"store {self.root}: KV of user {user!r} version {info['version']} fails its "
-                                 f"checksum (truncated or corrupt file)")
-            try:
-                kv = load_bytes(data)
-            except Exception as exc:  # corrupt header despite a matching checksum: report, never a traceback
-                raise StoreError(f"store {self.root}: cannot read user {user!r} ({exc})") from None
-            ukv = UserKV(user, info["version"], facts, kv["keys"], kv["values"], emb["embeddings"])
+            embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
+            ukv = UserKV(user, current, facts, segments, embeddings)
             self._user_cache[user] = ukv
             return ukv
         raise StoreError(f"store {self.root}: user {user!r} kept changing while being read")
 
     def user_kv(self, user: str) -> UserKV:
-        """A user's current facts with packed KV and embeddings (``snapshot(user)``)."""
+        """A user's current memory (``snapshot(user)``)."""
         return self.snapshot(user)
+
+    def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
+        """What changed in ``user``'s live facts after version ``since``: (added [(row, embedding [E])], removed
+        rows), for incremental index updates; None if a compaction since then requires a full rebuild."""
+        since_v = int(since)
+        row = self._db.execute("SELECT compacted FROM users WHERE user=?", (user,)).fetchone()
+        if row is None or row[0] > since_v:
+            return None
+        added = [(r[0], torch.frombuffer(bytearray(r[1]), dtype=torch.float32)) for r in self._db.execute(
+            "SELECT row, embedding FROM facts WHERE user=? AND added>? AND deleted IS NULL ORDER BY row",
+            (user, since_v))]
+        removed = [r[0] for r in self._db.execute(
+            "SELECT row FROM facts WHERE user=? AND added<=? AND deleted>?", (user, since_v, since_v))]
+        return added, removed
 
     # --- writes ---------------------------------------------------------------------------------------
 
@@ -326,80 +440,190 @@ class Store:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def _orphans(self) -> list[Path]:
-        """Files under users/ that no row points at (left by a writer killed before its commit). Call under
-        ``writer()``: only then can no uncommitted write be in flight."""
-        live = {p.name for user, version in self._db.execute("SELECT user, version FROM users")
-                for p in self._files(user, version)}
-        return [p for p in (self.root / "users").iterdir() if p.name not in live]
-
-    def fsck(self) -> dict:
-        """Check every user (rows, files, KV checksum) and remove orphaned files. Returns a report:
-        ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names]}``."""
-        with self.writer():
-            removed = []
-            for p in self._orphans():
+    def _gc(self) -> list[str]:
+        """Under ``writer()``: drop segments no live fact uses, and files no segment row names (a killed
+        writer's leftovers). Returns the removed file names."""
+        dead = list(self._db.execute(
+            "SELECT user, segment FROM segments s WHERE NOT EXISTS (SELECT 1 FROM facts f WHERE f.user=s.user AND "
+            "f.segment=s.segment AND f.deleted IS NULL)"))
+        if dead:
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.executemany("DELETE FROM segments WHERE user=? AND segment=?", dead)
+        live = {self._segment_path(u, s).name for u, s in self._db.execute("SELECT user, segment FROM segments")}
+        removed = []
+        for p in (self.root / "users").iterdir():
+            if p.name not in live:
                 p.unlink(missing_ok=True)
                 removed.append(p.name)
+        return removed
+
+    def fsck(self) -> dict:
+        """Check every user (rows, files, KV checksums) and remove orphaned files. Returns a report:
+        ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names]}``."""
+        with self.writer():
+            removed = self._gc()
             ok, bad = [], {}
             for user in self.users():
                 self._user_cache.pop(user, None)
+                self._segments = {k: v for k, v in self._segments.items() if k[0] != user}
                 try:
                     ukv = self.snapshot(user)
-                    if ukv.keys.shape[2] != sum(f.num_tokens for f in ukv.facts) or ukv.embeddings.shape[0] != len(
-                            ukv.facts):
+                    if ukv.embeddings.shape[0] != len(ukv.facts) or any(
+                            f.token_offset + f.num_tokens > ukv.segments[f.segment][0].shape[2] for f in ukv.facts):
                         raise StoreError("tensor sizes do not match the fact rows")
                     ok.append(user)
                 except (StoreError, LookupError) as exc:
                     bad[user] = str(exc)
         return {"users": len(ok) + len(bad), "ok": ok, "bad": bad, "removed": removed}
 
-    def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
-                 embeddings: torch.Tensor, window: int, source: str = "") -> str:
-        """Replace ``user``'s memory atomically. keys/values: one [L, H, n_i, D] per fact (n_i = its token count);
-        embeddings: [F, E].
+    def commit(self, user: str, add: list[FactRecord] = (), keys: list[torch.Tensor] = (),
+               values: list[torch.Tensor] = (), embeddings: torch.Tensor | None = None, delete: list[str] = (),
+               replace: bool = False, turns: list[dict] = (), events: list[tuple] = (), window: int = 0,
+               source: str | None = None, now: float | None = None) -> str:
+        """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
+        user), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
 
-        Returns the new memory version. ``FactRecord.token_offset`` is recomputed here. Raises StoreError, with
-        nothing written, for no facts, duplicate fact ids, or counts/shapes that do not match the facts.
+        keys/values: one [L, H, n_i, D] per added fact (n_i its token count); embeddings: [F, E]. ``events``:
+        (fact_id, event, old_memory, new_memory); ADD/DELETE events for ``add``/``delete`` are recorded here.
+        The segment file and its directory are fsynced before the commit that points at them, so a new fact is
+        visible to readers only once its KV and embedding are durable. Returns the new memory version.
+        Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
+        or a ``delete`` id that is not a live fact of this user.
         """
-        if not facts:
-            raise StoreError(f"user {user!r}: no facts to store")
-        if len({f.fact_id for f in facts}) != len(facts):
-            raise StoreError(f"user {user!r}: duplicate fact_id")
-        if not (len(keys) == len(values) == len(facts) == embeddings.shape[0]):
-            raise StoreError(f"user {user!r}: {len(facts)} facts but {len(keys)} keys, {len(values)} values and "
-                             f"{embeddings.shape[0]} embeddings")
-        for f, k, v in zip(facts, keys, values):
-            if k.shape != v.shape or k.shape[2] != f.num_tokens:
-                raise StoreError(f"fact {f.fact_id}: keys {tuple(k.shape)} / values {tuple(v.shape)} for "
-                                 f"{f.num_tokens} token ids")
-        offset, rows = 0, []
-        for i, f in enumerate(facts):
-            rows.append((user, i, f.fact_id, f.text, f.speaker, f.source_turn, f.date, json.dumps(list(f.token_ids)),
-                         offset, window))
-            offset += f.num_tokens
+        check_user(user)
+        add, keys, values = list(add), list(keys), list(values)
+        if add:
+            if embeddings is None or not (len(keys) == len(values) == len(add) == embeddings.shape[0]):
+                raise StoreError(f"user {user!r}: {len(add)} facts but {len(keys)} keys, {len(values)} values and "
+                                 f"{0 if embeddings is None else embeddings.shape[0]} embeddings")
+            if len({f.fact_id for f in add}) != len(add):
+                raise StoreError(f"user {user!r}: duplicate fact_id")
+            for f, k, v in zip(add, keys, values):
+                if k.shape != v.shape or k.shape[2] != f.num_tokens:
+                    raise StoreError(f"fact {f.fact_id}: keys {tuple(k.shape)} / values {tuple(v.shape)} for "
+                                     f"{f.num_tokens} token ids")
+        now = time.time() if now is None else now
         with self.writer():
-            for p in self._orphans():  # a killed writer's leftovers
-                p.unlink(missing_ok=True)
-            version = uuid.uuid4().hex[:12]
-            kv_path, emb_path = self._files(user, version)
-            digest = save_file({"keys": torch.cat(keys, dim=2).contiguous(),
-                                "values": torch.cat(values, dim=2).contiguous()}, kv_path)
-            save_file({"embeddings": embeddings.float().contiguous()}, emb_path)
-            fsync_dir(kv_path.parent)  # the files are durable before the commit that points at them
-            old = self._db.execute("SELECT version FROM users WHERE user=?", (user,)).fetchone()
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("DELETE FROM facts WHERE user=?", (user,))
-                self._db.executemany(
-                    "INSERT INTO facts (user, row, fact_id, text, speaker, source_turn, date, token_ids, token_offset,"
-                    " window) VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
-                self._db.execute(
-                    "INSERT OR REPLACE INTO users (user, version, window, num_facts, num_tokens, source, updated, "
-                    "kv_sha256) VALUES (?,?,?,?,?,?,?,?)",
-                    (user, version, window, len(facts), offset, source, time.time(), digest))
-            if old:
-                for p in self._files(user, old[0]):
-                    p.unlink(missing_ok=True)
+            segment, digest, path = uuid.uuid4().hex[:12], "", None
+            if add:
+                path = self._segment_path(user, segment)
+                digest = save_file({"keys": torch.cat(keys, dim=2).contiguous(),
+                                    "values": torch.cat(values, dim=2).contiguous()}, path)
+                fsync_dir(path.parent)  # durable before the commit that points at it
+            try:
+                version = self._commit_rows(user, add, embeddings, segment, digest, list(delete), replace,
+                                            list(turns), list(events), window, source, now)
+            except BaseException:
+                if path is not None:
+                    path.unlink(missing_ok=True)
+                raise
+            self._gc()
         self._user_cache.pop(user, None)
         return version
+
+    def _commit_rows(self, user, add, embeddings, segment, digest, delete, replace, turns, events, window, source,
+                     now) -> str:
+        db = self._db
+        with db:
+            db.execute("BEGIN IMMEDIATE")
+            version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
+            live = dict(db.execute("SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL", (user,)))
+            gone = list(live) if replace else delete
+            for fid in gone:
+                if fid not in live:
+                    raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
+            db.executemany("UPDATE facts SET deleted=?, updated_at=? WHERE user=? AND fact_id=? AND deleted IS NULL",
+                           [(version, now, user, fid) for fid in gone])
+            if not replace:
+                events = [(fid, "DELETE", live[fid], None) for fid in gone
+                          if not any(e[0] == fid for e in events)] + events
+            if add:
+                taken = [f.fact_id for f in add if f.fact_id in live and f.fact_id not in gone]
+                if taken:
+                    raise StoreError(f"memory id {taken[0]!r} is already in use")
+                db.execute("INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
+                           (user, segment, digest, sum(f.num_tokens for f in add)))
+                offset, rows = 0, []
+                emb = embeddings.float().contiguous()
+                for i, f in enumerate(add):
+                    rows.append((user, f.fact_id, f.text, f.speaker, f.source_turn, f.date, f.metadata,
+                                 json.dumps(list(f.token_ids)), segment, offset, f.window, emb[i].numpy().tobytes(),
+                                 version, f.created_at or now, now))
+                    offset += f.num_tokens
+                db.executemany(
+                    "INSERT INTO facts (user, fact_id, text, speaker, source_turn, date, metadata, token_ids, segment,"
+                    " token_offset, window, embedding, added, created_at, updated_at) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+                events = events + [(f.fact_id, "ADD", None, f.text) for f in add
+                                   if not any(e[0] == f.fact_id for e in events)]
+            if replace:
+                db.execute("DELETE FROM turns WHERE user=?", (user,))
+            if turns:
+                first = db.execute("SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE user=?", (user,)).fetchone()[0]
+                db.executemany("INSERT INTO turns (user, idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)",
+                               [(user, first + i, t.get("dia_id"), t.get("speaker"), t["content"], t.get("time"))
+                                for i, t in enumerate(turns)])
+            db.executemany("INSERT INTO history (user, fact_id, event, old_memory, new_memory, time, version) "
+                           "VALUES (?,?,?,?,?,?,?)", [(user, *e, now, version) for e in events])
+            db.execute(
+                "INSERT INTO users (user, version, window, source, updated) VALUES (?,?,?,?,?) ON CONFLICT(user) DO "
+                "UPDATE SET version=excluded.version, window=excluded.window, "
+                "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
+                (user, version, window, source, now))
+        return str(version)
+
+    def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
+                 embeddings: torch.Tensor, window: int, source: str = "") -> str:
+        """Replace ``user``'s memory atomically (``commit(replace=True)``): keys/values one [L, H, n_i, D] per
+        fact, embeddings [F, E]. Returns the new version. Raises StoreError, with nothing written, for no facts,
+        duplicate ids, or counts/shapes that do not match the facts."""
+        if not facts:
+            raise StoreError(f"user {user!r}: no facts to store")
+        return self.commit(user, facts, keys, values, embeddings, replace=True, window=window, source=source)
+
+    def compact(self, user: str) -> str:
+        """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
+        What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it."""
+        with self.writer():
+            ukv = self.snapshot(user)
+            segment = uuid.uuid4().hex[:12]
+            keys, values = ukv.gather(list(range(len(ukv.facts))))
+            path = self._segment_path(user, segment)
+            digest = save_file({"keys": keys.contiguous(), "values": values.contiguous()}, path)
+            fsync_dir(path.parent)
+            db = self._db
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
+                db.execute("INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
+                           (user, segment, digest, keys.shape[2]))
+                offset, moves = 0, []
+                for f in ukv.facts:
+                    moves.append((segment, offset, f.row))
+                    offset += f.num_tokens
+                db.executemany("UPDATE facts SET segment=?, token_offset=? WHERE row=?", moves)
+                db.execute("DELETE FROM facts WHERE user=? AND deleted IS NOT NULL", (user,))
+                db.execute("UPDATE users SET version=?, compacted=?, updated=? WHERE user=?",
+                           (version, version, time.time(), user))
+            self._gc()
+        self._user_cache.pop(user, None)
+        return str(version)
+
+    def delete_user(self, user: str) -> str:
+        """Tombstone every live fact of ``user`` (history records each DELETE). Returns the new version."""
+        live = [f.fact_id for f in self.snapshot(user, kv=False).facts] if self.version(user) else []
+        return self.commit(user, delete=live)
+
+    def reset(self) -> None:
+        """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
+        salt is ever reused)."""
+        with self.writer():
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("UPDATE meta SET value=value+1 WHERE key='version'")
+                for table in ("facts", "history", "turns", "users"):
+                    self._db.execute(f"DELETE FROM {table}")
+            self._gc()
+        self._user_cache.clear()
+        self._segments.clear()

@@ -38,19 +38,19 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
         import faiss
 
         index_bytes = int(faiss.serialize_index(index.index).nbytes)
-        kv_path, emb_path = st._files(c.sample_id, ukv.version)
-        n_tok = int(ukv.keys.shape[2])
-        kv_bytes = ukv.keys.numel() * ukv.keys.element_size() + ukv.values.numel() * ukv.values.element_size()
+        kv_paths = [st._segment_path(c.sample_id, seg) for seg in ukv.segments]
+        n_tok = ukv.num_tokens
+        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in ukv.segments.values())
         hk, hv = st.header_kv()
         records.append({
             "sample": c.sample_id, "window": window, "num_facts": len(ukv.facts), "fact_tokens": n_tok,
             "tokens_per_fact": round(n_tok / max(1, len(ukv.facts)), 2),
-            "kv_bytes": kv_bytes, "kv_file_bytes": _size(kv_path),
+            "kv_bytes": kv_bytes, "kv_file_bytes": sum(map(_size, kv_paths)),
             "kv_bytes_per_token": round(kv_bytes / n_tok, 2), "theory_bytes_per_token": theory,
             "measured_over_theory": round(kv_bytes / n_tok / theory, 4),
-            "kv_file_bytes_per_token": round(_size(kv_path) / n_tok, 2),
+            "kv_file_bytes_per_token": round(sum(map(_size, kv_paths)) / n_tok, 2),
             "header_tokens": int(hk.shape[2]), "header_kv_bytes": hk.nbytes + hv.nbytes,
-            "embeddings_bytes": ukv.embeddings.numel() * 4, "embeddings_file_bytes": _size(emb_path),
+            "embeddings_bytes": ukv.embeddings.numel() * 4,
             "index_bytes": index_bytes, "metadata_sqlite_bytes": _size(st.root / "meta.sqlite"),
             "manifest_bytes": _size(st.root / "manifest.json"),
             "store_dir": str(st.root),

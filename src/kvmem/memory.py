@@ -1,0 +1,328 @@
+"""``Memory``: online memory with Mem0's open-source ``Memory`` shapes, over a kvmem store.
+
+Every write (``add``, ``update``, ``delete``, ...) goes through the one write path (``ingest.write_facts``): a
+new fact is encoded behind the ``window`` conversation turns before it (context-window encoding, paper §3.2),
+embedded, and committed with its KV segment in one store transaction, so the vector index and the KV store never
+disagree; the user's memory version changes on every commit (the vLLM connector's checks and cache salt key on
+it). Deletes are tombstones; an update is a delete plus an add that keeps the id; ``compact`` drops dead rows.
+
+Where kvmem differs from Mem0: memories belong to a ``user_id`` (no agent_id/run_id); ``infer=True`` uses the
+local answer model (or an OpenAI-compatible endpoint) with schema-constrained JSON; ``add`` with ``infer=False``
+stores each message as one fact, as Mem0 does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .compose import check_text
+from .store import FactRecord, Store, StoreError, check_user
+
+logger = logging.getLogger("kvmem.memory")
+
+MAX_MESSAGE_CHARS = 8000
+MAX_MESSAGES = 64
+
+
+class MemoryInputError(ValueError):
+    """Bad input (unknown memory id, empty or oversized message, malformed message list, bad user_id, empty
+    update): nothing is changed. The CLI prints it as one ``error:`` line and exits 2."""
+
+
+def _date(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%-d %B, %Y")
+
+
+def _messages(messages) -> list[dict]:
+    """A string or an OpenAI-style list of {role, content} -> checked messages. Raises MemoryInputError."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if isinstance(messages, dict):
+        messages = [messages]
+    if not isinstance(messages, list) or not messages:
+        raise MemoryInputError("messages must be a non-empty string or a list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise MemoryInputError(f"at most {MAX_MESSAGES} messages per add, got {len(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role", "user"), str):
+            raise MemoryInputError(f"message {i} must be an object with a string 'content' (and 'role')")
+        text = m["content"].strip()
+        if not text:
+            raise MemoryInputError(f"message {i} is empty")
+        if len(text) > MAX_MESSAGE_CHARS:
+            raise MemoryInputError(f"message {i} has {len(text)} characters; at most {MAX_MESSAGE_CHARS}")
+        try:
+            check_text(text, f"message {i}")
+        except ValueError as exc:
+            raise MemoryInputError(str(exc)) from None
+        out.append({"role": m.get("role", "user"), "content": text, "name": m.get("name")})
+    return out
+
+
+def _user(user_id) -> str:
+    try:
+        return check_user(user_id)
+    except ValueError as exc:
+        raise MemoryInputError(str(exc)) from None
+
+
+class Memory:
+    """Mem0-compatible memory whose facts are also stored as the answer model's KV (for KV injection).
+
+    Args:
+        store: store directory; created for ``model`` if it does not exist.
+        model: registry name (default: the store's model, else ``models.DEFAULT_MODEL``) or a ``LoadedModel``.
+        extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
+        window: conversation turns encoded before each new fact (context-window encoding).
+        dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
+    """
+
+    def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None):
+        from .ingest import open_or_create_store
+        from .models import DEFAULT_MODEL, LoadedModel
+        from .retrieve import Embedder
+
+        if window < 0:
+            raise MemoryInputError("window must be >= 0")
+        root = Path(store)
+        self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
+        self.embedder = embedder or Embedder()
+        if (root / "manifest.json").exists():  # reads need no model: it loads on the first write
+            self.store = Store.open(root)
+            self._model_name = model if isinstance(model, str) else self.store.fingerprint["model"]
+        else:
+            self._model_name = model if isinstance(model, str) else DEFAULT_MODEL
+            if self._lm is None:
+                from .models import load
+
+                self._lm = load(self._model_name, dtype=dtype)
+            self.store, _ = open_or_create_store(root, self._lm, self.embedder)
+        self.window = window
+        self._extractor_spec, self._extractor = extractor, None
+        self._indexes: dict = {}
+
+    @property
+    def lm(self):
+        """The answer model (loaded on first use); the store must have been built by it."""
+        if self._lm is None:
+            from .models import fingerprint, load
+
+            self._lm = load(self._model_name, dtype=self._dtype)
+            Store.open(self.store.root, fingerprint(self._lm)).close()  # raises StoreMismatch
+        return self._lm
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Memory":
+        """``{"store": DIR, "model": NAME, "window": 5, "extractor": {...}, "dtype": ...}``."""
+        if not isinstance(config, dict) or "store" not in config:
+            raise MemoryInputError("config must be a dict with at least 'store'")
+        unknown = set(config) - {"store", "model", "window", "extractor", "dtype"}
+        if unknown:
+            raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window", 5),
+                   dtype=config.get("dtype"))
+
+    # --- reads ----------------------------------------------------------------------------------------------
+
+    def _item(self, f: FactRecord, score: float | None = None) -> dict:
+        out = {"id": f.fact_id, "memory": f.text, "user_id": f.user, "metadata": json.loads(f.metadata or "{}"),
+               "created_at": _iso(f.created_at), "updated_at": _iso(f.updated_at)}
+        if score is not None:
+            out["score"] = round(float(score), 6)
+        return out
+
+    def _snapshot(self, user: str):
+        """Rows and embeddings of the user's current version (no KV: reads never need it), or None."""
+        return self.store.snapshot(user, kv=False) if self.store.version(user) and self._live(user) else None
+
+    def _live(self, user: str) -> bool:
+        return self.store._db.execute("SELECT 1 FROM facts WHERE user=? AND deleted IS NULL LIMIT 1",
+                                      (user,)).fetchone() is not None
+
+    def _search(self, user: str, query: str, limit: int):
+        from .retrieve import UserIndex
+
+        ukv = self._snapshot(user)
+        if ukv is None:
+            return None, [], []
+        if user not in self._indexes:
+            self._indexes[user] = UserIndex(ukv.embeddings.shape[1])
+        index = self._indexes[user].sync(self.store, ukv)
+        scores, rows = index.search(self.embedder.embed([query])[0], limit, ukv)
+        return ukv, list(rows), list(scores)
+
+    def search(self, query: str, user_id: str, limit: int = 100, filters: dict | None = None) -> dict:
+        """The ``limit`` memories most similar to ``query``: ``{"results": [{id, memory, score, metadata,
+        created_at, updated_at, user_id}]}``, best first. ``filters``: metadata key -> required value."""
+        user = _user(user_id)
+        if not isinstance(query, str) or not query.strip():
+            raise MemoryInputError("query must be a non-empty string")
+        check_text(query, "query")
+        if not isinstance(limit, int) or limit < 1:
+            raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
+        ukv, rows, scores = self._search(user, query, limit if not filters else max(limit * 4, 100))
+        out = [self._item(ukv.facts[r], s) for r, s in zip(rows, scores)]
+        if filters:
+            out = [m for m in out if all(m["metadata"].get(k) == v for k, v in filters.items())]
+        return {"results": out[:limit]}
+
+    def get(self, memory_id: str) -> dict | None:
+        """One memory by id, or None."""
+        f = self.store.fact(str(memory_id))
+        return None if f is None else self._item(f)
+
+    def get_all(self, user_id: str, limit: int = 100) -> dict:
+        """``{"results": [...]}``: the user's live memories, oldest first."""
+        user = _user(user_id)
+        ukv = self._snapshot(user)
+        return {"results": [self._item(f) for f in (ukv.facts if ukv else [])[:limit]]}
+
+    def history(self, memory_id: str) -> list[dict]:
+        """Every event of a memory, oldest first: id, memory_id, user_id, event, old_memory, new_memory,
+        created_at. Raises MemoryInputError for an id that never existed."""
+        events = self.store.history(str(memory_id))
+        if not events:
+            raise MemoryInputError(f"memory {memory_id!r} not found")
+        for e in events:
+            e["created_at"] = _iso(e["created_at"])
+        return events
+
+    # --- writes ---------------------------------------------------------------------------------------------
+
+    def _context(self, user: str, new_turns: list[dict], upto: int) -> str:
+        """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
+        if self.window == 0:
+            return ""
+        turns = self.store.turns(user, last=self.window) + new_turns[:upto]
+        return "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-self.window:])
+
+    def _write(self, user: str, new: list[tuple[str, str | None, dict]], delete: list[str], turns: list[dict],
+               contexts: list[str], events: list[tuple], now: float,
+               created: dict[str, float] | None = None) -> tuple[str, list[FactRecord]]:
+        """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids."""
+        from .ingest import write_facts
+
+        records = [FactRecord(fid or str(uuid.uuid4()), user, text, "", "", _date(now), (), 0, self.window,
+                              metadata=json.dumps(meta or {}), created_at=(created or {}).get(fid, now))
+                   for text, fid, meta in new]
+        rendered = [f"- [{r.date}] {r.text}\n" for r in records]
+        version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
+                                 delete=delete, turns=turns, events=events, window=self.window, now=now)
+        return version, records
+
+    def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,
+            timestamp: float | None = None) -> dict:
+        """Remember ``messages`` (a string or OpenAI-style [{role, content}]) for ``user_id``.
+
+        ``infer=False``: each message becomes one fact, verbatim. ``infer=True``: the extractor turns them into
+        facts and reconciles each with the most similar existing memories (ADD / UPDATE / DELETE / NONE).
+        The raw messages are stored as the user's turns (the context of later facts). Returns
+        ``{"results": [{"id", "memory", "event", "previous_memory"?}]}``. Raises MemoryInputError for bad input.
+        """
+        user = _user(user_id)
+        msgs = _messages(messages)
+        if metadata is not None and not isinstance(metadata, dict):
+            raise MemoryInputError("metadata must be an object")
+        now = float(timestamp) if timestamp is not None else time.time()
+        turns = [{"speaker": m.get("name") or m["role"], "content": m["content"], "time": now} for m in msgs]
+        if not infer:
+            new = [(m["content"], None, metadata) for m in msgs]
+            contexts = [self._context(user, turns, i) for i in range(len(msgs))]
+            _, records = self._write(user, new, [], turns, contexts, [], now)
+            return {"results": [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in records]}
+        return self._infer(user, msgs, turns, metadata, now)
+
+    def _infer(self, user, msgs, turns, metadata, now) -> dict:
+        from .extract import make_extractor
+
+        if self._extractor is None:
+            self._extractor = make_extractor(self._extractor_spec, self.lm)
+        facts = self._extractor.facts(msgs, _date(now))
+        existing: dict[str, str] = {}
+        for f in facts:  # the most similar existing memories of each new fact
+            ukv, rows, _ = self._search(user, f, 5)
+            for r in rows:
+                existing[ukv.facts[r].fact_id] = ukv.facts[r].text
+        decisions = self._extractor.reconcile(facts, list(existing.items())) if facts else []
+        context = self._context(user, turns, len(turns) - 1)
+        new, delete, events, results = [], [], [], []
+        for d in decisions:
+            if d.target is not None and (d.target in delete or any(n[1] == d.target for n in new)):
+                continue  # one decision per memory per add
+            if d.event == "ADD":
+                new.append((d.text, None, metadata))
+            elif d.event == "UPDATE":
+                new.append((d.text, d.target, metadata))
+                delete.append(d.target)
+                events.append((d.target, "UPDATE", existing[d.target], d.text))
+                results.append({"id": d.target, "memory": d.text, "event": "UPDATE",
+                                "previous_memory": existing[d.target]})
+            elif d.event == "DELETE":
+                delete.append(d.target)
+                results.append({"id": d.target, "memory": existing[d.target], "event": "DELETE"})
+            else:
+                logger.info("extractor: NONE for %r", d.text)
+        if new or delete:
+            created = {t: f.created_at for t in delete if (f := self.store.fact(t)) is not None}
+            _, records = self._write(user, new, delete, turns, [context] * len(new), events, now, created)
+            added = [r for r, n in zip(records, new) if n[1] is None]
+            results = [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in added] + results
+        else:  # nothing to remember: the turns are still the context of later facts
+            self.store.commit(user, turns=turns, window=self.window, now=now)
+        return {"results": results}
+
+    def update(self, memory_id: str, data: str) -> dict:
+        """Replace a memory's text (re-encoded behind the turns before now); keeps its id. Raises MemoryInputError."""
+        if not isinstance(data, str) or not data.strip():
+            raise MemoryInputError("update text must be a non-empty string")
+        check_text(data, "update text")
+        f = self.store.fact(str(memory_id))
+        if f is None:
+            raise MemoryInputError(f"memory {memory_id!r} not found")
+        now = time.time()
+        try:
+            self._write(f.user, [(data.strip(), f.fact_id, json.loads(f.metadata or "{}"))], [f.fact_id], [],
+                        [self._context(f.user, [], 0)], [(f.fact_id, "UPDATE", f.text, data.strip())], now,
+                        {f.fact_id: f.created_at})
+        except StoreError as exc:  # deleted concurrently
+            raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
+        return {"message": "Memory updated successfully!"}
+
+    def delete(self, memory_id: str) -> dict:
+        """Tombstone one memory: it is never retrieved or injected again. Raises MemoryInputError if unknown."""
+        f = self.store.fact(str(memory_id))
+        if f is None:
+            raise MemoryInputError(f"memory {memory_id!r} not found")
+        try:
+            self.store.commit(f.user, delete=[f.fact_id], window=self.window)
+        except StoreError as exc:  # a concurrent delete of the same id won the race
+            raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
+        return {"message": "Memory deleted successfully!"}
+
+    def delete_all(self, user_id: str) -> dict:
+        user = _user(user_id)
+        if self.store.version(user):
+            self.store.delete_user(user)
+        return {"message": "Memories deleted successfully!"}
+
+    def compact(self, user_id: str) -> dict:
+        """Rewrite the user's KV segments without dead rows; what search and get_all return is unchanged."""
+        user = _user(user_id)
+        if not self._live(user):
+            return {"message": "nothing to compact"}
+        return {"message": "Memory compacted", "version": self.store.compact(user)}
+
+    def reset(self) -> None:
+        """Delete every memory, turn and history row of the store (the model and header stay)."""
+        self.store.reset()
+        self._indexes.clear()
+
+
+def _iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
