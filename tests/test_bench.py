@@ -256,3 +256,15 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         assert (out / "records.jsonl").read_text() == before and len(_Judge.calls) == 4
     finally:
         srv.shutdown()
+
+
+def test_bench_memory(tiny):
+    out = tiny["root"] / "memory"
+    cli("bench", "memory", "--turns", 3, "--facts", 1500, "--window", 2, "--data", tiny["data"], "--model", FAST,
+        "--out", out)
+    s = check_outputs(out, "memory.png")
+    assert s["facts_for_search"] == 1500 and s["deleted_absent_from_next_search"] is True
+    for key in ("add_ms", "plain_forward_ms", "search_ms", "delete_ms"):
+        assert 0 < s[key]["p50"] <= s[key]["p95"]
+    recs = json.loads((out / "records.json").read_text())
+    assert [r["op"] for r in recs].count("add") == 3 and all(r["tokens"] > 10 for r in recs if r["op"] == "add")

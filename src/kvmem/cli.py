@@ -576,6 +576,22 @@ def bench_encode(
                batch_tokens, show_progress, typer.echo)
 
 
+@bench_app.command("memory")
+@friendly
+def bench_memory(
+    turns: int = typer.Option(30, help="LoCoMo turns added one by one (infer=False)."),
+    facts: int = typer.Option(10000, help="Memories of the user that search runs over."),
+    window: int = typer.Option(5, "--window"), sample: str = typer.Option("conv-26", "--sample"),
+    data: Path = _DATA, model: str = _MODEL, out: Path = typer.Option(Path("runs/bench/memory"), "--out"),
+):
+    """Online memory: add latency vs a plain forward over the same tokens, search at N memories, delete."""
+    from .bench import memory
+
+    if turns < 1 or facts < 1:
+        raise ValueError("--turns and --facts must be >= 1")
+    memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
+
+
 @eval_app.command("locomo")
 @friendly
 def eval_locomo(

@@ -120,7 +120,7 @@ class UserIndex:
     def search(self, query: torch.Tensor, top_k: int, ukv) -> tuple[np.ndarray, np.ndarray]:
         q = np.ascontiguousarray(query.float().reshape(1, -1).numpy())
         scores, ids = self.index.search(q, min(top_k, self.index.ntotal))
-        pos = {f.row: i for i, f in enumerate(ukv.facts)}
+        pos = ukv.position
         keep = [j for j, i in enumerate(ids[0]) if i in pos]
         return scores[0][keep], np.array([pos[ids[0][j]] for j in keep], dtype=np.int64)
 

@@ -22,6 +22,7 @@ Opening never writes (no DDL): the schema is made by ``create`` and its version 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -117,6 +118,11 @@ class UserKV:
     def row_of(self) -> dict[str, int]:
         """fact_id -> position in ``facts`` (and in ``embeddings``)."""
         return {f.fact_id: i for i, f in enumerate(self.facts)}
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """store row id -> position in ``facts`` (what the vector index returns -> what compose takes)."""
+        return {f.row: i for i, f in enumerate(self.facts)}
 
     def fact_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each (views)."""
