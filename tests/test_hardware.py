@@ -137,3 +137,33 @@ def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
     assert sum(ticks) == 40 + 41 + 90
     n_batches = 2  # [40, 41] fit 100 padded tokens together, 90 goes alone
     assert len(ticks) == n_batches * model.config.num_hidden_layers
+
+
+def test_connector_refuses_what_it_does_not_implement():
+    """Issue 10 items 3 and 5: TP > 1, fp8 KV caches, several KV-cache groups and length-dependent RoPE are
+    refused at engine start with one clear error, not served wrongly."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    from types import SimpleNamespace as NS
+
+    import transformers as tf
+
+    from kvmem.engines.vllm_connector import check_engine_config
+
+    def cfg(tp=1, cache_dtype="auto", rope=None):
+        hf = tf.LlamaConfig(rope_scaling=rope) if rope else tf.LlamaConfig()
+        return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=1),
+                  cache_config=NS(cache_dtype=cache_dtype), model_config=NS(hf_config=hf))
+
+    check_engine_config(cfg())  # plain Llama: fine
+    check_engine_config(cfg(rope={"rope_type": "linear", "factor": 2.0}))
+    with pytest.raises(ValueError, match="tensor/pipeline parallelism"):
+        check_engine_config(cfg(tp=2))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        check_engine_config(cfg(cache_dtype="fp8"))
+    with pytest.raises(ValueError, match="2 KV-cache groups"):
+        check_engine_config(cfg(), NS(kv_cache_groups=[1, 2]))
+    for rope in ({"rope_type": "dynamic", "factor": 2.0},
+                 {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [1.0] * 32,
+                  "original_max_position_embeddings": 1024}):
+        with pytest.raises(ValueError, match=f"RoPE scaling '{rope['rope_type']}' depends on the served length"):
+            check_engine_config(cfg(rope=rope))

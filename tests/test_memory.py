@@ -214,3 +214,31 @@ def test_local_extractor_output_always_parses(mem):
     raw = mem._extractor.complete("Reply with facts about: I like tea.", {"type": "object", "properties": {
         "facts": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2}}, "required": ["facts"]})
     assert isinstance(json.loads(raw)["facts"], list)
+
+
+def test_memory_cli(tmp_path, shared):
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    run = CliRunner()
+    root = str(tmp_path / "c")
+    msgs = json.dumps([{"role": "user", "content": "I moved to Porto in April."},
+                       {"role": "user", "content": "Ana plays the cello."}])
+    res = run.invoke(app, ["memory", "add", "--store", root, "--user", "alice", "--no-infer", "--window", "2",
+                           "--model", FAST, "--dtype", "float32", "--json"], input=msgs)
+    assert res.exit_code == 0, res.output
+    porto, _ = (r["id"] for r in json.loads(res.output)["results"])
+    res = run.invoke(app, ["memory", "search", "Where do I live?", "--store", root, "--user", "alice", "--limit",
+                           "1", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["results"][0]["id"] == porto
+    assert run.invoke(app, ["memory", "delete", porto, "--store", root]).output.strip() == "Memory deleted successfully!"
+    res = run.invoke(app, ["memory", "history", porto, "--store", root, "--json"])
+    assert [e["event"] for e in json.loads(res.output)] == ["ADD", "DELETE"]
+    for args, needle in ((["memory", "delete", porto, "--store", root], "not found"),
+                         (["memory", "get", "nope", "--store", root], "not found"),
+                         (["memory", "list", "--store", root, "--user", "a/b"], "not allowed")):
+        res = run.invoke(app, args)
+        assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, args
+    res = run.invoke(app, ["memory", "add", "--store", root, "--user", "alice", "--no-infer"], input="")
+    assert res.exit_code == 2 and "no messages given" in res.output

@@ -206,6 +206,11 @@ def _memory(store: Path, model: Optional[str] = None, window: int = 5, dtype: st
     return Memory(store, model=model, window=window, dtype=dtype, extractor=ext)
 
 
+def _message(out: dict, as_json: bool) -> None:
+    """A Mem0-style ``{"message": ...}`` reply: the JSON, or its message."""
+    typer.echo(json.dumps(out) if as_json else out["message"])
+
+
 def _print_memories(items: list[dict], as_json: bool) -> None:
     if as_json:
         _emit({"results": items}, True)
@@ -267,31 +272,31 @@ def memory_get(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
     m = _memory(store).get(memory_id)
     if m is None:
         raise ValueError(f"memory {memory_id!r} not found")
-    _print_memories([m], as_json) if not as_json else _emit(m, True)
+    if as_json:
+        _emit(m, True)
+    else:
+        _print_memories([m], False)
 
 
 @memory_app.command("update")
 @friendly
 def memory_update(memory_id: str, text: str, store: Path = _MSTORE, as_json: bool = _MJSON):
     """Replace a memory's text (re-encoded; the id stays)."""
-    out = _memory(store).update(memory_id, text)
-    _emit(out, True) if as_json else typer.echo(out["message"])
+    _message(_memory(store).update(memory_id, text), as_json)
 
 
 @memory_app.command("delete")
 @friendly
 def memory_delete(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
     """Delete one memory (it is never retrieved or injected again)."""
-    out = _memory(store).delete(memory_id)
-    _emit(out, True) if as_json else typer.echo(out["message"])
+    _message(_memory(store).delete(memory_id), as_json)
 
 
 @memory_app.command("delete-all")
 @friendly
 def memory_delete_all(store: Path = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
     """Delete every memory of a user."""
-    out = _memory(store).delete_all(user)
-    _emit(out, True) if as_json else typer.echo(out["message"])
+    _message(_memory(store).delete_all(user), as_json)
 
 
 @memory_app.command("history")
@@ -310,8 +315,7 @@ def memory_history(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON
 @friendly
 def memory_compact(store: Path = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
     """Rewrite a user's KV segments without deleted rows."""
-    out = _memory(store).compact(user)
-    _emit(out, True) if as_json else typer.echo(out["message"])
+    _message(_memory(store).compact(user), as_json)
 
 
 @store_app.command("fsck")
