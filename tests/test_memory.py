@@ -242,3 +242,32 @@ def test_memory_cli(tmp_path, shared):
         assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, args
     res = run.invoke(app, ["memory", "add", "--store", root, "--user", "alice", "--no-infer"], input="")
     assert res.exit_code == 2 and "no messages given" in res.output
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda m: m.add("hi", "u", metadata={"k": {1}}, infer=False), "JSON values"),
+    (lambda m: m.add("hi", "u\ud800", infer=False), "not allowed"),
+    (lambda m: m.add("hi", "u", timestamp=float("nan"), infer=False), "out of range"),
+    (lambda m: m.add("hi", "u", timestamp=1e20, infer=False), "out of range"),
+    (lambda m: m.search("bees", "u", filters=["x"]), "filters must be an object"),
+    (lambda m: m.search("bees \ud800", "u"), "not valid Unicode"),
+    (lambda m: m.get_all("u", limit=-1), "positive integer"),
+    (lambda m: m.update(m.get_all("u")["results"][0]["id"], "y" * 9000), "at most 8000"),
+])
+def test_more_bad_input_raises_and_changes_nothing(mem, call, match):
+    test_bad_input_raises_and_changes_nothing(mem, call, match)
+
+
+def test_ambiguous_ids_are_refused(mem):
+    """LoCoMo-style ids are unique per user only: an id live for two users is refused, not guessed."""
+    import torch as t
+
+    from kvmem.store import FactRecord
+
+    k = t.zeros(mem.lm.config.num_hidden_layers, mem.lm.config.num_key_value_heads, 1, 64, dtype=mem.lm.dtype)
+    for user in ("a", "b"):
+        mem.store.commit(user, [FactRecord("D1:3", user, "same id", "", "", "", (1,))], [k], [k.clone()],
+                         t.nn.functional.normalize(t.ones(1, mem.embedder.dim), dim=1))
+    for call in (lambda: mem.get("D1:3"), lambda: mem.delete("D1:3"), lambda: mem.history("D1:3")):
+        with pytest.raises(MemoryInputError, match="several users"):
+            call()

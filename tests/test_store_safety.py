@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import threading
 import sqlite3
 import subprocess
 import sys
@@ -185,3 +186,59 @@ def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path):
     for version, ids in served:
         for fid in ids:
             assert added[fid] <= version < deleted.get(fid, 1 << 62), (fid, version)
+
+
+def test_one_store_object_shared_by_threads(store):
+    """The SQLite connection is shared: a reader thread and a writer thread interleave without a nested-
+    transaction error and without reading the writer's uncommitted rows."""
+    errors, seen = [], []
+
+    def write():
+        try:
+            for g in range(2, 40):
+                facts, kv, emb = sw.generation("u", g)
+                store.put_user("u", facts, kv, kv, emb, window=0)
+        except Exception as exc:  # noqa: BLE001 - the test reports any
+            errors.append(repr(exc))
+
+    def read():
+        try:
+            for _ in range(300):
+                store._user_cache.clear()
+                seen.append(sw.check(store.snapshot("u")))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert errors == [] and len(seen) == 300 and sw.check(store.snapshot("u")) == 39
+
+
+def test_index_sync_racing_a_writer_matches_its_snapshot(store):
+    """A commit between a snapshot and the index's delta read (delete b, add c) must not leave the index with
+    c instead of b for that snapshot."""
+    from kvmem.retrieve import UserIndex
+
+    index = UserIndex(4)
+    index.sync(store, store.snapshot("u"))
+    facts, kv, emb = sw.generation("u", 2)
+    store.commit("u", facts[:1], kv[:1], kv[:1], emb[:1])
+    snap = store.snapshot("u")  # 4 facts
+    store.commit("u", facts[1:2], kv[1:2], kv[1:2], emb[1:2], delete=[snap.facts[0].fact_id])
+    index.sync(store, snap)
+    import faiss
+
+    assert set(faiss.vector_to_array(index.index.id_map).tolist()) == set(snap.position)
+
+
+def test_delete_all_twice_and_junk_in_the_users_folder(store):
+    (store.root / "users" / "a-directory").mkdir()
+    store.delete_user("u")
+    store.delete_user("u")  # nothing live: a no-op commit, not an error
+    store.commit("t", turns=[{"content": "only turns"}])
+    store.delete_user("t")
+    assert store.users() == [] and store.history(sw.generation("u", 1)[0][0].fact_id)[-1]["event"] == "DELETE"
+    facts, kv, emb = sw.generation("u", 5)
+    store.commit("u", facts, kv, kv, emb)  # writes go on despite the directory _gc cannot remove
+    assert sw.check(store.snapshot("u")) == 5

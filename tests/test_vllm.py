@@ -93,12 +93,20 @@ def build(tmp: Path, family: str) -> dict:
     store.close()
     # The same memory in two more stores: one built by another model (same shapes, other weights), and one the
     # engine was not started with.
+    recs = [FactRecord(fid, "indep", fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
     for name, f in (("foreign", dict(fp, weights_sha256="0" * 64)), ("unlisted", fp)):
         other = Store.create(tmp / name, f, "", header, hkv.keys, hkv.values, {"name": "none"})
-        recs = [FactRecord(fid, "indep", fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
         versions[name] = other.put_user("indep", recs, [s.keys for s in ind], [s.values for s in ind],
                                         torch.zeros(len(recs), 4), 0)
         other.close()
+    # "twin": another allowed store whose user "indep" reaches the same version number as the main store's,
+    # with the same token ids but other KV: the cache salt must still tell the two apart.
+    twin = Store.create(tmp / "twin", fp, "", header, hkv.keys, hkv.values, {"name": "none"})
+    twin.put_user("pad", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0)
+    versions["twin"] = twin.put_user("indep", recs, [s.keys for s in oth], [s.values for s in oth],
+                                     torch.zeros(len(recs), 4), 0)
+    assert versions["twin"] == versions["indep"]
+    twin.close()
 
     # transformers-engine references: the same composed KV injected into a DynamicCache.
     from kvmem.compose import compose
@@ -122,7 +130,7 @@ def build(tmp: Path, family: str) -> dict:
     block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * BLOCK * (cfg.hidden_size //
                                                                               cfg.num_attention_heads) * 4
     return {"model": str(mdir), "store": str(tmp / "store"), "foreign": str(tmp / "foreign"),
-            "unlisted": str(tmp / "unlisted"), "memory": joint_ids, "query": query,
+            "unlisted": str(tmp / "unlisted"), "twin": str(tmp / "twin"), "memory": joint_ids, "query": query,
             "memory_rev": header + [t for f in reversed(ORDER) for t in facts[f]],
             "versions": versions, "hf": refs, "block_bytes": block_bytes}
 
@@ -161,7 +169,7 @@ def run_mode(spec_path: str, run: str) -> None:
     eng = VLLMEngine(spec["model"], dtype="float32", kv_cache_memory_bytes=kv_bytes,
                      max_model_len=opts.get("max_model_len", 1024), block_size=BLOCK, in_process=(mode == "inproc"),
                      skip_tokenizer_init=True, metrics_file=str(out_dir / f"metrics-{run}.json"),
-                     stores=[spec["store"], spec["foreign"]])
+                     stores=[spec["store"], spec["foreign"], spec["twin"]])
     outputs = []
     gen_many = eng.llm.generate
 
@@ -172,6 +180,10 @@ def run_mode(spec_path: str, run: str) -> None:
 
     eng.llm.generate = capture
     fact_ids = ORDER
+    from kvmem.store import Store
+
+    sid = {p: Store.open(p).manifest["store_id"]
+           for p in (spec["store"], spec["foreign"], spec["unlisted"], spec["twin"])}
     results: dict[str, list] = {}
     todo = cases(spec)
     i = 0
@@ -180,7 +192,8 @@ def run_mode(spec_path: str, run: str) -> None:
         while j < len(todo) and todo[j][0] == todo[i][0]:
             j += 1
         batch = todo[i:j]
-        mems = [MemoryRef(spec["store"], u, spec["versions"][u], fact_ids) if u else None for _, _, u, _ in batch]
+        mems = [MemoryRef(spec["store"], sid[spec["store"]], u, spec["versions"][u], fact_ids) if u else None
+                for _, _, u, _ in batch]
         gens = eng.generate_many([ids for _, ids, _, _ in batch], mems, STEPS, ignore_eos=True,
                                  salts=[s for *_, s in batch])
         results[todo[i][0]] = [_row(g, o) for g, o in zip(gens, outputs)]
@@ -194,16 +207,19 @@ def run_mode(spec_path: str, run: str) -> None:
     v = spec["versions"]["indep"]
     for name, params, salt in [("unsalted", kvmem_params(spec["store"], "indep", v, fact_ids), "someone-else"),
                                ("stale", kvmem_params(spec["store"], "indep", "0ld", fact_ids),
-                                kvmem_cache_salt("indep", "0ld"))]:
+                                kvmem_cache_salt(sid[spec["store"]], "indep", "0ld"))]:
         sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, detokenize=False,
                             extra_args={"kv_transfer_params": params})
         (o,) = eng.llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)
         results[name] = [_row(eng._result(o), o)]
     # Faults that used to kill the engine or inject wrong KV; each must cost only that request a plain prefill.
     mem_ids = spec["memory"] + spec["query"]
-    faults = [("trunc", MemoryRef(spec["store"], "trunc", spec["versions"]["trunc"], fact_ids)),
-              ("foreign", MemoryRef(spec["foreign"], "indep", spec["versions"]["foreign"], fact_ids)),
-              ("unlisted", MemoryRef(spec["unlisted"], "indep", spec["versions"]["unlisted"], fact_ids))]
+    def ref(name: str, user: str, version_of: str | None = None) -> MemoryRef:
+        store = spec[name] if name != "main" else spec["store"]
+        return MemoryRef(store, sid[store], user, spec["versions"][version_of or name], fact_ids)
+
+    faults = [("trunc", ref("main", "trunc", "trunc")), ("foreign", ref("foreign", "indep")),
+              ("unlisted", ref("unlisted", "indep")), ("twin", ref("twin", "indep"))]
     for name, ref in faults:
         results[name] = [_row(eng.generate(mem_ids, ref, STEPS, ignore_eos=True), None)]
     # (a) re-ingest while a version is cached on the scheduler side, then a request still naming the old one.
@@ -211,7 +227,8 @@ def run_mode(spec_path: str, run: str) -> None:
 
     st = Store.open(spec["store"])
     old = st.snapshot("replaced")
-    results["before_replace"] = [_row(eng.generate(mem_ids, MemoryRef(spec["store"], "replaced", old.version, fact_ids),
+    main = (spec["store"], sid[spec["store"]])
+    results["before_replace"] = [_row(eng.generate(mem_ids, MemoryRef(*main, "replaced", old.version, fact_ids),
                                                    STEPS, ignore_eos=True), None)]
     kvs = [old.fact_kv(i) for i in range(len(old.facts))]
     new_version = st.put_user("replaced", old.facts, [k for k, _ in kvs], [v for _, v in kvs], old.embeddings, 0)
@@ -219,11 +236,11 @@ def run_mode(spec_path: str, run: str) -> None:
     # in another fact order, so no block of it is in vLLM's prefix cache: only the connector decides
     rev_ids = spec["memory_rev"] + spec["query"]
     results["stale_ref"] = [_row(eng.generate(rev_ids, None, STEPS, ignore_eos=True, salt="cold-3"), None)]
-    results["stale_cached"] = [_row(eng.generate(rev_ids, MemoryRef(spec["store"], "replaced", old.version,
+    results["stale_cached"] = [_row(eng.generate(rev_ids, MemoryRef(*main, "replaced", old.version,
                                                                      list(reversed(fact_ids))), STEPS,
                                                  ignore_eos=True), None)]
     # the engine is alive and injects the new version
-    results["after"] = [_row(eng.generate(mem_ids, MemoryRef(spec["store"], "replaced", new_version, fact_ids), STEPS,
+    results["after"] = [_row(eng.generate(mem_ids, MemoryRef(*main, "replaced", new_version, fact_ids), STEPS,
                                           ignore_eos=True), None)]
     (out_dir / f"result-{run}.json").write_text(json.dumps(results))
 
@@ -329,6 +346,8 @@ def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
     for name in ("foreign", "unlisted", "stale_cached"):  # refused by the scheduler: nothing reported as cached
         assert run[name][0]["cached"] == 0, name
     assert run["_metrics"].get("untrusted_store", 0) >= 2
+    (twin,) = run["twin"]  # same user, same version number, same ids, another store: its own KV
+    assert (twin["cached"], twin["tokens"]) == (m, spec["hf"]["other"])
     for name in ("before_replace", "after"):
         (g,) = run[name]
         assert (g["cached"], g["prefilled"]) == (m, q) and g["tokens"] == spec["hf"]["indep"], name

@@ -123,6 +123,10 @@ def native_bf16(f: CpuFacts) -> tuple[bool, str]:
 def choose_dtype(f: CpuFacts) -> tuple[str, str]:
     """(dtype, reason): bf16 on a GPU or a native-bf16 CPU, fp32 everywhere else."""
     if f.cuda:
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return "float16", "GPU without bf16 (pre-Ampere)"
         return "bfloat16", "GPU"
     ok, why = native_bf16(f)
     return ("bfloat16" if ok else "float32"), f"CPU: {why}"

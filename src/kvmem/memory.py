@@ -52,15 +52,9 @@ def _messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role", "user"), str):
             raise MemoryInputError(f"message {i} must be an object with a string 'content' (and 'role')")
-        text = m["content"].strip()
-        if not text:
+        if not m["content"].strip():
             raise MemoryInputError(f"message {i} is empty")
-        if len(text) > MAX_MESSAGE_CHARS:
-            raise MemoryInputError(f"message {i} has {len(text)} characters; at most {MAX_MESSAGE_CHARS}")
-        try:
-            check_text(text, f"message {i}")
-        except ValueError as exc:
-            raise MemoryInputError(str(exc)) from None
+        text = _text(m["content"], f"message {i}")
         out.append({"role": m.get("role", "user"), "content": text, "name": m.get("name")})
     return out
 
@@ -70,6 +64,42 @@ def _user(user_id) -> str:
         return check_user(user_id)
     except ValueError as exc:
         raise MemoryInputError(str(exc)) from None
+
+
+def _text(text, what: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """A non-empty, valid-Unicode string of at most ``limit`` characters, stripped. Raises MemoryInputError."""
+    if not isinstance(text, str) or not text.strip():
+        raise MemoryInputError(f"{what} must be a non-empty string")
+    if len(text) > limit:
+        raise MemoryInputError(f"{what} has {len(text)} characters; at most {limit}")
+    try:
+        return check_text(text.strip(), what)
+    except ValueError as exc:
+        raise MemoryInputError(str(exc)) from None
+
+
+def _metadata(metadata) -> str:
+    """Metadata as JSON: an object of JSON values. Raises MemoryInputError."""
+    if metadata is None:
+        return "{}"
+    if not isinstance(metadata, dict):
+        raise MemoryInputError("metadata must be an object")
+    try:
+        return json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise MemoryInputError(f"metadata must hold JSON values only ({exc})") from None
+
+
+def _timestamp(timestamp) -> float:
+    if timestamp is None:
+        return time.time()
+    try:
+        ts = float(timestamp)
+    except (TypeError, ValueError):
+        raise MemoryInputError(f"timestamp must be Unix seconds, not {timestamp!r}") from None
+    if not 0 <= ts < 32503680000:  # year 3000
+        raise MemoryInputError(f"timestamp {timestamp!r} is out of range (Unix seconds)")
+    return ts
 
 
 class Memory:
@@ -161,25 +191,33 @@ class Memory:
         """The ``limit`` memories most similar to ``query``: ``{"results": [{id, memory, score, metadata,
         created_at, updated_at, user_id}]}``, best first. ``filters``: metadata key -> required value."""
         user = _user(user_id)
-        if not isinstance(query, str) or not query.strip():
-            raise MemoryInputError("query must be a non-empty string")
-        check_text(query, "query")
-        if not isinstance(limit, int) or limit < 1:
+        query = _text(query, "query")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
+        if filters is not None and not isinstance(filters, dict):
+            raise MemoryInputError("filters must be an object of metadata key -> value")
         ukv, rows, scores = self._search(user, query, limit if not filters else max(limit * 4, 100))
         out = [self._item(ukv.facts[r], s) for r, s in zip(rows, scores)]
         if filters:
             out = [m for m in out if all(m["metadata"].get(k) == v for k, v in filters.items())]
         return {"results": out[:limit]}
 
+    def _fact(self, memory_id) -> FactRecord | None:
+        try:
+            return self.store.fact(str(memory_id))
+        except LookupError as exc:
+            raise MemoryInputError(str(exc)) from None
+
     def get(self, memory_id: str) -> dict | None:
         """One memory by id, or None."""
-        f = self.store.fact(str(memory_id))
+        f = self._fact(memory_id)
         return None if f is None else self._item(f)
 
     def get_all(self, user_id: str, limit: int = 100) -> dict:
         """``{"results": [...]}``: the user's live memories, oldest first."""
         user = _user(user_id)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
         ukv = self._snapshot(user)
         return {"results": [self._item(f) for f in (ukv.facts if ukv else [])[:limit]]}
 
@@ -189,6 +227,8 @@ class Memory:
         events = self.store.history(str(memory_id))
         if not events:
             raise MemoryInputError(f"memory {memory_id!r} not found")
+        if len({e["user_id"] for e in events}) > 1:
+            raise MemoryInputError(f"memory id {memory_id!r} belongs to several users")
         for e in events:
             e["created_at"] = _iso(e["created_at"])
         return events
@@ -209,7 +249,7 @@ class Memory:
         from .ingest import write_facts
 
         records = [FactRecord(fid or str(uuid.uuid4()), user, text, "", "", _date(now), (), 0, self.window,
-                              metadata=json.dumps(meta or {}), created_at=(created or {}).get(fid, now))
+                              metadata=_metadata(meta), created_at=(created or {}).get(fid, now))
                    for text, fid, meta in new]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
@@ -227,9 +267,8 @@ class Memory:
         """
         user = _user(user_id)
         msgs = _messages(messages)
-        if metadata is not None and not isinstance(metadata, dict):
-            raise MemoryInputError("metadata must be an object")
-        now = float(timestamp) if timestamp is not None else time.time()
+        _metadata(metadata)
+        now = _timestamp(timestamp)
         turns = [{"speaker": m.get("name") or m["role"], "content": m["content"], "time": now} for m in msgs]
         if not infer:
             new = [(m["content"], None, metadata) for m in msgs]
@@ -269,7 +308,7 @@ class Memory:
             else:
                 logger.info("extractor: NONE for %r", d.text)
         if new or delete:
-            created = {t: f.created_at for t in delete if (f := self.store.fact(t)) is not None}
+            created = {t: f.created_at for t in delete if (f := self.store.fact(t, user)) is not None}
             _, records = self._write(user, new, delete, turns, [context] * len(new), events, now, created)
             added = [r for r, n in zip(records, new) if n[1] is None]
             results = [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in added] + results
@@ -279,16 +318,14 @@ class Memory:
 
     def update(self, memory_id: str, data: str) -> dict:
         """Replace a memory's text (re-encoded behind the turns before now); keeps its id. Raises MemoryInputError."""
-        if not isinstance(data, str) or not data.strip():
-            raise MemoryInputError("update text must be a non-empty string")
-        check_text(data, "update text")
-        f = self.store.fact(str(memory_id))
+        data = _text(data, "update text")
+        f = self._fact(memory_id)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         now = time.time()
         try:
-            self._write(f.user, [(data.strip(), f.fact_id, json.loads(f.metadata or "{}"))], [f.fact_id], [],
-                        [self._context(f.user, [], 0)], [(f.fact_id, "UPDATE", f.text, data.strip())], now,
+            self._write(f.user, [(data, f.fact_id, json.loads(f.metadata or "{}"))], [f.fact_id], [],
+                        [self._context(f.user, [], 0)], [(f.fact_id, "UPDATE", f.text, data)], now,
                         {f.fact_id: f.created_at})
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
@@ -296,7 +333,7 @@ class Memory:
 
     def delete(self, memory_id: str) -> dict:
         """Tombstone one memory: it is never retrieved or injected again. Raises MemoryInputError if unknown."""
-        f = self.store.fact(str(memory_id))
+        f = self._fact(memory_id)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
@@ -306,9 +343,7 @@ class Memory:
         return {"message": "Memory deleted successfully!"}
 
     def delete_all(self, user_id: str) -> dict:
-        user = _user(user_id)
-        if self.store.version(user):
-            self.store.delete_user(user)
+        self.store.delete_user(_user(user_id))  # what is live when the commit runs
         return {"message": "Memories deleted successfully!"}
 
     def compact(self, user_id: str) -> dict:

@@ -112,8 +112,10 @@ class UserIndex:
             if added:
                 self.index.add_with_ids(np.ascontiguousarray(torch.stack([e for _, e in added]).numpy()),
                                         np.array([r for r, _ in added], dtype=np.int64))
-            if self.index.ntotal != len(ukv.facts):  # a writer committed between the snapshot and the delta
-                self._rebuild(ukv)
+            import faiss
+
+            if set(faiss.vector_to_array(self.index.id_map).tolist()) != set(ukv.position):
+                self._rebuild(ukv)  # a writer committed between the snapshot and the delta
         self.version = ukv.version
         return self
 

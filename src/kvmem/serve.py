@@ -155,7 +155,8 @@ class MemoryService:
             if mode == "kv":
                 from .engines.vllm_engine import MemoryRef
 
-                ref = MemoryRef(str(self.store.root.resolve()), user, ukv.version, fact_ids)
+                ref = MemoryRef(str(self.store.root.resolve()), self.store.manifest["store_id"], user, ukv.version,
+                                fact_ids)
         t3 = time.perf_counter()
         timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3}
         return Prepared(user, question, mode, query_ids, token_ids + query_ids, fact_ids, memory, ref, timings)

@@ -25,9 +25,11 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import sqlite3
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -42,6 +44,8 @@ from safetensors.torch import save_file as _save_file
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version
 BUSY_TIMEOUT_S = 30.0
+ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
+logger = logging.getLogger("kvmem.store")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
@@ -187,7 +191,7 @@ def check_user(user: str) -> str:
     if not isinstance(user, str) or not user.strip():
         raise ValueError("user_id must be a non-empty string")
     if len(user) > 256 or any(c in user for c in "/\\\0") or user in (".", "..") \
-            or any(ord(c) < 32 for c in user):
+            or any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in user):
         raise ValueError(f"user_id {user[:40]!r} is not allowed (no path characters, control characters, or more "
                          f"than 256 characters)")
     return user
@@ -195,6 +199,15 @@ def check_user(user: str) -> str:
 
 def _safe(user: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:64] + "-" + hashlib.sha256(user.encode()).hexdigest()[:8]
+
+
+def _locked(method):
+    """Run a Store method under the store object's lock (its SQLite connection is shared across threads)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def fingerprint_diff(a: dict, b: dict) -> list[str]:
@@ -219,6 +232,7 @@ class Store:
             raise StoreError(f"{db} is corrupt: {exc}") from None
         if got != SCHEMA_VERSION:
             raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
+        self._lock = threading.RLock()  # one connection, shared by threads: one transaction at a time
         self._user_cache: dict[str, UserKV] = {}
         self._segments: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}  # immutable files
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -242,6 +256,7 @@ class Store:
         store.close()
         manifest = {
             "format": FORMAT_VERSION,
+            "store_id": uuid.uuid4().hex,  # in the vLLM cache salt: no two stores share prefix-cache blocks
             "created": time.time(),
             "fingerprint": fingerprint,
             "header": {"text": header_text, "token_ids": list(header_token_ids)},
@@ -276,8 +291,8 @@ class Store:
             got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
             raise StoreError(f"{root}: store format {got} is not {FORMAT_VERSION}; re-ingest it into a new store")
         if not isinstance(manifest.get("fingerprint"), dict) or not isinstance(manifest.get("header"), dict) \
-                or not isinstance(manifest.get("embedder"), dict):
-            raise StoreError(f"{path} is corrupt: fingerprint, header or embedder missing")
+                or not isinstance(manifest.get("embedder"), dict) or not isinstance(manifest.get("store_id"), str):
+            raise StoreError(f"{path} is corrupt: fingerprint, header, embedder or store_id missing")
         if fingerprint is not None and manifest["fingerprint"] != fingerprint:
             theirs, ours = manifest["fingerprint"], fingerprint
             if {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)} == {"dtype"}:
@@ -313,16 +328,19 @@ class Store:
             self._header = (t["keys"], t["values"])
         return self._header
 
+    @_locked
     def users(self) -> list[str]:
         """Users with at least one live fact."""
         return [r[0] for r in self._db.execute(
             "SELECT DISTINCT user FROM facts WHERE deleted IS NULL ORDER BY user")]
 
+    @_locked
     def version(self, user: str) -> str | None:
         """The user's current memory version (changes on every committed write), or None if never written."""
         row = self._db.execute("SELECT version FROM users WHERE user=?", (user,)).fetchone()
         return None if row is None else str(row[0])
 
+    @_locked
     def user_info(self, user: str) -> dict:
         """version, window, num_facts, num_tokens (live), source. Raises StoreError for an unknown user."""
         row = self._db.execute("SELECT version, window, source FROM users WHERE user=?", (user,)).fetchone()
@@ -336,12 +354,18 @@ class Store:
     def facts(self, user: str) -> list[FactRecord]:
         return self.snapshot(user).facts
 
-    def fact(self, fact_id: str) -> FactRecord | None:
-        """The live fact with this id, or None (ids are unique per user; ``Memory`` ids are UUIDs)."""
-        r = self._db.execute(f"SELECT {_FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL ORDER BY row",
-                             (fact_id,)).fetchone()
-        return None if r is None else _fact(r)
+    @_locked
+    def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
+        """The live fact with this id (of ``user``, if given), or None. Ids are unique per user (``Memory`` ids
+        are UUIDs); an id live for several users without ``user`` raises LookupError."""
+        rows = self._db.execute(f"SELECT {_FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL "
+                                f"{'AND user=? ' if user is not None else ''}ORDER BY row",
+                                (fact_id, user) if user is not None else (fact_id,)).fetchall()
+        if len(rows) > 1:
+            raise LookupError(f"memory id {fact_id!r} belongs to several users; name the user")
+        return _fact(rows[0]) if rows else None
 
+    @_locked
     def history(self, fact_id: str) -> list[dict]:
         """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
         rows = self._db.execute("SELECT id, fact_id, user, event, old_memory, new_memory, time FROM history "
@@ -349,6 +373,7 @@ class Store:
         return [dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
                 for r in rows]
 
+    @_locked
     def turns(self, user: str, last: int | None = None) -> list[dict]:
         """The user's stored conversation turns (oldest first; the ``last`` n): idx, dia_id, speaker, content, time."""
         q = "SELECT idx, dia_id, speaker, content, time FROM turns WHERE user=? ORDER BY idx DESC LIMIT ?"
@@ -372,6 +397,7 @@ class Store:
             self._segments[key] = (t["keys"], t["values"])
         return self._segments[key]
 
+    @_locked
     def snapshot(self, user: str, version: str | None = None, retries: int = 5, kv: bool = True) -> UserKV:
         """One consistent version of ``user``'s memory: rows, embeddings and KV segments of the same version, each
         segment checksummed.
@@ -400,7 +426,7 @@ class Store:
             finally:
                 self._db.execute("COMMIT")
             if not facts:
-                self.user_info(user)  # raises: unknown user
+                raise StoreError(f"unknown user {user!r} in store {self.root} (no live memories)")
             if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             try:
@@ -420,6 +446,7 @@ class Store:
         """A user's current memory (``snapshot(user)``)."""
         return self.snapshot(user)
 
+    @_locked
     def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
         """What changed in ``user``'s live facts after version ``since``: (added [(row, embedding [E])], removed
         rows), for incremental index updates; None if a compaction since then requires a full rebuild."""
@@ -459,11 +486,15 @@ class Store:
         live = {self._segment_path(u, s).name for u, s in self._db.execute("SELECT user, segment FROM segments")}
         removed = []
         for p in (self.root / "users").iterdir():
-            if p.name not in live:
-                p.unlink(missing_ok=True)
-                removed.append(p.name)
+            if p.name not in live and p.is_file():
+                try:
+                    p.unlink()
+                    removed.append(p.name)
+                except OSError as exc:  # the commit before this stands; a leftover file only costs space
+                    logger.warning("store %s: cannot remove %s: %s", self.root, p, exc)
         return removed
 
+    @_locked
     def fsck(self) -> dict:
         """Check every user (rows, files, KV checksums) and remove orphaned files. Returns a report:
         ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names]}``."""
@@ -483,6 +514,7 @@ class Store:
                     bad[user] = str(exc)
         return {"users": len(ok) + len(bad), "ok": ok, "bad": bad, "removed": removed}
 
+    @_locked
     def commit(self, user: str, add: list[FactRecord] = (), keys: list[torch.Tensor] = (),
                values: list[torch.Tensor] = (), embeddings: torch.Tensor | None = None, delete: list[str] = (),
                replace: bool = False, turns: list[dict] = (), events: list[tuple] = (), window: int = 0,
@@ -499,6 +531,7 @@ class Store:
         """
         check_user(user)
         add, keys, values = list(add), list(keys), list(values)
+        delete = [ALL] if delete is ALL else list(delete)
         if add:
             if embeddings is None or not (len(keys) == len(values) == len(add) == embeddings.shape[0]):
                 raise StoreError(f"user {user!r}: {len(add)} facts but {len(keys)} keys, {len(values)} values and "
@@ -518,7 +551,7 @@ class Store:
                                     "values": torch.cat(values, dim=2).contiguous()}, path)
                 fsync_dir(path.parent)  # durable before the commit that points at it
             try:
-                version = self._commit_rows(user, add, embeddings, segment, digest, list(delete), replace,
+                version = self._commit_rows(user, add, embeddings, segment, digest, delete, replace,
                                             list(turns), list(events), window, source, now)
             except BaseException:
                 if path is not None:
@@ -535,7 +568,7 @@ class Store:
             db.execute("BEGIN IMMEDIATE")
             version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
             live = dict(db.execute("SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL", (user,)))
-            gone = list(live) if replace else delete
+            gone = list(live) if replace or delete == [ALL] else delete
             for fid in gone:
                 if fid not in live:
                     raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
@@ -588,6 +621,7 @@ class Store:
             raise StoreError(f"user {user!r}: no facts to store")
         return self.commit(user, facts, keys, values, embeddings, replace=True, window=window, source=source)
 
+    @_locked
     def compact(self, user: str) -> str:
         """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
         What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it."""
@@ -616,11 +650,13 @@ class Store:
         self._user_cache.pop(user, None)
         return str(version)
 
+    @_locked
     def delete_user(self, user: str) -> str:
-        """Tombstone every live fact of ``user`` (history records each DELETE). Returns the new version."""
-        live = [f.fact_id for f in self.snapshot(user, kv=False).facts] if self.version(user) else []
-        return self.commit(user, delete=live)
+        """Tombstone every live fact of ``user``, whatever is live when the commit runs (history records each
+        DELETE; the turns stay). Returns the new version; a user with nothing live is a no-op commit."""
+        return self.commit(user, delete=ALL)
 
+    @_locked
     def reset(self) -> None:
         """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
         salt is ever reused)."""

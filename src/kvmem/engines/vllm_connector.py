@@ -4,11 +4,11 @@ Load it with ``KVTransferConfig(kv_connector="KvmemConnector", kv_connector_modu
 "kvmem.engines.vllm_connector", kv_role="kv_consumer")``. A request opts in through
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvmem": {...}}})``::
 
-    {"store": "/path/to/store", "user": "conv-26", "version": "<store.user_info(user)['version']>",
+    {"store": "/path/to/store", "user": "conv-26", "version": "<store.version(user)>",
      "fact_ids": ["D1:3", ...],   # injected order
      "start": 0}                  # virtual position of the first header token (vLLM numbers the prompt from 0)
 
-and ``cache_salt = kvmem_cache_salt(user, version)`` on the prompt.
+and ``cache_salt = kvmem_cache_salt(store_id, user, version)`` on the prompt (``store_id``: the store manifest's).
 
 Scheduler side (engine-core process): checks that the prompt starts with exactly the composed memory token ids
 (store header ids + the facts' token ids from the store metadata), that the memory version is still the store's
@@ -69,9 +69,10 @@ logger = logging.getLogger("kvmem.vllm_connector")
 PARAMS_KEY = "kvmem"
 
 
-def kvmem_cache_salt(user: str, version: str) -> str:
-    """The prefix-cache salt a kvmem request must carry: covers the user and the memory version."""
-    return f"kvmem:{user}:{version}"
+def kvmem_cache_salt(store_id: str, user: str, version: str) -> str:
+    """The prefix-cache salt a kvmem request must carry: covers the store (a random id made at its creation, so
+    two stores, or a store re-created at the same path, never share one), the user and the memory version."""
+    return f"kvmem:{store_id}:{user}:{version}"
 
 
 def kvmem_params(store: str, user: str, version: str, fact_ids: list[str], start: int = 0) -> dict:
@@ -88,12 +89,17 @@ _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 
 
 def _store(root: str):
+    """This process's handle on the store at ``root``, reopened if the store was re-created there."""
     from ..store import Store
 
+    ino = (Path(root) / "manifest.json").stat().st_ino
     with _LOCK:
         st = _STORES.get(root)
-        if st is None:
+        if st is None or st._manifest_ino != ino:
             st = _STORES[root] = Store.open(root)
+            st._manifest_ino = ino
+            for k in [k for k in _FACT_TOKENS if k[0] == root]:
+                del _FACT_TOKENS[k]
         return st
 
 
@@ -228,22 +234,28 @@ class KvmemConnector(KVConnectorBase_V1):
     def _count(self, what: str, n: int = 1) -> None:
         self.metrics[what] += n
         if self._metrics_file:
-            tmp = f"{self._metrics_file}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(dict(self.metrics), f)
-            os.replace(tmp, self._metrics_file)
+            try:
+                tmp = f"{self._metrics_file}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(dict(self.metrics), f)
+                os.replace(tmp, self._metrics_file)
+            except OSError as exc:  # a metrics file is never worth the scheduler
+                logger.warning("kvmem: cannot write metrics file %s: %s", self._metrics_file, exc)
 
     def _check(self, request: "Request") -> tuple[dict, int] | None:
         """(params, memory length) if ``request`` may take injected memory, else None (counted)."""
         ktp = getattr(request, "kv_transfer_params", None) or {}
-        p = ktp.get(PARAMS_KEY)
+        p = ktp.get(PARAMS_KEY) if isinstance(ktp, dict) else None
         if not p:
             return None
         prompt = list(request.prompt_token_ids or [])
         try:
             if int(p.get("start", 0)) != 0:
                 raise ValueError("vLLM numbers prompt positions from 0: kvmem start must be 0")
-            if request.cache_salt != kvmem_cache_salt(p["user"], p["version"]):
+            if not isinstance(p, dict):
+                raise ValueError("kvmem params must be an object")
+            if request.cache_salt != kvmem_cache_salt(_store(str(p["store"])).manifest["store_id"], p["user"],
+                                                      p["version"]):
                 self._count("unsalted")
                 logger.warning("kvmem: request %s lacks the user/version cache salt; normal prefill",
                                request.request_id)

@@ -45,6 +45,7 @@ class MemoryRef:
     """Which stored memory a prompt starts with: the request's kvmem params and its cache salt."""
 
     store: str
+    store_id: str  # the store manifest's "store_id"
     user: str
     version: str
     fact_ids: list[str]
@@ -56,7 +57,7 @@ class MemoryRef:
 
     @property
     def salt(self) -> str:
-        return kvmem_cache_salt(self.user, self.version)
+        return kvmem_cache_salt(self.store_id, self.user, self.version)
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
