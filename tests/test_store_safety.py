@@ -70,7 +70,7 @@ def test_open_never_writes(store):
 
 def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch):
     """A writer that dies after its segment file is written but before the commit (like a kill, no cleanup):
-    the old generation stays served, and the next writer (or fsck) removes the half-written file."""
+    the old generation stays served, and the next fsck removes the half-written file."""
     import kvmem.store as ks
 
     def dying(path):

@@ -1,20 +1,22 @@
-"""The on-disk memory store: fact metadata (SQLite), per-user KV and embeddings (safetensors), a manifest.
+"""The on-disk memory store: fact rows, tombstones, history and turns (SQLite), KV segments (safetensors).
 
 Layout of a store directory::
 
-    manifest.json            format, model fingerprint, header text + token ids, embedder
+    manifest.json            format, store_id, model fingerprint, header text + token ids, embedder
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
-    meta.sqlite              users(user, version, window, files...) and facts(user, row, fact_id, text, ...)
-    users/<user>.<version>.kv.safetensors    keys / values [L, H, N, D], all of a user's fact tokens packed
-    users/<user>.<version>.emb.safetensors   embeddings [F, E] float32, row order = facts.row
+    meta.sqlite              meta (the version counter), users, segments (sha256), facts (rows, embeddings,
+                             added/deleted versions), history (events), turns (the raw conversation)
+    users/<user>.<segment>.kv.safetensors    keys / values [L, H, n, D] of the facts one commit added
 
-A user is replaced atomically: new files are written under a new version and fsynced (with their directory),
-then one SQLite transaction points the user at them (with the KV file's SHA-256), then the old files go. A crash
-or power loss at any point leaves the previous version readable; files no row points at are orphans that the
-next writer or ``fsck`` removes. Writers serialize on a file lock (``.writer.lock``); SQLite runs in WAL mode
-with a busy timeout. Readers take the user row and fact rows in one read transaction (one snapshot) and load
-that version's files, retrying cleanly if a concurrent writer removed them in between; every KV file read is
-checked against its recorded SHA-256.
+Writes (``commit``, the one write path) append: a new segment file, fsynced with its directory, then one SQLite
+transaction that inserts the new fact rows, tombstones deleted ones (``deleted`` = the commit's version),
+appends turns and history, and moves the user to a new version taken from a store-wide counter (versions never
+repeat, even after ``reset``). A crash or power loss at any point leaves the previous version readable; files no
+row points at are orphans that ``fsck`` removes. ``compact`` rewrites a user's live facts into one segment and
+drops dead rows. Writers serialize on a file lock (``.writer.lock``); SQLite runs in WAL mode with a busy
+timeout; one ``Store`` object may be shared by threads (a lock guards its connection). Readers take rows from
+one read transaction (one snapshot) and load the segments they name, each checked against its SHA-256,
+retrying cleanly if a concurrent writer removed one in between.
 Stored KV carries the model fingerprint; opening a store with another model is refused (``StoreMismatch``).
 Opening never writes (no DDL): the schema is made by ``create`` and its version checked on open.
 """
@@ -167,6 +169,7 @@ CREATE TABLE IF NOT EXISTS facts (
 CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
 CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
 CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
+CREATE INDEX IF NOT EXISTS facts_segment ON facts (user, segment) WHERE deleted IS NULL;
 CREATE TABLE IF NOT EXISTS history (
     id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, event TEXT NOT NULL,
     old_memory TEXT, new_memory TEXT, time REAL NOT NULL, version INTEGER NOT NULL);
@@ -473,25 +476,30 @@ class Store:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
-    def _gc(self) -> list[str]:
-        """Under ``writer()``: drop segments no live fact uses, and files no segment row names (a killed
-        writer's leftovers). Returns the removed file names."""
+    def _gc(self, user: str | None = None) -> list[str]:
+        """Under ``writer()``: drop segments no live fact uses (of ``user``, after its commit: a few indexed
+        queries), and with ``user=None`` also every file no segment row names (a killed writer's leftovers; a
+        directory listing, for ``fsck``). Returns the removed file names."""
+        scope, args = ("s.user=? AND ", (user,)) if user is not None else ("", ())
         dead = list(self._db.execute(
-            "SELECT user, segment FROM segments s WHERE NOT EXISTS (SELECT 1 FROM facts f WHERE f.user=s.user AND "
-            "f.segment=s.segment AND f.deleted IS NULL)"))
+            f"SELECT user, segment FROM segments s WHERE {scope}NOT EXISTS (SELECT 1 FROM facts f WHERE "
+            f"f.user=s.user AND f.segment=s.segment AND f.deleted IS NULL)", args))
         if dead:
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.executemany("DELETE FROM segments WHERE user=? AND segment=?", dead)
-        live = {self._segment_path(u, s).name for u, s in self._db.execute("SELECT user, segment FROM segments")}
+        if user is not None:
+            doomed = [self._segment_path(u, seg) for u, seg in dead]
+        else:
+            live = {self._segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")}
+            doomed = [p for p in (self.root / "users").iterdir() if p.name not in live and p.is_file()]
         removed = []
-        for p in (self.root / "users").iterdir():
-            if p.name not in live and p.is_file():
-                try:
-                    p.unlink()
-                    removed.append(p.name)
-                except OSError as exc:  # the commit before this stands; a leftover file only costs space
-                    logger.warning("store %s: cannot remove %s: %s", self.root, p, exc)
+        for p in doomed:
+            try:
+                p.unlink(missing_ok=True)
+                removed.append(p.name)
+            except OSError as exc:  # the commit before this stands; a leftover file only costs space
+                logger.warning("store %s: cannot remove %s: %s", self.root, p, exc)
         return removed
 
     @_locked
@@ -557,7 +565,7 @@ class Store:
                 if path is not None:
                     path.unlink(missing_ok=True)
                 raise
-            self._gc()
+            self._gc(user)
         self._user_cache.pop(user, None)
         return version
 
@@ -567,8 +575,16 @@ class Store:
         with db:
             db.execute("BEGIN IMMEDIATE")
             version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
-            live = dict(db.execute("SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL", (user,)))
-            gone = list(live) if replace or delete == [ALL] else delete
+            everything = replace or delete == [ALL]
+            if everything:
+                live = dict(db.execute("SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL", (user,)))
+            else:  # only the ids this commit touches: a delete costs O(1) rows, not O(user's memory)
+                wanted, live = sorted(set(delete) | {f.fact_id for f in add}), {}
+                for i in range(0, len(wanted), 500):
+                    chunk = wanted[i:i + 500]
+                    live.update(db.execute(f"SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL AND "
+                                           f"fact_id IN ({','.join('?' * len(chunk))})", (user, *chunk)))
+            gone = list(live) if everything else delete
             for fid in gone:
                 if fid not in live:
                     raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
@@ -646,7 +662,7 @@ class Store:
                 db.execute("DELETE FROM facts WHERE user=? AND deleted IS NOT NULL", (user,))
                 db.execute("UPDATE users SET version=?, compacted=?, updated=? WHERE user=?",
                            (version, version, time.time(), user))
-            self._gc()
+            self._gc(user)
         self._user_cache.pop(user, None)
         return str(version)
 
