@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from kvmem import hardware
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from kvmem.hardware import CpuFacts, EngineUnavailable, choose_dtype, plan, resolve_dtype, resolve_engine, vllm_kernels
 
 ZEN3 = CpuFacts("AMD EPYC 7B13 (Zen 3)", "AVX2", avx2=True, avx512=False, avx512_bf16=False, amx=False,
@@ -167,3 +169,44 @@ def test_connector_refuses_what_it_does_not_implement():
                   "original_max_position_embeddings": 1024}):
         with pytest.raises(ValueError, match=f"RoPE scaling '{rope['rope_type']}' depends on the served length"):
             check_engine_config(cfg(rope=rope))
+
+
+def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
+    """Issue 10 item 2: whatever the store raises in the scheduler ("database is locked", a missing or corrupt
+    store, malformed params) is a counted fallback to a normal prefill, never an exception into vLLM."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    import sqlite3
+    from collections import Counter
+    from types import SimpleNamespace as NS
+
+    import store_worker as sw
+    from kvmem.engines import vllm_connector as vc
+
+    st = sw.create(tmp_path / "s")
+    facts, kv, emb = sw.generation("u", 1)
+    version = st.commit("u", facts, kv, kv.copy(), emb)
+    conn = object.__new__(vc.KvmemConnector)
+    conn.metrics, conn._metrics_file, conn._trusted, conn._matched = Counter(), None, {}, {}
+    conn._allowed = [st.root.resolve()]
+    conn._identity = {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")}
+    params = vc.kvmem_params(str(st.root), "u", version, [f.fact_id for f in facts])
+    salt = vc.kvmem_cache_salt(st.manifest["store_id"], "u", version)
+    ids = st.header_token_ids + [t for f in facts for t in f.token_ids]
+
+    def request(p=params):
+        return NS(kv_transfer_params=p, prompt_token_ids=ids + [7], cache_salt=salt, request_id="r",
+                  num_prompt_tokens=len(ids) + 1)
+
+    assert conn.get_num_new_matched_tokens(request(), 0) == (len(ids), False)  # the good case injects
+    for fault in (sqlite3.OperationalError("database is locked"), FileNotFoundError("users/u.x.kv.safetensors")):
+        def boom(p, fault=fault):
+            raise fault
+
+        monkeypatch.setattr(vc, "memory_token_ids", boom)
+        assert conn.get_num_new_matched_tokens(request(), 0) == (0, False)
+    monkeypatch.undo()
+    assert conn.get_num_new_matched_tokens(request({"kvmem": "not an object"}), 0) == (0, False)
+    assert conn.get_num_new_matched_tokens(request(["not", "a", "dict"]), 0) == (0, False)
+    assert conn.get_num_new_matched_tokens(request(dict(params, kvmem={**params["kvmem"], "store": "/nope"})),
+                                           0) == (0, False)
+    assert conn.metrics["store_error"] == 4 and conn.metrics["requests_injected"] == 0
