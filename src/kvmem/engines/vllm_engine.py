@@ -95,13 +95,13 @@ class VLLMEngine:
         kv_cache_memory_bytes: explicit KV-cache size (bytes).
         max_model_len: context limit (tokens); lowered to what the KV cache holds for this dtype
             (``fit_max_model_len``), so the engine always starts. ``self.max_model_len`` is the value used.
-
-    Raises EngineUnavailable (one line) if vLLM cannot start.
         in_process: True -> VLLM_ENABLE_V1_MULTIPROCESSING=0 + "uni" executor; False -> vLLM's default
             multi-process mode; None -> as VLLM_ENABLE_V1_MULTIPROCESSING says (default multi-process).
         metrics_file: where the connector's scheduler side writes its counters (mismatch, injected, ...).
         stores: the store directories (or folders holding stores) this engine may inject from, fixed here;
             a request naming any other store gets a plain prefill.
+
+    Raises EngineUnavailable (one line) if vLLM cannot start.
     """
 
     def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
