@@ -204,7 +204,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._metrics_file = extra.get("metrics_file")
         self._allowed = [Path(p).resolve() for p in extra.get("stores") or []]
         self._identity = engine_identity(vllm_config)
-        self._trusted: dict[str, str | None] = {}  # store root -> None if it matches the engine, else why not
+        self._trusted: dict[tuple[str, str], str | None] = {}  # (root, store_id) -> None if it matches, else why
         # scheduler side
         self._matched: dict[str, tuple[dict, int, str]] = {}  # req_id -> (params, local computed tokens, ids hash)
         self._pending: list[KvmemLoad] = []
@@ -217,17 +217,17 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def _untrusted(self, root: str) -> str | None:
         """Why the store at ``root`` may not be injected into this engine (not allow-listed at engine start, or
-        built by another model/dtype), or None."""
-        if root not in self._trusted:
-            path = Path(root).resolve()
-            if not any(path == a or a in path.parents for a in self._allowed):
-                self._trusted[root] = f"store {root} is not among the engine's allowed stores"
-            else:
-                fp = _store(root).fingerprint
-                bad = [k for k, v in self._identity.items() if fp.get(k) != v]
-                self._trusted[root] = (f"store {root} was built by another model ({', '.join(bad)} differ)"
-                                       if bad else None)
-        return self._trusted[root]
+        built by another model/dtype), or None. Judged once per store instance (a store re-created at the same
+        path is judged again)."""
+        path = Path(root).resolve()
+        if not any(path == a or a in path.parents for a in self._allowed):
+            return f"store {root} is not among the engine's allowed stores"
+        st = _store(root)
+        key = (root, st.manifest["store_id"])
+        if key not in self._trusted:
+            bad = [k for k, v in self._identity.items() if st.fingerprint.get(k) != v]
+            self._trusted[key] = f"store {root} was built by another model ({', '.join(bad)} differ)" if bad else None
+        return self._trusted[key]
 
     # ==================== scheduler side ====================
 
