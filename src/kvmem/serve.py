@@ -101,7 +101,7 @@ class MemoryService:
 
     def index(self, user: str, ukv=None) -> UserIndex:
         """``user``'s vector index, synced to ``ukv`` (default: the current snapshot) incrementally."""
-        ukv = ukv or self.store.user_kv(user)
+        ukv = ukv or self.store.snapshot(user, kv=False)
         if user not in self._indexes:
             self._indexes[user] = UserIndex(ukv.embeddings.shape[1])
         return self._indexes[user].sync(self.store, ukv)
@@ -122,7 +122,7 @@ class MemoryService:
         if mode not in ("kv", "prompt"):
             raise ValueError(f"mode must be 'kv' or 'prompt', not {mode!r}")
         t0 = time.perf_counter()
-        ukv = self.store.user_kv(user)
+        ukv = self.store.snapshot(user, kv=self.vllm is None)  # with vLLM the worker reads the KV, not this process
         index = self.index(user, ukv)
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
