@@ -192,3 +192,11 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
             v = json.loads(run("ask", "--engine", "vllm", "--store", root, "--user", "conv-26", "--k", k, "--json",
                                "--max-new-tokens", 16, q).stdout.strip().splitlines()[-1])
             assert v["engine"] == "vllm" and "\n" not in v["answer"] and v["generated_tokens"] >= 1
+
+
+def test_undecodable_question_is_one_error_line(store):
+    """Bytes that are not UTF-8 reach Python as lone surrogates: one error line, not a tokenizer traceback."""
+    p = subprocess.run(KVMEM + ["ask", "--engine", "hf", "--store", str(store), "--user", "conv-26", "--k", "3",
+                                b"\xff\xfe?"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2 and "not valid Unicode" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

@@ -271,3 +271,32 @@ def test_ambiguous_ids_are_refused(mem):
     for call in (lambda: mem.get("D1:3"), lambda: mem.delete("D1:3"), lambda: mem.history("D1:3")):
         with pytest.raises(MemoryInputError, match="several users"):
             call()
+
+
+def test_reads_never_create_a_store(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    missing = tmp_path / "nope"
+    for args in (["memory", "get", "x", "--store", str(missing)], ["memory", "list", "--store", str(missing), "--user",
+                                                                     "u"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and "no kvmem store" in res.output
+    assert not missing.exists()
+
+
+def test_repeated_extracted_facts_are_added_once(mem):
+    from kvmem.extract import Extractor
+
+    class Repeats(Extractor):
+        def complete(self, prompt, schema):
+            if "facts" in schema["properties"]:
+                return json.dumps({"facts": ["I moved to Porto in April."] * 8 + ["i moved to porto in april"]})
+            return ""
+
+    mem._extractor = Repeats()
+    out = mem.add("I moved to Porto in April.", "p", infer=True)["results"]
+    assert [r["event"] for r in out] == ["ADD"] and len(mem.get_all("p")["results"]) == 1
+    out = mem.add("I moved to Porto in April.", "p", infer=True)["results"]  # already known: nothing new
+    assert out == [] and len(mem.get_all("p")["results"]) == 1

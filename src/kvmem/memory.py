@@ -116,13 +116,12 @@ class Memory:
     def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None):
         from .ingest import open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
-        from .retrieve import Embedder
 
         if window < 0:
             raise MemoryInputError("window must be >= 0")
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
-        self.embedder = embedder or Embedder()
+        self._embedder = embedder
         if (root / "manifest.json").exists():  # reads need no model: it loads on the first write
             self.store = Store.open(root)
             self._model_name = model if isinstance(model, str) else self.store.fingerprint["model"]
@@ -136,6 +135,15 @@ class Memory:
         self.window = window
         self._extractor_spec, self._extractor = extractor, None
         self._indexes: dict = {}
+
+    @property
+    def embedder(self):
+        """The retrieval embedder (loaded on first use: get, delete and history need none)."""
+        if self._embedder is None:
+            from .retrieve import Embedder
+
+            self._embedder = Embedder()
+        return self._embedder
 
     @property
     def lm(self):
@@ -282,7 +290,7 @@ class Memory:
 
         if self._extractor is None:
             self._extractor = make_extractor(self._extractor_spec, self.lm)
-        facts = self._extractor.facts(msgs, _date(now))
+        facts = list({_norm(f): f for f in self._extractor.facts(msgs, _date(now))}.values())  # no repeats
         existing: dict[str, str] = {}
         for f in facts:  # the most similar existing memories of each new fact
             ukv, rows, _ = self._search(user, f, 5)
@@ -291,9 +299,13 @@ class Memory:
         decisions = self._extractor.reconcile(facts, list(existing.items())) if facts else []
         context = self._context(user, turns, len(turns) - 1)
         new, delete, events, results = [], [], [], []
+        known = {_norm(t) for t in existing.values()}
         for d in decisions:
             if d.target is not None and (d.target in delete or any(n[1] == d.target for n in new)):
                 continue  # one decision per memory per add
+            if d.event == "ADD" and _norm(d.text) in known | {_norm(n[0]) for n in new}:
+                logger.info("extractor: %r is already known: NONE", d.text)
+                continue
             if d.event == "ADD":
                 new.append((d.text, None, metadata))
             elif d.event == "UPDATE":
@@ -357,6 +369,10 @@ class Memory:
         """Delete every memory, turn and history row of the store (the model and header stay)."""
         self.store.reset()
         self._indexes.clear()
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split()).rstrip(".")
 
 
 def _iso(ts: float | None) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from .compose import ContextOverflow, PromptFormat, compose, max_facts_that_fit
+from .compose import ContextOverflow, PromptFormat, check_text, compose, max_facts_that_fit
 from .engines.hf import HFEngine
 from .hardware import EngineUnavailable, resolve_engine
 from .models import REGISTRY, LoadedModel, fingerprint, load, model_dir
@@ -117,6 +117,7 @@ class MemoryService:
         """
         if not question or not question.strip():
             raise ValueError("empty question")
+        check_text(question, "the question")  # before anything tokenizes or embeds it
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
         if mode not in ("kv", "prompt"):
