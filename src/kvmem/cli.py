@@ -604,6 +604,25 @@ def bench_memory(
     memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
 
 
+@bench_app.command("replay")
+@friendly
+def bench_replay(
+    samples: str = typer.Option("conv-26,conv-30", "--samples"),
+    arms: str = typer.Option("observations,infer,raw", "--arms", help="Comma-separated: observations, infer, raw."),
+    sessions: int = typer.Option(3, "--sessions", help="Replay sessions 1..N of each sample."),
+    k: int = typer.Option(20, "--k"), window: int = typer.Option(5, "--window"),
+    data: Path = _DATA, model: str = _MODEL, engine: str = _ENGINE,
+    out: Path = typer.Option(Path("runs/bench/replay"), "--out"),
+):
+    """Online memory on real input: LoCoMo replayed turn by turn through Memory.add in three arms, then answered."""
+    from .bench import replay
+    from .bench.common import str_list
+
+    if sessions < 1 or k < 1 or window < 0:
+        raise ValueError("--sessions and --k must be >= 1, --window >= 0")
+    replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine)
+
+
 @eval_app.command("locomo")
 @friendly
 def eval_locomo(

@@ -4,7 +4,8 @@
 2. ``reconcile``: the new facts and the most similar existing memories (numbered, so the model never copies a
    UUID) -> one decision per fact, ``{"memory": [{"event": "ADD"|"UPDATE"|"DELETE"|"NONE", "id", "text"}]}``.
 
-Outputs are constrained to a JSON schema, so they parse: the local model decodes under xgrammar's grammar
+Outputs are constrained to a JSON schema, so they parse: on the vLLM engine through vLLM's guided decoding
+(``StructuredOutputsParams(json=schema)``), on transformers under xgrammar's grammar
 (``xgrammar.contrib.hf.LogitsProcessor``, the library vLLM's structured outputs use); an OpenAI-compatible
 endpoint gets ``response_format={"type": "json_schema"}``. A reply that is still unusable (cut off at the token
 limit, an unknown id) yields no fact or a NONE decision, logged, never an exception.
@@ -32,6 +33,18 @@ DECISIONS_SCHEMA = {
         "required": ["event", "id", "text"]}, "maxItems": 16}},
     "required": ["memory"],
 }
+
+
+def decisions_schema(num_facts: int, num_existing: int) -> dict:
+    """``DECISIONS_SCHEMA`` narrowed to one call: exactly one decision per new fact and only ids that exist, so a
+    small model can neither ramble past the token limit nor name a memory that is not there."""
+    item = DECISIONS_SCHEMA["properties"]["memory"]["items"]
+    ids = ["new"] + [str(i) for i in range(num_existing)]
+    item = {**item, "properties": {**item["properties"], "id": {"enum": ids},
+                                   "text": {"type": "string", "maxLength": 160}}}
+    return {**DECISIONS_SCHEMA, "properties": {"memory": {"type": "array", "items": item, "minItems": num_facts,
+                                                          "maxItems": num_facts}}}
+
 
 FACTS_PROMPT = (
     "You keep a personal memory about the user. Read the new messages and list the facts worth remembering "
@@ -86,7 +99,7 @@ class Extractor:
             return [Decision("ADD", f) for f in facts]
         shown = "\n".join(f"{i}. {text}" for i, (_, text) in enumerate(existing)) or "(none)"
         items = _parse(self.complete(DECISIONS_PROMPT.format(existing=shown, facts="\n".join(f"- {f}" for f in facts)),
-                                     DECISIONS_SCHEMA), "memory")
+                                     decisions_schema(len(facts), len(existing))), "memory")
         out = []
         for it in items:
             if not isinstance(it, dict) or it.get("event") not in ("ADD", "UPDATE", "DELETE", "NONE"):
@@ -102,34 +115,49 @@ class Extractor:
         return out
 
 
-class LocalExtractor(Extractor):
-    """The answer model itself (offline), greedy, constrained by xgrammar to the JSON schema."""
+def chat_prompt_ids(lm, prompt: str) -> list[int]:
+    """One user message in the model's chat template (generation prompt added); completion models get the bare
+    prompt and a line break."""
+    tok = lm.tokenizer
+    if lm.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        return list(ids)
+    return list(tok(prompt + "\n")["input_ids"])
 
-    def __init__(self, lm, max_new_tokens: int = 256):
-        self.lm, self.max_new_tokens = lm, max_new_tokens
+
+class LocalExtractor(Extractor):
+    """The answer model itself (offline), greedy, constrained to the JSON schema.
+
+    With ``engine`` (an engine with ``complete_json``, e.g. ``VLLMEngine``: vLLM's guided decoding) the running
+    engine decodes; without, transformers' ``generate`` under xgrammar's logits processor."""
+
+    def __init__(self, lm, max_new_tokens: int = 256, engine=None):
+        self.lm, self.max_new_tokens, self.engine = lm, max_new_tokens, engine
         self._compiled: dict[str, object] = {}
 
     def complete(self, prompt: str, schema: dict) -> str:
+        ids = chat_prompt_ids(self.lm, prompt)
+        if self.engine is not None:
+            out = self.engine.complete_json(ids, schema, self.max_new_tokens)
+            return self.lm.tokenizer.decode(out, skip_special_tokens=True)
         import torch
         import xgrammar as xgr
         from xgrammar.contrib.hf import LogitsProcessor
 
         key = json.dumps(schema, sort_keys=True)
         if key not in self._compiled:
+            if len(self._compiled) > 64:  # per-call schemas: keep the compile cache bounded
+                self._compiled.clear()
             info = xgr.TokenizerInfo.from_huggingface(self.lm.tokenizer, vocab_size=self.lm.config.vocab_size)
             self._compiled[key] = xgr.GrammarCompiler(info).compile_json_schema(key)
         tok = self.lm.tokenizer
-        if self.lm.chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_tensors="pt")
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tok(prompt + "\n", return_tensors="pt")["input_ids"]
+        x = torch.tensor([ids], device=self.lm.device)
         with torch.inference_mode():
-            out = self.lm.model.generate(ids.to(self.lm.device), max_new_tokens=self.max_new_tokens, do_sample=False,
+            out = self.lm.model.generate(x, max_new_tokens=self.max_new_tokens, do_sample=False,
                                          logits_processor=[LogitsProcessor(self._compiled[key])],
                                          pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)
 
 
 class OpenAIExtractor(Extractor):
@@ -153,10 +181,11 @@ class OpenAIExtractor(Extractor):
             return ""
 
 
-def make_extractor(spec, lm) -> Extractor:
-    """None -> the local answer model; a dict {"base_url", "model", "api_key"?} -> that endpoint; an Extractor."""
+def make_extractor(spec, lm, engine=None) -> Extractor:
+    """None -> the local answer model (through ``engine`` when given: vLLM guided decoding); a dict
+    {"base_url", "model", "api_key"?} -> that endpoint; an Extractor."""
     if spec is None:
-        return LocalExtractor(lm)
+        return LocalExtractor(lm, engine=engine)
     if isinstance(spec, Extractor):
         return spec
     if isinstance(spec, dict) and {"base_url", "model"} <= set(spec):

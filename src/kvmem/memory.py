@@ -111,9 +111,12 @@ class Memory:
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
         dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
+        engine: a running engine with ``complete_json`` (e.g. ``VLLMEngine``) that the local extractor decodes on
+            (vLLM guided decoding); None: transformers ``generate`` under xgrammar.
     """
 
-    def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None):
+    def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None,
+                 engine=None):
         from .ingest import open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
@@ -133,7 +136,7 @@ class Memory:
                 self._lm = load(self._model_name, dtype=dtype)
             self.store, _ = open_or_create_store(root, self._lm, self.embedder)
         self.window = window
-        self._extractor_spec, self._extractor = extractor, None
+        self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self._indexes: dict = {}
 
     @property
@@ -289,7 +292,7 @@ class Memory:
         from .extract import make_extractor
 
         if self._extractor is None:
-            self._extractor = make_extractor(self._extractor_spec, self.lm)
+            self._extractor = make_extractor(self._extractor_spec, self.lm, self.engine)
         facts = list({_norm(f): f for f in self._extractor.facts(msgs, _date(now))}.values())  # no repeats
         existing: dict[str, str] = {}
         for f in facts:  # the most similar existing memories of each new fact

@@ -176,6 +176,18 @@ class VLLMEngine:
                  stop_token_ids: list[int] | None = None) -> VLLMGeneration:
         return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt], stop_token_ids)[0]
 
+    def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        """Greedy token ids for ``prompt_ids`` under vLLM's guided decoding to the JSON ``schema`` (no memory, a
+        fresh cache salt). Used by fact extraction (``extract.LocalExtractor``)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids), "cache_salt": self.cold_salt()}], sp,
+                                use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
     def cold_salt(self) -> str:
         return f"cold:{uuid.uuid4().hex}"
 
