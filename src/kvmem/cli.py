@@ -140,6 +140,44 @@ def ingest_locomo(
                    f"{report.user} in {report.total_s:.1f} s (encode {report.encode_s:.1f} s) -> {store}")
 
 
+@app.command("serve")
+@friendly
+def serve_cmd(
+    store: Path = typer.Option(..., "--store", help="Store directory (created for --model if missing)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Registry name (default: the store's model)."),
+    engine: str = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm "
+                               "or hf."),
+    host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
+    api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="JSON {key: tenant}; without it the server "
+                                            "binds to loopback only."),
+    dtype: str = _DTYPE,
+    top_k: int = typer.Option(10, "--top-k", help="Default memory.top_k."),
+    mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
+    window: int = typer.Option(5, "--window", help="Turns encoded before each new memory."),
+    cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
+                                    "KV segments), bytes, in the server and the vLLM worker."),
+    kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests in the engine at most; more get HTTP 429."),
+    timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
+):
+    """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
+    from .hardware import resolve_dtype
+    from .server import Limits, serve
+
+    if mode not in ("kv", "prompt", "off"):
+        raise ValueError(f"--mode must be kv, prompt or off, not {mode!r}")
+    if min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1 or timeout <= 0 \
+            or window < 0 or not 0 < port < 65536:
+        raise ValueError("--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
+                         "--timeout must be positive, --window >= 0, --port in 1-65535")
+    serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
+          model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
+          limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
+          kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window)
+
+
 @app.command()
 @friendly
 def ask(

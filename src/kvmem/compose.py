@@ -34,6 +34,7 @@ class PromptFormat:
     query_prefix: str
     query_suffix: str
     bos_token_id: int | None = None  # prepended to the header ids (completion-style models that need BOS)
+    chat: bool = False  # the split comes from the tokenizer's chat template
 
     @classmethod
     def for_tokenizer(cls, tokenizer, chat: bool) -> "PromptFormat":
@@ -44,7 +45,7 @@ class PromptFormat:
                 [{"role": "system", "content": HEADER_TEXT + _MEM}, {"role": "user", "content": _Q}],
                 tokenize=False, add_generation_prompt=True)
             i, j = text.index(_MEM), text.index(_Q)
-            return cls(text[:i], text[i + len(_MEM):j], text[j + len(_Q):])
+            return cls(text[:i], text[i + len(_MEM):j], text[j + len(_Q):], chat=True)
         bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", True) else None
         return cls(HEADER_TEXT, "\nQuestion: ", "\nShort answer:", bos)
 
@@ -55,6 +56,30 @@ class PromptFormat:
     def query_ids(self, tokenizer, question: str) -> list[int]:
         check_text(question, "the question")
         return tokenizer(self.query_prefix + question + self.query_suffix, add_special_tokens=False)["input_ids"]
+
+    def conversation_ids(self, tokenizer, messages: list[dict], memory: bool = True) -> list[int]:
+        """A multi-turn chat after the memory: the ids that follow ``header + facts``, ending in the assistant's
+        generation prompt. ``messages``: OpenAI-style [{role, content}], the last one from the user; a system
+        message's text follows the memory inside the one system block. For a single user message this equals
+        ``query_ids``. ``memory=False``: the whole prompt of the same chat without any memory block."""
+        system = "".join("\n\n" + m["content"] for m in messages if m["role"] == "system")
+        turns = [m for m in messages if m["role"] != "system"]
+        for m in messages:
+            check_text(m["content"], f"a {m['role']} message")
+        if self.chat:
+            if not memory:
+                sys_msg = [{"role": "system", "content": system.strip()}] if system.strip() else []
+                text = tokenizer.apply_chat_template(sys_msg + turns, tokenize=False, add_generation_prompt=True)
+                return tokenizer(text, add_special_tokens=False)["input_ids"]
+            text = tokenizer.apply_chat_template([{"role": "system", "content": HEADER_TEXT + _MEM + system}] + turns,
+                                                 tokenize=False, add_generation_prompt=True)
+            return tokenizer(text[text.index(_MEM) + len(_MEM):], add_special_tokens=False)["input_ids"]
+        past = "".join(f"\n{m['role'].capitalize()}: {m['content']}" for m in turns[:-1])
+        text = system.strip() + past + self.query_prefix + turns[-1]["content"] + self.query_suffix
+        if not memory:
+            return ([self.bos_token_id] if self.bos_token_id is not None else []) + \
+                tokenizer(text.lstrip("\n"), add_special_tokens=False)["input_ids"]
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

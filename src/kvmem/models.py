@@ -269,11 +269,14 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
 
-def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None) -> LoadedModel:
+def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+         weights: bool = True) -> LoadedModel:
     """Load an installed registry model (or a local HF folder path) in eval mode.
 
     ``dtype``: None or "auto" -> this machine's compute dtype (``hardware.choose_dtype``: bf16 on a GPU or a
     native-bf16 CPU, fp32 elsewhere); the installed bf16 weights upcast to fp32 exactly.
+    ``weights=False``: tokenizer, config and fingerprint only; the module sits on the ``meta`` device (no
+    memory). For a process whose forward passes run in vLLM.
 
     Raises ModelError if the model is not installed (with the command that installs it) or cannot take injected KV.
     """
@@ -301,7 +304,13 @@ def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device
     tok = AutoTokenizer.from_pretrained(path)
     if add_bos is not None:  # the GGUF's rule, recorded at install (``gguf_tokenizer_meta``)
         tok.add_bos_token = add_bos
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    else:
+        from transformers import AutoConfig
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
     check_injectable(model)
     chat = chat and getattr(tok, "chat_template", None) is not None
     return LoadedModel(name, model, tok, chat, wsha)

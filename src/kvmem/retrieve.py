@@ -92,6 +92,11 @@ class UserIndex:
     def __len__(self) -> int:
         return self.index.ntotal
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held: vectors (float32) plus the id map (int64), bytes."""
+        return self.index.ntotal * (4 * self.index.d + 8)
+
     def _rebuild(self, ukv) -> None:
         self.index.reset()
         if ukv.facts:

@@ -13,6 +13,8 @@ from .engines.hf import HFEngine
 from .hardware import EngineUnavailable, resolve_engine
 from .models import REGISTRY, LoadedModel, fingerprint, load, model_dir
 from .rope import Rotary
+from cachetools import LRUCache
+
 from .retrieve import Embedder, Retrieved, UserIndex, order_reverse_proximity
 from .store import Store
 
@@ -49,7 +51,9 @@ class MemoryService:
     still gives the tokenizer and the store fingerprint). ``dtype``: None -> this machine's compute dtype
     (``hardware.choose_dtype``); the store must have been computed in the same dtype. ``vllm_options`` go to ``VLLMEngine``;
     ``vllm_engine`` reuses a running one instead (one engine serves any number of stores: the connector reads the
-    store named in each request).
+    store named in each request); then, or with ``load_weights=False`` (the caller attaches an engine later), only
+    the tokenizer, config and fingerprint load, not the transformers weights. ``index_cache_bytes`` bounds the
+    per-user vector indexes (LRU).
 
     Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model
     (StoreDtypeMismatch: computed in another dtype), ModelError if the store's model is not installed,
@@ -58,14 +62,17 @@ class MemoryService:
 
     def __init__(self, store_root, model: LoadedModel | str | None = None, device=None, dtype=None,
                  max_context: int | None = None, embedder: Embedder | None = None, engine: str = "hf",
-                 vllm_options: dict | None = None, vllm_engine=None):
+                 vllm_options: dict | None = None, vllm_engine=None, index_cache_bytes: int = 256 << 20,
+                 load_weights: bool = True):
         self.engine_note, requested = None, engine
         if vllm_engine is not None:
             engine = "vllm"
         engine, self.engine_note = resolve_engine(engine)
         store = Store.open(store_root)  # read the manifest first: it names the model
         if model is None or isinstance(model, str):
-            model = load(model or store.fingerprint["model"], dtype=dtype, device=device)
+            # with a vLLM engine given, this process needs the tokenizer and fingerprint only, not the weights
+            model = load(model or store.fingerprint["model"], dtype=dtype, device=device,
+                         weights=vllm_engine is None and load_weights)
         store.close()
         self.lm = model
         self.store = Store.open(store_root, fingerprint(model))
@@ -77,10 +84,13 @@ class MemoryService:
             eos += [i for i, t in enumerate(model.tokenizer.convert_ids_to_tokens(range(len(model.tokenizer))))
                     if t is not None and "\n" in model.tokenizer.convert_tokens_to_string([t])]
         self.stop_ids = eos  # one stop rule for both engines (EOS, and the line break for completion models)
-        self.engine = HFEngine(model.model, eos_token_ids=eos)
-        self.rotary = Rotary.for_model(model.model)
+        real = model.device.type != "meta"
+        self.engine = HFEngine(model.model, eos_token_ids=eos) if real else None
+        self.rotary = Rotary.for_model(model.model) if real else None
         self.max_context = max_context or model.config.max_position_embeddings
-        self._indexes: dict[str, UserIndex] = {}
+        # per-user vector indexes, LRU-bounded by bytes (hits/misses counted for /metrics)
+        self._indexes = LRUCache(maxsize=max(1, index_cache_bytes), getsizeof=lambda ix: max(1, ix.nbytes))
+        self.index_hits = self.index_misses = 0
         self.engine_name, self.vllm = engine, None
         if engine == "vllm" and vllm_engine is not None:
             self.vllm = vllm_engine
@@ -102,13 +112,22 @@ class MemoryService:
     def index(self, user: str, ukv=None) -> UserIndex:
         """``user``'s vector index, synced to ``ukv`` (default: the current snapshot) incrementally."""
         ukv = ukv or self.store.snapshot(user, kv=False)
-        if user not in self._indexes:
-            self._indexes[user] = UserIndex(ukv.embeddings.shape[1])
-        return self._indexes[user].sync(self.store, ukv)
+        index = self._indexes.get(user)
+        if index is None:
+            self.index_misses += 1
+            index = UserIndex(ukv.embeddings.shape[1])
+        else:
+            self.index_hits += 1
+        index.sync(self.store, ukv)
+        self._indexes[user] = index  # (re)insert: its size may have changed
+        return index
 
-    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> "Prepared":
+    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32,
+                messages: list[dict] | None = None) -> "Prepared":
         """Everything before the model call: embed, retrieve, order, check the budget, compose.
 
+        ``messages``: a multi-turn chat (OpenAI-style, checked) that follows the memory instead of the single
+        ``question`` (which is still what retrieval embeds: the last user message).
         For the hf engine the composed KV is built here (chunked RoPE); for vLLM only the ids and the memory
         reference, since the connector's worker composes the KV itself.
         Raises ValueError for an empty question, top_k < 1 or an unknown mode; StoreError for an unknown user;
@@ -130,7 +149,8 @@ class MemoryService:
         scores, rows = index.search(q_vec, top_k, ukv)
         retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
         t2 = time.perf_counter()
-        query_ids = self.fmt.query_ids(self.lm.tokenizer, question)
+        query_ids = (self.fmt.conversation_ids(self.lm.tokenizer, messages) if messages
+                     else self.fmt.query_ids(self.lm.tokenizer, question))
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
         need = len(header_ids) + sum(lens) + len(query_ids)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_bytes
+from cachetools import LRUCache
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
@@ -200,6 +201,17 @@ def check_user(user: str) -> str:
     return user
 
 
+def _cache_put(cache: LRUCache, key, value) -> None:
+    try:
+        cache[key] = value
+    except ValueError:  # larger than the whole cache: served, not cached
+        cache.pop(key, None)
+
+
+def _ukv_bytes(ukv: "UserKV") -> int:
+    return max(1, ukv.embeddings.nbytes + sum(k.nbytes + v.nbytes for k, v in ukv.segments.values()))
+
+
 def _safe(user: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:64] + "-" + hashlib.sha256(user.encode()).hexdigest()[:8]
 
@@ -236,8 +248,10 @@ class Store:
         if got != SCHEMA_VERSION:
             raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
         self._lock = threading.RLock()  # one connection, shared by threads: one transaction at a time
-        self._user_cache: dict[str, UserKV] = {}
-        self._segments: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}  # immutable files
+        # caches, LRU-bounded by bytes: snapshots (rows, embeddings, KV) and immutable KV segment files
+        size = int(os.environ.get("KVMEM_STORE_CACHE_BYTES", 1 << 30))
+        self._user_cache: LRUCache = LRUCache(maxsize=size, getsizeof=_ukv_bytes)
+        self._segments: LRUCache = LRUCache(maxsize=size, getsizeof=lambda kv: kv[0].nbytes + kv[1].nbytes)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------------
@@ -397,7 +411,9 @@ class Store:
                 t = load_bytes(data)
             except Exception as exc:  # corrupt despite a matching checksum: report, never a traceback
                 raise StoreError(f"store {self.root}: cannot read user {user!r} ({exc})") from None
-            self._segments[key] = (t["keys"], t["values"])
+            kv = (t["keys"], t["values"])
+            _cache_put(self._segments, key, kv)
+            return kv
         return self._segments[key]
 
     @_locked
@@ -441,7 +457,7 @@ class Store:
                                  f"(run `kvmem store fsck --store {self.root}`)") from None
             embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
             ukv = UserKV(user, current, facts, segments, embeddings)
-            self._user_cache[user] = ukv
+            _cache_put(self._user_cache, user, ukv)
             return ukv
         raise StoreError(f"store {self.root}: user {user!r} kept changing while being read")
 
@@ -511,7 +527,8 @@ class Store:
             ok, bad = [], {}
             for user in self.users():
                 self._user_cache.pop(user, None)
-                self._segments = {k: v for k, v in self._segments.items() if k[0] != user}
+                for k in [k for k in self._segments if k[0] == user]:
+                    self._segments.pop(k, None)
                 try:
                     ukv = self.snapshot(user)
                     if ukv.embeddings.shape[0] != len(ukv.facts) or any(

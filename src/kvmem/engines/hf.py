@@ -7,7 +7,11 @@ Mem0-style baseline) prefills the whole identical token sequence instead.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +19,7 @@ from transformers import DynamicCache
 
 from ..compose import ComposedMemory
 from ..rope import reset_rope_state
+from .base import Delta, EngineBusy, Sampling
 
 
 @dataclass
@@ -62,6 +67,16 @@ def use_gqa_sdpa(model) -> None:
     model.config._attn_implementation = GQA_SDPA
 
 
+def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    """One token from ``logits`` [vocab] float32: softmax at ``temperature``, then nucleus (``top_p``) sampling."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p, idx = probs.sort(descending=True)
+        keep = p.cumsum(-1) - p < top_p  # the smallest prefix whose mass reaches top_p (always the top token)
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
 def build_cache(model, memory: ComposedMemory) -> DynamicCache:
     """A transformers cache holding the composed memory's rotated keys and values, [1, H, m, D] per layer.
 
@@ -89,14 +104,26 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(self, query_ids: list[int], memory: ComposedMemory | None = None, mode: str = "kv",
-                 max_new_tokens: int = 32, keep_step_logits: bool = False) -> Generation:
+                 max_new_tokens: int = 32, keep_step_logits: bool = False, sampling: Sampling | None = None,
+                 on_token=None, cancel=None) -> Generation:
         """Answer ``query_ids`` after ``memory``.
 
         mode "kv": inject ``memory`` (already rotated) and prefill only ``query_ids`` at positions memory.end...
         mode "prompt": prefill ``memory.token_ids + query_ids`` at positions memory.start...
         Without memory both modes prefill the bare query at position 0.
+        ``sampling``: temperature / top_p / seed / stop ids / max_tokens (overrides ``max_new_tokens``); default
+        greedy. ``on_token(id)`` is called per generated token (streaming); a set ``cancel`` event stops decoding.
         Raises ValueError for an unknown mode or an empty query.
         """
+        if sampling is not None:
+            max_new_tokens = sampling.max_tokens
+        eos = self.eos | set(sampling.stop_token_ids if sampling else ())
+        if sampling is not None and sampling.ignore_eos:
+            eos = set()
+        gen = None
+        if sampling is not None and sampling.temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         if mode not in ("kv", "prompt"):
             raise ValueError(f"mode must be 'kv' or 'prompt', not {mode!r}")
         if not query_ids:
@@ -125,9 +152,11 @@ class HFEngine:
         pos = pos0 + len(ids)
         t1 = time.perf_counter()
         while True:
-            nxt = int(logits.argmax())
+            nxt = int(logits.argmax()) if gen is None else sample(logits, sampling.temperature, sampling.top_p, gen)
             tokens.append(nxt)
-            if nxt in self.eos or len(tokens) >= max_new_tokens:
+            if on_token is not None:
+                on_token(nxt)
+            if nxt in eos or len(tokens) >= max_new_tokens or (cancel is not None and cancel.is_set()):
                 break
             out = self.model(input_ids=torch.tensor([[nxt]], device=self.device), past_key_values=cache,
                              use_cache=True, position_ids=torch.tensor([[pos]], device=self.device))
@@ -137,3 +166,67 @@ class HFEngine:
             pos += 1
         self._sync()
         return Generation(tokens, ttft_ms, (time.perf_counter() - t1) * 1e3, len(ids), first_logits, steps)
+
+
+class AsyncHFEngine:
+    """``HFEngine`` behind the ``AsyncEngine`` protocol: one request at a time on one worker thread (the
+    reference engine does not batch), at most ``max_queue`` waiting (then EngineBusy -> HTTP 429). Closing a
+    stream sets its cancel event: decoding stops at the next token."""
+
+    name = "hf"
+
+    def __init__(self, engine: HFEngine, max_model_len: int, max_queue: int = 64):
+        self.engine, self.max_model_len, self.max_queue = engine, max_model_len, max_queue
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-hf")
+        self._pending = 0
+
+    def queue_depth(self) -> int:
+        return self._pending
+
+    def _submit(self, fn):
+        if self._pending >= self.max_queue:
+            raise EngineBusy(f"{self._pending} requests are waiting for the engine (limit {self.max_queue})")
+        self._pending += 1
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, fn)
+        fut.add_done_callback(lambda _: setattr(self, "_pending", self._pending - 1))
+        return fut
+
+    async def stream(self, request_id: str, prompt_ids: list[int], memory, sampling: Sampling, mode: str = "kv",
+                     query_len: int = 0):
+        """``prompt_ids`` = memory ids + the ``query_len`` conversation ids; ``memory``: the composed KV (None:
+        no memory). Yields a Delta per token, the last with the counts."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+        query = list(prompt_ids[len(prompt_ids) - query_len:]) if memory is not None else list(prompt_ids)
+        put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+
+        def run():
+            try:
+                put(("done", self.engine.generate(query, memory, mode, sampling=sampling,
+                                                  on_token=lambda t: put(("tok", t)), cancel=cancel)))
+            except BaseException as exc:  # reaches the request, not the worker thread
+                put(("err", exc))
+
+        self._submit(run)
+        try:
+            while True:
+                kind, x = await q.get()
+                if kind == "tok":
+                    yield Delta([x])
+                elif kind == "err":
+                    raise x
+                else:
+                    stopped = bool(x.token_ids) and x.token_ids[-1] in (self.engine.eos | set(sampling.stop_token_ids))
+                    yield Delta([], True, "stop" if stopped else "length", len(prompt_ids), x.prefilled_tokens,
+                                x.ttft_ms)
+                    return
+        finally:
+            cancel.set()
+
+    async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        raise NotImplementedError("the transformers engine decodes JSON through extract.LocalExtractor")
+
+    async def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -85,6 +85,40 @@ def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int,
     return min(int(wanted), int(getattr(cfg, "max_position_embeddings", wanted) or wanted), fits)
 
 
+def engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process, enforce_eager,
+                  skip_tokenizer_init, metrics_file, seed, stores, **llm_kwargs) -> dict:
+    """vLLM engine arguments with the kvmem connector (shared by ``LLM`` and ``AsyncEngineArgs``); see VLLMEngine."""
+    dtype = resolve_dtype(dtype)
+    max_model_len = fit_max_model_len(model, dtype, kv_cache_memory_bytes, max_model_len)
+    if in_process is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    from vllm.config import KVTransferConfig
+
+    extra = {"stores": [str(Path(p).resolve()) for p in stores]}
+    if metrics_file:
+        extra["metrics_file"] = metrics_file
+    kwargs = dict(
+        model=str(model), dtype=dtype, kv_cache_memory_bytes=int(kv_cache_memory_bytes),
+        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
+        disable_log_stats=False, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
+        kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
+                                            kv_role="kv_consumer", kv_connector_extra_config=extra,
+                                            kv_load_failure_policy="recompute"),
+    )
+    if in_process:
+        kwargs["distributed_executor_backend"] = "uni"
+    if block_size:
+        kwargs["block_size"] = block_size
+    kwargs.update(llm_kwargs)
+    return kwargs
+
+
+def _one_line(exc: Exception) -> str:
+    first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return f"vLLM could not start ({type(exc).__name__}: {first})"
+
+
 class VLLMEngine:
     """Greedy generation on a vLLM engine with the kvmem connector.
 
@@ -108,37 +142,16 @@ class VLLMEngine:
                  max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
                  enforce_eager: bool = True, skip_tokenizer_init: bool = False, metrics_file: str | None = None,
                  seed: int = 0, stores: list[str | Path] = (), **llm_kwargs):
-        dtype = resolve_dtype(dtype)
-        self.max_model_len = fit_max_model_len(model, dtype, kv_cache_memory_bytes, max_model_len)
-        max_model_len = self.max_model_len
-        if in_process is not None:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        kwargs = engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process,
+                               enforce_eager, skip_tokenizer_init, metrics_file, seed, stores, **llm_kwargs)
+        self.max_model_len, in_process = kwargs["max_model_len"], kwargs.get("distributed_executor_backend") == "uni"
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
-        extra = {"stores": [str(Path(p).resolve()) for p in stores]}
-        if metrics_file:
-            extra["metrics_file"] = metrics_file
-        kwargs = dict(
-            model=str(model), dtype=dtype, kv_cache_memory_bytes=int(kv_cache_memory_bytes),
-            max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
-            disable_log_stats=False, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
-            kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
-                                                kv_role="kv_consumer", kv_connector_extra_config=extra,
-                                                kv_load_failure_policy="recompute"),
-        )
-        if in_process:
-            kwargs["distributed_executor_backend"] = "uni"
-        if block_size:
-            kwargs["block_size"] = block_size
-        kwargs.update(llm_kwargs)
         self.in_process = in_process
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many kinds; the user gets one line, never a traceback box
-            first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            raise EngineUnavailable(f"vLLM could not start ({type(exc).__name__}: {first})") from exc
+            raise EngineUnavailable(_one_line(exc)) from exc
 
     def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool,
                   stop_token_ids: list[int] | None = None):
@@ -226,3 +239,85 @@ def bench_service(store_root, lm, embedder, vllm_engine: VLLMEngine | None = Non
     vllm_options = {"stores": [cache_root(), store_root], **vllm_options}  # every cached bench store
     return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options,
                         vllm_engine=vllm_engine)
+
+
+class AsyncVLLMEngine:
+    """vLLM's ``AsyncLLM`` with the kvmem connector behind the ``AsyncEngine`` protocol (the HTTP server):
+    requests from many clients batch together (continuous batching); closing a stream aborts its request.
+    ``max_queue``: requests in flight at most (then EngineBusy -> HTTP 429). Arguments as ``VLLMEngine``.
+    Raises EngineUnavailable (one line) if vLLM cannot start."""
+
+    name = "vllm"
+
+    def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
+                 max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
+                 enforce_eager: bool = True, metrics_file: str | None = None, seed: int = 0,
+                 stores: list[str | Path] = (), max_queue: int = 256, **llm_kwargs):
+        kwargs = engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process,
+                               enforce_eager, False, metrics_file, seed, stores, **llm_kwargs)
+        self.max_model_len, self.max_queue, self._pending = kwargs["max_model_len"], max_queue, 0
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as exc:  # one line, never a traceback box
+            raise EngineUnavailable(_one_line(exc)) from exc
+
+    def queue_depth(self) -> int:
+        return self._pending
+
+    @staticmethod
+    def _params(sampling, memory: MemoryRef | None, schema: dict | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        extra = {"kv_transfer_params": memory.params} if memory is not None else None
+        return SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
+            ignore_eos=sampling.ignore_eos, detokenize=False, extra_args=extra,
+            stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
+            output_kind=RequestOutputKind.DELTA,
+            structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None)
+
+    async def stream(self, request_id: str, prompt_ids: list[int], memory: MemoryRef | None, sampling, mode: str = "kv",
+                     query_len: int = 0, salt: str | None = None):
+        """Deltas of one request. ``memory``: the MemoryRef (kv mode; its salt is the cache salt); without one the
+        prompt gets ``salt`` (None: a fresh one, so prompt mode prefills everything). Raises EngineBusy."""
+        from .base import Delta, EngineBusy
+
+        if self._pending >= self.max_queue:
+            raise EngineBusy(f"{self._pending} requests are in the engine (limit {self.max_queue})")
+        self._pending += 1
+        prompt = {"prompt_token_ids": list(prompt_ids),
+                  "cache_salt": memory.salt if memory is not None else (salt or self.cold_salt())}
+        try:
+            async for out in self.llm.generate(prompt, self._params(sampling, memory), request_id):
+                comp = out.outputs[0]
+                if not out.finished:
+                    yield Delta(list(comp.token_ids))
+                    continue
+                cached = int(out.num_cached_tokens or 0)
+                m = out.metrics
+                ttft = m.first_token_latency * 1e3 if m is not None else float("nan")
+                yield Delta(list(comp.token_ids), True, comp.finish_reason, len(prompt_ids), len(prompt_ids) - cached,
+                            ttft, {"num_cached_tokens": cached})
+        finally:
+            self._pending -= 1
+
+    async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        """Greedy ids under vLLM's guided decoding to ``schema`` (fact extraction)."""
+        from .base import Sampling
+
+        out: list[int] = []
+        async for out_ in self.llm.generate({"prompt_token_ids": list(prompt_ids), "cache_salt": self.cold_salt()},
+                                            self._params(Sampling(max_tokens=max_tokens), None, schema),
+                                            f"extract-{uuid.uuid4().hex}"):
+            out += list(out_.outputs[0].token_ids)
+        return out
+
+    def cold_salt(self) -> str:
+        return f"cold:{uuid.uuid4().hex}"
+
+    async def shutdown(self) -> None:
+        self.llm.shutdown()
