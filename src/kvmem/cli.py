@@ -661,6 +661,29 @@ def bench_replay(
     replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine)
 
 
+@bench_app.command("serve")
+@friendly
+def bench_serve(
+    users: int = typer.Option(32, "--users", help="Concurrent simulated users at the headline point."),
+    sweep: str = typer.Option("1,4,16", "--sweep", help="Smaller concurrencies also measured (plot)."),
+    duration: float = typer.Option(120.0, "--duration", help="Seconds per mode at --users."),
+    sweep_duration: float = typer.Option(30.0, "--sweep-duration", help="Seconds per mode at each --sweep point."),
+    k: int = typer.Option(20, "--k"), facts: int = typer.Option(24, "--facts", help="Memories per user (+1 canary)."),
+    max_tokens: int = typer.Option(16, "--max-tokens"), window: int = typer.Option(2, "--window"),
+    engine: str = typer.Option("auto", "--engine"), data: Path = _DATA, model: str = _MODEL,
+    out: Path = typer.Option(Path("runs/bench/serve"), "--out"),
+):
+    """Load test of `kvmem serve` on loopback: concurrent users chat (kv and prompt), add and delete; TTFT, QPS,
+    errors, canary leaks, peak RSS."""
+    from .bench import serve as bench
+    from .bench.common import int_list
+
+    points = sorted(set(int_list(sweep, "--sweep", 1) + [users])) if sweep else [users]
+    if users < 1 or duration <= 0 or sweep_duration <= 0 or k < 1 or facts < k or max_tokens < 1:
+        raise ValueError("--users, --duration, --k, --max-tokens must be positive and --facts >= --k")
+    bench.run(data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration)
+
+
 @eval_app.command("locomo")
 @friendly
 def eval_locomo(

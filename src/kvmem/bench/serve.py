@@ -1,0 +1,323 @@
+"""``kvmem bench serve``: a load test of ``kvmem serve`` on loopback, bounded in users, time and requests.
+
+1. Starts ``kvmem serve`` (a subprocess, with API keys) on a fresh store and waits for ``/ready``.
+2. Gives each simulated user its own memories over ``POST /v1/memories`` (``infer=False``): ``facts`` distinct
+   LoCoMo observations plus one **canary**, a random code word only that user has.
+3. For each concurrency in ``users`` and each mode (kv, prompt): that many users run for ``duration`` seconds,
+   each a loop of streaming chat requests (``memory.mode`` = the phase's mode, ``top_k`` = ``k``) with a memory
+   add (``add_every``) and a delete of its own added fact (``delete_every``) mixed in.
+
+Measured at the client: requests completed and errors; TTFT = request sent -> first token's SSE chunk (the
+server sends the role chunk only once the first token exists), p50 / p95; chat QPS per mode. Every chat answer
+and its ``kvmem.fact_ids`` are checked: **leaks** = another user's canary in the text or another user's fact id;
+**stale** = a fact id this user deleted before sending the request. The server's and engine's peak RSS (the
+process tree, sampled every 0.5 s) is reported. Writes serve.json, serve.md and serve.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import log_err, machine, median, p95, pyplot, table, write_json
+
+WORDS = ["amber", "basalt", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
+         "lagoon", "marble", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "velvet",
+         "willow", "xenon", "yarrow", "zephyr"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _facts_pool(data: Path) -> list[str]:
+    from ..locomo import load_locomo
+
+    seen, out = set(), []
+    for c in load_locomo(data):
+        for f in c.facts:
+            if f.text not in seen and 20 <= len(f.text) <= 200:
+                seen.add(f.text)
+                out.append(f"[{f.date}] {f.text}")
+    random.Random(0).shuffle(out)
+    return out
+
+
+class Tree:
+    """Peak RSS of a process and its children (server + vLLM engine core and worker), sampled."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.proc, self.peak_total, self.peak_server, self.peak_engine = psutil.Process(pid), 0, 0, 0
+
+    def sample(self) -> None:
+        import psutil
+
+        try:
+            main = self.proc.memory_info().rss
+            kids = sum(c.memory_info().rss for c in self.proc.children(recursive=True))
+        except psutil.Error:
+            return
+        self.peak_server, self.peak_engine = max(self.peak_server, main), max(self.peak_engine, kids)
+        self.peak_total = max(self.peak_total, main + kids)
+
+
+class User:
+    def __init__(self, i: int, key: str, facts: list[str]):
+        self.name, self.key, self.facts = f"user{i:03d}", key, facts
+        self.canary = f"{random.choice(WORDS)}-{secrets.token_hex(3)}"
+        self.ids: set[str] = set()  # every id this user ever got back
+        self.extra: list[str] = []  # ids of facts added during the run (deletable)
+        self.deleted: set[str] = set()
+        self.n_added = 0
+
+
+async def _setup_user(client, u: User) -> None:
+    msgs = [{"role": "user", "content": f} for f in u.facts] + \
+           [{"role": "user", "content": f"{u.name}'s secret code word is {u.canary}."}]
+    r = await client.post("/v1/memories", json={"messages": msgs, "user_id": u.name, "infer": False},
+                          headers={"Authorization": f"Bearer {u.key}"}, timeout=600)
+    r.raise_for_status()
+    u.ids |= {e["id"] for e in r.json()["results"]}
+
+
+async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict, canaries: dict) -> None:
+    body = {"model": stats["model"], "user": u.name, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "memory": {"top_k": k, "mode": mode},
+            "messages": [{"role": "user", "content": random.choice(
+                ["What is my secret code word?", "What did I do last weekend?", "Who are my friends?",
+                 "What are my hobbies?", "Where did I travel recently?", "What do I like to eat?"])}]}
+    deleted_before = set(u.deleted)
+    t0 = time.perf_counter()
+    ttft, text, kv = None, [], None
+    async with client.stream("POST", "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {u.key}"}, timeout=600) as r:
+        if r.status_code != 200:
+            await r.aread()
+            stats["errors"].append(f"chat {r.status_code}: {r.text[:200]}")
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if ttft is None:
+                ttft = (time.perf_counter() - t0) * 1e3
+            if line == "data: [DONE]":
+                break
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                stats["errors"].append(f"chat stream: {ev['error']}")
+                return
+            for ch in ev.get("choices", []):
+                text.append(ch["delta"].get("content") or "")
+            kv = ev.get("kvmem", kv)
+    answer = "".join(text)
+    if kv is None:
+        stats["errors"].append("chat: no kvmem field in the final chunk")
+        return
+    stats["ttft"][mode].append(ttft)
+    stats["done"][mode] += 1
+    foreign_ids = set(kv["fact_ids"]) - u.ids
+    foreign_canary = [c for name, c in canaries.items() if name != u.name and c in answer]
+    if foreign_ids or foreign_canary:
+        stats["leaks"].append({"user": u.name, "ids": sorted(foreign_ids), "canaries": foreign_canary})
+    if set(kv["fact_ids"]) & deleted_before:
+        stats["stale"].append({"user": u.name, "ids": sorted(set(kv["fact_ids"]) & deleted_before)})
+
+
+async def _add(client, u: User, stats: dict) -> None:
+    u.n_added += 1
+    r = await client.post("/v1/memories", headers={"Authorization": f"Bearer {u.key}"}, timeout=600,
+                          json={"messages": f"{u.name} noted item {u.n_added} on the shopping list.",
+                                "user_id": u.name, "infer": False})
+    if r.status_code != 200:
+        stats["errors"].append(f"add {r.status_code}: {r.text[:200]}")
+        return
+    for e in r.json()["results"]:
+        u.ids.add(e["id"])
+        u.extra.append(e["id"])
+    stats["adds"] += 1
+
+
+async def _delete(client, u: User, stats: dict) -> None:
+    if not u.extra:
+        return
+    fid = u.extra.pop(0)
+    r = await client.delete(f"/v1/memories/{fid}", headers={"Authorization": f"Bearer {u.key}"}, timeout=600)
+    if r.status_code != 200:
+        stats["errors"].append(f"delete {r.status_code}: {r.text[:200]}")
+        return
+    u.deleted.add(fid)
+    stats["deletes"] += 1
+
+
+async def _phase(base: str, users: list[User], mode: str, k: int, duration: float, max_tokens: int, model: str,
+                 add_every: int, delete_every: int, tree: Tree) -> dict:
+    import httpx
+
+    stats = {"model": model, "ttft": {mode: []}, "done": {mode: 0}, "errors": [], "leaks": [], "stale": [],
+             "adds": 0, "deletes": 0}
+    canaries = {u.name: u.canary for u in users}
+    end = time.perf_counter() + duration
+
+    async def loop(u: User):
+        n = 0
+        while time.perf_counter() < end:
+            n += 1
+            try:
+                if add_every and n % add_every == 0:
+                    await _add(client, u, stats)
+                elif delete_every and n % delete_every == 0:
+                    await _delete(client, u, stats)
+                else:
+                    await _chat(client, u, mode, k, max_tokens, stats, canaries)
+            except (httpx.HTTPError, ValueError) as exc:
+                stats["errors"].append(f"{type(exc).__name__}: {exc}")
+
+    async def sampler():
+        while time.perf_counter() < end:
+            tree.sample()
+            await asyncio.sleep(0.5)
+
+    limits = httpx.Limits(max_connections=len(users) + 4, max_keepalive_connections=len(users) + 4)
+    async with httpx.AsyncClient(base_url=base, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(sampler(), *(loop(u) for u in users))
+        wall = time.perf_counter() - t0
+    tt = stats["ttft"][mode]
+    return {"users": len(users), "mode": mode, "wall_s": round(wall, 2), "chats": stats["done"][mode],
+            "qps": round(stats["done"][mode] / wall, 3), "ttft_ms_p50": round(median(tt), 1),
+            "ttft_ms_p95": round(p95(tt), 1), "adds": stats["adds"], "deletes": stats["deletes"],
+            "errors": len(stats["errors"]), "error_samples": stats["errors"][:5], "leaks": len(stats["leaks"]),
+            "leak_samples": stats["leaks"][:5], "stale": len(stats["stale"])}
+
+
+def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts: int, engine: str, model: str,
+        max_tokens: int = 16, window: int = 2, sweep_duration: float | None = None, add_every: int = 10,
+        delete_every: int = 15, kv_cache_bytes: int = 2 << 30, port: int | None = None) -> dict:
+    import httpx
+
+    out.mkdir(parents=True, exist_ok=True)
+    n_users = max(users)
+    pool = _facts_pool(data)
+    if len(pool) < n_users * facts:
+        raise ValueError(f"{data} has {len(pool)} distinct facts; {n_users} users x {facts} facts need more "
+                         f"(lower --facts)")
+    keys = {f"bench-key-{i:03d}-{secrets.token_hex(8)}": f"tenant{i % 4}" for i in range(n_users)}
+    (out / "keys.json").write_text(json.dumps(keys))
+    store = out / "store"
+    if store.exists():
+        import shutil
+
+        shutil.rmtree(store)
+    port = port or _free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", str(store), "--model", model, "--engine", engine,
+           "--port", str(port), "--api-keys", str(out / "keys.json"), "--window", str(window),
+           "--max-queue", str(4 * n_users + 16), "--kv-cache-bytes", str(kv_cache_bytes), "--timeout", "600"]
+    log_err("bench serve: " + " ".join(cmd))
+    errlog = open(out / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}); see {out / 'server.log'}")
+            try:
+                r = httpx.get(f"{base}/ready", timeout=2)
+                if r.status_code == 200:
+                    ready = r.json()
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 600:
+                raise RuntimeError("the server did not become ready in 600 s")
+            time.sleep(1)
+        startup_s = time.perf_counter() - t0
+        log_err(f"bench serve: ready in {startup_s:.0f} s ({ready['engine']} engine)")
+        key_list = list(keys)
+        all_users = [User(i, key_list[i], pool[i * facts:(i + 1) * facts]) for i in range(n_users)]
+
+        async def setup():
+            async with httpx.AsyncClient(base_url=base) as client:
+                sem = asyncio.Semaphore(4)
+
+                async def one(u):
+                    async with sem:
+                        await _setup_user(client, u)
+
+                await asyncio.gather(*(one(u) for u in all_users))
+
+        t1 = time.perf_counter()
+        asyncio.run(setup())
+        setup_s = time.perf_counter() - t1
+        log_err(f"bench serve: {n_users} users x {facts + 1} memories added in {setup_s:.0f} s")
+        tree = Tree(proc.pid)
+        rows = []
+        for n in sorted(users):
+            d = duration if n == max(users) else (sweep_duration or duration)
+            for mode in ("kv", "prompt"):
+                row = asyncio.run(_phase(base, all_users[:n], mode, k, d, max_tokens, ready["model"],
+                                         add_every, delete_every, tree))
+                log_err(f"  users={n} {mode}: {row['chats']} chats, {row['qps']} QPS, ttft p50 {row['ttft_ms_p50']} "
+                        f"p95 {row['ttft_ms_p95']} ms, errors {row['errors']}, leaks {row['leaks']}, "
+                        f"stale {row['stale']}")
+                rows.append(row)
+        metrics = httpx.get(f"{base}/metrics").text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        errlog.close()
+    for r in rows:
+        other = next(x for x in rows if x["users"] == r["users"] and x["mode"] != r["mode"])
+        if r["mode"] == "kv":
+            r["kv_over_prompt_qps"] = round(r["qps"] / other["qps"], 2) if other["qps"] else None
+            r["p95_over_p50"] = round(r["ttft_ms_p95"] / r["ttft_ms_p50"], 2) if r["ttft_ms_p50"] else None
+    summary = {"machine": machine(), "engine": ready["engine"], "model": ready["model"], "k": k, "facts_per_user": facts,
+               "max_tokens": max_tokens, "window": window, "duration_s": duration, "startup_s": round(startup_s, 1),
+               "setup_s": round(setup_s, 1), "peak_rss_server_bytes": tree.peak_server,
+               "peak_rss_engine_bytes": tree.peak_engine, "peak_rss_total_bytes": tree.peak_total, "rows": rows,
+               "errors_total": sum(r["errors"] for r in rows), "leaks_total": sum(r["leaks"] for r in rows),
+               "stale_total": sum(r["stale"] for r in rows), "command": " ".join(sys.argv)}
+    write_json(out / "serve.json", summary)
+    (out / "metrics.txt").write_text(metrics)
+    head = ["users", "mode", "chats", "QPS", "TTFT p50 ms", "TTFT p95 ms", "adds", "deletes", "errors", "leaks",
+            "stale", "kv/prompt QPS"]
+    body = [[r["users"], r["mode"], r["chats"], r["qps"], r["ttft_ms_p50"], r["ttft_ms_p95"], r["adds"], r["deletes"],
+             r["errors"], r["leaks"], r["stale"], r.get("kv_over_prompt_qps", "")] for r in rows]
+    md = table(body, head)
+    (out / "serve.md").write_text(md + "\n")
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for mode in ("kv", "prompt"):
+        rs = [r for r in rows if r["mode"] == mode]
+        a1.plot([r["users"] for r in rs], [r["qps"] for r in rs], marker="o", label=mode)
+        a2.plot([r["users"] for r in rs], [r["ttft_ms_p95"] for r in rs], marker="o", label=mode)
+    for ax, lab in ((a1, "chat QPS"), (a2, "TTFT p95 (ms, client)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent users")
+        ax.set_ylabel(lab)
+        ax.legend()
+    a2.set_yscale("log")
+    fig.suptitle(f"kvmem serve ({ready['engine']}, {ready['model']}, k={k}), {summary['machine']['cpu'][:40]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "serve.png", dpi=120)
+    print(md)
+    print(f"peak RSS: server {tree.peak_server / 2**30:.2f} GiB, engine {tree.peak_engine / 2**30:.2f} GiB; "
+          f"errors {summary['errors_total']}, leaks {summary['leaks_total']}, stale {summary['stale_total']}")
+    return summary
