@@ -242,3 +242,27 @@ def test_delete_all_twice_and_junk_in_the_users_folder(store):
     facts, kv, emb = sw.generation("u", 5)
     store.commit("u", facts, kv, kv, emb)  # writes go on despite the directory _gc cannot remove
     assert sw.check(store.snapshot("u")) == 5
+
+
+def test_mmap_snapshot_reads_the_same_kv_and_refuses_truncation(tmp_path):
+    """The vLLM worker's reads (``kv="mmap"``) give exactly the stored K/V, and a truncated segment is an
+    error, not garbage."""
+    from kvmem.store import FactRecord, mmap_segment
+
+    st = sw.create(tmp_path / "s")
+    for i in range(3):  # three segments of distinct random values
+        facts = [FactRecord(f"f{i}{j}", "u", f"fact {i}{j}", "", "", "", tuple(range(3 + j)), 0, 0) for j in range(4)]
+        kv = [torch.randn(2, 1, 3 + j, 64) for j in range(4)]
+        st.commit("u", facts, kv, [x * 2 for x in kv], torch.nn.functional.normalize(torch.randn(4, 4), dim=1))
+    full = st.snapshot("u")
+    mm = Store.open(st.root).snapshot("u", kv="mmap")
+    assert mm.mmap and not full.mmap and [f.fact_id for f in mm.facts] == [f.fact_id for f in full.facts]
+    rows = [5, 0, 11, 7]
+    for a, b in zip(mm.gather(rows), full.gather(rows)):
+        assert torch.equal(a, b) and a.abs().sum() > 0
+    seg = st._segment_path("u", full.facts[0].segment)
+    assert torch.equal(mmap_segment(seg)[1], full.segments[full.facts[0].segment][1])
+    bad = tmp_path / "trunc.kv.safetensors"
+    bad.write_bytes(seg.read_bytes()[:-10])
+    with pytest.raises(StoreError, match="truncated"):
+        mmap_segment(bad)

@@ -121,6 +121,7 @@ class UserKV:
     facts: list[FactRecord]
     segments: dict[str, tuple[torch.Tensor, torch.Tensor]]
     embeddings: torch.Tensor
+    mmap: bool = False  # segments are memory maps (``Store.mmap_segment``)
 
     def row_of(self) -> dict[str, int]:
         """fact_id -> position in ``facts`` (and in ``embeddings``)."""
@@ -199,6 +200,39 @@ def check_user(user: str) -> str:
         raise ValueError(f"user_id {user[:40]!r} is not allowed (no path characters, control characters, or more "
                          f"than 256 characters)")
     return user
+
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def mmap_segment(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """A KV segment's ``keys`` and ``values`` as tensors over a private memory map of the safetensors file: no
+    byte is read until a slice of it is used, so gathering k facts reads only their pages. The file's size must
+    match its header (a truncated file is refused); its SHA-256 is checked by full reads and ``store fsck``, not
+    here (that would read the whole file). Raises StoreError for a malformed or truncated file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(n)) if 0 < n < size else None
+        except ValueError:
+            header = None
+    try:
+        ends = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+        if 8 + n + ends != size:
+            raise ValueError("size")
+        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+        out = []
+        for name in ("keys", "values"):
+            info = header[name]
+            dtype = _ST_DTYPES[info["dtype"]]
+            item = torch.empty(0, dtype=dtype).element_size()
+            t = torch.empty(0, dtype=dtype)
+            t.set_(storage, (8 + n + info["data_offsets"][0]) // item, info["shape"])
+            out.append(t)
+    except (TypeError, KeyError, ValueError, AttributeError, RuntimeError):
+        raise StoreError(f"KV segment {path} is malformed or truncated") from None
+    return out[0], out[1]
 
 
 def _cache_put(cache: LRUCache, key, value) -> None:
@@ -400,8 +434,12 @@ class Store:
     def _segment_path(self, user: str, segment: str) -> Path:
         return self.root / "users" / f"{_safe(user)}.{segment}.kv.safetensors"
 
-    def _load_segment(self, user: str, segment: str, sha: str) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (user, segment)
+    def _load_segment(self, user: str, segment: str, sha: str, mmap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (user, segment, mmap)
+        if mmap and key not in self._segments:
+            kv = mmap_segment(self._segment_path(user, segment))  # FileNotFoundError: the caller retries
+            _cache_put(self._segments, key, kv)
+            return kv
         if key not in self._segments:
             data = self._segment_path(user, segment).read_bytes()  # FileNotFoundError: the caller retries
             if hashlib.sha256(data).hexdigest() != sha:
@@ -417,14 +455,15 @@ class Store:
         return self._segments[key]
 
     @_locked
-    def snapshot(self, user: str, version: str | None = None, retries: int = 5, kv: bool = True) -> UserKV:
+    def snapshot(self, user: str, version: str | None = None, retries: int = 5, kv: bool | str = True) -> UserKV:
         """One consistent version of ``user``'s memory: rows, embeddings and KV segments of the same version, each
         segment checksummed.
 
         ``version``: that exact version or LookupError (it was replaced); None: the current one, retried
         cleanly when a concurrent writer removes a segment between the row read and the file read. Cached per
         version; a new version loads only its new segments. ``kv=False``: rows and embeddings only (search,
-        listing), ``segments`` left empty. Raises StoreError for an unknown user or missing/corrupt files of a
+        listing), ``segments`` left empty. ``kv="mmap"``: segments memory-mapped (``mmap_segment``), so a reader
+        that gathers k facts reads only their pages (the vLLM worker). Raises StoreError for an unknown user or missing/corrupt files of a
         current version.
         """
         for attempt in range(retries + 1):
@@ -432,7 +471,8 @@ class Store:
             if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             cached = self._user_cache.get(user)
-            if cached is not None and cached.version == current and (cached.segments or not kv):
+            if cached is not None and cached.version == current and (not kv or (
+                    cached.segments and cached.mmap == (kv == "mmap"))):
                 return cached
             self._db.execute("BEGIN")
             try:
@@ -449,14 +489,15 @@ class Store:
             if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             try:
-                segments = {s: self._load_segment(user, s, shas[s]) for s in {f.segment for f in facts}} if kv else {}
+                segments = {s: self._load_segment(user, s, shas[s], mmap=kv == "mmap")
+                            for s in {f.segment for f in facts}} if kv else {}
             except FileNotFoundError:
                 if attempt < retries and self.version(user) != current:
                     continue  # compacted or replaced under us: read the new version
                 raise StoreError(f"store {self.root}: KV files of user {user!r} version {current} are missing "
                                  f"(run `kvmem store fsck --store {self.root}`)") from None
             embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
-            ukv = UserKV(user, current, facts, segments, embeddings)
+            ukv = UserKV(user, current, facts, segments, embeddings, kv == "mmap")
             _cache_put(self._user_cache, user, ukv)
             return ukv
         raise StoreError(f"store {self.root}: user {user!r} kept changing while being read")

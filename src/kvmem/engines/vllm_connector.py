@@ -112,7 +112,7 @@ def _fact_tokens(root: str, user: str, version: str) -> dict[str, tuple[int, ...
         raise LookupError(f"memory version {version} of {user!r} is no longer current")
     got = _FACT_TOKENS.get(key)
     if got is None:
-        got = {f.fact_id: f.token_ids for f in st.snapshot(user, version).facts}
+        got = {f.fact_id: f.token_ids for f in st.snapshot(user, version, kv=False).facts}  # rows only
         with _LOCK:
             for k in [k for k in _FACT_TOKENS if k[:2] == (root, user)]:
                 del _FACT_TOKENS[k]
@@ -342,7 +342,7 @@ class KvmemConnector(KVConnectorBase_V1):
         if why:
             raise PermissionError(why)
         st = _store(p["store"])
-        ukv = st.snapshot(p["user"], p["version"])  # raises if that version is gone
+        ukv = st.snapshot(p["user"], p["version"], kv="mmap")  # raises if gone; reads only the gathered facts' pages
         rows = ukv.row_of()
         memory = compose(self._rot(), st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in p["fact_ids"]],
                          start=int(p.get("start", 0)), served_len=ld.served_len)
