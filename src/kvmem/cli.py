@@ -161,6 +161,8 @@ def serve_cmd(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests in the engine at most; more get HTTP 429."),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
+    tail_recompute: int = typer.Option(0, "--tail-recompute", help="Default memory.tail_recompute: kv mode "
+                                       "prefills the last r retrieved facts with the conversation."),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -169,13 +171,13 @@ def serve_cmd(
     if mode not in ("kv", "prompt", "off"):
         raise ValueError(f"--mode must be kv, prompt or off, not {mode!r}")
     if min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1 or timeout <= 0 \
-            or window < 0 or not 0 < port < 65536:
+            or window < 0 or tail_recompute < 0 or not 0 < port < 65536:
         raise ValueError("--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
                          "--timeout must be positive, --window >= 0, --port in 1-65535")
     serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
           model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
           limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
-          kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window)
+          kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window, tail_recompute=tail_recompute)
 
 
 @app.command()
@@ -192,6 +194,8 @@ def ask(
                                "(stock vLLM + kvmem connector) or hf (transformers, the reference engine)."),
     dtype: str = _DTYPE,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
+    tail_recompute: int = typer.Option(0, "--tail-recompute", help="kv mode: prefill the last r retrieved facts "
+                                       "with the question instead of injecting them (cross-fact repair)."),
 ):
     """Answer QUESTION from USER's memory."""
     from .compose import check_text
@@ -207,6 +211,8 @@ def ask(
         raise ValueError(f"--max-context must be >= 1, got {max_context}")
     if mode not in ("kv", "prompt"):
         raise ValueError(f"--mode must be kv or prompt, not {mode!r}")
+    if tail_recompute < 0:
+        raise ValueError(f"--tail-recompute must be >= 0, got {tail_recompute}")
     from .hardware import resolve_dtype, resolve_engine
     from .serve import MemoryService
     from .store import Store
@@ -222,6 +228,7 @@ def ask(
     if svc.engine_note:
         typer.echo(svc.engine_note, err=True)
     engine = svc.engine_name
+    svc.tail_recompute = tail_recompute
     ans = svc.ask(user, question, k, mode, max_new_tokens)
     if ans.k < k:
         typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
@@ -563,13 +570,16 @@ def bench_latency(
     data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
     questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/latency"), "--out"),
     show_progress: bool = _PROGRESS,
+    tail_recompute: str = typer.Option("", "--tail-recompute", help="Also time KV injection with tail recompute "
+                                       "r, for each comma-separated r (e.g. 1,2,4,8)."),
 ):
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     from .bench import latency
     from .bench.common import int_list
 
     latency.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), _bench_args(samples), questions,
-                model, engine, max_new_tokens, store_device, show_progress, typer.echo)
+                model, engine, max_new_tokens, store_device, show_progress, typer.echo,
+                int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else [])
 
 
 @bench_app.command("throughput")

@@ -92,6 +92,7 @@ class MemoryService:
         self._indexes = LRUCache(maxsize=max(1, index_cache_bytes), getsizeof=lambda ix: max(1, ix.nbytes))
         self.index_hits = self.index_misses = 0
         self.engine_name, self.vllm = engine, None
+        self.tail_recompute = 0  # default r for prepare (see there)
         if engine == "vllm" and vllm_engine is not None:
             self.vllm = vllm_engine
         elif engine == "vllm":
@@ -123,11 +124,15 @@ class MemoryService:
         return index
 
     def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32,
-                messages: list[dict] | None = None) -> "Prepared":
+                messages: list[dict] | None = None, tail_recompute: int | None = None) -> "Prepared":
         """Everything before the model call: embed, retrieve, order, check the budget, compose.
 
         ``messages``: a multi-turn chat (OpenAI-style, checked) that follows the memory instead of the single
         ``question`` (which is still what retrieval embeds: the last user message).
+        ``tail_recompute`` r (default ``self.tail_recompute``, 0): inject the header and all but the last r facts;
+        the engine prefills those r facts (the most relevant, nearest the query) with the query, so they attend to
+        every injected fact (cross-fact repair). The prompt ids are the same for every r; only what is injected
+        changes. Prompt mode is unaffected.
         For the hf engine the composed KV is built here (chunked RoPE); for vLLM only the ids and the memory
         reference, since the connector's worker composes the KV itself.
         Raises ValueError for an empty question, top_k < 1 or an unknown mode; StoreError for an unknown user;
@@ -139,8 +144,7 @@ class MemoryService:
         check_text(question, "the question")  # before anything tokenizes or embeds it
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
-        if mode not in ("kv", "prompt"):
-            raise ValueError(f"mode must be 'kv' or 'prompt', not {mode!r}")
+        mode, tail_recompute = parse_mode(mode, tail_recompute)
         t0 = time.perf_counter()
         ukv = self.store.snapshot(user, kv=self.vllm is None)  # with vLLM the worker reads the KV, not this process
         index = self.index(user, ukv)
@@ -165,19 +169,25 @@ class MemoryService:
                 f"+ answer ({max_new_tokens} tokens) = {need + max_new_tokens} tokens exceeds the model context of "
                 f"{self.max_context} tokens; at most k={fits} fits")
         rows = order_reverse_proximity(retrieved)
+        r = self.tail_recompute if tail_recompute is None else int(tail_recompute)
+        if r < 0:
+            raise ValueError(f"tail_recompute must be >= 0, got {r}")
+        head, tail = rows[:max(0, len(rows) - r)], rows[max(0, len(rows) - r):]
+        tail_ids = [t for row in tail for t in ukv.facts[row].token_ids]
+        fact_ids = [ukv.facts[row].fact_id for row in rows]
         memory = ref = None
         if self.vllm is None:
-            memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, rows, device=self.lm.device,
+            memory = compose(self.rotary, header_ids, self.store.header_kv(), ukv, head, device=self.lm.device,
                              served_len=need)
-            token_ids, fact_ids = memory.token_ids, memory.fact_ids
+            token_ids = memory.token_ids
         else:  # the connector's worker composes the KV itself; here only the ids
-            token_ids = header_ids + [t for r in rows for t in ukv.facts[r].token_ids]
-            fact_ids = [ukv.facts[r].fact_id for r in rows]
+            token_ids = header_ids + [t for row in head for t in ukv.facts[row].token_ids]
             if mode == "kv":
                 from .engines.vllm_engine import MemoryRef
 
                 ref = MemoryRef(str(self.store.root.resolve()), self.store.manifest["store_id"], user, ukv.version,
-                                fact_ids)
+                                fact_ids[:len(head)])
+        query_ids = tail_ids + query_ids  # what follows the injected memory: recomputed tail facts, then the query
         t3 = time.perf_counter()
         timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3}
         return Prepared(user, question, mode, query_ids, token_ids + query_ids, fact_ids, memory, ref, timings)
@@ -186,6 +196,7 @@ class MemoryService:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
         engine call). Raises what ``prepare`` raises."""
         req = self.prepare(user, question, top_k, mode, max_new_tokens)
+        mode = req.mode
         if self.vllm is None:
             gen = self.engine.generate(req.query_ids, req.memory, mode, max_new_tokens)
             expected = len(req.query_ids) if mode == "kv" else len(req.prompt_ids)
@@ -204,6 +215,16 @@ class MemoryService:
         return Answer(text, req.mode, len(req.fact_ids), req.fact_ids, len(req.prompt_ids), gen.prefilled_tokens,
                       {k: round(v, 3) for k, v in timings.items()}, req.user, req.question, self.engine_name,
                       len(gen.token_ids), req.prompt_ids)
+
+
+def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int | None]:
+    """"kv", "prompt" or "kv-tail<r>" (KV injection with tail recompute r, for benchmarks) -> (mode, r).
+    Raises ValueError for anything else."""
+    if isinstance(mode, str) and mode.startswith("kv-tail") and mode[7:].isdigit():
+        return "kv", int(mode[7:])
+    if mode not in ("kv", "prompt"):
+        raise ValueError(f"mode must be 'kv', 'prompt' or 'kv-tail<r>', not {mode!r}")
+    return mode, tail_recompute
 
 
 @dataclass

@@ -71,6 +71,7 @@ class MemoryOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     top_k: int | None = Field(None, ge=1, le=200)
     mode: Literal["kv", "prompt", "off"] | None = None
+    tail_recompute: int | None = Field(None, ge=0, le=200)
 
 
 class ChatRequest(BaseModel):
@@ -241,7 +242,7 @@ class KvmemServer:
     def start(cls, store: str | Path, model: str | None = None, engine: str = "auto", api_keys: dict | None = None,
               limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
               kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int = 5,
-              vllm_options: dict | None = None) -> "KvmemServer":
+              vllm_options: dict | None = None, tail_recompute: int = 0) -> "KvmemServer":
         """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf. Raises StoreError,
         ModelError, EngineUnavailable (one line each)."""
         import os
@@ -287,6 +288,7 @@ class KvmemServer:
             eng = AsyncHFEngine(svc.engine, svc.max_context, max_queue=max_queue)
             eng._pool = pool  # generation, composition and encoding share the one model thread
             mem = Memory(root, model=svc.lm, window=window, embedder=embedder)
+        svc.tail_recompute = tail_recompute
         return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
 
     def store_bytes(self) -> int:
@@ -512,7 +514,7 @@ def create_app(server: KvmemServer) -> FastAPI:
         if user is None and mode != "off":
             raise APIError(400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')",
                            param="user")
-        prep = await asyncio.wait_for(_prepare(server, user, messages, top_k, mode, max_tokens),
+        prep = await asyncio.wait_for(_prepare(server, user, messages, top_k, mode, max_tokens, opts.tail_recompute),
                                       limits.request_timeout_s)
         from .engines.base import Sampling
 
@@ -547,7 +549,7 @@ class _Prepared:
 
 
 async def _prepare(server: KvmemServer, user: str | None, messages: list[dict], top_k: int, mode: str,
-                   max_tokens: int) -> _Prepared:
+                   max_tokens: int, tail_recompute: int | None = None) -> _Prepared:
     """Retrieval and composition for one chat request (on the model thread for hf: composition uses its RoPE)."""
     from .compose import ContextOverflow
     from .store import StoreError
@@ -566,7 +568,7 @@ async def _prepare(server: KvmemServer, user: str | None, messages: list[dict], 
         if mode == "off" or not question.strip():
             return bare()
         try:
-            p = svc.prepare(user, question, top_k, mode, max_tokens, messages=messages)
+            p = svc.prepare(user, question, top_k, mode, max_tokens, messages=messages, tail_recompute=tail_recompute)
         except StoreError as exc:
             if "unknown user" in str(exc):  # no memories yet: answer without any
                 return bare()

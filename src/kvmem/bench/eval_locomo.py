@@ -158,9 +158,15 @@ def aggregate(rows: list[dict], ks, windows, modes, with_judge: bool) -> list[di
 def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[str], samples: list[str] | None,
         questions: int | None, model: str, engine: str, max_new_tokens: int = 32, judge_url: str | None = None,
         judge_model: str | None = None, show_progress: bool = True, echo=print) -> dict:
-    bad = [m for m in modes if m not in ("kv", "prompt")]
-    if bad or not modes:
-        raise ValueError(f"--mode must be a comma-separated subset of kv,prompt, not {','.join(modes) or '(empty)'}")
+    from ..serve import parse_mode
+
+    try:
+        [parse_mode(m) for m in modes]
+    except ValueError:
+        raise ValueError(f"--mode must be a comma-separated subset of kv, prompt, kv-tail<r> (tail recompute r), "
+                         f"not {','.join(modes) or '(empty)'}") from None
+    if not modes:
+        raise ValueError("--mode is empty")
     if bool(judge_url) != bool(judge_model):
         raise ValueError("--judge-url and --judge-model go together")
     setup = Setup.load(data, samples, model, engine, show_progress)
@@ -218,6 +224,12 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         gap = {str(w): {str(k): {str(c): (None if by[(w, k, "prompt", c)]["f1"] is None or by[(w, k, "kv", c)]["f1"] is None
                                           else round(by[(w, k, "prompt", c)]["f1"] - by[(w, k, "kv", c)]["f1"], 2))
                                  for c in [1, 2, 3, 4, "overall"]} for k in ks} for w in windows}
+    methods = [m for m in modes if m != "prompt"]
+    gaps = {}  # prompt - method, for every KV method (kv, kv-tail<r>)
+    if "prompt" in modes:
+        gaps = {m: {str(w): {str(k): {str(c): (None if by[(w, k, "prompt", c)]["f1"] is None or by[(w, k, m, c)]["f1"] is None
+                                              else round(by[(w, k, "prompt", c)]["f1"] - by[(w, k, m, c)]["f1"], 2))
+                                     for c in [1, 2, 3, 4, "overall"]} for k in ks} for w in windows} for m in methods}
     summary = {
         "command": "eval locomo", "engine": engine, "model": model, "data": str(data),
         "samples": [c.sample_id for c in setup.convs], "questions": len(qs),
@@ -225,7 +237,8 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         "k": ks, "windows": windows, "modes": modes, "max_new_tokens": max_new_tokens,
         "scoring": "LoCoMo token F1 (official normalisation, category 1 split on ',', category 3 before ';'; "
                    "no Porter stemming), exact match" + (", LLM judge" if with_judge else ""),
-        "judge_model": judge_model, "f1": f1, "f1_gap_prompt_minus_kv": gap, "table": agg,
+        "judge_model": judge_model, "f1": f1, "f1_gap_prompt_minus_kv": gap,
+        "f1_gap_prompt_minus_method": gaps, "table": agg,
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_json(out / "summary.json", summary)
@@ -253,7 +266,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     for wi, w in enumerate(windows):
         for mode in modes:
             ys = [by[(w, k, mode, "overall")]["f1"] for k in ks]
-            ax.plot(ks, ys, styles[wi % 4], marker="o", color=colors[mode], label=f"{mode} w={w}")
+            ax.plot(ks, ys, styles[wi % 4], marker="o", color=colors.get(mode), label=f"{mode} w={w}")
     log_k_axis(ax, ks, plt)
     ax.set_xlabel("k (retrieved facts)")
     ax.set_ylabel("LoCoMo token F1 (%)")

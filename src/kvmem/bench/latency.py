@@ -39,17 +39,17 @@ def _record(ans, q, window) -> dict:
             "generated_tokens": ans.generated_tokens, "answer": ans.answer}
 
 
-def summarize(records: list[dict], ks: list[int], window: int) -> dict:
+def summarize(records: list[dict], ks: list[int], window: int, modes=MODES) -> dict:
     recs = [r for r in records if r["window"] == window]
     bare = [r for r in recs if r["mode"] == "bare"]
     out: dict = {"window": window, "n_questions": len({r["qid"] for r in recs}),
-                 "ttft_ms": {"kv": {}, "prompt": {}, "bare": round(median(r["ttft"] for r in bare), 3)},
+                 "ttft_ms": {**{m: {} for m in modes}, "bare": round(median(r["ttft"] for r in bare), 3)},
                  "p95_ms": {}, "median_ms": {}, "stages_ms": {}}
     out["p95_ms"]["bare"] = {"ttft": round(p95(r["ttft"] for r in bare), 3),
                              "q2fa": round(p95(r["ttft"] + r["decode"] for r in bare), 3)}
     out["median_ms"]["bare"] = {"ttft": out["ttft_ms"]["bare"],
                                 "q2fa": round(median(r["ttft"] + r["decode"] for r in bare), 3)}
-    for mode in MODES:
+    for mode in modes:
         out["median_ms"][mode], out["p95_ms"][mode], out["stages_ms"][mode] = {}, {}, {}
         for k in ks:
             sel = [r for r in recs if r["mode"] == mode and r["k_asked"] == k]
@@ -67,6 +67,11 @@ def summarize(records: list[dict], ks: list[int], window: int) -> dict:
         "kv_kmax_over_kmin": ratio(kv[kmax], kv[kmin]),
         "kv_over_bare": ratio(kv[kmax], out["ttft_ms"]["bare"]),
         "kmin": int(kmin), "kmax": int(kmax),
+        # tail recompute (issue 13): TTFT of each method over plain KV injection, and prompt over the method
+        "method_over_kv": {m: {str(k): ratio(out["ttft_ms"][m][str(k)], kv[str(k)]) for k in ks}
+                           for m in modes if m not in MODES},
+        "prompt_over_method": {m: {str(k): ratio(pr[str(k)], out["ttft_ms"][m][str(k)]) for k in ks}
+                               for m in modes if m not in MODES},
     }
     sel = [r for r in recs if r["mode"] == "kv" and r["k_asked"] == int(kmax)]
     over = [(r["embed"] + r["search"] + r["compose"]) / r["q2ft"] for r in sel if r["q2ft"] > 0]
@@ -103,10 +108,12 @@ def plot(path: Path, per_window: dict, ks: list[int]) -> None:
 
 def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[str] | None, questions: int | None,
         model: str, engine: str, max_new_tokens: int = 32, store_device: str = "host", show_progress: bool = True,
-        echo=print) -> dict:
+        echo=print, tails: list[int] = ()) -> dict:
+    """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r, interleaved."""
     from ..serve import same_prompt
 
     note = store_device_note(store_device)
+    modes = MODES + tuple(f"kv-tail{r}" for r in tails if r > 0)
     setup = Setup.load(data, samples, model, engine, show_progress)
     engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
@@ -119,13 +126,13 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
         svcs = setup.services(w, log_err)
         # warm-up: one call per mode (not recorded)
         q0 = qs[0]
-        for mode in MODES:
+        for mode in modes:
             svcs[q0.sample].ask(q0.sample, q0.question, min(ks), mode, max_new_tokens)
         bare_generate(svcs[q0.sample], q0.question, max_new_tokens)
-        bar = progress(len(qs) * (1 + 2 * len(ks)), f"latency w={w}", show_progress)
+        bar = progress(len(qs) * (1 + len(modes) * len(ks)), f"latency w={w}", show_progress)
         for qi, q in enumerate(qs):
             svc = svcs[q.sample]
-            order = MODES if qi % 2 == 0 else MODES[::-1]
+            order = modes if qi % 2 == 0 else modes[::-1]
             units = [("bare", None)] + [(m, k) for k in ks for m in order]
             if qi % 2:
                 units = units[1:] + units[:1]
@@ -142,12 +149,12 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
                 else:
                     a = svc.ask(q.sample, q.question, k, mode, max_new_tokens)
                     answers[(mode, k)] = a
-                    records.append({**_record(a, q, w), "k_asked": k})
+                    records.append({**_record(a, q, w), "mode": mode, "k_asked": k})
                 bar.update(1)
             for k in ks:
                 same_prompt(answers[("kv", k)], answers[("prompt", k)])
         bar.close()
-        per_window[str(w)] = summarize(records, ks, w)
+        per_window[str(w)] = summarize(records, ks, w, modes)
 
     head = per_window[str(windows[0])]
     summary = {
@@ -180,6 +187,8 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
         echo(f"w={w}: bare ttft {s['ttft_ms']['bare']:.1f} ms | kv k{r['kmax']}/k{r['kmin']} "
              f"{r['kv_kmax_over_kmin']} | kv/bare {r['kv_over_bare']} | overhead at k={r['kmax']} "
              f"{s['overhead_fraction']}")
+        for m, by_k in r["method_over_kv"].items():
+            echo(f"w={w}: {m} ttft / kv ttft by k: {by_k}; prompt / {m}: {r['prompt_over_method'][m]}")
     echo(note)
     echo(f"wrote {out}/summary.json, records.json, records.csv, summary.csv, latency_vs_k.png")
     return summary
