@@ -91,6 +91,11 @@ def test_vllm_server_injects_memory_and_isolates_tenants(base):
     assert kv.usage.prompt_tokens_details.cached_tokens >= 30
     assert pr.usage.prompt_tokens_details.cached_tokens == 0
     assert kv.choices[0].message.content == pr.choices[0].message.content  # fp32: injection is exact
+    # tail recompute: the last retrieved fact is prefilled with the question, the rest still injected
+    tail = client.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=4, temperature=0,
+                                          extra_body={"memory": {"top_k": 3, "mode": "kv", "tail_recompute": 1}})
+    assert tail.model_extra["kvmem"]["fact_ids"] == kv.model_extra["kvmem"]["fact_ids"]
+    assert 20 <= tail.usage.prompt_tokens_details.cached_tokens < kv.usage.prompt_tokens_details.cached_tokens
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=FAST, messages=msgs, user="alice", max_tokens=10, temperature=0, stream=True,
         extra_body={"memory": {"top_k": 3, "mode": "kv"}}) if c.choices]

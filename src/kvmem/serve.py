@@ -186,7 +186,7 @@ class MemoryService:
                 from .engines.vllm_engine import MemoryRef
 
                 ref = MemoryRef(str(self.store.root.resolve()), self.store.manifest["store_id"], user, ukv.version,
-                                fact_ids[:len(head)])
+                                fact_ids[:len(head)], memory_tokens=len(token_ids) if tail else None)
         query_ids = tail_ids + query_ids  # what follows the injected memory: recomputed tail facts, then the query
         t3 = time.perf_counter()
         timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3}

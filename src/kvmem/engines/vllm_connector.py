@@ -69,16 +69,29 @@ logger = logging.getLogger("kvmem.vllm_connector")
 PARAMS_KEY = "kvmem"
 
 
-def kvmem_cache_salt(store_id: str, user: str, version: str) -> str:
+def kvmem_cache_salt(store_id: str, user: str, version: str, tail: bool = False) -> str:
     """The prefix-cache salt a kvmem request must carry: covers the store (a random id made at its creation, so
-    two stores, or a store re-created at the same path, never share one), the user and the memory version."""
-    return f"kvmem:{store_id}:{user}:{version}"
+    two stores, or a store re-created at the same path, never share one), the user and the memory version.
+    ``tail``: the prompt goes on with more retrieved facts that the engine recomputes (tail recompute); their
+    blocks hold prefilled, not stored, KV, so such prompts get their own cache namespace (with the injected
+    length added by ``tail_salt``) and never share blocks with plain injection."""
+    return f"kvmem:{store_id}:{user}:{version}" + (":tail" if tail else "")
 
 
-def kvmem_params(store: str, user: str, version: str, fact_ids: list[str], start: int = 0) -> dict:
-    """``kv_transfer_params`` for a request whose prompt starts with ``[header][facts fact_ids...]``."""
-    return {PARAMS_KEY: {"store": str(store), "user": user, "version": version, "fact_ids": list(fact_ids),
-                         "start": int(start)}}
+def tail_salt(salt: str, memory_tokens: int) -> str:
+    """A tail-recompute request's salt: where injection stops is part of what its blocks hold."""
+    return f"{salt}:{memory_tokens}"
+
+
+def kvmem_params(store: str, user: str, version: str, fact_ids: list[str], start: int = 0,
+                 memory_tokens: int | None = None) -> dict:
+    """``kv_transfer_params`` for a request whose prompt starts with ``[header][facts fact_ids...]``.
+    ``memory_tokens``: set for tail recompute (the prompt continues with recomputed facts): the injected length,
+    which the cache salt must carry."""
+    p = {"store": str(store), "user": user, "version": version, "fact_ids": list(fact_ids), "start": int(start)}
+    if memory_tokens is not None:
+        p["memory_tokens"] = int(memory_tokens)
+    return {PARAMS_KEY: p}
 
 
 # --- per-process store access (each process opens the store itself) -----------------------------------------
@@ -254,18 +267,23 @@ class KvmemConnector(KVConnectorBase_V1):
                 raise ValueError("vLLM numbers prompt positions from 0: kvmem start must be 0")
             if not isinstance(p, dict):
                 raise ValueError("kvmem params must be an object")
-            if request.cache_salt != kvmem_cache_salt(_store(str(p["store"])).manifest["store_id"], p["user"],
-                                                      p["version"]):
-                self._count("unsalted")
-                logger.warning("kvmem: request %s lacks the user/version cache salt; normal prefill",
-                               request.request_id)
-                return None
             why = self._untrusted(str(p["store"]))
             if why:
                 self._count("untrusted_store")
                 logger.warning("kvmem: request %s: %s; normal prefill", request.request_id, why)
                 return None
             mem = memory_token_ids(p)
+            want = kvmem_cache_salt(_store(str(p["store"])).manifest["store_id"], p["user"], p["version"],
+                                    tail="memory_tokens" in p)
+            if "memory_tokens" in p:
+                if int(p["memory_tokens"]) != len(mem):
+                    raise ValueError(f"memory_tokens {p['memory_tokens']} != the composed memory's {len(mem)}")
+                want = tail_salt(want, len(mem))
+            if request.cache_salt != want:
+                self._count("unsalted")
+                logger.warning("kvmem: request %s lacks the user/version cache salt; normal prefill",
+                               request.request_id)
+                return None
         except Exception as exc:  # a store error (locked, missing, corrupt), bad params: never the engine's end
             self._count("store_error")
             logger.warning("kvmem: request %s: %s: %s; normal prefill", request.request_id, type(exc).__name__, exc)

@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from ..hardware import EngineUnavailable, resolve_dtype  # noqa: E402
 from .hf import Generation  # noqa: E402
-from .vllm_connector import kvmem_cache_salt, kvmem_params  # noqa: E402
+from .vllm_connector import kvmem_cache_salt, kvmem_params, tail_salt  # noqa: E402
 
 CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.engines.vllm_connector"
@@ -50,14 +50,16 @@ class MemoryRef:
     version: str
     fact_ids: list[str]
     start: int = 0
+    memory_tokens: int | None = None  # tail recompute: the injected length (the prompt goes on with more facts)
 
     @property
     def params(self) -> dict:
-        return kvmem_params(self.store, self.user, self.version, self.fact_ids, self.start)
+        return kvmem_params(self.store, self.user, self.version, self.fact_ids, self.start, self.memory_tokens)
 
     @property
     def salt(self) -> str:
-        return kvmem_cache_salt(self.store_id, self.user, self.version)
+        salt = kvmem_cache_salt(self.store_id, self.user, self.version, tail=self.memory_tokens is not None)
+        return salt if self.memory_tokens is None else tail_salt(salt, self.memory_tokens)
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
