@@ -661,6 +661,7 @@ def bench_replay(
     k: int = typer.Option(20, "--k"), window: int = typer.Option(5, "--window"),
     data: Path = _DATA, model: str = _MODEL, engine: str = _ENGINE,
     out: Path = typer.Option(Path("runs/bench/replay"), "--out"),
+    reuse: bool = typer.Option(False, "--reuse", help="Keep stores an earlier run built in --out; only answer."),
 ):
     """Online memory on real input: LoCoMo replayed turn by turn through Memory.add in three arms, then answered."""
     from .bench import replay
@@ -668,7 +669,7 @@ def bench_replay(
 
     if sessions < 1 or k < 1 or window < 0:
         raise ValueError("--sessions and --k must be >= 1, --window >= 0")
-    replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine)
+    replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine, reuse=reuse)
 
 
 @bench_app.command("serve")

@@ -103,7 +103,9 @@ def cut(conv, sessions: int):
 
 
 def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: int, k: int, window: int,
-        model: str, engine: str, max_new_tokens: int = 32) -> dict:
+        model: str, engine: str, max_new_tokens: int = 32, reuse: bool = False) -> dict:
+    """``reuse``: keep a store already built by an earlier run into ``out`` (its figures are in builds.json) and
+    only answer."""
     from ..bench.eval_locomo import CATEGORY_NAMES, locomo_f1
     from ..models import load
     from ..retrieve import Embedder
@@ -123,14 +125,23 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
 
         vllm = VLLMEngine(model_dir(lm.name), dtype=str(lm.dtype).removeprefix("torch."), max_model_len=8192,
                           stores=[out / "stores"])
+    import json
+
+    done = json.loads((out / "builds.json").read_text()) if reuse and (out / "builds.json").exists() else []
     builds = []
     for conv in convs:
         for arm in arms:
+            old = [b for b in done if b["arm"] == arm and b["sample"] == conv.sample_id]
+            if old and (out / "stores" / arm / conv.sample_id / "manifest.json").exists():
+                builds.append(old[0])
+                log_err(f"replay {conv.sample_id} arm {arm}: reusing the store built earlier")
+                continue
             log_err(f"replay {conv.sample_id} ({len(conv.turns)} turns, sessions 1-{sessions}) arm {arm} ...")
             b = build_arm(arm, conv, out / "stores" / arm / conv.sample_id, lm, embedder, window, engine=vllm)
             log_err(f"  -> {b['facts']} facts, {b['stored_bytes'] / 1e6:.1f} MB, add p50 {b['add_ms_p50']} ms "
                     f"p95 {b['add_ms_p95']} ms ({b['build_s']} s)")
             builds.append(b)
+            write_json(out / "builds.json", builds + [d for d in done if d not in builds])
     records = []  # answer every arm's store through the one engine
     for arm in arms:
         svcs = {}
@@ -159,8 +170,8 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
         bs = [b for b in builds if b["arm"] == arm]
         row = {"arm": arm, "turns": sum(b["turns"] for b in bs), "facts": sum(b["facts"] for b in bs),
                "stored_bytes": sum(b["stored_bytes"] for b in bs),
-               "add_ms_p50": round(median([x for b in bs for x in b["add_ms"]]), 1),
-               "add_ms_p95": round(p95([x for b in bs for x in b["add_ms"]]), 1)}
+               "add_ms_p50_by_sample": {b["sample"]: b["add_ms_p50"] for b in bs},
+               "add_ms_p95_by_sample": {b["sample"]: b["add_ms_p95"] for b in bs}}
         for mode in ("kv", "prompt"):
             rs = [r for r in records if r["arm"] == arm and r["mode"] == mode]
             row[f"f1_{mode}"] = round(100 * sum(r["f1"] for r in rs) / max(1, len(rs)), 2)
@@ -175,10 +186,11 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
                "window": window, "rows": rows, "builds": [{**b, "add_ms": None} for b in builds]}
     write_json(out / "replay.json", summary)
     write_json(out / "records.json", records)
-    write_json(out / "add_ms.json", {f"{b['arm']}/{b['sample']}": b["add_ms"] for b in builds})
-    head = ["arm", "facts", "MB", "add p50 ms", "add p95 ms", "F1 kv", "F1 prompt"] + \
+    head = ["arm", "facts", "MB", "add p50 ms (per sample)", "add p95 ms", "F1 kv", "F1 prompt"] + \
         [f"{n} kv/prompt" for n in CATEGORY_NAMES.values()]
-    body = [[r["arm"], r["facts"], f"{r['stored_bytes'] / 1e6:.1f}", r["add_ms_p50"], r["add_ms_p95"], r["f1_kv"],
+    body = [[r["arm"], r["facts"], f"{r['stored_bytes'] / 1e6:.1f}",
+             " / ".join(f"{v:.0f}" for v in r["add_ms_p50_by_sample"].values()),
+             " / ".join(f"{v:.0f}" for v in r["add_ms_p95_by_sample"].values()), r["f1_kv"],
              r["f1_prompt"]] + [f"{r[f'f1_kv_{n}']}/{r[f'f1_prompt_{n}']} (n={r[f'n_{n}']})"
                                 for n in CATEGORY_NAMES.values()] for r in rows]
     (out / "replay.md").write_text(table(body, head) + "\n")
