@@ -55,12 +55,20 @@ def base(tmp_path_factory):
             assert time.time() < deadline, "server not ready in 600 s"
             time.sleep(1)
         yield url
+        # SIGTERM to the server alone (docker stop, systemd): it must stop vLLM's engine processes too
+        import psutil
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        assert any("VLLM" in " ".join(k.cmdline()) or "EngineCore" in k.name() for k in kids if k.is_running())
+        proc.terminate()
+        assert proc.wait(timeout=120) == 0
+        gone, alive = psutil.wait_procs(kids, timeout=60)
+        assert not alive, [k.pid for k in alive]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+        except ProcessLookupError:
+            pass
         log.close()
 
 

@@ -298,6 +298,15 @@ class KvmemServer:
             self._store_bytes = (time.monotonic(), n)
         return n
 
+    def close(self) -> None:
+        """Stop the engine (vLLM's engine core and worker processes) and the model thread."""
+        self.ready = False
+        try:
+            if self.engine.name == "vllm":
+                self.engine.llm.shutdown()
+        finally:
+            self.model_pool.shutdown(wait=False, cancel_futures=True)
+
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_pool, fn, *args)
 
@@ -724,4 +733,16 @@ def serve(store: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys
     log(f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {store}, "
         f"{'tenants: ' + ', '.join(sorted(set(keys.values()))) if keys else 'no API keys: loopback only'}; "
         f"http://{host}:{port}/v1")
-    uvicorn.run(create_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    import signal
+
+    def _exit(signum, frame):  # SIGTERM (docker stop, systemd): unwind so the engine processes are stopped too
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, _exit)
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
+                                       timeout_graceful_shutdown=5))
+    try:
+        uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
+    finally:
+        server.close()
+        log("kvmem serve: stopped")
