@@ -201,6 +201,13 @@ def test_tenants_are_isolated(server, alice):
     ("POST", "/v1/memories", {"json": {"messages": "", "user_id": "alice", "infer": False}}, 400),
     ("POST", "/v1/memories", {"json": {"messages": [{"role": "user"}], "user_id": "alice", "infer": False}}, 400),
     ("POST", "/v1/memories", {"json": {"messages": "hi", "user_id": "", "infer": False}}, 400),
+    ("POST", "/v1/memories", {"json": {"messages": [{"content": "x", "name": {"a": 1}}], "user_id": "alice",
+                                       "infer": False}}, 400),
+    ("POST", "/v1/memories", {"content": b'{"messages": "x", "user_id": "alice", "infer": false, '
+                                         b'"metadata": {"a": "\\ud83d"}}',
+                              "headers": {"Content-Type": "application/json"}}, 400),
+    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "user": "alice", "seed": 2**64,
+                                               "messages": [{"role": "user", "content": "hi"}]}}, 422),
     ("PUT", "/v1/memories/no-such-id", {"json": {"text": "x"}}, 404),
     ("GET", "/v1/memories/no-such-id", {}, 404),
     ("DELETE", "/v1/memories/no-such-id", {}, 404),
@@ -209,7 +216,8 @@ def test_tenants_are_isolated(server, alice):
 ])
 def test_bad_input_gets_the_right_status(server, alice, method, path, kwargs, status):
     _, base = server
-    r = httpx.request(method, f"{base}{path}", headers=_h(), timeout=60, **kwargs)
+    kwargs = dict(kwargs)
+    r = httpx.request(method, f"{base}{path}", headers={**_h(), **kwargs.pop("headers", {})}, timeout=60, **kwargs)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
@@ -250,4 +258,9 @@ def test_health_ready_and_metrics(server, alice):
     assert 'mode="kv"' in text and 'kind="injected"' in text
     statuses = {line.split('status="')[1].split('"')[0] for line in text.splitlines()
                 if line.startswith("kvmem_requests_total{")}
+    # route labels are templates: random paths do not grow the metric
+    for i in range(3):
+        httpx.get(f"{base}/no-such-route-{i}")
+    text = httpx.get(f"{base}/metrics").text
+    assert "no-such-route" not in text and 'route="other"' in text and 'route="/v1/memories/{memory_id}"' in text
     assert "500" not in statuses and "200" in statuses

@@ -27,6 +27,8 @@ logger = logging.getLogger("kvmem.memory")
 
 MAX_MESSAGE_CHARS = 8000
 MAX_MESSAGES = 64
+MAX_NAME_CHARS = 64
+MAX_CONTEXT_CHARS = 4000  # the encoding window's text, nearest turns kept: one add's cost stays bounded
 
 
 class MemoryInputError(ValueError):
@@ -52,6 +54,13 @@ def _messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role", "user"), str):
             raise MemoryInputError(f"message {i} must be an object with a string 'content' (and 'role')")
+        for key in ("role", "name"):
+            v = m.get(key)
+            if v is not None and (not isinstance(v, str) or not v.strip() or len(v) > MAX_NAME_CHARS):
+                raise MemoryInputError(f"message {i}: '{key}' must be a non-empty string of at most "
+                                       f"{MAX_NAME_CHARS} characters")
+            if v is not None:
+                _text(v, f"message {i} {key}", MAX_NAME_CHARS)
         if not m["content"].strip():
             raise MemoryInputError(f"message {i} is empty")
         text = _text(m["content"], f"message {i}")
@@ -84,10 +93,26 @@ def _metadata(metadata) -> str:
         return "{}"
     if not isinstance(metadata, dict):
         raise MemoryInputError("metadata must be an object")
+    def strings(x):
+        if isinstance(x, str):
+            yield x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                yield from strings(k)
+                yield from strings(v)
+        elif isinstance(x, list):
+            for v in x:
+                yield from strings(v)
+
     try:
-        return json.dumps(metadata, allow_nan=False)
+        for text in strings(metadata):  # a lone surrogate would be stored, then break every read
+            check_text(text, "metadata")
+        out = json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise MemoryInputError(f"metadata must hold JSON values only ({exc})") from None
+    if len(out) > MAX_MESSAGE_CHARS:
+        raise MemoryInputError(f"metadata is {len(out)} characters of JSON; at most {MAX_MESSAGE_CHARS}")
+    return out
 
 
 def _timestamp(timestamp) -> float:
@@ -251,7 +276,8 @@ class Memory:
         if self.window == 0:
             return ""
         turns = self.store.turns(user, last=self.window) + new_turns[:upto]
-        return "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-self.window:])
+        text = "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-self.window:])
+        return text[-MAX_CONTEXT_CHARS:]
 
     def _write(self, user: str, new: list[tuple[str, str | None, dict]], delete: list[str], turns: list[dict],
                contexts: list[str], events: list[tuple], now: float,

@@ -86,7 +86,7 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=1)
     memory: MemoryOptions | None = None
 
@@ -141,9 +141,10 @@ class Tenants:
     def tenant(self, authorization: str | None) -> str | None:
         if not self.keys:
             return None
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
             raise APIError(401, "missing API key (Authorization: Bearer <key>)", "missing_api_key")
-        given = authorization[len("Bearer "):].strip().encode()
+        given = given.strip().encode()
         found = None
         for key, tenant in self.keys.items():  # every key compared, in constant time each
             if hmac.compare_digest(given, key.encode()):
@@ -159,8 +160,12 @@ class Tenants:
 
         try:
             check_user(user_id)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "invalid_user", "user") from None
+            if tenant is not None:
+                check_user(f"{tenant}:{user_id}")
+        except ValueError:
+            limit = 256 - (len(tenant) + 1 if tenant is not None else 0)
+            raise APIError(400, f"user_id {str(user_id)[:40]!r} is not allowed: a non-empty string of at most {limit} "
+                           "characters, no path or control characters", "invalid_user", "user") from None
         return user_id if tenant is None else f"{tenant}:{user_id}"
 
     @staticmethod
@@ -235,6 +240,7 @@ class KvmemServer:
         self.connector_metrics_file = connector_metrics_file
         self.model_name = service.lm.name
         self.ready = True
+        self.pending_writes, self.max_writes = 0, 64
         self.metrics = Metrics(self)
         self._store_bytes = (0.0, 0)
 
@@ -289,7 +295,9 @@ class KvmemServer:
             eng._pool = pool  # generation, composition and encoding share the one model thread
             mem = Memory(root, model=svc.lm, window=window, embedder=embedder)
         svc.tail_recompute = tail_recompute
-        return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
+        srv = cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
+        srv.max_writes = max_queue
+        return srv
 
     def store_bytes(self) -> int:
         at, n = self._store_bytes
@@ -383,13 +391,10 @@ def create_app(server: KvmemServer) -> FastAPI:
 
     @app.middleware("http")
     async def _limits_and_metrics(request: Request, call_next):
-        route = request.url.path
-        if route.startswith("/v1/memories/") and route not in ("/v1/memories/search",):
-            route = "/v1/memories/{id}" + ("/history" if route.endswith("/history") else "")
         n = request.headers.get("content-length")
         if n is not None and (not n.isdigit() or int(n) > limits.max_body_bytes):
             resp = APIError(413, f"the body exceeds {limits.max_body_bytes} bytes", "body_too_large").response()
-        elif n is None and "chunked" in request.headers.get("transfer-encoding", ""):  # unbounded otherwise
+        elif n is None and "chunked" in request.headers.get("transfer-encoding", "").lower():  # unbounded otherwise
             resp = APIError(413, "a body must come with Content-Length", "length_required").response()
         else:
             try:
@@ -399,7 +404,8 @@ def create_app(server: KvmemServer) -> FastAPI:
                 if err.status >= 500 and err.code == "internal_error":
                     logger.exception("unhandled error on %s", request.url.path)
                 resp = err.response()
-        server.metrics.requests.labels(route, str(resp.status_code)).inc()
+        matched = request.scope.get("route")  # the route template, never the raw path (bounded label values)
+        server.metrics.requests.labels(getattr(matched, "path", "other"), str(resp.status_code)).inc()
         return resp
 
     def tenant_of(request: Request) -> str | None:
@@ -437,7 +443,7 @@ def create_app(server: KvmemServer) -> FastAPI:
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
         if f is None:
-            raise APIError(404, f"memory {memory_id!r} not found", "memory_not_found")
+            raise APIError(404, f"memory {str(memory_id)[:64]!r} not found", "memory_not_found")
         if not Tenants.owns(tenant, f.user):
             raise APIError(403, "this memory belongs to another tenant", "forbidden")
         return f
@@ -448,7 +454,15 @@ def create_app(server: KvmemServer) -> FastAPI:
         return item
 
     async def write(fn, *args):
-        return await asyncio.wait_for(server.on_model_thread(fn, *args), limits.request_timeout_s)
+        """Writes queue on the model thread, at most ``max_queue`` at a time (then 429). A queued write is never
+        timed out: a write that answered 503 must not land later (a retry would duplicate it)."""
+        if server.pending_writes >= server.max_writes:
+            raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
+        server.pending_writes += 1
+        try:
+            return await server.on_model_thread(fn, *args)
+        finally:
+            server.pending_writes -= 1
 
     @app.post("/v1/memories")
     async def add_memories(body: AddMemoryRequest, request: Request):
@@ -485,7 +499,10 @@ def create_app(server: KvmemServer) -> FastAPI:
     async def get_memory(memory_id: str, request: Request):
         tenant = tenant_of(request)
         owned_fact(tenant, memory_id)
-        return public_item(tenant, server.memory.get(memory_id))
+        item = server.memory.get(memory_id)
+        if item is None:  # deleted between the check and the read
+            raise APIError(404, f"memory {memory_id[:64]!r} not found", "memory_not_found")
+        return public_item(tenant, item)
 
     @app.put("/v1/memories/{memory_id}")
     async def update_memory(memory_id: str, body: UpdateRequest, request: Request):
@@ -538,13 +555,36 @@ def create_app(server: KvmemServer) -> FastAPI:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
             return StreamingResponse(_sse(gen, first, include_usage), media_type="text/event-stream")
-        text = await asyncio.wait_for(gen.collect(), limits.request_timeout_s)
+        text = await _until_disconnect(request, gen.collect(), limits.request_timeout_s)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": server.model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": gen.finish_reason}],
                 "usage": gen.usage(), "kvmem": gen.kvmem()}
 
     return app
+
+
+async def _until_disconnect(request: Request, coro, timeout_s: float):
+    """Run ``coro`` (a non-streaming generation) unless the client goes away first: then it is cancelled, which
+    closes the engine stream (vLLM aborts the request; the transformers engine stops at the next token)."""
+    task = asyncio.ensure_future(coro)
+    deadline = time.perf_counter() + timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(400, "the client disconnected", "client_disconnected")
+            if time.perf_counter() > deadline:
+                raise asyncio.TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - cancelled on purpose
+                pass
 
 
 @dataclass
