@@ -209,4 +209,6 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     assert conn.get_num_new_matched_tokens(request(["not", "a", "dict"]), 0) == (0, False)
     assert conn.get_num_new_matched_tokens(request(dict(params, kvmem={**params["kvmem"], "store": "/nope"})),
                                            0) == (0, False)
-    assert conn.metrics["store_error"] == 4 and conn.metrics["requests_injected"] == 0
+    # a store path outside the allow-list is judged before anything opens it: untrusted, not a store error
+    assert conn.metrics["store_error"] == 3 and conn.metrics["untrusted_store"] == 1
+    assert conn.metrics["requests_injected"] == 0
