@@ -5,7 +5,6 @@ injection through HTTP, the memories REST API with a write visible to the next c
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time

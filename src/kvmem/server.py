@@ -291,8 +291,8 @@ class KvmemServer:
             from .engines.hf import AsyncHFEngine
 
             svc = MemoryService(root, model, dtype=dtype, embedder=embedder, engine="hf", index_cache_bytes=cache_bytes)
-            eng = AsyncHFEngine(svc.engine, svc.max_context, max_queue=max_queue)
-            eng._pool = pool  # generation, composition and encoding share the one model thread
+            # generation, composition and encoding share the one model thread
+            eng = AsyncHFEngine(svc.engine, svc.max_context, max_queue=max_queue, pool=pool)
             mem = Memory(root, model=svc.lm, window=window, embedder=embedder)
         svc.tail_recompute = tail_recompute
         srv = cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
@@ -302,7 +302,7 @@ class KvmemServer:
     def store_bytes(self) -> int:
         at, n = self._store_bytes
         if time.monotonic() - at > 10:  # a directory walk, at most every 10 s
-            n = sum(p.stat().st_size for p in self.service.store.root.rglob("*") if p.is_file())
+            n = self.service.store.disk_bytes()
             self._store_bytes = (time.monotonic(), n)
         return n
 

@@ -379,6 +379,17 @@ class Store:
             self._header = (t["keys"], t["values"])
         return self._header
 
+    def disk_bytes(self) -> int:
+        """Bytes of every file in the store directory (segments, SQLite with its WAL, header, manifest). A file a
+        concurrent writer removes during the walk counts 0."""
+        def size(p: Path) -> int:
+            try:
+                return p.stat().st_size if p.is_file() else 0
+            except FileNotFoundError:
+                return 0
+
+        return sum(size(p) for p in self.root.rglob("*"))
+
     @_locked
     def users(self) -> list[str]:
         """Users with at least one live fact."""

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections import defaultdict
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,10 +53,6 @@ def replay_questions(conv, sessions: int) -> list[tuple[int, object]]:
     return out
 
 
-def dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file())
-
-
 def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err, engine=None) -> dict:
     """Replay ``conv`` (already cut to the replayed sessions) into a fresh store at ``root``; the arm's figures."""
     from ..ingest import ingest_conversation
@@ -86,10 +80,10 @@ def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err
     from ..store import Store
 
     st = Store.open(root)
-    facts = len(st.snapshot(conv.sample_id, kv=False).facts)
+    facts, stored_bytes = len(st.snapshot(conv.sample_id, kv=False).facts), st.disk_bytes()
     st.close()
     return {"arm": arm, "sample": conv.sample_id, "turns": len(conv.turns), "facts": facts,
-            "stored_bytes": dir_bytes(root), "build_s": round(time.perf_counter() - t0, 2),
+            "stored_bytes": stored_bytes, "build_s": round(time.perf_counter() - t0, 2),
             "add_ms_p50": round(median(add_ms), 1), "add_ms_p95": round(p95(add_ms), 1), "add_ms": add_ms}
 
 

@@ -171,13 +171,15 @@ class HFEngine:
 class AsyncHFEngine:
     """``HFEngine`` behind the ``AsyncEngine`` protocol: one request at a time on one worker thread (the
     reference engine does not batch), at most ``max_queue`` waiting (then EngineBusy -> HTTP 429). Closing a
-    stream sets its cancel event: decoding stops at the next token."""
+    stream sets its cancel event: decoding stops at the next token. ``pool``: a one-thread executor to share
+    with other work on the same model (the server's writes); default: its own."""
 
     name = "hf"
 
-    def __init__(self, engine: HFEngine, max_model_len: int, max_queue: int = 64):
+    def __init__(self, engine: HFEngine, max_model_len: int, max_queue: int = 64,
+                 pool: ThreadPoolExecutor | None = None):
         self.engine, self.max_model_len, self.max_queue = engine, max_model_len, max_queue
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-hf")
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-hf")
         self._pending = 0
 
     def queue_depth(self) -> int:
