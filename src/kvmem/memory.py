@@ -135,18 +135,24 @@ class Memory:
         model: registry name (default: the store's model, else ``models.DEFAULT_MODEL``) or a ``LoadedModel``.
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
+        neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
+            encoding, ``ingest.neighbour_prefixes``); 0 (default) = off. No serving cost.
         dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
         engine: a running engine with ``complete_json`` (e.g. ``VLLMEngine``) that the local extractor decodes on
             (vLLM guided decoding); None: transformers ``generate`` under xgrammar.
     """
 
     def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None,
-                 engine=None):
-        from .ingest import open_or_create_store
+                 engine=None, neighbours: int = 0):
+        from .ingest import check_neighbours, open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
-        if window < 0:
-            raise MemoryInputError("window must be >= 0")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise MemoryInputError("window must be an integer >= 0")
+        try:
+            self.neighbours = check_neighbours(neighbours)
+        except ValueError as exc:
+            raise MemoryInputError(str(exc)) from None
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
@@ -185,14 +191,14 @@ class Memory:
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
-        """``{"store": DIR, "model": NAME, "window": 5, "extractor": {...}, "dtype": ...}``."""
+        """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 0, "extractor": {...}, "dtype": ...}``."""
         if not isinstance(config, dict) or "store" not in config:
             raise MemoryInputError("config must be a dict with at least 'store'")
-        unknown = set(config) - {"store", "model", "window", "extractor", "dtype"}
+        unknown = set(config) - {"store", "model", "window", "neighbours", "extractor", "dtype"}
         if unknown:
             raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
         return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window", 5),
-                   dtype=config.get("dtype"))
+                   dtype=config.get("dtype"), neighbours=config.get("neighbours", 0))
 
     # --- reads ----------------------------------------------------------------------------------------------
 
@@ -290,7 +296,8 @@ class Memory:
                    for text, fid, meta in new]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
-                                 delete=delete, turns=turns, events=events, window=self.window, now=now)
+                                 delete=delete, turns=turns, events=events, window=self.window, now=now,
+                                 neighbours=self.neighbours)
         return version, records
 
     def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,

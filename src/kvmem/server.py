@@ -248,9 +248,10 @@ class KvmemServer:
     def start(cls, store: str | Path, model: str | None = None, engine: str = "auto", api_keys: dict | None = None,
               limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
               kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int = 5,
-              vllm_options: dict | None = None, tail_recompute: int = 0) -> "KvmemServer":
-        """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf. Raises StoreError,
-        ModelError, EngineUnavailable (one line each)."""
+              vllm_options: dict | None = None, tail_recompute: int = 0, neighbours: int = 0) -> "KvmemServer":
+        """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``/``neighbours``:
+        how writes encode new memories (``Memory``). Raises StoreError, ModelError, EngineUnavailable (one line
+        each)."""
         import os
 
         from .hardware import resolve_engine
@@ -286,14 +287,14 @@ class KvmemServer:
             svc.vllm, svc.engine_name = eng, "vllm"
             svc.max_context = min(svc.max_context, eng.max_model_len)
             mem = Memory(root, model=name, window=window, embedder=embedder, engine=SyncJSON(eng),
-                         dtype=dtype)  # the full model loads on the first write (encoding)
+                         dtype=dtype, neighbours=neighbours)  # the full model loads on the first write (encoding)
         else:
             from .engines.hf import AsyncHFEngine
 
             svc = MemoryService(root, model, dtype=dtype, embedder=embedder, engine="hf", index_cache_bytes=cache_bytes)
             # generation, composition and encoding share the one model thread
             eng = AsyncHFEngine(svc.engine, svc.max_context, max_queue=max_queue, pool=pool)
-            mem = Memory(root, model=svc.lm, window=window, embedder=embedder)
+            mem = Memory(root, model=svc.lm, window=window, embedder=embedder, neighbours=neighbours)
         svc.tail_recompute = tail_recompute
         srv = cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
         srv.max_writes = max_queue

@@ -4,7 +4,7 @@ Layout of a store directory::
 
     manifest.json            format, store_id, model fingerprint, header text + token ids, embedder
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
-    meta.sqlite              meta (the version counter), users, segments (sha256), facts (rows, embeddings,
+    meta.sqlite              meta (the version counter; per-user encoding neighbours), users, segments (sha256), facts (rows, embeddings,
                              added/deleted versions), history (events), turns (the raw conversation)
     users/<user>.<segment>.kv.safetensors    keys / values [L, H, n, D] of the facts one commit added
 
@@ -404,14 +404,17 @@ class Store:
 
     @_locked
     def user_info(self, user: str) -> dict:
-        """version, window, num_facts, num_tokens (live), source. Raises StoreError for an unknown user."""
+        """version, window, neighbours, num_facts, num_tokens (live), source. Raises StoreError for an unknown
+        user."""
         row = self._db.execute("SELECT version, window, source FROM users WHERE user=?", (user,)).fetchone()
         n = self._db.execute("SELECT COUNT(*), COALESCE(SUM(json_array_length(token_ids)), 0) FROM facts "
                              "WHERE user=? AND deleted IS NULL", (user,)).fetchone()
         if row is None or n[0] == 0:
             known = ", ".join(self.users()[:20]) or "none"
             raise StoreError(f"unknown user {user!r} in store {self.root} (users: {known})")
-        return {"version": str(row[0]), "window": row[1], "num_facts": n[0], "num_tokens": n[1], "source": row[2]}
+        m = self._db.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
+        return {"version": str(row[0]), "window": row[1], "neighbours": m[0] if m else 0, "num_facts": n[0],
+                "num_tokens": n[1], "source": row[2]}
 
     def facts(self, user: str) -> list[FactRecord]:
         return self.snapshot(user).facts
@@ -595,12 +598,13 @@ class Store:
     def commit(self, user: str, add: list[FactRecord] = (), keys: list[torch.Tensor] = (),
                values: list[torch.Tensor] = (), embeddings: torch.Tensor | None = None, delete: list[str] = (),
                replace: bool = False, turns: list[dict] = (), events: list[tuple] = (), window: int = 0,
-               source: str | None = None, now: float | None = None) -> str:
+               source: str | None = None, now: float | None = None, neighbours: int | None = None) -> str:
         """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
         user), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
 
         keys/values: one [L, H, n_i, D] per added fact (n_i its token count); embeddings: [F, E]. ``events``:
         (fact_id, event, old_memory, new_memory); ADD/DELETE events for ``add``/``delete`` are recorded here.
+        ``window`` and ``neighbours`` (None: unchanged) record how the user's latest facts were encoded.
         The segment file and its directory are fsynced before the commit that points at them, so a new fact is
         visible to readers only once its KV and embedding are durable. Returns the new memory version.
         Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
@@ -629,7 +633,7 @@ class Store:
                 fsync_dir(path.parent)  # durable before the commit that points at it
             try:
                 version = self._commit_rows(user, add, embeddings, segment, digest, delete, replace,
-                                            list(turns), list(events), window, source, now)
+                                            list(turns), list(events), window, source, now, neighbours)
             except BaseException:
                 if path is not None:
                     path.unlink(missing_ok=True)
@@ -639,7 +643,7 @@ class Store:
         return version
 
     def _commit_rows(self, user, add, embeddings, segment, digest, delete, replace, turns, events, window, source,
-                     now) -> str:
+                     now, neighbours=None) -> str:
         db = self._db
         with db:
             db.execute("BEGIN IMMEDIATE")
@@ -695,6 +699,9 @@ class Store:
                 "UPDATE SET version=excluded.version, window=excluded.window, "
                 "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
                 (user, version, window, source, now))
+            if neighbours is not None:  # kept in meta: no schema change for stores written before it existed
+                db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                           "value=excluded.value", (f"neighbours:{user}", int(neighbours)))
         return str(version)
 
     def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -117,23 +117,28 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, ".cache/stores"))
 
 
-def store_path(data: Path, sample: str, model: str, window: int, dtype: str = "bfloat16") -> Path:
-    """Cache directory of the store for (data file, sample, model, compute dtype, window)."""
+def store_path(data: Path, sample: str, model: str, window: int, dtype: str = "bfloat16",
+               neighbours: int = 0) -> Path:
+    """Cache directory of the store for (data file, sample, model, compute dtype, window, neighbours)."""
     safe_model = Path(model).name if os.sep in model else model
-    return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / dtype / f"w{window}"
+    name = f"w{window}" + (f"-n{neighbours}" if neighbours else "")
+    return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / dtype / name
 
 
-def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True) -> Path:
-    """The cached store for ``conv`` at ``window``, ingesting it first when missing (or built differently)."""
+def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True,
+                 neighbours: int = 0) -> Path:
+    """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding), ingesting it
+    first when missing (or built differently)."""
     from ..ingest import ingest_conversation
     from ..store import Store, StoreError
 
     from ..models import fingerprint
 
-    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."))
+    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours)
     try:
         st = Store.open(root, fingerprint(lm))
-        ok = conv.sample_id in st.users() and st.user_info(conv.sample_id)["window"] == window
+        ok = conv.sample_id in st.users() and st.user_info(conv.sample_id)["window"] == window \
+            and st.user_info(conv.sample_id)["neighbours"] == neighbours
         st.close()
     except StoreError:
         ok = False
@@ -142,9 +147,11 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
             import shutil
 
             shutil.rmtree(root)
-        rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data), progress=show_progress)
+        rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data), progress=show_progress,
+                                  neighbours=neighbours)
         if log:
-            log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}) in {rep.total_s:.1f} s -> {root}")
+            log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}, m={neighbours}) in "
+                f"{rep.total_s:.1f} s ({rep.num_encoded_tokens} tokens encoded, encode {rep.encode_s:.1f} s) -> {root}")
     return root
 
 
@@ -363,11 +370,12 @@ class Setup:
         convs = load_samples(Path(data), samples)
         return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
 
-    def services(self, window: int, log=None) -> dict:
-        """sample -> serving object over that sample's cached store at ``window``. Every store is ingested
-        before any engine starts; with vLLM, all samples share one engine (started once per Setup)."""
-        roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress)
-                 for c in self.convs}
+    def services(self, window: int, log=None, neighbours: int = 0) -> dict:
+        """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours``). Every
+        store is ingested before any engine starts; with vLLM, all samples share one engine (started once per
+        Setup)."""
+        roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,
+                                           neighbours) for c in self.convs}
         out = {}
         for sample, root in roots.items():
             out[sample] = make_service(self.engine, root, self.lm, self.embedder, self._vllm)

@@ -1,0 +1,132 @@
+"""Neighbour-aware encoding (issue 13; the offline half of FusionRAG): each new fact is encoded behind its m most
+similar live facts of the same user. In fp32 on the test model: the stored KV of a fact equals a plain prefill of
+``[header][neighbours, least similar first][fact]`` (keys compared after rotation to those positions), it differs
+from the m = 0 encoding beyond layer 0, and serving injects exactly the same tokens as before (no serving cost)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvmem.ingest import check_neighbours, neighbour_prefixes
+from kvmem.memory import Memory, MemoryInputError
+from kvmem.models import MANIFEST, model_dir
+from kvmem.rope import Rotary
+
+FAST = "smollm2-135m-instruct"
+FACTS = ["Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Maya adopted a dog named Biscuit.",
+         "Tom flies to Tokyo every month.", "Maya teaches chemistry at a school.", "Tom's plane is an Airbus A320."]
+
+
+def test_neighbour_prefixes_pick_the_most_similar_others():
+    emb = torch.nn.functional.normalize(torch.tensor([[1.0, 0.0], [0.8, 0.6]]), dim=1)  # two new facts
+    pool = torch.nn.functional.normalize(torch.tensor([[0.0, 1.0], [1.0, 0.1], [0.6, 0.8]]), dim=1)
+    prefixes, chosen = neighbour_prefixes(emb, [[10], [11]], pool, [[1], [2], [3]], 2)
+    # candidates: pool rows 0..2, then the new facts as 3, 4; never the fact itself; least similar first
+    assert chosen == [[4, 1], [1, 2]]
+    assert prefixes == [[11, 2], [2, 3]]
+    assert neighbour_prefixes(emb, [[10], [11]], None, [], 5)[1] == [[1], [0]]  # capped at the other facts
+    assert neighbour_prefixes(emb, [[10], [11]], pool, [[1], [2], [3]], 0)[0] == [[], []]
+    for bad in (-1, 33, 1.5, True):
+        with pytest.raises(ValueError, match="neighbours"):
+            check_neighbours(bad)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    if not (model_dir(FAST) / MANIFEST).exists():
+        pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
+    from kvmem.models import load
+    from kvmem.retrieve import Embedder
+
+    lm, emb = load(FAST, dtype="float32"), Embedder()
+    out = {}
+    for m in (0, 2):
+        mem = Memory(tmp_path_factory.mktemp(f"n{m}") / "s", model=lm, embedder=emb, window=0, neighbours=m)
+        for f in FACTS:  # one add per fact: each sees only the facts added before it
+            mem.add(f, user_id="maya", infer=False)
+        out[m] = mem
+    return lm, emb, out
+
+
+def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):
+    lm, emb, mems = stores
+    store = mems[2].store
+    assert store.user_info("maya")["neighbours"] == 2 and mems[0].store.user_info("maya")["neighbours"] == 0
+    facts = store.snapshot("maya").facts
+    ukv = store.snapshot("maya")
+    last = len(facts) - 1
+    # the expected neighbours, recomputed here: the earlier facts most similar to the last one
+    e = emb.embed([f.text for f in facts])
+    sims = e[:last] @ e[last]
+    lo, hi = sims.topk(2).indices.flip(0).tolist()
+    seq = store.header_token_ids + list(facts[lo].token_ids) + list(facts[hi].token_ids) + list(facts[last].token_ids)
+    n = facts[last].num_tokens
+    cache = DynamicCache(config=lm.model.config)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    keys, values = ukv.fact_kv(last)
+    rotated = Rotary.for_model(lm.model).rotate_keys(keys, torch.arange(len(seq) - n, len(seq)))
+    for layer in range(keys.shape[0]):
+        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rotated[layer], cache.layers[layer].keys[0, :, -n:], rtol=1e-4, atol=1e-4)
+    # what it changes: the same fact encoded without neighbours (m = 0) has other values beyond layer 0
+    plain = mems[0].store.snapshot("maya")
+    assert plain.facts[last].token_ids == facts[last].token_ids
+    _, v0 = plain.fact_kv(last)
+    torch.testing.assert_close(v0[0], values[0], rtol=1e-5, atol=1e-5)  # layer 0 sees only the token itself
+    assert (v0[1:] - values[1:]).abs().max() > 1e-2
+    # the first fact had no earlier facts: both encodings agree
+    torch.testing.assert_close(plain.fact_kv(0)[1], ukv.fact_kv(0)[1], rtol=1e-5, atol=1e-5)
+
+
+def test_no_serving_cost(stores):
+    from kvmem.serve import MemoryService
+
+    lm, emb, mems = stores
+    preps, texts = [], []
+    for m in (0, 2):
+        svc = MemoryService(mems[m].store.root, model=lm, embedder=emb, engine="hf")
+        p = svc.prepare("maya", "Where does Tom fly to?", 4, "kv", 8)
+        preps.append(p)
+        texts.append([mems[m].get(f)["memory"] for f in p.fact_ids])
+    a, b = preps
+    assert texts[0] == texts[1] and len(texts[0]) == 4  # the same facts, in the same order
+    assert a.prompt_ids == b.prompt_ids and a.query_ids == b.query_ids
+    assert a.memory.token_ids == b.memory.token_ids  # same injected tokens: the same prefill at serving time
+    assert not torch.equal(a.memory.values[1], b.memory.values[1])  # but other KV
+
+
+def test_bad_neighbours_is_an_input_error(tmp_path, stores):
+    lm, emb, _ = stores
+    with pytest.raises(MemoryInputError, match="neighbours"):
+        Memory(tmp_path / "x", model=lm, embedder=emb, neighbours=-1)
+
+
+def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
+    """``ingest-locomo --neighbours m`` runs each fact behind m other facts: m fact lengths more encoded tokens
+    than m = 0 at the same window, the same stored tokens, and the store records m."""
+    import json
+    import subprocess
+    import sys
+
+    from kvmem.store import Store
+
+    def ingest(root, *extra, rc=0):
+        p = subprocess.run([sys.executable, "-m", "kvmem.cli", "ingest-locomo", str(small_locomo), "--sample",
+                            "conv-26", "--store", str(root), "--window", "1", "--model", FAST, "--json", *extra],
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == rc, p.stderr[-2000:]
+        return p
+
+    plain = json.loads(ingest(tmp_path / "n0").stdout.strip().splitlines()[-1])
+    nb = json.loads(ingest(tmp_path / "n3", "--neighbours", "3").stdout.strip().splitlines()[-1])
+    assert nb["neighbours"] == 3 and plain["neighbours"] == 0
+    assert nb["num_facts"] == plain["num_facts"] > 10 and nb["num_fact_tokens"] == plain["num_fact_tokens"]
+    extra = nb["num_encoded_tokens"] - plain["num_encoded_tokens"]
+    mean_fact = plain["num_fact_tokens"] / plain["num_facts"]
+    assert 2 * mean_fact * nb["num_facts"] < extra < 4 * mean_fact * nb["num_facts"]  # about 3 facts more each
+    assert Store.open(tmp_path / "n3").user_info("conv-26")["neighbours"] == 3
+    bad = ingest(tmp_path / "bad", "--neighbours", "99", rc=2)
+    assert "neighbours must be an integer in 0..32" in bad.stderr and "Traceback" not in bad.stderr
