@@ -1,0 +1,151 @@
+"""Issue 13's table and plot: every KV method against one prompt-injection reference, on the same questions.
+
+Rows are methods, one per (encoding window w, neighbours m, serving mode); columns are F1 and the gap to prompt
+injection by LoCoMo category, the paired bootstrap 95% CI of the overall gap, the ingest cost (tokens run
+through the model per stored fact token) and TTFT relative to plain KV injection (from one
+`kvmem bench latency --tail-recompute ...` run; window and neighbours change what the stored KV holds, not
+what is injected, so their TTFT ratio is 1 by construction, checked by tests/test_neighbours.py).
+
+    python scripts/gap_table.py --ref runs/s4/eval-tail --latency runs/s4/latency-tail \
+        --plot docs/img/gap_s5.png runs/s4/eval-tail runs/s4/eval-w0 runs/s5/eval-w20-50 runs/s5/eval-w5-n4 ...
+
+Pairing: a method's records are paired with the reference's prompt records by question id; the table says for
+how many questions both retrieved the same facts (retrieval embeds fact text only, so it should be all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+CATS = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", "overall": "overall"}
+KS = ("5", "20", "50")
+
+
+def load(dirs: list[Path]) -> dict:
+    """(window, neighbours, mode) -> {qid: record}; later directories win on repeats."""
+    out: dict = {}
+    for d in dirs:
+        for line in (d / "records.jsonl").read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                out.setdefault((r["window"], r.get("neighbours", 0), r["mode"]), {})[r["qid"]] = r
+    return out
+
+
+def ingest_costs(logs: list[Path]) -> dict:
+    """(window, neighbours) -> (encoded tokens, seconds), summed over samples, from eval logs' ingest lines."""
+    pat = re.compile(r"ingested (\d+) facts of (\S+) \(w=(\d+)(?:, m=(\d+))?\) in ([\d.]+) s"
+                     r"(?: \((\d+) tokens encoded)?")
+    out: dict = {}
+    for log in logs:
+        for m in pat.finditer(log.read_text(errors="replace")):
+            key = (int(m[3]), int(m[4] or 0))
+            tok, sec = out.get(key, (0, 0.0))
+            out[key] = (tok + int(m[6] or 0), sec + float(m[5]))
+    return out
+
+
+def f1(recs: list[dict]) -> float:
+    return 100 * sum(r["f1"] for r in recs) / len(recs) if recs else float("nan")
+
+
+def bootstrap(d: list[float], n: int = 2000) -> tuple[float, float]:
+    rng = random.Random(0)
+    bs = sorted(100 * sum(d[rng.randrange(len(d))] for _ in d) / len(d) for _ in range(n))
+    return bs[int(0.025 * n)], bs[int(0.975 * n) - 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", type=Path, help="eval locomo output directories")
+    ap.add_argument("--ref", type=Path, required=True, help="the run whose prompt records are the reference")
+    ap.add_argument("--ref-window", type=int, default=5)
+    ap.add_argument("--latency", type=Path, help="bench latency output with --tail-recompute")
+    ap.add_argument("--fact-tokens", type=int, default=15063, help="stored fact tokens of the samples (for the "
+                    "ingest cost of runs whose logs predate the token count)")
+    ap.add_argument("--base-tokens", default="0:29479,5:106452,20:332731,50:765391",
+                    help="w:tokens encoded at m=0, for logs without token counts")
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    a = ap.parse_args()
+
+    recs = load(a.dirs)
+    ref = load([a.ref])[(a.ref_window, 0, "prompt")]
+    logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if Path(str(d) + ".log").exists()})
+    costs = ingest_costs(logs)
+    base = {int(w): int(t) for w, t in (x.split(":") for x in a.base_tokens.split(","))}
+    lat = None
+    if a.latency:
+        s = json.loads((a.latency / "summary.json").read_text())
+        lat = s["by_window"][str(s["window"])]["ratios"]
+    qids = sorted(ref)
+    head = (["method", "w", "m"] + [f"F1 {n}" for n in CATS.values()] + [f"gap {n}" for n in CATS.values()]
+            + ["gap 95% CI", "same facts", "encoded tok / fact tok", "ingest s", "TTFT/kv k=20", "prompt/method k=50"])
+    rows = [["prompt (ref)", "", ""] + [f"{f1([ref[q] for q in qids if c == 'overall' or ref[q]['category'] == c]):.2f}"
+                                        for c in CATS] + [""] * (len(head) - 8)]
+    out, pts = [], []
+    for (w, m, mode), by in sorted(recs.items(), key=lambda kv: (kv[0][2] != "kv", kv[0][1], kv[0][0], kv[0][2])):
+        if mode == "prompt":
+            continue
+        common = [q for q in qids if q in by]
+        if len(common) < len(qids):
+            continue  # an unfinished run
+        cells, gaps = [], []
+        for c in CATS:
+            sel = [q for q in common if c == "overall" or ref[q]["category"] == c]
+            x, y = f1([by[q] for q in sel]), f1([ref[q] for q in sel])
+            cells.append(x)
+            gaps.append(y - x)
+        lo, hi = bootstrap([ref[q]["f1"] - by[q]["f1"] for q in common])
+        same = sum(by[q]["fact_ids"] == ref[q]["fact_ids"] for q in common)
+        tok, sec = costs.get((w, m), (0, float("nan")))
+        tok = tok or (base.get(w) if m == 0 else 0)
+        tail = int(mode.removeprefix("kv-tail")) if mode.startswith("kv-tail") else 0
+        if tail and lat:
+            r20, p50 = lat["method_over_kv"][f"kv-tail{tail}"]["20"], lat["prompt_over_method"][f"kv-tail{tail}"]["50"]
+        else:
+            r20, p50 = 1.0, (lat["prompt_over_kv"]["50"] if lat else float("nan"))
+        label = f"kv w={w}" + (f" m={m}" if m else "") + (f" tail{tail}" if tail else "")
+        rows.append([label, w, m] + [f"{x:.2f}" for x in cells] + [f"{g:+.2f}" for g in gaps]
+                    + [f"{lo:.1f} to {hi:.1f}", f"{same}/{len(common)}", f"{tok / a.fact_tokens:.1f}" if tok else "",
+                       f"{sec:.0f}" if sec == sec else "", f"{r20:.2f}", f"{p50:.1f}"])
+        out.append({"method": label, "window": w, "neighbours": m, "tail_recompute": tail,
+                    "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
+                    "gap_ci95": [lo, hi], "same_facts": same, "n": len(common), "encoded_tokens": tok,
+                    "ingest_s": sec, "ttft_over_kv_k20": r20, "prompt_over_method_k50": p50})
+        pts.append((label, r20, gaps[-1]))
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(map(str, r)) + " |")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+    if a.plot:
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for label, x, y in pts:
+            ax.scatter([x], [y], color="tab:green" if " m=" in label else "tab:blue" if "tail" not in label
+                       else "tab:orange")
+            ax.annotate(label.removeprefix("kv "), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.axhline(1.0, ls="--", color="gray", lw=1, label="target gap 1.0")
+        ax.axvline(1.3, ls=":", color="gray", lw=1, label="target TTFT 1.3x")
+        ax.axhline(0.0, color="black", lw=0.5)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT / plain KV injection (k=20)")
+        ax.set_ylabel("F1 gap to prompt injection (points)")
+        ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k=20 (blue: window, green: "
+                     f"neighbours, orange: tail)", fontsize=8)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
