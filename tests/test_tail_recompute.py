@@ -63,6 +63,6 @@ def test_tail_recompute_cli_and_bad_values(svc):
         svc.prepare("maya", "Who is Tom?", 3, "kv", 8, tail_recompute=-1)
     from kvmem.serve import parse_mode
 
-    assert parse_mode("kv-tail4") == ("kv", 4) and parse_mode("prompt") == ("prompt", None)
+    assert parse_mode("kv-tail4") == ("kv", 4, 0.0) and parse_mode("prompt") == ("prompt", None, 0.0)
     with pytest.raises(ValueError):
         parse_mode("kv-tailx")

@@ -203,6 +203,9 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
     tail_recompute: int = typer.Option(0, "--tail-recompute", help="kv mode: prefill the last r retrieved facts "
                                        "with the question instead of injecting them (cross-fact repair)."),
+    selective_recompute: int = typer.Option(0, "--selective-recompute", help="kv mode, --engine hf: recompute "
+                                            "this percentage of the injected fact tokens, those the question "
+                                            "attends to most (0 = off)."),
 ):
     """Answer QUESTION from USER's memory."""
     from .compose import check_text
@@ -220,6 +223,11 @@ def ask(
         raise ValueError(f"--mode must be kv or prompt, not {mode!r}")
     if tail_recompute < 0:
         raise ValueError(f"--tail-recompute must be >= 0, got {tail_recompute}")
+    if not 0 <= selective_recompute <= 100:
+        raise ValueError(f"--selective-recompute must be a percentage in 0..100, got {selective_recompute}")
+    if selective_recompute and engine != "hf":
+        raise ValueError("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV "
+                         "connector can report an injected prefix, not tokens to recompute inside it)")
     from .hardware import resolve_dtype, resolve_engine
     from .serve import MemoryService
     from .store import Store
@@ -236,7 +244,8 @@ def ask(
         typer.echo(svc.engine_note, err=True)
     engine = svc.engine_name
     svc.tail_recompute = tail_recompute
-    ans = svc.ask(user, question, k, mode, max_new_tokens)
+    ans = svc.ask(user, question, k, f"kv-sel{selective_recompute}" if selective_recompute and mode == "kv" else mode,
+                  max_new_tokens)
     if ans.k < k:
         typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
                    err=True)

@@ -144,7 +144,10 @@ class MemoryService:
         check_text(question, "the question")  # before anything tokenizes or embeds it
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
-        mode, tail_recompute = parse_mode(mode, tail_recompute)
+        mode, tail_recompute, recompute = parse_mode(mode, tail_recompute)
+        if recompute and self.vllm is not None:
+            raise ValueError("kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
+                             "KV connector can report an injected prefix, not tokens to recompute inside it")
         t0 = time.perf_counter()
         ukv = self.store.snapshot(user, kv=self.vllm is None)  # with vLLM the worker reads the KV, not this process
         index = self.index(user, ukv)
@@ -190,7 +193,8 @@ class MemoryService:
         query_ids = tail_ids + query_ids  # what follows the injected memory: recomputed tail facts, then the query
         t3 = time.perf_counter()
         timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3}
-        return Prepared(user, question, mode, query_ids, token_ids + query_ids, fact_ids, memory, ref, timings)
+        return Prepared(user, question, mode, query_ids, token_ids + query_ids, fact_ids, memory, ref, timings,
+                        recompute if not tail else 0.0, len(header_ids))
 
     def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
@@ -198,9 +202,10 @@ class MemoryService:
         req = self.prepare(user, question, top_k, mode, max_new_tokens)
         mode = req.mode
         if self.vllm is None:
-            gen = self.engine.generate(req.query_ids, req.memory, mode, max_new_tokens)
+            gen = self.engine.generate(req.query_ids, req.memory, mode, max_new_tokens, recompute=req.recompute,
+                                       header_len=req.header_len)
             expected = len(req.query_ids) if mode == "kv" else len(req.prompt_ids)
-            assert gen.prefilled_tokens == expected, (gen.prefilled_tokens, expected)
+            assert gen.prefilled_tokens == expected or req.recompute, (gen.prefilled_tokens, expected)
         else:
             # prompt mode: a fresh salt, so the baseline prefills everything (no prefix-cache reuse)
             gen = self.vllm.generate(req.prompt_ids, req.ref, max_new_tokens,
@@ -217,20 +222,24 @@ class MemoryService:
                       len(gen.token_ids), req.prompt_ids)
 
 
-def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int | None]:
-    """"kv", "prompt" or "kv-tail<r>" (KV injection with tail recompute r, for benchmarks) -> (mode, r).
-    Raises ValueError for anything else."""
+def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int | None, float]:
+    """A serving method -> (mode, tail recompute r, selective-recompute fraction):
+    "kv", "prompt", "kv-tail<r>" (tail recompute r) or "kv-sel<p>" (query-aware selective recompute of p% of
+    the fact tokens, transformers engine; ``engines.hf.selective_recompute``). Raises ValueError otherwise."""
     if isinstance(mode, str) and mode.startswith("kv-tail") and mode[7:].isdigit():
-        return "kv", int(mode[7:])
+        return "kv", int(mode[7:]), 0.0
+    if isinstance(mode, str) and mode.startswith("kv-sel") and mode[6:].isdigit() and 1 <= int(mode[6:]) <= 100:
+        return "kv", tail_recompute, int(mode[6:]) / 100
     if mode not in ("kv", "prompt"):
-        raise ValueError(f"mode must be 'kv', 'prompt' or 'kv-tail<r>', not {mode!r}")
-    return mode, tail_recompute
+        raise ValueError(f"mode must be 'kv', 'prompt', 'kv-tail<r>' or 'kv-sel<1-100>', not {mode!r}")
+    return mode, tail_recompute, 0.0
 
 
 @dataclass
 class Prepared:
     """A request after retrieval and composition, before the model call. ``memory``: composed KV (hf engine);
-    ``ref``: the connector's memory reference (vLLM, kv mode); ``timings_ms``: embed, search, compose."""
+    ``ref``: the connector's memory reference (vLLM, kv mode); ``timings_ms``: embed, search, compose;
+    ``recompute``: the selective-recompute fraction the engine applies; ``header_len``: header tokens in memory."""
 
     user: str
     question: str
@@ -241,6 +250,8 @@ class Prepared:
     memory: object | None
     ref: object | None
     timings_ms: dict[str, float]
+    recompute: float = 0.0  # selective recompute fraction (hf engine, kv mode)
+    header_len: int = 0
 
 
 def same_prompt(a: Answer, b: Answer) -> None:

@@ -168,6 +168,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         [parse_mode(m) for m in modes]
     except ValueError:
         raise ValueError(f"--mode must be a comma-separated subset of kv, prompt, kv-tail<r> (tail recompute r), "
+                         f"kv-sel<p> (selective recompute of p% of fact tokens, hf engine), "
                          f"not {','.join(modes) or '(empty)'}") from None
     if not modes:
         raise ValueError("--mode is empty")

@@ -8,6 +8,7 @@ Mem0-style baseline) prefills the whole identical token sequence instead.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -39,6 +40,30 @@ class Generation:
 GQA_SDPA = "kvmem_gqa_sdpa"
 
 
+class AttentionProbe:
+    """Attention mass that a forward pass's queries put on each of the first ``n_keys`` cached positions, summed
+    over layers, heads and query tokens: ``scores`` [n_keys] float32. Active for one forward via ``probing``."""
+
+    def __init__(self, n_keys: int):
+        self.n_keys, self.scores, self.layers = n_keys, None, 0
+
+    def add(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> None:
+        """query [1, Hq, T, D], key [1, Hkv, S, D]; mask: bool (True = attend) or additive, [1, 1, T, S], or None
+        (causal: query i sees keys up to S - T + i)."""
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        w = (query.float() @ k.float().transpose(-1, -2)) * (scale if scale is not None else query.shape[-1] ** -0.5)
+        t, s = w.shape[-2:]
+        if mask is None:
+            mask = torch.ones(t, s, dtype=torch.bool, device=w.device).tril(s - t)
+        w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask.float()
+        mass = torch.softmax(w, dim=-1)[0, :, :, :self.n_keys].sum((0, 1))
+        self.scores = mass if self.scores is None else self.scores + mass
+        self.layers += 1
+
+
+_probe = threading.local()
+
+
 def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                scaling: float | None = None, is_causal: bool | None = None, **kwargs):
     """transformers' SDPA attention, but grouped-query K/V stay un-expanded (``enable_gqa``) also under a mask.
@@ -47,6 +72,9 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
     query prefilled after an injected memory: a copy of the whole cache per layer, the one cost that grows with
     the memory length. The result is the same attention; only that copy is gone. Shapes: query [B, Hq, T, D],
     key/value [B, Hkv, S, D]; returns [B, T, Hq, D]."""
+    probe = getattr(_probe, "active", None)
+    if probe is not None:
+        probe.add(query, key, attention_mask, scaling)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -88,6 +116,64 @@ def build_cache(model, memory: ComposedMemory) -> DynamicCache:
     return cache
 
 
+@torch.inference_mode()
+def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fraction: float,
+                        header_len: int = 0, cache: DynamicCache | None = None) -> tuple[DynamicCache, torch.Tensor, int]:
+    """Query-aware selective recompute (issue 13; the idea of CacheBlend, EuroSys'25, with a query-driven choice
+    as in ProphetKV, arXiv 2602.02579): inject ``memory``, let the query pick the fact tokens it attends to most,
+    and recompute those tokens' K/V in every layer on top of the injected cache.
+
+    1. Probe: prefill ``query_ids`` after the injected memory and sum the attention its tokens give each memory
+       position (all layers and heads); the query's own K/V are then dropped.
+    2. Select the ``ceil(fraction x fact tokens)`` highest-scoring positions after the ``header_len`` header
+       tokens (the header is exact as stored: it is the prompt's own prefix).
+    3. Recompute: one forward over the selected tokens at their own positions, each attending causally by
+       position to the injected memory, where selected tokens' stale K/V are masked out and replaced by the fresh
+       ones of this pass (layer by layer, so later layers see repaired inputs). Their new K/V overwrite the stale.
+
+    ``fraction`` = 1 recomputes every fact token: the cache is then a prefill of the whole memory (prompt
+    injection's). ``cache``: ``build_cache(model, memory)`` made by the caller (default: made here); it is
+    repaired in place. Returns (cache [memory only], selected memory offsets [S] int64 ascending, tokens run through
+    the model: query + S). Raises ValueError for a fraction outside (0, 1], an empty query, or a model whose
+    attention is not kvmem's SDPA (the probe reads it) or that has sliding-window layers.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"selective recompute fraction must be in (0, 1], got {fraction}")
+    if model.config._attn_implementation != GQA_SDPA or "sliding_attention" in (getattr(model.config, "layer_types",
+                                                                                         None) or ()):
+        raise ValueError("selective recompute needs plain SDPA attention without sliding-window layers")
+    if not query_ids:
+        raise ValueError("empty query")
+    device = next(model.parameters()).device
+    m, n_fact = len(memory), len(memory) - header_len
+    cache = build_cache(model, memory) if cache is None else cache
+    probe = AttentionProbe(m)
+    _probe.active = probe
+    try:
+        model(input_ids=torch.tensor([query_ids], device=device), past_key_values=cache, use_cache=True,
+              logits_to_keep=1, position_ids=torch.arange(memory.end, memory.end + len(query_ids), device=device)[None])
+    finally:
+        _probe.active = None
+    cache.crop(m)
+    n_sel = min(n_fact, max(1, math.ceil(fraction * n_fact)))
+    if n_fact == 0:
+        return cache, torch.zeros(0, dtype=torch.long), len(query_ids)
+    sel = (header_len + probe.scores[header_len:].topk(n_sel).indices).sort().values.to(device)
+    pos = torch.arange(m, device=device)
+    allowed = torch.zeros(n_sel, m + n_sel, dtype=torch.bool, device=device)
+    allowed[:, :m] = pos[None, :] <= sel[:, None]  # causal by position over the injected memory ...
+    allowed[:, sel] = False  # ... without the selected tokens' stale K/V
+    allowed[:, m:] = sel[None, :] <= sel[:, None]  # ... and with their fresh K/V from this pass
+    ids = torch.tensor(memory.token_ids, device=device)[sel]
+    model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1,
+          position_ids=(memory.start + sel)[None], attention_mask=allowed[None, None])
+    for layer in cache.layers:
+        layer.keys[:, :, sel] = layer.keys[:, :, m:]
+        layer.values[:, :, sel] = layer.values[:, :, m:]
+    cache.crop(m)
+    return cache, sel, len(query_ids) + n_sel
+
+
 class HFEngine:
     """Greedy generation with optional injected memory. Picks nothing itself: runs on the model's device."""
 
@@ -105,7 +191,7 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, query_ids: list[int], memory: ComposedMemory | None = None, mode: str = "kv",
                  max_new_tokens: int = 32, keep_step_logits: bool = False, sampling: Sampling | None = None,
-                 on_token=None, cancel=None) -> Generation:
+                 on_token=None, cancel=None, recompute: float = 0.0, header_len: int = 0) -> Generation:
         """Answer ``query_ids`` after ``memory``.
 
         mode "kv": inject ``memory`` (already rotated) and prefill only ``query_ids`` at positions memory.end...
@@ -113,6 +199,9 @@ class HFEngine:
         Without memory both modes prefill the bare query at position 0.
         ``sampling``: temperature / top_p / seed / stop ids / max_tokens (overrides ``max_new_tokens``); default
         greedy. ``on_token(id)`` is called per generated token (streaming); a set ``cancel`` event stops decoding.
+        ``recompute`` > 0 (kv mode): ``selective_recompute`` of that fraction of the fact tokens (after the
+        ``header_len`` header tokens) before the query's prefill, inside the timed TTFT; ``prefilled_tokens``
+        then counts the probe, the recomputed tokens and the query.
         Raises ValueError for an unknown mode or an empty query.
         """
         if sampling is not None:
@@ -140,6 +229,9 @@ class HFEngine:
             pos0 = start
         self._sync()
         t0 = time.perf_counter()
+        extra = 0
+        if recompute and memory is not None and mode == "kv":
+            cache, _, extra = selective_recompute(self.model, memory, ids, recompute, header_len, cache)
         x = torch.tensor([ids], device=self.device)
         out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1,
                          position_ids=torch.arange(pos0, pos0 + len(ids), device=self.device)[None])
@@ -165,7 +257,7 @@ class HFEngine:
                 steps.append(logits)
             pos += 1
         self._sync()
-        return Generation(tokens, ttft_ms, (time.perf_counter() - t1) * 1e3, len(ids), first_logits, steps)
+        return Generation(tokens, ttft_ms, (time.perf_counter() - t1) * 1e3, len(ids) + extra, first_logits, steps)
 
 
 class AsyncHFEngine:
