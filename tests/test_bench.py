@@ -147,8 +147,11 @@ def test_vllm_engine_flag(tiny, tmp_path):
 
 def test_bench_latency(tiny):
     out = tiny["root"] / "latency"
-    res = cli("bench", "latency", "--k", "1,2", "--window", "0", "--max-new-tokens", 4, *common(tiny, out))
+    res = cli("bench", "latency", "--k", "1,2", "--window", "0", "--max-new-tokens", 4, "--methods",
+              "kv-sel50,kv-tail1", *common(tiny, out))
     s = check_outputs(out, "latency_vs_k.png")
+    assert set(s["ratios"]["method_over_kv"]) == {"kv-sel50", "kv-tail1"}
+    assert all(v > 0 for m in s["ratios"]["prompt_over_method"].values() for v in m.values())
     assert set(s["ttft_ms"]["kv"]) == {"1", "2"} and set(s["ttft_ms"]["prompt"]) == {"1", "2"}
     assert s["ttft_ms"]["bare"] > 0
     assert set(s["ratios"]["prompt_over_kv"]) == {"1", "2"}
@@ -156,11 +159,13 @@ def test_bench_latency(tiny):
     assert 0 < s["overhead_fraction"] < 1
     assert "host" in s["store_device_note"]
     recs = json.loads((out / "records.json").read_text())
-    assert len(recs) == 2 * (1 + 2 * 2)  # per question: bare + (kv, prompt) x 2 k
+    assert len(recs) == 2 * (1 + 4 * 2)  # per question: bare + (kv, prompt, kv-sel50, kv-tail1) x 2 k
+    prefilled = {(r["qid"], r["k_asked"], r["mode"]): r["prefilled_tokens"] for r in recs}
     for r in recs:
         assert r["q2fa"] >= r["q2ft"] >= r["ttft"] > 0
         if r["mode"] == "kv":
             assert r["prefilled_tokens"] < r["prompt_tokens"]
+            assert prefilled[(r["qid"], r["k_asked"], "kv-sel50")] > r["prefilled_tokens"]  # probe + half the facts
         elif r["mode"] == "prompt":
             assert r["prefilled_tokens"] == r["prompt_tokens"]
     assert "pr/kv" in res.output

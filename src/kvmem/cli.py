@@ -591,14 +591,21 @@ def bench_latency(
     show_progress: bool = _PROGRESS,
     tail_recompute: str = typer.Option("", "--tail-recompute", help="Also time KV injection with tail recompute "
                                        "r, for each comma-separated r (e.g. 1,2,4,8)."),
+    methods: str = typer.Option("", "--methods", help="Also time these serving methods (comma-separated "
+                                "kv-tail<r>, kv-sel<p>; kv-sel needs --engine hf)."),
 ):
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     from .bench import latency
-    from .bench.common import int_list
+    from .bench.common import int_list, str_list
+    from .serve import parse_mode
 
+    extra = [f"kv-tail{r}" for r in (int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else [])]
+    for m in str_list(methods):
+        if parse_mode(m)[0] != "kv" or m == "kv":
+            raise ValueError(f"--methods takes kv-tail<r> and kv-sel<p>, not {m!r}")
+        extra.append(m)
     latency.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), _bench_args(samples), questions,
-                model, engine, max_new_tokens, store_device, show_progress, typer.echo,
-                int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else [])
+                model, engine, max_new_tokens, store_device, show_progress, typer.echo, methods=extra)
 
 
 @bench_app.command("throughput")

@@ -108,12 +108,13 @@ def plot(path: Path, per_window: dict, ks: list[int]) -> None:
 
 def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[str] | None, questions: int | None,
         model: str, engine: str, max_new_tokens: int = 32, store_device: str = "host", show_progress: bool = True,
-        echo=print, tails: list[int] = ()) -> dict:
-    """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r, interleaved."""
+        echo=print, tails: list[int] = (), methods: list[str] = ()) -> dict:
+    """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
+    any further serving methods (``serve.parse_mode``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
     from ..serve import same_prompt
 
     note = store_device_note(store_device)
-    modes = MODES + tuple(f"kv-tail{r}" for r in tails if r > 0)
+    modes = MODES + tuple(dict.fromkeys([f"kv-tail{r}" for r in tails if r > 0] + list(methods)))
     setup = Setup.load(data, samples, model, engine, show_progress)
     engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
