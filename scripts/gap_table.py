@@ -30,14 +30,15 @@ CATS = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", "overa
 KS = ("5", "20", "50")
 
 
-def load(dirs: list[Path]) -> dict:
-    """(window, neighbours, mode) -> {qid: record}; later directories win on repeats."""
+def load(dirs: list[Path], k: int) -> dict:
+    """(window, neighbours, mode, engine) -> {qid: record} at ``k``; later directories win on repeats."""
     out: dict = {}
     for d in dirs:
         for line in (d / "records.jsonl").read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                out.setdefault((r["window"], r.get("neighbours", 0), r["mode"]), {})[r["qid"]] = r
+                if int(r["k"]) == k:
+                    out.setdefault((r["window"], r.get("neighbours", 0), r["mode"], r["engine"]), {})[r["qid"]] = r
     return out
 
 
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("dirs", nargs="+", type=Path, help="eval locomo output directories")
     ap.add_argument("--ref", type=Path, required=True, help="the run whose prompt records are the reference")
     ap.add_argument("--ref-window", type=int, default=5)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--latency-hf", type=Path, help="bench latency --engine hf output with kv-sel methods")
     ap.add_argument("--latency", type=Path, help="bench latency output with --tail-recompute")
     ap.add_argument("--fact-tokens", type=int, default=15063, help="stored fact tokens of the samples (for the "
                     "ingest cost of runs whose logs predate the token count)")
@@ -78,22 +81,26 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
 
-    recs = load(a.dirs)
-    ref = load([a.ref])[(a.ref_window, 0, "prompt")]
+    recs = load(a.dirs, a.k)
+    ref = next(v for (w, m, mode, _), v in load([a.ref], a.k).items() if (w, m, mode) == (a.ref_window, 0, "prompt"))
     logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if Path(str(d) + ".log").exists()})
     costs = ingest_costs(logs)
     base = {int(w): int(t) for w, t in (x.split(":") for x in a.base_tokens.split(","))}
-    lat = None
-    if a.latency:
-        s = json.loads((a.latency / "summary.json").read_text())
-        lat = s["by_window"][str(s["window"])]["ratios"]
+    def ratios(path):
+        if not path:
+            return None
+        s = json.loads((path / "summary.json").read_text())
+        return s["by_window"][str(s["window"])]["ratios"]
+
+    lat, lat_hf = ratios(a.latency), ratios(a.latency_hf)
     qids = sorted(ref)
     head = (["method", "w", "m"] + [f"F1 {n}" for n in CATS.values()] + [f"gap {n}" for n in CATS.values()]
             + ["gap 95% CI", "same facts", "encoded tok / fact tok", "ingest s", "TTFT/kv k=20", "prompt/method k=50"])
     rows = [["prompt (ref)", "", ""] + [f"{f1([ref[q] for q in qids if c == 'overall' or ref[q]['category'] == c]):.2f}"
                                         for c in CATS] + [""] * (len(head) - 8)]
     out, pts = [], []
-    for (w, m, mode), by in sorted(recs.items(), key=lambda kv: (kv[0][2] != "kv", kv[0][1], kv[0][0], kv[0][2])):
+    for (w, m, mode, engine), by in sorted(recs.items(), key=lambda kv: (kv[0][3], kv[0][2] != "kv", kv[0][1],
+                                                                          kv[0][0], kv[0][2])):
         if mode == "prompt":
             continue
         common = [q for q in qids if q in by]
@@ -110,15 +117,19 @@ def main() -> None:
         tok, sec = costs.get((w, m), (0, float("nan")))
         tok = tok or (base.get(w) if m == 0 else 0)
         tail = int(mode.removeprefix("kv-tail")) if mode.startswith("kv-tail") else 0
-        if tail and lat:
-            r20, p50 = lat["method_over_kv"][f"kv-tail{tail}"]["20"], lat["prompt_over_method"][f"kv-tail{tail}"]["50"]
-        else:
-            r20, p50 = 1.0, (lat["prompt_over_kv"]["50"] if lat else float("nan"))
-        label = f"kv w={w}" + (f" m={m}" if m else "") + (f" tail{tail}" if tail else "")
+        src = lat_hf if engine == "hf" else lat
+        if mode != "kv":  # a serving method: its own TTFT ratio, from the latency run of its engine
+            r = (src or {}).get("method_over_kv", {}).get(mode, {})
+            r20 = r.get(str(a.k), float("nan"))
+            p50 = (src or {}).get("prompt_over_method", {}).get(mode, {}).get("50", float("nan"))
+        else:  # window and neighbours change the stored KV, not what is injected
+            r20, p50 = 1.0, ((src or {}).get("prompt_over_kv", {}).get("50", float("nan")))
+        label = f"kv w={w}" + (f" m={m}" if m else "") + (f" {mode.removeprefix('kv-')}" if mode != "kv" else "") \
+            + (f" ({engine})" if engine != "vllm" else "")
         rows.append([label, w, m] + [f"{x:.2f}" for x in cells] + [f"{g:+.2f}" for g in gaps]
                     + [f"{lo:.1f} to {hi:.1f}", f"{same}/{len(common)}", f"{tok / a.fact_tokens:.1f}" if tok else "",
                        f"{sec:.0f}" if sec == sec else "", f"{r20:.2f}", f"{p50:.1f}"])
-        out.append({"method": label, "window": w, "neighbours": m, "tail_recompute": tail,
+        out.append({"method": label, "window": w, "neighbours": m, "mode": mode, "engine": engine,
                     "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
                     "gap_ci95": [lo, hi], "same_facts": same, "n": len(common), "encoded_tokens": tok,
                     "ingest_s": sec, "ttft_over_kv_k20": r20, "prompt_over_method_k50": p50})
@@ -131,17 +142,17 @@ def main() -> None:
     if a.plot:
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for label, x, y in pts:
-            ax.scatter([x], [y], color="tab:green" if " m=" in label else "tab:blue" if "tail" not in label
-                       else "tab:orange")
+            ax.scatter([x], [y], color="tab:green" if " m=" in label else "tab:orange" if "tail" in label
+                       else "tab:purple" if "sel" in label else "tab:blue")
             ax.annotate(label.removeprefix("kv "), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.axhline(1.0, ls="--", color="gray", lw=1, label="target gap 1.0")
         ax.axvline(1.3, ls=":", color="gray", lw=1, label="target TTFT 1.3x")
         ax.axhline(0.0, color="black", lw=0.5)
         ax.set_xscale("log")
-        ax.set_xlabel("TTFT / plain KV injection (k=20)")
+        ax.set_xlabel(f"TTFT / plain KV injection (k={a.k})")
         ax.set_ylabel("F1 gap to prompt injection (points)")
-        ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k=20 (blue: window, green: "
-                     f"neighbours, orange: tail)", fontsize=8)
+        ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k} (blue: window, green: "
+                     f"neighbours, orange: tail, purple: selective)", fontsize=8)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)

@@ -28,6 +28,10 @@ def test_neighbour_prefixes_pick_the_most_similar_others():
     assert prefixes == [[11, 2], [2, 3]]
     assert neighbour_prefixes(emb, [[10], [11]], None, [], 5)[1] == [[1], [0]]  # capped at the other facts
     assert neighbour_prefixes(emb, [[10], [11]], pool, [[1], [2], [3]], 0)[0] == [[], []]
+    # a token budget keeps the most similar neighbours that fit
+    long_pool = [[1] * 600, [2] * 500, [3] * 300]
+    assert neighbour_prefixes(emb, [[10], [11]], pool, long_pool, 3)[1] == [[2, 4, 1], [3, 1, 2]]
+    assert neighbour_prefixes(emb, [[10], [11]], pool, long_pool, 3, max_tokens=700)[1] == [[4, 1], [3, 2]]
     for bad in (-1, 33, 1.5, True):
         with pytest.raises(ValueError, match="neighbours"):
             check_neighbours(bad)

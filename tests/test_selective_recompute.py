@@ -78,6 +78,27 @@ def test_partial_recompute_changes_only_the_selected_tokens(tiny):
         selective_recompute(model, memory, query, 0.0, len(header))
 
 
+def test_one_kv_head_and_a_shifted_memory():
+    """Multi-query attention (one KV head) and a memory that starts at position 13: still a prefill."""
+    model = tiny_model("llama", common={"num_key_value_heads": 1})
+    model.set_attn_implementation("sdpa")
+    use_gqa_sdpa(model)
+    header, facts = random_ids(5, seed=11), [random_ids(n, seed=40 + n) for n in (8, 6)]
+    kvs = encode_spans(model, [header + f for f in facts], [(len(header), len(header) + len(f)) for f in facts])
+    (hkv,) = encode_spans(model, [header], [(0, len(header))])
+    ids = header + [t for f in facts for t in f]
+    memory = compose_raw(Rotary.for_model(model), ids, torch.cat([hkv.keys] + [kv.keys for kv in kvs], dim=2),
+                         torch.cat([hkv.values] + [kv.values for kv in kvs], dim=2), start=13)
+    cache, _, _ = selective_recompute(model, memory, [7], 1.0, header_len=0)
+    ref = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), past_key_values=ref, use_cache=True,
+              position_ids=torch.arange(13, 13 + len(ids))[None])
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+
+
 FAST = "smollm2-135m-instruct"
 
 
@@ -109,6 +130,8 @@ def test_kv_sel_end_to_end(tmp_path):
     assert out["kv-sel20"][1].prefilled_tokens == 2 * len(p.query_ids) + math.ceil(0.2 * n_fact)
     a = svc.ask("maya", q, 4, "kv-sel20", 8)
     assert a.mode == "kv" and a.prefilled_tokens == out["kv-sel20"][1].prefilled_tokens
+    with pytest.raises(ValueError, match="do not combine"):
+        svc.prepare("maya", q, 4, "kv-sel20", 8, tail_recompute=1)
     # the CLI refuses it off the transformers engine, before loading anything
     r = subprocess.run([sys.executable, "-m", "kvmem.cli", "ask", "--store", str(tmp_path / "s"), "--user", "maya",
                         "--selective-recompute", "10", q], capture_output=True, text=True, timeout=300)

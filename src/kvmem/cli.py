@@ -225,6 +225,8 @@ def ask(
         raise ValueError(f"--tail-recompute must be >= 0, got {tail_recompute}")
     if not 0 <= selective_recompute <= 100:
         raise ValueError(f"--selective-recompute must be a percentage in 0..100, got {selective_recompute}")
+    if selective_recompute and (mode != "kv" or tail_recompute):
+        raise ValueError("--selective-recompute works in --mode kv without --tail-recompute")
     if selective_recompute and engine != "hf":
         raise ValueError("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV "
                          "connector can report an injected prefix, not tokens to recompute inside it)")

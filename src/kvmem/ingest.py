@@ -27,6 +27,7 @@ from .retrieve import Embedder
 from .store import FactRecord, Store, StoreError
 
 MAX_NEIGHBOURS = 32
+MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
 
 
 @dataclass
@@ -86,7 +87,8 @@ def check_neighbours(neighbours: int) -> int:
 
 
 def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], pool_embeddings: torch.Tensor | None,
-                       pool_token_ids: list[list[int]], neighbours: int) -> tuple[list[list[int]], list[list[int]]]:
+                       pool_token_ids: list[list[int]], neighbours: int,
+                       max_tokens: int = MAX_NEIGHBOUR_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
     """Neighbour-aware encoding inputs: for each new fact, the ``neighbours`` most similar *other* facts among the
     pool (the user's live facts this write keeps) and the other new facts, by retrieval-embedding inner product.
 
@@ -94,6 +96,8 @@ def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], poo
         embeddings: [F, E] float32, L2-normalised, the new facts'.
         token_ids: the new facts' rendered token ids (what serving injects), one list per fact.
         pool_embeddings: [P, E] float32 or None; pool_token_ids: P lists.
+        max_tokens: at most this many prefix tokens per fact: neighbours are taken most similar first while
+            they fit (long memories cannot blow up one write's encoding).
     Returns:
         (prefixes, chosen): per new fact the neighbours' token ids concatenated, least similar first so the most
         similar one sits next to the fact; and the chosen candidate indices in that order (pool rows are
@@ -109,7 +113,14 @@ def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], poo
     m = min(neighbours, cands.shape[0] - 1)
     if m == 0:
         return [[] for _ in token_ids], [[] for _ in token_ids]
-    top = sim.topk(m, dim=1).indices.flip(1).tolist()  # ascending similarity
+    top = []
+    for row in sim.topk(m, dim=1).indices.tolist():  # most similar first
+        kept, used = [], 0
+        for c in row:
+            if used + len(ids[c]) <= max_tokens:
+                kept.append(c)
+                used += len(ids[c])
+        top.append(kept[::-1])  # ascending similarity
     return [[t for c in row for t in ids[c]] for row in top], top
 
 

@@ -5,6 +5,7 @@ One request reads as one straight line: ``prepare`` (embed, retrieve, compose), 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -144,7 +145,8 @@ class MemoryService:
         check_text(question, "the question")  # before anything tokenizes or embeds it
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
-        mode, tail_recompute, recompute = parse_mode(mode, tail_recompute)
+        mode, tail_recompute, recompute = parse_mode(
+            mode, self.tail_recompute if tail_recompute is None and str(mode).startswith("kv-sel") else tail_recompute)
         if recompute and self.vllm is not None:
             raise ValueError("kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
                              "KV connector can report an injected prefix, not tokens to recompute inside it")
@@ -194,7 +196,7 @@ class MemoryService:
         t3 = time.perf_counter()
         timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (t3 - t2) * 1e3}
         return Prepared(user, question, mode, query_ids, token_ids + query_ids, fact_ids, memory, ref, timings,
-                        recompute if not tail else 0.0, len(header_ids))
+                        recompute, len(header_ids))
 
     def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
@@ -226,10 +228,14 @@ def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int |
     """A serving method -> (mode, tail recompute r, selective-recompute fraction):
     "kv", "prompt", "kv-tail<r>" (tail recompute r) or "kv-sel<p>" (query-aware selective recompute of p% of
     the fact tokens, transformers engine; ``engines.hf.selective_recompute``). Raises ValueError otherwise."""
-    if isinstance(mode, str) and mode.startswith("kv-tail") and mode[7:].isdigit():
-        return "kv", int(mode[7:]), 0.0
-    if isinstance(mode, str) and mode.startswith("kv-sel") and mode[6:].isdigit() and 1 <= int(mode[6:]) <= 100:
-        return "kv", tail_recompute, int(mode[6:]) / 100
+    tail = re.fullmatch(r"kv-tail(0|[1-9][0-9]*)", mode) if isinstance(mode, str) else None
+    if tail:
+        return "kv", int(tail[1]), 0.0
+    sel = re.fullmatch(r"kv-sel([1-9][0-9]?|100)", mode) if isinstance(mode, str) else None
+    if sel:
+        if tail_recompute:
+            raise ValueError("kv-sel (selective recompute) and tail recompute do not combine; use one of them")
+        return "kv", 0, int(sel[1]) / 100
     if mode not in ("kv", "prompt"):
         raise ValueError(f"mode must be 'kv', 'prompt', 'kv-tail<r>' or 'kv-sel<1-100>', not {mode!r}")
     return mode, tail_recompute, 0.0

@@ -705,13 +705,14 @@ class Store:
         return str(version)
 
     def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
-                 embeddings: torch.Tensor, window: int, source: str = "") -> str:
+                 embeddings: torch.Tensor, window: int, source: str = "", neighbours: int = 0) -> str:
         """Replace ``user``'s memory atomically (``commit(replace=True)``): keys/values one [L, H, n_i, D] per
         fact, embeddings [F, E]. Returns the new version. Raises StoreError, with nothing written, for no facts,
         duplicate ids, or counts/shapes that do not match the facts."""
         if not facts:
             raise StoreError(f"user {user!r}: no facts to store")
-        return self.commit(user, facts, keys, values, embeddings, replace=True, window=window, source=source)
+        return self.commit(user, facts, keys, values, embeddings, replace=True, window=window, source=source,
+                           neighbours=neighbours)
 
     @_locked
     def compact(self, user: str) -> str:
@@ -758,6 +759,7 @@ class Store:
                 self._db.execute("UPDATE meta SET value=value+1 WHERE key='version'")
                 for table in ("facts", "history", "turns", "users"):
                     self._db.execute(f"DELETE FROM {table}")
+                self._db.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%'")
             self._gc()
         self._user_cache.clear()
         self._segments.clear()

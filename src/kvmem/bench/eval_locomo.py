@@ -165,11 +165,13 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
 
     check_neighbours(neighbours)
     try:
-        [parse_mode(m) for m in modes]
+        selective = any(parse_mode(m)[2] for m in modes)
     except ValueError:
         raise ValueError(f"--mode must be a comma-separated subset of kv, prompt, kv-tail<r> (tail recompute r), "
                          f"kv-sel<p> (selective recompute of p% of fact tokens, hf engine), "
                          f"not {','.join(modes) or '(empty)'}") from None
+    if selective and engine != "hf":
+        raise ValueError("kv-sel (selective recompute) runs on the transformers engine only: add --engine hf")
     if not modes:
         raise ValueError("--mode is empty")
     if bool(judge_url) != bool(judge_model):

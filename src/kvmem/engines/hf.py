@@ -154,7 +154,7 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
               logits_to_keep=1, position_ids=torch.arange(memory.end, memory.end + len(query_ids), device=device)[None])
     finally:
         _probe.active = None
-    cache.crop(m)
+    cache.crop(-len(query_ids))  # drop the probe's query K/V
     n_sel = min(n_fact, max(1, math.ceil(fraction * n_fact)))
     if n_fact == 0:
         return cache, torch.zeros(0, dtype=torch.long), len(query_ids)
@@ -167,10 +167,10 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     ids = torch.tensor(memory.token_ids, device=device)[sel]
     model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1,
           position_ids=(memory.start + sel)[None], attention_mask=allowed[None, None])
-    for layer in cache.layers:
-        layer.keys[:, :, sel] = layer.keys[:, :, m:]
-        layer.values[:, :, sel] = layer.values[:, :, m:]
-    cache.crop(m)
+    for layer in cache.layers:  # clone: source and target are views of one tensor
+        layer.keys[:, :, sel] = layer.keys[:, :, m:].clone()
+        layer.values[:, :, sel] = layer.values[:, :, m:].clone()
+    cache.crop(-n_sel)
     return cache, sel, len(query_ids) + n_sel
 
 
