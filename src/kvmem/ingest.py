@@ -4,8 +4,8 @@ Paper §3.1-3.2, §5.2. Each fact is encoded as ``[header][w turns before its so
 fact tokens' K/V are kept; the header is the same one the fact follows at serving time, so the fact's first
 token is never an attention sink.
 
-Neighbour-aware encoding (``neighbours=m``, off by default): ``[header][m most similar other facts of the same
-user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with. This is the
+Neighbour-aware encoding (``neighbours=m``, ``DEFAULT_NEIGHBOURS`` = 4): ``[header][m most similar other facts of
+the same user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with. This is the
 offline half of FusionRAG (arXiv 2601.12904); it costs m fact lengths more per encoded fact and nothing at serving
 time (the stored KV has the same shape).
 """
@@ -26,6 +26,7 @@ from .models import LoadedModel, fingerprint
 from .retrieve import Embedder
 from .store import FactRecord, Store, StoreError
 
+DEFAULT_NEIGHBOURS = 4  # on by default: closes the KV-vs-prompt gap at no serving cost (docs/benchmarks.md)
 MAX_NEIGHBOURS = 32
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
 
@@ -192,7 +193,7 @@ def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, fa
 
 def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
                         window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
-                        source: str = "", neighbours: int = 0) -> IngestReport:
+                        source: str = "", neighbours: int = DEFAULT_NEIGHBOURS) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
     context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware

@@ -136,21 +136,22 @@ class Memory:
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
         neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
-            encoding, ``ingest.neighbour_prefixes``); 0 (default) = off. No serving cost.
+            encoding, ``ingest.neighbour_prefixes``; default ``ingest.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
+            serving cost.
         dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
         engine: a running engine with ``complete_json`` (e.g. ``VLLMEngine``) that the local extractor decodes on
             (vLLM guided decoding); None: transformers ``generate`` under xgrammar.
     """
 
     def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None,
-                 engine=None, neighbours: int = 0):
-        from .ingest import check_neighbours, open_or_create_store
+                 engine=None, neighbours: int | None = None):
+        from .ingest import DEFAULT_NEIGHBOURS, check_neighbours, open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise MemoryInputError("window must be an integer >= 0")
         try:
-            self.neighbours = check_neighbours(neighbours)
+            self.neighbours = check_neighbours(DEFAULT_NEIGHBOURS if neighbours is None else neighbours)
         except ValueError as exc:
             raise MemoryInputError(str(exc)) from None
         root = Path(store)
@@ -191,14 +192,14 @@ class Memory:
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
-        """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 0, "extractor": {...}, "dtype": ...}``."""
+        """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 4, "extractor": {...}, "dtype": ...}``."""
         if not isinstance(config, dict) or "store" not in config:
             raise MemoryInputError("config must be a dict with at least 'store'")
         unknown = set(config) - {"store", "model", "window", "neighbours", "extractor", "dtype"}
         if unknown:
             raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
         return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window", 5),
-                   dtype=config.get("dtype"), neighbours=config.get("neighbours", 0))
+                   dtype=config.get("dtype"), neighbours=config.get("neighbours"))
 
     # --- reads ----------------------------------------------------------------------------------------------
 

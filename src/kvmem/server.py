@@ -248,7 +248,8 @@ class KvmemServer:
     def start(cls, store: str | Path, model: str | None = None, engine: str = "auto", api_keys: dict | None = None,
               limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
               kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int = 5,
-              vllm_options: dict | None = None, tail_recompute: int = 0, neighbours: int = 0) -> "KvmemServer":
+              vllm_options: dict | None = None, tail_recompute: int = 0,
+              neighbours: int | None = None) -> "KvmemServer":
         """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``/``neighbours``:
         how writes encode new memories (``Memory``). Raises StoreError, ModelError, EngineUnavailable (one line
         each)."""

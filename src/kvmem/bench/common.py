@@ -126,14 +126,15 @@ def store_path(data: Path, sample: str, model: str, window: int, dtype: str = "b
 
 
 def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True,
-                 neighbours: int = 0) -> Path:
+                 neighbours: int | None = None) -> Path:
     """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding), ingesting it
     first when missing (or built differently)."""
-    from ..ingest import ingest_conversation
+    from ..ingest import DEFAULT_NEIGHBOURS, ingest_conversation
     from ..store import Store, StoreError
 
     from ..models import fingerprint
 
+    neighbours = DEFAULT_NEIGHBOURS if neighbours is None else neighbours
     root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours)
     try:
         st = Store.open(root, fingerprint(lm))
@@ -370,8 +371,9 @@ class Setup:
         convs = load_samples(Path(data), samples)
         return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
 
-    def services(self, window: int, log=None, neighbours: int = 0) -> dict:
-        """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours``). Every
+    def services(self, window: int, log=None, neighbours: int | None = None) -> dict:
+        """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours``, default
+        ``ingest.DEFAULT_NEIGHBOURS``). Every
         store is ingested before any engine starts; with vLLM, all samples share one engine (started once per
         Setup)."""
         roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,

@@ -157,13 +157,13 @@ def aggregate(rows: list[dict], ks, windows, modes, with_judge: bool) -> list[di
 
 def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[str], samples: list[str] | None,
         questions: int | None, model: str, engine: str, max_new_tokens: int = 32, judge_url: str | None = None,
-        judge_model: str | None = None, show_progress: bool = True, echo=print, neighbours: int = 0) -> dict:
+        judge_model: str | None = None, show_progress: bool = True, echo=print, neighbours: int | None = None) -> dict:
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding (their own cache
     directories; records carry ``neighbours``). Returns the summary (also written to ``out/summary.json``)."""
-    from ..ingest import check_neighbours
+    from ..ingest import DEFAULT_NEIGHBOURS, check_neighbours
     from ..serve import parse_mode
 
-    check_neighbours(neighbours)
+    neighbours = check_neighbours(DEFAULT_NEIGHBOURS if neighbours is None else neighbours)
     try:
         selective = any(parse_mode(m)[2] for m in modes)
     except ValueError:
