@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -149,6 +150,9 @@ def main() -> None:
         ax.axvline(1.3, ls=":", color="gray", lw=1, label="target TTFT 1.3x")
         ax.axhline(0.0, color="black", lw=0.5)
         ax.set_xscale("log")
+        ax.set_xticks([1, 1.3, 2, 4, 8])
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(f"TTFT / plain KV injection (k={a.k})")
         ax.set_ylabel("F1 gap to prompt injection (points)")
         ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k} (blue: window, green: "
