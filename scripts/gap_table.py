@@ -155,8 +155,8 @@ def main() -> None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(f"TTFT / plain KV injection (k={a.k})")
         ax.set_ylabel("F1 gap to prompt injection (points)")
-        ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k} (blue: window, green: "
-                     f"neighbours, orange: tail, purple: selective)", fontsize=8)
+        ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k}\n(blue: window, green: "
+                     f"neighbours, orange: tail recompute, purple: selective recompute)", fontsize=8)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)

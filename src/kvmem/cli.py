@@ -225,6 +225,8 @@ def ask(
         raise ValueError(f"--tail-recompute must be >= 0, got {tail_recompute}")
     if not 0 <= selective_recompute <= 100:
         raise ValueError(f"--selective-recompute must be a percentage in 0..100, got {selective_recompute}")
+    if tail_recompute and mode != "kv":
+        raise ValueError("--tail-recompute works in --mode kv only")
     if selective_recompute and (mode != "kv" or tail_recompute):
         raise ValueError("--selective-recompute works in --mode kv without --tail-recompute")
     if selective_recompute and engine != "hf":
@@ -252,7 +254,7 @@ def ask(
         typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
                    err=True)
     if as_json:
-        _emit(ans.to_json(), True)
+        _emit({**ans.to_json(), "tail_recompute": tail_recompute, "selective_recompute": selective_recompute}, True)
     else:
         t = ans.timings_ms
         typer.echo(f"{ans.answer}\n[{engine} {mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
