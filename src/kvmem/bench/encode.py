@@ -58,7 +58,7 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
             seqs = fact_sequences(lm, c, w)
             with tempfile.TemporaryDirectory(prefix="kvmem-enc-") as tmp:
                 rep = ingest_conversation(lm, setup.embedder, Path(tmp) / "s", c, w, batch_tokens, progress=False,
-                                          source=str(data))
+                                          source=str(data), neighbours=0)  # the window's cost alone
             plain_s = plain_forward(lm.model, seqs, batch_tokens)
             n_tok = sum(len(s) for s in seqs)
             assert n_tok == rep.num_encoded_tokens, (n_tok, rep.num_encoded_tokens)
