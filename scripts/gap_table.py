@@ -9,8 +9,9 @@ what is injected, so their TTFT ratio is 1 by construction, checked by tests/tes
     python scripts/gap_table.py --ref runs/s4/eval-tail --latency runs/s4/latency-tail \
         --plot docs/img/gap_s5.png runs/s4/eval-tail runs/s4/eval-w0 runs/s5/eval-w20-50 runs/s5/eval-w5-n4 ...
 
-Pairing: a method's records are paired with the reference's prompt records by question id; the table says for
-how many questions both retrieved the same facts (retrieval embeds fact text only, so it should be all).
+Pairing: a method's records are paired with the reference's prompt records by question id (a run on a subset of
+at least 50 questions is compared on that subset: column n); the table says for how many questions both
+retrieved the same facts (retrieval embeds fact text only, so it should be all).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def main() -> None:
     lat, lat_hf = ratios(a.latency), ratios(a.latency_hf)
     qids = sorted(ref)
     head = (["method", "w", "m"] + [f"F1 {n}" for n in CATS.values()] + [f"gap {n}" for n in CATS.values()]
-            + ["gap 95% CI", "same facts", "encoded tok / fact tok", "ingest s", "TTFT/kv k=20", "prompt/method k=50"])
+            + ["gap 95% CI", "n", "same facts", "encoded tok / fact tok", "ingest s", "TTFT/kv k=20", "prompt/method k=50"])
     rows = [["prompt (ref)", "", ""] + [f"{f1([ref[q] for q in qids if c == 'overall' or ref[q]['category'] == c]):.2f}"
                                         for c in CATS] + [""] * (len(head) - 8)]
     out, pts = [], []
@@ -105,7 +106,7 @@ def main() -> None:
         if mode == "prompt":
             continue
         common = [q for q in qids if q in by]
-        if len(common) < len(qids):
+        if len(common) < min(50, len(qids)):
             continue  # an unfinished run
         cells, gaps = [], []
         for c in CATS:
@@ -128,7 +129,8 @@ def main() -> None:
         label = f"kv w={w}" + (f" m={m}" if m else "") + (f" {mode.removeprefix('kv-')}" if mode != "kv" else "") \
             + (f" ({engine})" if engine != "vllm" else "")
         rows.append([label, w, m] + [f"{x:.2f}" for x in cells] + [f"{g:+.2f}" for g in gaps]
-                    + [f"{lo:.1f} to {hi:.1f}", f"{same}/{len(common)}", f"{tok / a.fact_tokens:.1f}" if tok else "",
+                    + [f"{lo:.1f} to {hi:.1f}", len(common), f"{same}/{len(common)}",
+                       f"{tok / a.fact_tokens:.1f}" if tok else "",
                        f"{sec:.0f}" if sec == sec else "", f"{r20:.2f}", f"{p50:.1f}"])
         out.append({"method": label, "window": w, "neighbours": m, "mode": mode, "engine": engine,
                     "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
