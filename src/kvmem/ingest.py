@@ -5,9 +5,9 @@ fact tokens' K/V are kept; the header is the same one the fact follows at servin
 token is never an attention sink.
 
 Neighbour-aware encoding (``neighbours=m``, ``DEFAULT_NEIGHBOURS`` = 4): ``[header][m most similar other facts of
-the same user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with. This is the
-offline half of FusionRAG (arXiv 2601.12904); it costs m fact lengths more per encoded fact and nothing at serving
-time (the stored KV has the same shape).
+the same user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with.
+This is the offline half of FusionRAG (arXiv 2601.12904); it costs m fact lengths more per encoded fact and
+nothing at serving time (the stored KV has the same shape).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], fa
     if progress is not None:
         progress.total = n_tokens
         progress.refresh()
-    kvs = (encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=None if progress is None else progress.update)
-           if sequences else [])
+    tick = None if progress is None else progress.update
+    kvs = encode_spans(lm.model, sequences, spans, max_batch_tokens, progress=tick) if sequences else []
     return [tuple(seq[s:e]) for seq, (s, e) in zip(sequences, spans)], kvs, n_tokens
 
 

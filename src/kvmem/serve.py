@@ -146,7 +146,7 @@ class MemoryService:
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
         mode, tail_recompute, recompute = parse_mode(
-            mode, self.tail_recompute if tail_recompute is None and str(mode).startswith("kv-sel") else tail_recompute)
+            mode, self.tail_recompute if tail_recompute is None else tail_recompute)
         if recompute and self.vllm is not None:
             raise ValueError("kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
                              "KV connector can report an injected prefix, not tokens to recompute inside it")
@@ -174,7 +174,7 @@ class MemoryService:
                 f"+ answer ({max_new_tokens} tokens) = {need + max_new_tokens} tokens exceeds the model context of "
                 f"{self.max_context} tokens; at most k={fits} fits")
         rows = order_reverse_proximity(retrieved)
-        r = self.tail_recompute if tail_recompute is None else int(tail_recompute)
+        r = int(tail_recompute)
         if r < 0:
             raise ValueError(f"tail_recompute must be >= 0, got {r}")
         head, tail = rows[:max(0, len(rows) - r)], rows[max(0, len(rows) - r):]
@@ -239,6 +239,13 @@ def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int |
     if mode not in ("kv", "prompt"):
         raise ValueError(f"mode must be 'kv', 'prompt', 'kv-tail<r>' or 'kv-sel<1-100>', not {mode!r}")
     return mode, tail_recompute, 0.0
+
+
+def check_methods_engine(modes, engine: str) -> None:
+    """ValueError (before any store or engine is built) when a ``kv-sel`` method is asked of an engine other than
+    the transformers one; ``modes`` must already parse (``parse_mode``)."""
+    if engine != "hf" and any(parse_mode(m)[2] for m in modes):
+        raise ValueError("kv-sel (selective recompute) runs on the transformers engine only: add --engine hf")
 
 
 @dataclass

@@ -4,8 +4,9 @@ Layout of a store directory::
 
     manifest.json            format, store_id, model fingerprint, header text + token ids, embedder
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
-    meta.sqlite              meta (the version counter; per-user encoding neighbours), users, segments (sha256), facts (rows, embeddings,
-                             added/deleted versions), history (events), turns (the raw conversation)
+    meta.sqlite              meta (the version counter; per-user encoding neighbours), users, segments
+                             (sha256), facts (rows, embeddings, added/deleted versions), history (events),
+                             turns (the raw conversation)
     users/<user>.<segment>.kv.safetensors    keys / values [L, H, n, D] of the facts one commit added
 
 Writes (``commit``, the one write path) append: a new segment file, fsynced with its directory, then one SQLite

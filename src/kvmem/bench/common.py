@@ -138,8 +138,8 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
     root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours)
     try:
         st = Store.open(root, fingerprint(lm))
-        ok = conv.sample_id in st.users() and st.user_info(conv.sample_id)["window"] == window \
-            and st.user_info(conv.sample_id)["neighbours"] == neighbours
+        info = st.user_info(conv.sample_id) if conv.sample_id in st.users() else {}
+        ok = info.get("window") == window and info.get("neighbours") == neighbours
         st.close()
     except StoreError:
         ok = False
@@ -373,9 +373,8 @@ class Setup:
 
     def services(self, window: int, log=None, neighbours: int | None = None) -> dict:
         """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours``, default
-        ``ingest.DEFAULT_NEIGHBOURS``). Every
-        store is ingested before any engine starts; with vLLM, all samples share one engine (started once per
-        Setup)."""
+        ``ingest.DEFAULT_NEIGHBOURS``). Every store is ingested before any engine starts; with vLLM, all samples
+        share one engine (started once per Setup)."""
         roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,
                                            neighbours) for c in self.convs}
         out = {}

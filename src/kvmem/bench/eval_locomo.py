@@ -161,17 +161,16 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding (their own cache
     directories; records carry ``neighbours``). Returns the summary (also written to ``out/summary.json``)."""
     from ..ingest import DEFAULT_NEIGHBOURS, check_neighbours
-    from ..serve import parse_mode
+    from ..serve import check_methods_engine, parse_mode
 
     neighbours = check_neighbours(DEFAULT_NEIGHBOURS if neighbours is None else neighbours)
     try:
-        selective = any(parse_mode(m)[2] for m in modes)
+        [parse_mode(m) for m in modes]
     except ValueError:
         raise ValueError(f"--mode must be a comma-separated subset of kv, prompt, kv-tail<r> (tail recompute r), "
                          f"kv-sel<p> (selective recompute of p% of fact tokens, hf engine), "
                          f"not {','.join(modes) or '(empty)'}") from None
-    if selective and engine != "hf":
-        raise ValueError("kv-sel (selective recompute) runs on the transformers engine only: add --engine hf")
+    check_methods_engine(modes, engine)
     if not modes:
         raise ValueError("--mode is empty")
     if bool(judge_url) != bool(judge_model):

@@ -115,10 +115,9 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
 
     note = store_device_note(store_device)
     modes = MODES + tuple(dict.fromkeys([f"kv-tail{r}" for r in tails if r > 0] + list(methods)))
-    from ..serve import parse_mode
+    from ..serve import check_methods_engine
 
-    if any(parse_mode(m)[2] for m in modes) and engine != "hf":
-        raise ValueError("kv-sel (selective recompute) runs on the transformers engine only: add --engine hf")
+    check_methods_engine(modes, engine)
     setup = Setup.load(data, samples, model, engine, show_progress)
     engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)

@@ -42,10 +42,11 @@ GQA_SDPA = "kvmem_gqa_sdpa"
 
 class AttentionProbe:
     """Attention mass that a forward pass's queries put on each of the first ``n_keys`` cached positions, summed
-    over layers, heads and query tokens: ``scores`` [n_keys] float32. Active for one forward via ``probing``."""
+    over layers, heads and query tokens: ``scores`` [n_keys] float32. ``gqa_sdpa_attention_forward`` feeds the
+    probe set in ``_probe.active`` (one forward, one thread)."""
 
     def __init__(self, n_keys: int):
-        self.n_keys, self.scores, self.layers = n_keys, None, 0
+        self.n_keys, self.scores = n_keys, None
 
     def add(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> None:
         """query [1, Hq, T, D], key [1, Hkv, S, D]; mask: bool (True = attend) or additive, [1, 1, T, S], or None
@@ -58,7 +59,6 @@ class AttentionProbe:
         w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask.float()
         mass = torch.softmax(w, dim=-1)[0, :, :, :self.n_keys].sum((0, 1))
         self.scores = mass if self.scores is None else self.scores + mass
-        self.layers += 1
 
 
 _probe = threading.local()
@@ -155,9 +155,9 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     finally:
         _probe.active = None
     cache.crop(-len(query_ids))  # drop the probe's query K/V
-    n_sel = min(n_fact, max(1, math.ceil(fraction * n_fact)))
     if n_fact == 0:
         return cache, torch.zeros(0, dtype=torch.long), len(query_ids)
+    n_sel = min(n_fact, max(1, math.ceil(fraction * n_fact)))
     sel = (header_len + probe.scores[header_len:].topk(n_sel).indices).sort().values.to(device)
     pos = torch.arange(m, device=device)
     allowed = torch.zeros(n_sel, m + n_sel, dtype=torch.bool, device=device)
