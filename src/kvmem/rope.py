@@ -97,25 +97,36 @@ def served_length(model, served_len: int | None):
     """While active, the model's own forward passes pick length-dependent RoPE frequencies (``dynamic``,
     ``longrope``) for a prompt of ``served_len`` tokens, as a prefill of the whole served prompt would.
 
-    Used to encode memory under the frequencies it will be served with; a no-op for other RoPE types."""
+    Used to encode memory under the frequencies it will be served with; a no-op for other RoPE types. Done with
+    PyTorch forward hooks on the rotary module (removed on exit): the pre-hook appends position
+    ``served_len - 1`` to ``position_ids``, so the module picks the served length's frequencies, and the hook
+    drops that extra column from cos/sin. The module's ``forward`` itself is never replaced."""
     if served_len is None:
         yield
         return
     rotary = getattr(model, "model", model).rotary_emb
     reset_rope_state(rotary)
-    original = rotary.forward
+    widths: list[int] = []
 
-    def forward(x, position_ids, *args, **kwargs):
-        n = position_ids.shape[-1]
-        pos = torch.cat([position_ids, position_ids.new_full((*position_ids.shape[:-1], 1), served_len - 1)], -1)
-        cos, sin = original(x, pos, *args, **kwargs)
-        return cos[..., :n, :], sin[..., :n, :]
+    def extend(_module, args, kwargs):
+        pos = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+        widths.append(pos.shape[-1])
+        pos = torch.cat([pos, pos.new_full((*pos.shape[:-1], 1), served_len - 1)], -1)
+        if "position_ids" in kwargs:
+            return args, {**kwargs, "position_ids": pos}
+        return (args[0], pos, *args[2:]), kwargs
 
-    rotary.forward = forward
+    def trim(_module, _args, _kwargs, output):
+        n = widths.pop()
+        return tuple(t[..., :n, :] for t in output)
+
+    handles = [rotary.register_forward_pre_hook(extend, with_kwargs=True),
+               rotary.register_forward_hook(trim, with_kwargs=True)]
     try:
         yield
     finally:
-        del rotary.forward
+        for h in handles:
+            h.remove()
 
 
 def reset_rope_state(rotary: torch.nn.Module) -> None:
