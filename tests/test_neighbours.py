@@ -32,6 +32,9 @@ def test_neighbour_prefixes_pick_the_most_similar_others():
     long_pool = [[1] * 600, [2] * 500, [3] * 300]
     assert neighbour_prefixes(emb, [[10], [11]], pool, long_pool, 3)[1] == [[2, 4, 1], [3, 1, 2]]
     assert neighbour_prefixes(emb, [[10], [11]], pool, long_pool, 3, max_tokens=700)[1] == [[4, 1], [3, 2]]
+    # exact copies add no context: a pool copy of the fact itself, and a second copy of a neighbour, are skipped
+    dup_pool = [[2], [10], [2]]  # row 1 copies new fact 0; rows 0 and 2 are the same fact
+    assert neighbour_prefixes(emb, [[10], [11]], pool, dup_pool, 3)[1] == [[2, 4], [1, 2]]  # else [2,4,1], [3,1,2]
     for bad in (-1, 33, 1.5, True):
         with pytest.raises(ValueError, match="neighbours"):
             check_neighbours(bad)

@@ -92,6 +92,7 @@ def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], poo
                        max_tokens: int = MAX_NEIGHBOUR_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
     """Neighbour-aware encoding inputs: for each new fact, the ``neighbours`` most similar *other* facts among the
     pool (the user's live facts this write keeps) and the other new facts, by retrieval-embedding inner product.
+    Exact copies (same token ids as the fact or as a neighbour already chosen) are skipped: they add no context.
 
     Args:
         embeddings: [F, E] float32, L2-normalised, the new facts'.
@@ -111,16 +112,16 @@ def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], poo
     ids = list(pool_token_ids[:pool]) + list(token_ids)
     sim = embeddings.float() @ cands.T  # [F, P + F]
     sim[torch.arange(len(token_ids)), pool + torch.arange(len(token_ids))] = float("-inf")  # never itself
-    m = min(neighbours, cands.shape[0] - 1)
-    if m == 0:
-        return [[] for _ in token_ids], [[] for _ in token_ids]
     top = []
-    for row in sim.topk(m, dim=1).indices.tolist():  # most similar first
-        kept, used = [], 0
+    for j, row in enumerate(sim.argsort(dim=1, descending=True).tolist()):  # most similar first
+        kept, used, seen = [], 0, {tuple(token_ids[j])}  # exact copies (of the fact or a kept one) add nothing
         for c in row:
-            if used + len(ids[c]) <= max_tokens:
+            if len(kept) == neighbours:
+                break
+            if c != pool + j and tuple(ids[c]) not in seen and used + len(ids[c]) <= max_tokens:
                 kept.append(c)
                 used += len(ids[c])
+                seen.add(tuple(ids[c]))
         top.append(kept[::-1])  # ascending similarity
     return [[t for c in row for t in ids[c]] for row in top], top
 
