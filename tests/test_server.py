@@ -115,6 +115,39 @@ def test_openai_client_chat_kv_equals_prompt_and_streams(server, alice):
     assert usage.prompt_tokens == kv.usage.prompt_tokens and usage.completion_tokens == kv.usage.completion_tokens
 
 
+def test_selective_recompute_over_http(server, alice):
+    """``memory.selective_recompute`` p runs the kv-sel<p> method: at 100% the injected facts are recomputed, so
+    the greedy answer is prompt injection's and fewer prompt tokens come from the cache; bad values are 400s."""
+    _, base = server
+    c = httpx.Client(base_url=base, headers=_h(), timeout=120)
+    chat = {"model": FAST, "user": "alice", "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is Alice's job?"}]}
+    out = {}
+    for name, memory in (("kv", {"mode": "kv"}), ("sel", {"mode": "kv", "selective_recompute": 100}),
+                         ("prompt", {"mode": "prompt"})):
+        r = c.post("/v1/chat/completions", json={**chat, "memory": {"top_k": 3, **memory}})
+        assert r.status_code == 200, r.text
+        out[name] = r.json()
+    cached = {n: o["usage"]["prompt_tokens_details"]["cached_tokens"] for n, o in out.items()}
+    assert out["sel"]["choices"][0]["message"]["content"] == out["prompt"]["choices"][0]["message"]["content"]
+    assert out["sel"]["kvmem"]["fact_ids"] == out["kv"]["kvmem"]["fact_ids"]
+    assert cached["prompt"] == 0 < cached["sel"] < cached["kv"]  # the header stays injected; the facts are re-run
+    for memory in ({"selective_recompute": 101}, {"selective_recompute": 20, "tail_recompute": 1}):
+        r = c.post("/v1/chat/completions", json={**chat, "memory": memory})
+        assert r.status_code in (400, 422) and "error" in r.json(), r.text
+
+
+def test_selective_recompute_needs_the_transformers_engine(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "kvmem.cli", "serve", "--store", str(tmp_path / "s"), "--engine",
+                        "vllm", "--selective-recompute", "10", "--model", FAST], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 2 and "transformers engine only" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "s").exists()
+
+
 def test_sampling_parameters_are_honoured(server, alice):
     client = _client(server)
     msgs = [{"role": "user", "content": "Tell me about Alice."}]

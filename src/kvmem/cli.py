@@ -173,6 +173,9 @@ def serve_cmd(
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
     tail_recompute: int = typer.Option(0, "--tail-recompute", help="Default memory.tail_recompute: kv mode "
                                        "prefills the last r retrieved facts with the conversation."),
+    selective_recompute: int = typer.Option(
+        0, "--selective-recompute", min=0, max=100, help="Default memory.selective_recompute, --engine hf: kv "
+        "mode recomputes the p% of fact tokens the query attends to most."),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -188,7 +191,7 @@ def serve_cmd(
           model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
           limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
           kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window, tail_recompute=tail_recompute,
-          neighbours=neighbours)
+          neighbours=neighbours, selective_recompute=selective_recompute)
 
 
 @app.command()

@@ -72,6 +72,7 @@ class MemoryOptions(BaseModel):
     top_k: int | None = Field(None, ge=1, le=200)
     mode: Literal["kv", "prompt", "off"] | None = None
     tail_recompute: int | None = Field(None, ge=0, le=200)
+    selective_recompute: int | None = Field(None, ge=0, le=100)  # % of fact tokens; transformers engine only
 
 
 class ChatRequest(BaseModel):
@@ -241,6 +242,7 @@ class KvmemServer:
         self.model_name = service.lm.name
         self.ready = True
         self.pending_writes, self.max_writes = 0, 64
+        self.selective_recompute = 0  # default memory.selective_recompute (%), transformers engine only
         self.metrics = Metrics(self)
         self._store_bytes = (0.0, 0)
 
@@ -249,10 +251,11 @@ class KvmemServer:
               limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
               kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int = 5,
               vllm_options: dict | None = None, tail_recompute: int = 0,
-              neighbours: int | None = None) -> "KvmemServer":
+              neighbours: int | None = None, selective_recompute: int = 0) -> "KvmemServer":
         """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``/``neighbours``:
-        how writes encode new memories (``Memory``). Raises StoreError, ModelError, EngineUnavailable (one line
-        each)."""
+        how writes encode new memories (``Memory``); ``tail_recompute`` / ``selective_recompute``: the default
+        ``memory`` options of chat requests. Raises StoreError, ModelError, EngineUnavailable (one line each);
+        ValueError for selective recompute off the transformers engine or with tail recompute."""
         import os
 
         from .hardware import resolve_engine
@@ -263,9 +266,17 @@ class KvmemServer:
         from .serve import MemoryService
 
         os.environ["KVMEM_STORE_CACHE_BYTES"] = str(cache_bytes)  # this process and the vLLM worker's stores
+        if selective_recompute and tail_recompute:
+            raise ValueError("--selective-recompute and --tail-recompute do not combine; use one of them")
+        only_hf = ("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV connector "
+                   "can report an injected prefix, not tokens to recompute inside it)")
+        if selective_recompute and engine == "vllm":  # before vLLM is probed
+            raise ValueError(only_hf)
         engine, note = resolve_engine(engine)
         if note:
             logger.warning(note)
+        if selective_recompute and engine != "hf":
+            raise ValueError(only_hf)
         root = Path(store)
         embedder = Embedder()
         if not (root / "manifest.json").exists():  # a new, empty store for the model
@@ -298,7 +309,7 @@ class KvmemServer:
             mem = Memory(root, model=svc.lm, window=window, embedder=embedder, neighbours=neighbours)
         svc.tail_recompute = tail_recompute
         srv = cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
-        srv.max_writes = max_queue
+        srv.max_writes, srv.selective_recompute = max_queue, selective_recompute
         return srv
 
     def store_bytes(self) -> int:
@@ -542,8 +553,9 @@ def create_app(server: KvmemServer) -> FastAPI:
         if user is None and mode != "off":
             raise APIError(400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')",
                            param="user")
-        prep = await asyncio.wait_for(_prepare(server, user, messages, top_k, mode, max_tokens, opts.tail_recompute),
-                                      limits.request_timeout_s)
+        sel = server.selective_recompute if opts.selective_recompute is None else opts.selective_recompute
+        prep = await asyncio.wait_for(_prepare(server, user, messages, top_k, mode, max_tokens, opts.tail_recompute,
+                                               sel), limits.request_timeout_s)
         from .engines.base import Sampling
 
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -597,11 +609,15 @@ class _Prepared:
     query_len: int
     fact_ids: list[str]
     timings_ms: dict
+    recompute: float = 0.0  # selective recompute fraction (hf engine, kv mode)
+    header_len: int = 0
 
 
 async def _prepare(server: KvmemServer, user: str | None, messages: list[dict], top_k: int, mode: str,
-                   max_tokens: int, tail_recompute: int | None = None) -> _Prepared:
-    """Retrieval and composition for one chat request (on the model thread for hf: composition uses its RoPE)."""
+                   max_tokens: int, tail_recompute: int | None = None, selective_recompute: int = 0) -> _Prepared:
+    """Retrieval and composition for one chat request (on the model thread for hf: composition uses its RoPE).
+    ``selective_recompute`` p (kv mode): the ``kv-sel<p>`` method (``serve.parse_mode``; ValueError -> HTTP 400
+    on vLLM or with tail recompute)."""
     from .compose import ContextOverflow
     from .store import StoreError
 
@@ -619,13 +635,15 @@ async def _prepare(server: KvmemServer, user: str | None, messages: list[dict], 
         if mode == "off" or not question.strip():
             return bare()
         try:
-            p = svc.prepare(user, question, top_k, mode, max_tokens, messages=messages, tail_recompute=tail_recompute)
+            method = f"kv-sel{selective_recompute}" if mode == "kv" and selective_recompute else mode
+            p = svc.prepare(user, question, top_k, method, max_tokens, messages=messages, tail_recompute=tail_recompute)
         except StoreError as exc:
             if "unknown user" in str(exc):  # no memories yet: answer without any
                 return bare()
             raise
         memory = p.ref if svc.vllm is not None else p.memory
-        return _Prepared(mode, p.prompt_ids, memory, len(p.query_ids), p.fact_ids, p.timings_ms)
+        return _Prepared(mode, p.prompt_ids, memory, len(p.query_ids), p.fact_ids, p.timings_ms, p.recompute,
+                         p.header_len)
 
     if svc.vllm is None:
         return await server.on_model_thread(run)
@@ -643,7 +661,8 @@ class _Generation:
         memory = prep.memory if prep.mode == "kv" else None
         if eng.name == "hf":
             self._it = eng.stream(rid, prep.prompt_ids, prep.memory, sampling,
-                                  mode="prompt" if prep.mode != "kv" else "kv", query_len=prep.query_len)
+                                  mode="prompt" if prep.mode != "kv" else "kv", query_len=prep.query_len,
+                                  recompute=prep.recompute, header_len=prep.header_len)
         else:
             self._it = eng.stream(rid, prep.prompt_ids, memory, sampling, query_len=prep.query_len)
         self.ids: list[int] = []

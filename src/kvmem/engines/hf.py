@@ -289,9 +289,10 @@ class AsyncHFEngine:
         return fut
 
     async def stream(self, request_id: str, prompt_ids: list[int], memory, sampling: Sampling, mode: str = "kv",
-                     query_len: int = 0):
+                     query_len: int = 0, recompute: float = 0.0, header_len: int = 0):
         """``prompt_ids`` = memory ids + the ``query_len`` conversation ids; ``memory``: the composed KV (None:
-        no memory). Yields a Delta per token, the last with the counts."""
+        no memory); ``recompute``, ``header_len``: selective recompute (``HFEngine.generate``). Yields a Delta per
+        token, the last with the counts."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
@@ -301,7 +302,8 @@ class AsyncHFEngine:
         def run():
             try:
                 put(("done", self.engine.generate(query, memory, mode, sampling=sampling,
-                                                  on_token=lambda t: put(("tok", t)), cancel=cancel)))
+                                                  on_token=lambda t: put(("tok", t)), cancel=cancel,
+                                                  recompute=recompute, header_len=header_len)))
             except BaseException as exc:  # reaches the request, not the worker thread
                 put(("err", exc))
 
