@@ -45,15 +45,14 @@ def load(dirs: list[Path], k: int) -> dict:
 
 
 def ingest_costs(logs: list[Path]) -> dict:
-    """(window, neighbours) -> (encoded tokens, seconds), summed over samples, from eval logs' ingest lines."""
+    """(window, neighbours, sample) -> (encoded tokens, seconds) from eval logs' ingest lines (the last one wins:
+    a store ingested once is reused by later runs)."""
     pat = re.compile(r"ingested (\d+) facts of (\S+) \(w=(\d+)(?:, m=(\d+))?\) in ([\d.]+) s"
                      r"(?: \((\d+) tokens encoded)?")
     out: dict = {}
     for log in logs:
         for m in pat.finditer(log.read_text(errors="replace")):
-            key = (int(m[3]), int(m[4] or 0))
-            tok, sec = out.get(key, (0, 0.0))
-            out[key] = (tok + int(m[6] or 0), sec + float(m[5]))
+            out[(int(m[3]), int(m[4] or 0), m[2])] = (int(m[6] or 0), float(m[5]))
     return out
 
 
@@ -75,10 +74,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--latency-hf", type=Path, help="bench latency --engine hf output with kv-sel methods")
     ap.add_argument("--latency", type=Path, help="bench latency output with --tail-recompute")
-    ap.add_argument("--fact-tokens", type=int, default=15063, help="stored fact tokens of the samples (for the "
-                    "ingest cost of runs whose logs predate the token count)")
+    ap.add_argument("--fact-tokens", default="conv-26:6652,conv-49:8411", help="sample:stored fact tokens (the "
+                    "Qwen2.5 tokenizer), for the ingest cost per fact token")
     ap.add_argument("--base-tokens", default="0:29479,5:106452,20:332731,50:765391",
-                    help="w:tokens encoded at m=0, for logs without token counts")
+                    help="w:tokens encoded at m=0 for conv-26 + conv-49, for logs without token counts")
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
@@ -88,6 +87,7 @@ def main() -> None:
     logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if Path(str(d) + ".log").exists()})
     costs = ingest_costs(logs)
     base = {int(w): int(t) for w, t in (x.split(":") for x in a.base_tokens.split(","))}
+    fact_tokens = {s: int(t) for s, t in (x.split(":") for x in a.fact_tokens.split(","))}
     def ratios(path):
         if not path:
             return None
@@ -116,8 +116,12 @@ def main() -> None:
             gaps.append(y - x)
         lo, hi = bootstrap([ref[q]["f1"] - by[q]["f1"] for q in common])
         same = sum(by[q]["fact_ids"] == ref[q]["fact_ids"] for q in common)
-        tok, sec = costs.get((w, m), (0, float("nan")))
-        tok = tok or (base.get(w) if m == 0 else 0)
+        samples = sorted({by[q]["sample"] for q in common})
+        got = [costs[(w, m, smp)] for smp in samples if (w, m, smp) in costs]
+        tok = sum(t for t, _ in got) if len(got) == len(samples) and all(t for t, _ in got) else 0
+        sec = sum(x for _, x in got) if len(got) == len(samples) else float("nan")
+        tok = tok or (base.get(w) if m == 0 and samples == ["conv-26", "conv-49"] else 0)
+        n_fact = sum(fact_tokens[smp] for smp in samples)
         tail = int(mode.removeprefix("kv-tail")) if mode.startswith("kv-tail") else 0
         src = lat_hf if engine == "hf" else lat
         if mode != "kv":  # a serving method: its own TTFT ratio, from the latency run of its engine
@@ -130,7 +134,7 @@ def main() -> None:
             + (f" ({engine})" if engine != "vllm" else "")
         rows.append([label, w, m] + [f"{x:.2f}" for x in cells] + [f"{g:+.2f}" for g in gaps]
                     + [f"{lo:.1f} to {hi:.1f}", len(common), f"{same}/{len(common)}",
-                       f"{tok / a.fact_tokens:.1f}" if tok else "",
+                       f"{tok / n_fact:.1f}" if tok else "",
                        f"{sec:.0f}" if sec == sec else "", f"{r20:.2f}", f"{p50:.1f}"])
         out.append({"method": label, "window": w, "neighbours": m, "mode": mode, "engine": engine,
                     "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
