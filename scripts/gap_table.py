@@ -83,7 +83,8 @@ def main() -> None:
     a = ap.parse_args()
 
     recs = load(a.dirs, a.k)
-    ref = next(v for (w, m, mode, _), v in load([a.ref], a.k).items() if (w, m, mode) == (a.ref_window, 0, "prompt"))
+    # the prompt ids do not depend on w or m; the window only names which of the ref run's prompt records to use
+    ref = next(v for (w, m, mode, _), v in load([a.ref], a.k).items() if (w, mode) == (a.ref_window, "prompt"))
     logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if Path(str(d) + ".log").exists()})
     costs = ingest_costs(logs)
     base = {int(w): int(t) for w, t in (x.split(":") for x in a.base_tokens.split(","))}

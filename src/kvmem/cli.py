@@ -20,7 +20,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvmem: LLM memory by KV injection.")
 models_app = typer.Typer(no_args_is_help=True, help="Offline answer models (GGUF in PyPI packages -> safetensors).")
 app.add_typer(models_app, name="models")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency, throughput, footprint, encode (JSON/CSV/PNG).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency, throughput, footprint, encode, memory, "
+                        "replay, serve (JSON/CSV/PNG).")
 eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluations.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
@@ -210,9 +211,9 @@ def ask(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
     tail_recompute: int = typer.Option(0, "--tail-recompute", help="kv mode: prefill the last r retrieved facts "
                                        "with the question instead of injecting them (cross-fact repair)."),
-    selective_recompute: int = typer.Option(0, "--selective-recompute", help="kv mode, --engine hf: recompute "
-                                            "this percentage of the injected fact tokens, those the question "
-                                            "attends to most (0 = off)."),
+    selective_recompute: int = typer.Option(
+        0, "--selective-recompute", min=0, max=100, help="kv mode, --engine hf: recompute this percentage of the "
+        "injected fact tokens, those the question attends to most (0 = off)."),
 ):
     """Answer QUESTION from USER's memory."""
     from .compose import check_text
@@ -230,8 +231,6 @@ def ask(
         raise ValueError(f"--mode must be kv or prompt, not {mode!r}")
     if tail_recompute < 0:
         raise ValueError(f"--tail-recompute must be >= 0, got {tail_recompute}")
-    if not 0 <= selective_recompute <= 100:
-        raise ValueError(f"--selective-recompute must be a percentage in 0..100, got {selective_recompute}")
     if tail_recompute and mode != "kv":
         raise ValueError("--tail-recompute works in --mode kv only")
     if selective_recompute and (mode != "kv" or tail_recompute):
@@ -747,7 +746,8 @@ def eval_locomo(
     k: str = typer.Option("20", "--k", help="Comma-separated k values."),
     window: str = typer.Option("20", "--window", help="Comma-separated encoding windows."),
     mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
-                             "recompute of the last r facts)."),
+                             "recompute of the last r facts), kv-sel<p> (selective recompute of p% of the fact "
+                             "tokens; --engine hf)."),
     neighbours: int = typer.Option(
         4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Answer from stores built with neighbour-aware "
         "encoding: each fact also behind its m most similar facts (0 = off)."),
