@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--base-tokens", default="0:29479,5:106452,20:332731,50:765391",
                     help="w:tokens encoded at m=0 for conv-26 + conv-49, for logs without token counts")
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--point", action="append", default=[], metavar="LABEL:TTFT:GAP",
+                    help="an extra plot point from a run whose records are gone (e.g. 'kv w=20 (s3):1:5.16')")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
 
@@ -148,6 +150,7 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     if a.plot:
+        pts += [(label, float(x), float(y)) for label, x, y in (p.rsplit(":", 2) for p in a.point)]
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for label, x, y in pts:
             ax.scatter([x], [y], color="tab:green" if " m=" in label else "tab:orange" if "tail" in label
