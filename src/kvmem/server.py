@@ -263,20 +263,18 @@ class KvmemServer:
         from .memory import Memory
         from .models import DEFAULT_MODEL, REGISTRY, load, model_dir
         from .retrieve import Embedder
-        from .serve import MemoryService
+        from .serve import MemoryService, check_methods_engine, parse_mode
 
         os.environ["KVMEM_STORE_CACHE_BYTES"] = str(cache_bytes)  # this process and the vLLM worker's stores
-        if selective_recompute and tail_recompute:
-            raise ValueError("--selective-recompute and --tail-recompute do not combine; use one of them")
-        only_hf = ("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV connector "
-                   "can report an injected prefix, not tokens to recompute inside it)")
-        if selective_recompute and engine == "vllm":  # before vLLM is probed
-            raise ValueError(only_hf)
+        methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
+        for m in methods:
+            parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
+        if engine == "vllm":
+            check_methods_engine(methods, engine)  # refused before vLLM is probed
         engine, note = resolve_engine(engine)
         if note:
             logger.warning(note)
-        if selective_recompute and engine != "hf":
-            raise ValueError(only_hf)
+        check_methods_engine(methods, engine)  # auto may have resolved to vLLM
         root = Path(store)
         embedder = Embedder()
         if not (root / "manifest.json").exists():  # a new, empty store for the model

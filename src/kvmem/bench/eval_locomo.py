@@ -165,7 +165,8 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
 
     neighbours = check_neighbours(DEFAULT_NEIGHBOURS if neighbours is None else neighbours)
     try:
-        [parse_mode(m) for m in modes]
+        for m in modes:
+            parse_mode(m)
     except ValueError:
         raise ValueError(f"--mode must be a comma-separated subset of kv, prompt, kv-tail<r> (tail recompute r), "
                          f"kv-sel<p> (selective recompute of p% of fact tokens, hf engine), "
