@@ -145,7 +145,7 @@ def test_fraction_rounding():
 FAST = "smollm2-135m-instruct"
 
 
-def test_kv_sel_end_to_end(tmp_path):
+def test_kv_sel_end_to_end(tmp_path, monkeypatch):
     from kvmem.memory import Memory
     from kvmem.models import MANIFEST, load, model_dir
     from kvmem.retrieve import Embedder
@@ -177,5 +177,30 @@ def test_kv_sel_end_to_end(tmp_path):
         svc.prepare("maya", q, 4, "kv-sel20", 8, tail_recompute=1)
     # the CLI refuses it off the transformers engine, before loading anything
     r = subprocess.run([sys.executable, "-m", "kvmem.cli", "ask", "--store", str(tmp_path / "s"), "--user", "maya",
-                        "--selective-recompute", "10", q], capture_output=True, text=True, timeout=300)
+                        "--engine", "vllm", "--selective-recompute", "10", q], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 2 and "--engine hf" in r.stderr and "Traceback" not in r.stderr
+
+    # --engine auto is refused only where it resolves to vLLM (as serve does), still before a model loads
+    from typer.testing import CliRunner
+
+    import kvmem.hardware
+    import kvmem.serve
+    from kvmem.cli import app
+
+    class Reached(Exception):
+        pass
+
+    def service(*args, engine, **kwargs):
+        raise Reached(engine)
+
+    monkeypatch.setattr(kvmem.serve, "MemoryService", service)
+    args = ["ask", "--store", str(tmp_path / "s"), "--user", "maya", "--dtype", "float32", "--selective-recompute",
+            "10", q]
+    for resolved in ("vllm", "hf"):
+        monkeypatch.setattr(kvmem.hardware, "resolve_engine", lambda engine, facts=None: (resolved, None))
+        res = CliRunner().invoke(app, args)
+        if resolved == "vllm":
+            assert res.exit_code == 2 and "--engine hf" in res.output
+        else:  # accepted: reaches the service, on the transformers engine
+            assert isinstance(res.exception, Reached) and res.exception.args == ("hf",)

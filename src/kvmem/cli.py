@@ -212,7 +212,7 @@ def ask(
     tail_recompute: int = typer.Option(0, "--tail-recompute", help="kv mode: prefill the last r retrieved facts "
                                        "with the question instead of injecting them (cross-fact repair)."),
     selective_recompute: int = typer.Option(
-        0, "--selective-recompute", min=0, max=100, help="kv mode, --engine hf: recompute this percentage of the "
+        0, "--selective-recompute", min=0, max=100, help="kv mode, transformers engine (--engine hf, or auto where it picks hf): recompute this percentage of the "
         "injected fact tokens, those the question attends to most (0 = off)."),
 ):
     """Answer QUESTION from USER's memory."""
@@ -235,9 +235,10 @@ def ask(
         raise ValueError("--tail-recompute works in --mode kv only")
     if selective_recompute and (mode != "kv" or tail_recompute):
         raise ValueError("--selective-recompute works in --mode kv without --tail-recompute")
-    if selective_recompute and engine != "hf":
-        raise ValueError("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV "
-                         "connector can report an injected prefix, not tokens to recompute inside it)")
+    sel_engine_error = ("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV "
+                        "connector can report an injected prefix, not tokens to recompute inside it)")
+    if selective_recompute and engine == "vllm":
+        raise ValueError(sel_engine_error)
     from .hardware import resolve_dtype, resolve_engine
     from .serve import MemoryService
     from .store import Store
@@ -248,8 +249,12 @@ def ask(
     if with_store.fingerprint.get("dtype") != dtype:  # refuse before any model loads (raises StoreDtypeMismatch)
         Store.open(store, {**with_store.fingerprint, "dtype": dtype})
     with_store.close()
-    resolve_engine(engine)  # --engine vllm where it cannot run: one error line, exit 2, before any model loads
-    svc = MemoryService(store, max_context=max_context, engine=engine, dtype=dtype)
+    # --engine vllm where it cannot run: one error line, exit 2, before any model loads
+    resolved, _ = resolve_engine(engine)
+    if selective_recompute and resolved != "hf":  # auto chose vLLM here
+        raise ValueError(sel_engine_error)
+    svc = MemoryService(store, max_context=max_context, engine="hf" if selective_recompute else engine,
+                        dtype=dtype)
     if svc.engine_note:
         typer.echo(svc.engine_note, err=True)
     engine = svc.engine_name
