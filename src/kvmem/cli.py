@@ -212,8 +212,9 @@ def ask(
     tail_recompute: int = typer.Option(0, "--tail-recompute", help="kv mode: prefill the last r retrieved facts "
                                        "with the question instead of injecting them (cross-fact repair)."),
     selective_recompute: int = typer.Option(
-        0, "--selective-recompute", min=0, max=100, help="kv mode, transformers engine (--engine hf, or auto where it picks hf): recompute this percentage of the "
-        "injected fact tokens, those the question attends to most (0 = off)."),
+        0, "--selective-recompute", min=0, max=100, help="kv mode, transformers engine (--engine hf, or auto where "
+        "it picks hf): recompute this percentage of the injected fact tokens, those the question attends to most "
+        "(0 = off)."),
 ):
     """Answer QUESTION from USER's memory."""
     from .compose import check_text
