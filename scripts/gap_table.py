@@ -32,15 +32,17 @@ CATS = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", "overa
 KS = ("5", "20", "50")
 
 
-def load(dirs: list[Path], k: int) -> dict:
-    """(window, neighbours, mode, engine) -> {qid: record} at ``k``; later directories win on repeats."""
+def load(dirs: list[Path], k: int, variants: dict | None = None) -> dict:
+    """(window, neighbours, mode, engine, variant) -> {qid: record} at ``k``; later directories win on repeats.
+    ``variants``: {dir: label} for experiment runs whose (w, m) repeat another run's (kept as their own rows)."""
     out: dict = {}
     for d in dirs:
         for line in (d / "records.jsonl").read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
                 if int(r["k"]) == k:
-                    out.setdefault((r["window"], r.get("neighbours", 0), r["mode"], r["engine"]), {})[r["qid"]] = r
+                    key = (r["window"], r.get("neighbours", 0), r["mode"], r["engine"], (variants or {}).get(d, ""))
+                    out.setdefault(key, {})[r["qid"]] = r
     return out
 
 
@@ -68,7 +70,8 @@ def bootstrap(d: list[float], n: int = 2000) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dirs", nargs="+", type=Path, help="eval locomo output directories")
+    ap.add_argument("dirs", nargs="+", help="eval locomo output directories; DIR=LABEL keeps an experiment run "
+                    "with the same w and m as another as its own row, named by LABEL")
     ap.add_argument("--ref", type=Path, required=True, help="the run whose prompt records are the reference")
     ap.add_argument("--ref-window", type=int, default=5)
     ap.add_argument("--k", type=int, default=20)
@@ -84,11 +87,16 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
 
-    recs = load(a.dirs, a.k)
+    variants = {Path(d.split("=", 1)[0]): d.split("=", 1)[1] for d in a.dirs if "=" in d}
+    a.dirs = [Path(d.split("=", 1)[0]) for d in a.dirs]
+    recs = load(a.dirs, a.k, variants)
     # the prompt ids do not depend on w or m; the window only names which of the ref run's prompt records to use
-    ref = next(v for (w, m, mode, _), v in load([a.ref], a.k).items() if (w, mode) == (a.ref_window, "prompt"))
-    logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if Path(str(d) + ".log").exists()})
+    ref = next(v for (w, m, mode, *_), v in load([a.ref], a.k).items() if (w, mode) == (a.ref_window, "prompt"))
+    logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if d not in variants and
+                   Path(str(d) + ".log").exists()})
     costs = ingest_costs(logs)
+    variant_costs = {v: ingest_costs([Path(str(d) + ".log")]) for d, v in variants.items()
+                     if Path(str(d) + ".log").exists()}
     base = {int(w): int(t) for w, t in (x.split(":") for x in a.base_tokens.split(","))}
     fact_tokens = {s: int(t) for s, t in (x.split(":") for x in a.fact_tokens.split(","))}
     def ratios(path):
@@ -104,8 +112,9 @@ def main() -> None:
     rows = [["prompt (ref)", "", ""] + [f"{f1([ref[q] for q in qids if c == 'overall' or ref[q]['category'] == c]):.2f}"
                                         for c in CATS] + [""] * (len(head) - 8)]
     out, pts = [], []
-    for (w, m, mode, engine), by in sorted(recs.items(), key=lambda kv: (kv[0][3], kv[0][2] != "kv", kv[0][1],
-                                                                          kv[0][0], kv[0][2])):
+    for (w, m, mode, engine, variant), by in sorted(recs.items(), key=lambda kv: (kv[0][3], kv[0][2] != "kv",
+                                                                                   kv[0][4], kv[0][1], kv[0][0],
+                                                                                   kv[0][2])):
         if mode == "prompt":
             continue
         common = [q for q in qids if q in by]
@@ -120,7 +129,8 @@ def main() -> None:
         lo, hi = bootstrap([ref[q]["f1"] - by[q]["f1"] for q in common])
         same = sum(by[q]["fact_ids"] == ref[q]["fact_ids"] for q in common)
         samples = sorted({by[q]["sample"] for q in common})
-        got = [costs[(w, m, smp)] for smp in samples if (w, m, smp) in costs]
+        own = variant_costs.get(variant, {}) if variant else costs
+        got = [own[(w, m, smp)] for smp in samples if (w, m, smp) in own]
         tok = sum(t for t, _ in got) if len(got) == len(samples) and all(t for t, _ in got) else 0
         sec = sum(x for _, x in got) if len(got) == len(samples) else float("nan")
         tok = tok or (base.get(w) if m == 0 and samples == ["conv-26", "conv-49"] else 0)
@@ -134,12 +144,12 @@ def main() -> None:
         else:  # window and neighbours change the stored KV, not what is injected
             r20, p50 = 1.0, ((src or {}).get("prompt_over_kv", {}).get("50", float("nan")))
         label = f"kv w={w}" + (f" m={m}" if m else "") + (f" {mode.removeprefix('kv-')}" if mode != "kv" else "") \
-            + (f" ({engine})" if engine != "vllm" else "")
+            + (f" ({engine})" if engine != "vllm" else "") + (f" {variant}" if variant else "")
         rows.append([label, w, m] + [f"{x:.2f}" for x in cells] + [f"{g:+.2f}" for g in gaps]
                     + [f"{lo:.1f} to {hi:.1f}", len(common), f"{same}/{len(common)}",
                        f"{tok / n_fact:.1f}" if tok else "",
                        f"{sec:.0f}" if sec == sec else "", f"{r20:.2f}", f"{p50:.1f}"])
-        out.append({"method": label, "window": w, "neighbours": m, "mode": mode, "engine": engine,
+        out.append({"method": label, "window": w, "neighbours": m, "mode": mode, "engine": engine, "variant": variant,
                     "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
                     "gap_ci95": [lo, hi], "same_facts": same, "n": len(common), "encoded_tokens": tok,
                     "ingest_s": sec, "ttft_over_kv_k20": r20, "prompt_over_method_k50": p50})
