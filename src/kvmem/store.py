@@ -4,7 +4,7 @@ Layout of a store directory::
 
     manifest.json            format, store_id, model fingerprint, header text + token ids, embedder
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
-    meta.sqlite              meta (the version counter; per-user encoding neighbours), users, segments
+    meta.sqlite              meta (the version counter; per-user encoding neighbours, history), users, segments
                              (sha256), facts (rows, embeddings, added/deleted versions), history (events),
                              turns (the raw conversation)
     users/<user>.<segment>.kv.safetensors    keys / values [L, H, n, D] of the facts one commit added
@@ -405,8 +405,8 @@ class Store:
 
     @_locked
     def user_info(self, user: str) -> dict:
-        """version, window, neighbours, num_facts, num_tokens (live), source. Raises StoreError for an unknown
-        user."""
+        """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
+        StoreError for an unknown user."""
         row = self._db.execute("SELECT version, window, source FROM users WHERE user=?", (user,)).fetchone()
         n = self._db.execute("SELECT COUNT(*), COALESCE(SUM(json_array_length(token_ids)), 0) FROM facts "
                              "WHERE user=? AND deleted IS NULL", (user,)).fetchone()
@@ -414,8 +414,9 @@ class Store:
             known = ", ".join(self.users()[:20]) or "none"
             raise StoreError(f"unknown user {user!r} in store {self.root} (users: {known})")
         m = self._db.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
-        return {"version": str(row[0]), "window": row[1], "neighbours": m[0] if m else 0, "num_facts": n[0],
-                "num_tokens": n[1], "source": row[2]}
+        h = self._db.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
+        return {"version": str(row[0]), "window": row[1], "neighbours": m[0] if m else 0,
+                "history": bool(h[0]) if h else False, "num_facts": n[0], "num_tokens": n[1], "source": row[2]}
 
     def facts(self, user: str) -> list[FactRecord]:
         return self.snapshot(user).facts
@@ -599,13 +600,15 @@ class Store:
     def commit(self, user: str, add: list[FactRecord] = (), keys: list[torch.Tensor] = (),
                values: list[torch.Tensor] = (), embeddings: torch.Tensor | None = None, delete: list[str] = (),
                replace: bool = False, turns: list[dict] = (), events: list[tuple] = (), window: int = 0,
-               source: str | None = None, now: float | None = None, neighbours: int | None = None) -> str:
+               source: str | None = None, now: float | None = None, neighbours: int | None = None,
+               history: bool | None = None) -> str:
         """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
         user), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
 
         keys/values: one [L, H, n_i, D] per added fact (n_i its token count); embeddings: [F, E]. ``events``:
         (fact_id, event, old_memory, new_memory); ADD/DELETE events for ``add``/``delete`` are recorded here.
-        ``window`` and ``neighbours`` (None: unchanged) record how the user's latest facts were encoded.
+        ``window``, ``neighbours`` and ``history`` (None: unchanged) record how the user's latest facts were
+        encoded.
         The segment file and its directory are fsynced before the commit that points at them, so a new fact is
         visible to readers only once its KV and embedding are durable. Returns the new memory version.
         Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
@@ -634,7 +637,7 @@ class Store:
                 fsync_dir(path.parent)  # durable before the commit that points at it
             try:
                 version = self._commit_rows(user, add, embeddings, segment, digest, delete, replace,
-                                            list(turns), list(events), window, source, now, neighbours)
+                                            list(turns), list(events), window, source, now, neighbours, history)
             except BaseException:
                 if path is not None:
                     path.unlink(missing_ok=True)
@@ -644,7 +647,7 @@ class Store:
         return version
 
     def _commit_rows(self, user, add, embeddings, segment, digest, delete, replace, turns, events, window, source,
-                     now, neighbours=None) -> str:
+                     now, neighbours=None, history=None) -> str:
         db = self._db
         with db:
             db.execute("BEGIN IMMEDIATE")
@@ -703,17 +706,21 @@ class Store:
             if neighbours is not None:  # kept in meta: no schema change for stores written before it existed
                 db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
                            "value=excluded.value", (f"neighbours:{user}", int(neighbours)))
+            if history is not None:
+                db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                           "value=excluded.value", (f"history:{user}", int(history)))
         return str(version)
 
     def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
-                 embeddings: torch.Tensor, window: int, source: str = "", neighbours: int = 0) -> str:
+                 embeddings: torch.Tensor, window: int, source: str = "", neighbours: int = 0,
+                 history: bool = False) -> str:
         """Replace ``user``'s memory atomically (``commit(replace=True)``): keys/values one [L, H, n_i, D] per
         fact, embeddings [F, E]. Returns the new version. Raises StoreError, with nothing written, for no facts,
         duplicate ids, or counts/shapes that do not match the facts."""
         if not facts:
             raise StoreError(f"user {user!r}: no facts to store")
         return self.commit(user, facts, keys, values, embeddings, replace=True, window=window, source=source,
-                           neighbours=neighbours)
+                           neighbours=neighbours, history=history)
 
     @_locked
     def compact(self, user: str) -> str:
@@ -760,7 +767,7 @@ class Store:
                 self._db.execute("UPDATE meta SET value=value+1 WHERE key='version'")
                 for table in ("facts", "history", "turns", "users"):
                     self._db.execute(f"DELETE FROM {table}")
-                self._db.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%'")
+                self._db.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%'")
             self._gc()
         self._user_cache.clear()
         self._segments.clear()

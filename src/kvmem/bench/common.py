@@ -118,28 +118,30 @@ def cache_root() -> Path:
 
 
 def store_path(data: Path, sample: str, model: str, window: int, dtype: str = "bfloat16",
-               neighbours: int = 0) -> Path:
-    """Cache directory of the store for (data file, sample, model, compute dtype, window, neighbours)."""
+               neighbours: int = 0, history: bool = False) -> Path:
+    """Cache directory of the store for (data file, sample, model, compute dtype, window, neighbours, history)."""
     safe_model = Path(model).name if os.sep in model else model
-    name = f"w{window}" + (f"-n{neighbours}" if neighbours else "")
+    name = f"w{window}" + (f"-n{neighbours}" if neighbours else "") + ("-h" if history else "")
     return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / dtype / name
 
 
 def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True,
-                 neighbours: int | None = None) -> Path:
-    """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding), ingesting it
-    first when missing (or built differently)."""
+                 neighbours: int | None = None, history: bool = False) -> Path:
+    """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding, or ``history``,
+    history encoding), ingesting it first when missing (or built differently)."""
     from ..ingest import DEFAULT_NEIGHBOURS, ingest_conversation
     from ..store import Store, StoreError
 
     from ..models import fingerprint
 
-    neighbours = DEFAULT_NEIGHBOURS if neighbours is None else neighbours
-    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours)
+    neighbours = (0 if history else DEFAULT_NEIGHBOURS) if neighbours is None else neighbours
+    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours,
+                      history)
     try:
         st = Store.open(root, fingerprint(lm))
         info = st.user_info(conv.sample_id) if conv.sample_id in st.users() else {}
-        ok = info.get("window") == window and info.get("neighbours") == neighbours
+        ok = info.get("window") == window and info.get("neighbours") == neighbours \
+            and info.get("history", False) == history
         st.close()
     except StoreError:
         ok = False
@@ -149,9 +151,10 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
 
             shutil.rmtree(root)
         rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data), progress=show_progress,
-                                  neighbours=neighbours)
+                                  neighbours=neighbours, history=history)
         if log:
-            log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}, m={neighbours}) in "
+            log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}, m={neighbours}"
+                f"{', history' if history else ''}) in "
                 f"{rep.total_s:.1f} s ({rep.num_encoded_tokens} tokens encoded, encode {rep.encode_s:.1f} s) -> {root}")
     return root
 
@@ -371,12 +374,12 @@ class Setup:
         convs = load_samples(Path(data), samples)
         return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
 
-    def services(self, window: int, log=None, neighbours: int | None = None) -> dict:
+    def services(self, window: int, log=None, neighbours: int | None = None, history: bool = False) -> dict:
         """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours``, default
-        ``ingest.DEFAULT_NEIGHBOURS``). Every store is ingested before any engine starts; with vLLM, all samples
+        ``ingest.DEFAULT_NEIGHBOURS``, or ``history``). Every store is ingested before any engine starts; with vLLM, all samples
         share one engine (started once per Setup)."""
         roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,
-                                           neighbours) for c in self.convs}
+                                           neighbours, history) for c in self.convs}
         out = {}
         for sample, root in roots.items():
             out[sample] = make_service(self.engine, root, self.lm, self.embedder, self._vllm)

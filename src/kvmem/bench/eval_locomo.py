@@ -121,7 +121,8 @@ def judge(url: str, model: str, question: str, gold: str, answer: str, timeout: 
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["qid"], r["mode"], int(r["k"]), int(r["window"]), int(r.get("neighbours", 0)))
+    return (r["model"], r["qid"], r["mode"], int(r["k"]), int(r["window"]), int(r.get("neighbours", 0)),
+            bool(r.get("history", False)))
 
 
 def load_done(path: Path) -> list[dict]:
@@ -157,13 +158,17 @@ def aggregate(rows: list[dict], ks, windows, modes, with_judge: bool) -> list[di
 
 def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[str], samples: list[str] | None,
         questions: int | None, model: str, engine: str, max_new_tokens: int = 32, judge_url: str | None = None,
-        judge_model: str | None = None, show_progress: bool = True, echo=print, neighbours: int | None = None) -> dict:
-    """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding (their own cache
-    directories; records carry ``neighbours``). Returns the summary (also written to ``out/summary.json``)."""
+        judge_model: str | None = None, show_progress: bool = True, echo=print, neighbours: int | None = None,
+        history: bool = False) -> dict:
+    """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
+    from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
+    ``history``). Returns the summary (also written to ``out/summary.json``)."""
     from ..ingest import DEFAULT_NEIGHBOURS, check_neighbours
     from ..serve import check_methods_engine, parse_mode
 
-    neighbours = check_neighbours(DEFAULT_NEIGHBOURS if neighbours is None else neighbours)
+    neighbours = check_neighbours((0 if history else DEFAULT_NEIGHBOURS) if neighbours is None else neighbours)
+    if history and neighbours:
+        raise ValueError("--history and --neighbours do not combine; use one of them")
     try:
         for m in modes:
             parse_mode(m)
@@ -185,11 +190,11 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     jsonl = out / "records.jsonl"
     done_rows = load_done(jsonl)
     done = {_key(r) for r in done_rows}
-    n = neighbours
+    n, h = neighbours, history
     todo = [(w, q, k, m) for w in windows for q in qs for k in ks for m in modes
-            if (model, q.qid, m, k, w, n) not in done]
+            if (model, q.qid, m, k, w, n, h) not in done]
     echo(f"{len(qs)} questions x {len(ks)} k x {len(windows)} windows x {len(modes)} modes: "
-         f"{len(todo)} to answer, {len(done & {(model, q.qid, m, k, w, n) for w in windows for q in qs for k in ks for m in modes})} already in {jsonl}")
+         f"{len(todo)} to answer, {len(done & {(model, q.qid, m, k, w, n, h) for w in windows for q in qs for k in ks for m in modes})} already in {jsonl}")
     info = machine()
     bar = progress(len(todo), "eval locomo", show_progress)
     with open(jsonl, "a") as fh:
@@ -197,7 +202,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
             todo_w = [t for t in todo if t[0] == w]
             if not todo_w:
                 continue
-            svcs = setup.services(w, log_err, neighbours)
+            svcs = setup.services(w, log_err, neighbours, history)
             step = VLLM_BATCH if engine == "vllm" else 1
             for i in range(0, len(todo_w), step):
                 chunk = todo_w[i:i + step]
@@ -205,7 +210,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
                                        max_new_tokens)
                 for (_, q, k, mode), a in zip(chunk, answers):
                     rec = {"model": model, "engine": engine, "qid": q.qid, "sample": q.sample, "category": q.category,
-                           "window": w, "neighbours": n, "k": k, "k_used": a.k, "mode": mode,
+                           "window": w, "neighbours": n, "history": h, "k": k, "k_used": a.k, "mode": mode,
                            "question": q.question,
                            "reference": q.answer, "answer": a.answer, "f1": round(locomo_f1(a.answer, q.answer, q.category), 4),
                            "em": exact_match(a.answer, q.answer), "ttft_ms": a.timings_ms["ttft"],
@@ -219,7 +224,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     bar.close()
     wanted = {q.qid for q in qs}
     rows = [r for r in done_rows if r["model"] == model and r["qid"] in wanted and r["window"] in windows
-            and r["k"] in ks and r["mode"] in modes and r.get("neighbours", 0) == n]
+            and r["k"] in ks and r["mode"] in modes and r.get("neighbours", 0) == n and r.get("history", False) == h]
     with_judge = bool(judge_url) or any("judge" in r for r in rows)
     if with_judge:
         for r in rows:
@@ -243,7 +248,7 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         "command": "eval locomo", "engine": engine, "model": model, "data": str(data),
         "samples": [c.sample_id for c in setup.convs], "questions": len(qs),
         "questions_per_category": {str(c): sum(1 for q in qs if q.category == c) for c in (1, 2, 3, 4)},
-        "k": ks, "windows": windows, "neighbours": n, "modes": modes, "max_new_tokens": max_new_tokens,
+        "k": ks, "windows": windows, "neighbours": n, "history": h, "modes": modes, "max_new_tokens": max_new_tokens,
         "scoring": "LoCoMo token F1 (official normalisation, category 1 split on ',', category 3 before ';'; "
                    "no Porter stemming), exact match" + (", LLM judge" if with_judge else ""),
         "judge_model": judge_model, "f1": f1, "f1_gap_prompt_minus_kv": gap,

@@ -1,0 +1,163 @@
+"""History encoding (issue 13): each fact is encoded behind every fact of the user written before it, as a prompt
+that lists them all computes it. In fp32: ``encode_chain`` equals a plain prefill of each fact's whole sequence
+(tiny random models, with and without a window of turns), it differs from encoding the fact alone, a long write is
+split into runs that fit the position budget, and ``Memory(history=True)`` stores, for a fact added later, the KV
+of a prefill of ``[header][earlier facts][fact]``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import random_ids, tiny_model
+from kvmem.encode import encode_chain, encode_spans
+from kvmem.ingest import history_runs
+from kvmem.memory import Memory, MemoryInputError
+from kvmem.models import MANIFEST, model_dir
+from kvmem.rope import Rotary
+
+FAST = "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+@pytest.mark.parametrize("with_turns", [False, True])
+def test_chain_is_a_prefill_of_each_facts_sequence(family, with_turns):
+    model = tiny_model(family)
+    prefix = random_ids(5, seed=1)
+    facts = [random_ids(n, seed=10 + i) for i, n in enumerate((4, 7, 3, 6))]
+    turns = [random_ids(n, seed=20 + i) if with_turns else [] for i, n in enumerate((0, 5, 2, 8))]
+    got = encode_chain(model, prefix, facts, turns)
+    for i, (ids, ctx) in enumerate(zip(facts, turns)):
+        before = prefix + sum(facts[:i], []) + ctx
+        (want,) = encode_spans(model, [before + ids], [(len(before), len(before) + len(ids))])
+        torch.testing.assert_close(got[i].keys, want.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[i].values, want.values, rtol=1e-5, atol=1e-5)
+        # what it changes: without the earlier facts the same fact has other values (beyond layer 0)
+        (alone,) = encode_spans(model, [prefix + ctx + ids], [(len(prefix) + len(ctx), len(prefix + ctx + ids))])
+        if i:
+            assert (alone.values[1:] - got[i].values[1:]).abs().max() > 1e-3
+        else:
+            torch.testing.assert_close(alone.values, got[i].values, rtol=1e-5, atol=1e-5)
+
+
+def test_chain_with_turns_refuses_length_dependent_rope_and_sliding_windows():
+    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                       common={"max_position_embeddings": 64})
+    encode_chain(model, [1, 2], [[3, 4], [5]])  # one pass: fine
+    with pytest.raises(ValueError, match="fixed-frequency RoPE"):
+        encode_chain(model, [1, 2], [[3, 4], [5]], [[], [6]])
+    model = tiny_model("gemma3")
+    with pytest.raises(ValueError, match="sliding-window"):
+        encode_chain(model, [1, 2], [[3, 4], [5]], [[], [6]])
+
+
+def test_history_runs_fit_the_budget():
+    facts = [[i] * n for i, n in enumerate((30, 20, 40, 25, 35, 10), start=1)]
+    ctx = [[0] * 5 for _ in facts]
+    earlier = [[9] * 50, [8] * 30]
+    runs = history_runs(10, earlier, facts, ctx, budget=120)
+    assert [i for _, idx in runs for i in idx] == list(range(len(facts)))  # every fact once, in order
+    for prefix, idx in runs:
+        assert len(prefix) <= (120 - 10) // 2  # newest earlier facts, whole, within half the budget
+        for j, i in enumerate(idx):
+            assert 10 + len(prefix) + sum(len(facts[x]) for x in idx[:j]) + len(ctx[i]) + len(facts[i]) <= 120
+    assert runs[0][0] == [8] * 30  # the 50-token fact does not fit beside it: dropped whole, oldest first
+    assert runs[1][0][-len(facts[runs[0][1][-1]]):] == facts[runs[0][1][-1]]  # a run starts behind the last one
+    assert len(history_runs(10, [], facts, ctx, budget=10_000)) == 1
+    with pytest.raises(ValueError, match="does not fit"):
+        history_runs(10, [], [[1] * 200], [[]], budget=120)
+
+
+def test_budget_split_is_exact_per_run():
+    """A split write equals, per run, the chain of that run's prefix: facts after a split see the newest facts
+    before it, not all of them."""
+    model = tiny_model("qwen2")
+    facts = [random_ids(6, seed=30 + i) for i in range(5)]
+    runs = history_runs(3, [], facts, [[] for _ in facts], budget=20)
+    assert len(runs) > 1
+    for prefix, idx in runs:
+        got = encode_chain(model, [1, 2, 3] + prefix, [facts[i] for i in idx])
+        before = [1, 2, 3] + prefix
+        (want,) = encode_spans(model, [before + facts[idx[0]]], [(len(before), len(before) + 6)])
+        torch.testing.assert_close(got[0].values, want.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def lm_emb():
+    if not (model_dir(FAST) / MANIFEST).exists():
+        pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
+    from kvmem.models import load
+    from kvmem.retrieve import Embedder
+
+    return load(FAST, dtype="float32"), Embedder()
+
+
+def test_memory_history_stores_a_prefill_behind_earlier_facts(tmp_path, lm_emb):
+    lm, emb = lm_emb
+    mem = Memory(tmp_path / "s", model=lm, embedder=emb, window=0, history=True)
+    assert mem.neighbours == 0  # history replaces the neighbours default
+    first = mem.add("Maya moved to Lisbon in 2021.", user_id="maya", infer=False)["results"][0]["id"]
+    mem.add("Maya's brother Tom is a pilot.", user_id="maya", infer=False)
+    mem.delete(first)  # a deleted fact is no longer history
+    mem.add([{"role": "user", "content": "Tom flies to Tokyo every month."},
+             {"role": "user", "content": "Maya adopted a dog named Biscuit."}], user_id="maya", infer=False)
+    store = mem.store
+    assert store.user_info("maya")["history"] is True
+    ukv = store.snapshot("maya")
+    facts = ukv.facts
+    assert len(facts) == 3
+    last = len(facts) - 1
+    seq = store.header_token_ids + [t for f in facts for t in f.token_ids]
+    n = facts[last].num_tokens
+    cache = DynamicCache(config=lm.model.config)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    keys, values = ukv.fact_kv(last)
+    rotated = Rotary.for_model(lm.model).rotate_keys(keys, torch.arange(len(seq) - n, len(seq)))
+    for layer in range(keys.shape[0]):
+        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rotated[layer], cache.layers[layer].keys[0, :, -n:], rtol=1e-4, atol=1e-4)
+    plain = Memory(tmp_path / "p", model=lm, embedder=emb, window=0, neighbours=0)
+    plain.add("Maya adopted a dog named Biscuit.", user_id="maya", infer=False)
+    assert plain.store.user_info("maya")["history"] is False
+    assert (plain.store.snapshot("maya").fact_kv(0)[1][1:] - values[1:]).abs().max() > 1e-2
+
+
+def test_history_and_neighbours_do_not_combine(tmp_path, lm_emb):
+    lm, emb = lm_emb
+    with pytest.raises(MemoryInputError, match="do not combine"):
+        Memory(tmp_path / "x", model=lm, embedder=emb, history=True, neighbours=2)
+    with pytest.raises(MemoryInputError, match="history"):
+        Memory(tmp_path / "x", model=lm, embedder=emb, history="yes")
+
+
+def test_ingest_locomo_history_cli(tmp_path, small_locomo):
+    """``ingest-locomo --history --window 0`` runs every fact once, in one pass behind the header (encoded tokens =
+    header + fact tokens, against m + 1 fact lengths per fact for neighbours), stores the same tokens, and the
+    store records the method; with a window each fact's turns are run on top of the chain."""
+    import json
+    import subprocess
+    import sys
+
+    from kvmem.store import Store
+
+    def ingest(root, *extra):
+        p = subprocess.run([sys.executable, "-m", "kvmem.cli", "ingest-locomo", str(small_locomo), "--sample",
+                            "conv-26", "--store", str(root), "--model", FAST, "--json", *extra],
+                           capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    hist = ingest(tmp_path / "h0", "--history", "--window", "0")
+    plain = ingest(tmp_path / "p0", "--neighbours", "0", "--window", "0")
+    st = Store.open(tmp_path / "h0")
+    assert hist["history"] is True and hist["neighbours"] == 0 and st.user_info("conv-26")["history"] is True
+    assert hist["num_fact_tokens"] == plain["num_fact_tokens"] and hist["num_facts"] == plain["num_facts"] > 10
+    assert hist["num_encoded_tokens"] == len(st.header_token_ids) + hist["num_fact_tokens"]
+    hw = ingest(tmp_path / "h1", "--history", "--window", "1")
+    plain1 = ingest(tmp_path / "p1", "--neighbours", "0", "--window", "1")
+    turn_tokens = plain1["num_encoded_tokens"] - plain["num_encoded_tokens"]  # the window's turns alone
+    last_fact = st.snapshot("conv-26", kv=False).facts[-1].num_tokens
+    # the chain without its last fact, then every fact behind its turns
+    assert hw["num_encoded_tokens"] == hist["num_encoded_tokens"] - last_fact + turn_tokens + hist["num_fact_tokens"]
