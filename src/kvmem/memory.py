@@ -161,7 +161,7 @@ class Memory:
             raise MemoryInputError(str(exc)) from None
         if history and self.neighbours:
             raise MemoryInputError("history encoding and neighbours do not combine; use one of them")
-        self.history = history
+        self.history_encoding = history
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
@@ -308,7 +308,7 @@ class Memory:
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
                                  delete=delete, turns=turns, events=events, window=self.window, now=now,
-                                 neighbours=self.neighbours, history=self.history)
+                                 neighbours=self.neighbours, history=self.history_encoding)
         return version, records
 
     def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,
