@@ -130,9 +130,11 @@ def main() -> None:
         lo, hi = bootstrap([ref[q]["f1"] - by[q]["f1"] for q in common])
         same = sum(by[q]["fact_ids"] == ref[q]["fact_ids"] for q in common)
         samples = sorted({by[q]["sample"] for q in common})
-        own = variant_costs.get(variant, costs)
-        hist = variant == "history"
-        got = [own[(w, m, smp, hist)] for smp in samples if (w, m, smp, hist) in own]
+        if variant in variant_costs:  # an experiment run: its own log, whatever it calls the method
+            own = {key[:3]: v for key, v in variant_costs[variant].items()}
+        else:
+            own = {key[:3]: v for key, v in costs.items() if key[3] == (variant == "history")}
+        got = [own[(w, m, smp)] for smp in samples if (w, m, smp) in own]
         tok = sum(t for t, _ in got) if len(got) == len(samples) and all(t for t, _ in got) else 0
         sec = sum(x for _, x in got) if len(got) == len(samples) else float("nan")
         tok = tok or (base.get(w) if m == 0 and samples == ["conv-26", "conv-49"] else 0)
