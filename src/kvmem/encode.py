@@ -174,9 +174,9 @@ def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: lis
     Returns:
         One SpanKV per fact, keys/values [L, num_kv_heads, len(facts[i]), head_dim] in the model dtype.
     Raises:
-        ValueError: contexts with a length-dependent RoPE (dynamic, longrope), whose frequencies would change
-            between the cached chain and the fact's own pass, or with sliding-window layers (their cache keeps
-            only the chain's last window of tokens).
+        ValueError: a length-dependent RoPE (dynamic, longrope: the chain's frequencies differ from those of
+            each fact's own prefill), contexts with sliding-window layers (their cache keeps only the chain's
+            last window of tokens), or an empty fact.
     """
     from transformers import DynamicCache
 
@@ -185,6 +185,15 @@ def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: lis
     contexts = contexts or [[] for _ in facts]
     if len(contexts) != len(facts):
         raise ValueError("facts and contexts differ in length")
+    if not all(facts):
+        raise ValueError("a fact has no tokens")
+    base = getattr(model, "model", model)
+    if is_length_dependent(base.rotary_emb):  # one chain's frequencies would differ from each fact's own prefill
+        raise ValueError("history encoding needs a fixed-frequency RoPE (not dynamic or longrope)")
+    cfg = model.config
+    sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) or (
+        getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None)
+        and getattr(cfg, "use_sliding_window", True))
     seq, bounds = list(prefix), []
     for ids in facts:
         bounds.append((len(seq), len(seq) + len(ids)))
@@ -193,11 +202,9 @@ def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: lis
         (kv,) = encode_spans(model, [seq], [(len(prefix), len(seq))], max_batch_tokens=len(seq), progress=progress)
         return [SpanKV(kv.keys[:, :, s - len(prefix):e - len(prefix)].contiguous(),
                        kv.values[:, :, s - len(prefix):e - len(prefix)].contiguous()) for s, e in bounds]
-    base = getattr(model, "model", model)
-    if is_length_dependent(base.rotary_emb) or "sliding_attention" in (getattr(model.config, "layer_types", None)
-                                                                        or ()):
-        raise ValueError("history encoding with a window of turns needs a fixed-frequency RoPE and no "
-                         "sliding-window layers; use window=0")
+    if sliding:  # a sliding layer's cache keeps only the chain's last window of tokens
+        raise ValueError("history encoding with a window of turns needs a model without sliding-window layers; "
+                         "use window=0")
     device = next(model.parameters()).device
     reset_rope_state(base.rotary_emb)
     chain = base(input_ids=torch.tensor([seq[:bounds[-1][0]]], device=device), use_cache=True).past_key_values

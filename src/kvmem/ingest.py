@@ -153,7 +153,8 @@ def history_runs(header_len: int, history: list[list[int]], facts: list[list[int
     Raises ValueError when one fact with its context does not fit."""
     runs, earlier, i = [], list(history), 0
     while i < len(facts):
-        prefix, room = [], (budget - header_len) // 2
+        # at most half the budget, and never so much that the next fact with its turns does not fit
+        prefix, room = [], min((budget - header_len) // 2, budget - header_len - len(facts[i]) - len(contexts[i]))
         for ids in reversed(earlier):
             if len(ids) > room:
                 break

@@ -135,6 +135,8 @@ class Memory:
         model: registry name (default: the store's model, else ``models.DEFAULT_MODEL``) or a ``LoadedModel``.
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
+            ``window``, ``neighbours`` and ``history`` left as None take, for each user, how that user's facts
+            were encoded so far (``Store.user_info``), and for a new user the defaults 5, 4 and False.
         neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
             encoding, ``ingest.neighbour_prefixes``; default ``ingest.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
@@ -145,14 +147,14 @@ class Memory:
             (vLLM guided decoding); None: transformers ``generate`` under xgrammar.
     """
 
-    def __init__(self, store: str | Path, model=None, extractor=None, window: int = 5, embedder=None, dtype=None,
-                 engine=None, neighbours: int | None = None, history: bool = False):
+    def __init__(self, store: str | Path, model=None, extractor=None, window: int | None = None, embedder=None,
+                 dtype=None, engine=None, neighbours: int | None = None, history: bool | None = None):
         from .ingest import DEFAULT_NEIGHBOURS, check_neighbours, open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise MemoryInputError("window must be an integer >= 0")
-        if not isinstance(history, bool):
+        if history is not None and not isinstance(history, bool):
             raise MemoryInputError("history must be True or False")
         try:
             self.neighbours = check_neighbours((0 if history else DEFAULT_NEIGHBOURS) if neighbours is None
@@ -161,7 +163,8 @@ class Memory:
             raise MemoryInputError(str(exc)) from None
         if history and self.neighbours:
             raise MemoryInputError("history encoding and neighbours do not combine; use one of them")
-        self.history_encoding = history
+        self.history_encoding = bool(history)
+        self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
@@ -175,7 +178,7 @@ class Memory:
 
                 self._lm = load(self._model_name, dtype=dtype)
             self.store, _ = open_or_create_store(root, self._lm, self.embedder)
-        self.window = window
+        self.window = 5 if window is None else window
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self._indexes: dict = {}
 
@@ -207,9 +210,8 @@ class Memory:
         unknown = set(config) - {"store", "model", "window", "neighbours", "history", "extractor", "dtype"}
         if unknown:
             raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window", 5),
-                   dtype=config.get("dtype"), neighbours=config.get("neighbours"),
-                   history=config.get("history", False))
+        return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window"),
+                   dtype=config.get("dtype"), neighbours=config.get("neighbours"), history=config.get("history"))
 
     # --- reads ----------------------------------------------------------------------------------------------
 
@@ -288,12 +290,29 @@ class Memory:
 
     # --- writes ---------------------------------------------------------------------------------------------
 
+    def _encoding(self, user: str) -> tuple[int, int, bool]:
+        """(window, neighbours, history) of a write to ``user``: what the constructor was given, else how the
+        user's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False), so one user's
+        facts keep one encoding across processes."""
+        w, m, h = self._given
+        try:
+            info = self.store.user_info(user)
+        except StoreError:  # a new user (or one whose every fact was deleted)
+            info = None
+        if info is not None:
+            w = info["window"] if w is None else w
+            h = (info.get("history", False) and not m) if h is None else h  # explicit neighbours turn history off
+            m = (0 if h else info["neighbours"]) if m is None else m
+        return (self.window if w is None else w, self.neighbours if m is None else m,
+                self.history_encoding if h is None else h)
+
     def _context(self, user: str, new_turns: list[dict], upto: int) -> str:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
-        if self.window == 0:
+        window = self._encoding(user)[0]
+        if window == 0:
             return ""
-        turns = self.store.turns(user, last=self.window) + new_turns[:upto]
-        text = "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-self.window:])
+        turns = self.store.turns(user, last=window) + new_turns[:upto]
+        text = "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-window:])
         return text[-MAX_CONTEXT_CHARS:]
 
     def _write(self, user: str, new: list[tuple[str, str | None, dict]], delete: list[str], turns: list[dict],
@@ -302,13 +321,14 @@ class Memory:
         """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids."""
         from .ingest import write_facts
 
-        records = [FactRecord(fid or str(uuid.uuid4()), user, text, "", "", _date(now), (), 0, self.window,
+        window, neighbours, history = self._encoding(user)
+        records = [FactRecord(fid or str(uuid.uuid4()), user, text, "", "", _date(now), (), 0, window,
                               metadata=_metadata(meta), created_at=(created or {}).get(fid, now))
                    for text, fid, meta in new]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
-                                 delete=delete, turns=turns, events=events, window=self.window, now=now,
-                                 neighbours=self.neighbours, history=self.history_encoding)
+                                 delete=delete, turns=turns, events=events, window=window, now=now,
+                                 neighbours=neighbours, history=history)
         return version, records
 
     def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,
@@ -372,7 +392,7 @@ class Memory:
             added = [r for r, n in zip(records, new) if n[1] is None]
             results = [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in added] + results
         else:  # nothing to remember: the turns are still the context of later facts
-            self.store.commit(user, turns=turns, window=self.window, now=now)
+            self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
         return {"results": results}
 
     def update(self, memory_id: str, data: str) -> dict:
@@ -396,7 +416,7 @@ class Memory:
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
-            self.store.commit(f.user, delete=[f.fact_id], window=self.window)
+            self.store.commit(f.user, delete=[f.fact_id], window=self._encoding(f.user)[0])
         except StoreError as exc:  # a concurrent delete of the same id won the race
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory deleted successfully!"}

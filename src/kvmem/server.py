@@ -249,11 +249,12 @@ class KvmemServer:
     @classmethod
     def start(cls, store: str | Path, model: str | None = None, engine: str = "auto", api_keys: dict | None = None,
               limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
-              kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int = 5,
+              kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int | None = None,
               vllm_options: dict | None = None, tail_recompute: int = 0,
-              neighbours: int | None = None, selective_recompute: int = 0, history: bool = False) -> "KvmemServer":
-        """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``/``neighbours``/``history``:
-        how writes encode new memories (``Memory``); ``tail_recompute`` / ``selective_recompute``: the default
+              neighbours: int | None = None, selective_recompute: int = 0,
+              history: bool | None = None) -> "KvmemServer":
+        """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``, ``neighbours``,
+        ``history``: how writes encode new memories (``Memory``; None: each user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default
         ``memory`` options of chat requests. Raises StoreError, ModelError, EngineUnavailable (one line each);
         ValueError for selective recompute off the transformers engine or with tail recompute."""
         import os
