@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--point", action="append", default=[], metavar="LABEL:TTFT:GAP",
                     help="an extra plot point from a run whose records are gone (e.g. 'kv w=20 (s3):1:5.16')")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--x-ingest", action="store_true", help="plot the gap against the ingest cost instead of TTFT "
+                    "(for offline methods, whose TTFT is plain KV injection's)")
     a = ap.parse_args()
 
     variants = {Path(d.split("=", 1)[0]): d.split("=", 1)[1] for d in a.dirs if "=" in d}
@@ -157,30 +159,35 @@ def main() -> None:
                     "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
                     "gap_ci95": [lo, hi], "same_facts": same, "n": len(common), "encoded_tokens": tok,
                     "ingest_s": sec, "ttft_over_kv_k20": r20, "prompt_over_method_k50": p50})
-        pts.append((label, r20, gaps[-1]))
+        pts.append((label, r20, gaps[-1], tok / n_fact if tok else float("nan")))
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     if a.plot:
-        pts += [(label, float(x), float(y)) for label, x, y in (p.rsplit(":", 2) for p in a.point)]
+        pts += [(label, float(x), float(y), float("nan")) for label, x, y in (p.rsplit(":", 2) for p in a.point)]
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
-        for label, x, y in pts:
+        for label, ttft, y, cost in pts:
+            x = cost if a.x_ingest else ttft
+            if x != x:
+                continue  # no ingest cost for this point
             ax.scatter([x], [y], color="tab:green" if " m=" in label else "tab:orange" if "tail" in label
-                       else "tab:purple" if "sel" in label else "tab:blue")
+                       else "tab:purple" if "sel" in label else "tab:red" if "history" in label else "tab:blue")
             ax.annotate(label.removeprefix("kv "), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.axhline(1.0, ls="--", color="gray", lw=1, label="target gap 1.0")
-        ax.axvline(1.3, ls=":", color="gray", lw=1, label="target TTFT 1.3x")
+        if not a.x_ingest:
+            ax.axvline(1.3, ls=":", color="gray", lw=1, label="target TTFT 1.3x")
         ax.axhline(0.0, color="black", lw=0.5)
         ax.set_xscale("log")
-        ax.set_xticks([1, 1.3, 2, 4, 8])
+        ax.set_xticks([1, 2, 4, 8, 16] if a.x_ingest else [1, 1.3, 2, 4, 8])
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel(f"TTFT / plain KV injection (k={a.k})")
+        ax.set_xlabel("ingest tokens per stored fact token (TTFT: plain KV injection's)"
+                      if a.x_ingest else f"TTFT / plain KV injection (k={a.k})")
         ax.set_ylabel("F1 gap to prompt injection (points)")
         ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k}\n(blue: window, green: "
-                     f"neighbours, orange: tail recompute, purple: selective recompute)", fontsize=8)
+                     f"neighbours, red: history, orange: tail recompute, purple: selective recompute)", fontsize=8)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)
