@@ -77,3 +77,20 @@ def small_locomo(tmp_path_factory, locomo_path) -> Path:
     path = tmp_path_factory.mktemp("data") / "small.json"
     path.write_text(json.dumps([sample]))
     return path
+
+
+def assert_is_prefill(model, seq: list[int], keys, values, atol: float = 1e-4) -> None:
+    """Stored pre-RoPE ``keys`` and raw ``values`` [L, H, n, D] of the last n tokens of ``seq`` equal a plain
+    prefill of ``seq`` (keys compared after rotation to their positions); fp32."""
+    from transformers import DynamicCache
+
+    from kvmem.rope import Rotary
+
+    n = keys.shape[2]
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    rotated = Rotary.for_model(model).rotate_keys(keys, torch.arange(len(seq) - n, len(seq)))
+    for layer in range(keys.shape[0]):
+        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=atol, atol=atol)
+        torch.testing.assert_close(rotated[layer], cache.layers[layer].keys[0, :, -n:], rtol=atol, atol=atol)

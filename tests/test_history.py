@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from conftest import random_ids, tiny_model
+from conftest import assert_is_prefill, random_ids, tiny_model
 from kvmem.encode import encode_chain, encode_spans
 from kvmem.ingest import history_runs
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
-from kvmem.rope import Rotary
 
 FAST = "smollm2-135m-instruct"
 
@@ -116,15 +114,8 @@ def test_memory_history_stores_a_prefill_behind_earlier_facts(tmp_path, lm_emb):
     assert len(facts) == 3
     last = len(facts) - 1
     seq = store.header_token_ids + [t for f in facts for t in f.token_ids]
-    n = facts[last].num_tokens
-    cache = DynamicCache(config=lm.model.config)
-    with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
     keys, values = ukv.fact_kv(last)
-    rotated = Rotary.for_model(lm.model).rotate_keys(keys, torch.arange(len(seq) - n, len(seq)))
-    for layer in range(keys.shape[0]):
-        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(rotated[layer], cache.layers[layer].keys[0, :, -n:], rtol=1e-4, atol=1e-4)
+    assert_is_prefill(lm.model, seq, keys, values)
     plain = Memory(tmp_path / "p", model=lm, embedder=emb, window=0, neighbours=0)
     plain.add("Maya adopted a dog named Biscuit.", user_id="maya", infer=False)
     assert plain.store.user_info("maya")["history"] is False
@@ -193,13 +184,7 @@ def test_a_users_encoding_is_kept_across_processes(tmp_path, lm_emb):
     facts = ukv.facts
     assert facts[-1].text == "Maya moved to Porto in 2021." and len(facts) == 3
     seq = store.header_token_ids + [t for f in facts for t in f.token_ids]
-    cache = DynamicCache(config=lm.model.config)
-    with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    n = facts[-1].num_tokens
-    _, values = ukv.fact_kv(len(facts) - 1)
-    for layer in range(values.shape[0]):
-        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=1e-4, atol=1e-4)
+    assert_is_prefill(lm.model, seq, *ukv.fact_kv(len(facts) - 1))
     Memory(tmp_path / "s", model=lm, embedder=emb, neighbours=2).add("Maya likes tea.", user_id="maya", infer=False)
     info = store.user_info("maya")
     assert (info["neighbours"], info["history"]) == (2, False)  # explicit neighbours turn history off

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
+from conftest import assert_is_prefill
 from kvmem.ingest import check_neighbours, neighbour_prefixes
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
-from kvmem.rope import Rotary
 
 FAST = "smollm2-135m-instruct"
 FACTS = ["Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Maya adopted a dog named Biscuit.",
@@ -69,15 +68,8 @@ def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):
     sims = e[:last] @ e[last]
     lo, hi = sims.topk(2).indices.flip(0).tolist()
     seq = store.header_token_ids + list(facts[lo].token_ids) + list(facts[hi].token_ids) + list(facts[last].token_ids)
-    n = facts[last].num_tokens
-    cache = DynamicCache(config=lm.model.config)
-    with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([seq]), past_key_values=cache, use_cache=True, logits_to_keep=1)
     keys, values = ukv.fact_kv(last)
-    rotated = Rotary.for_model(lm.model).rotate_keys(keys, torch.arange(len(seq) - n, len(seq)))
-    for layer in range(keys.shape[0]):
-        torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(rotated[layer], cache.layers[layer].keys[0, :, -n:], rtol=1e-4, atol=1e-4)
+    assert_is_prefill(lm.model, seq, keys, values)
     # what it changes: the same fact encoded without neighbours (m = 0) has other values beyond layer 0
     plain = mems[0].store.snapshot("maya")
     assert plain.facts[last].token_ids == facts[last].token_ids

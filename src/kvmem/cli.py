@@ -58,6 +58,17 @@ def friendly(fn):
     return wrapper
 
 
+# How writes encode new memories (serve, memory add); unset: each user's recorded encoding (Memory._encoding).
+_UWINDOW = typer.Option(None, "--window", help="Conversation turns encoded before each new memory (default: the "
+                        "user's recorded window, else 5).")
+_UNEIGHBOURS = typer.Option(None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new memory "
+                            "behind its m most similar memories of the user (default: the user's recorded m, else 4, "
+                            "or 0 with --history; 0 = off).")
+_UHISTORY = typer.Option(None, "--history/--no-history", help="History encoding: each new memory behind every "
+                         "memory of the user written before it (default: as the user's memories were encoded so far, "
+                         "else off).")
+
+
 def _encoding(neighbours: int | None, history: bool) -> int:
     """``--neighbours`` as given, else its default: 4 (``ingest.DEFAULT_NEIGHBOURS``), or 0 with ``--history``.
     ValueError (exit 2, before a model loads) for both methods at once."""
@@ -174,14 +185,7 @@ def serve_cmd(
     top_k: int = typer.Option(10, "--top-k", help="Default memory.top_k."),
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
-    window: Optional[int] = typer.Option(None, "--window", help="Turns encoded before each new memory (default: "
-                                         "the user's recorded window, else 5)."),
-    neighbours: Optional[int] = typer.Option(
-        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Encode each new memory behind its m most similar "
-        "memories too (default: the user's recorded m, else 4, or 0 with --history; 0 = off)."),
-    history: Optional[bool] = typer.Option(None, "--history/--no-history", help="History encoding: each fact also "
-        "behind every memory "
-        "the user wrote before it (default: as the user's facts were encoded so far, else off)."),
+    window: Optional[int] = _UWINDOW, neighbours: Optional[int] = _UNEIGHBOURS, history: Optional[bool] = _UHISTORY,
     cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
                                     "KV segments), bytes, in the server and the vLLM worker."),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
@@ -330,14 +334,7 @@ def memory_add(
     store: Path = _MSTORE, user: str = _MUSER,
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
-    window: Optional[int] = typer.Option(None, help="Conversation turns encoded before each new fact (default: the "
-                                         "user's recorded window, else 5)."),
-    neighbours: Optional[int] = typer.Option(
-        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new fact behind its m most similar "
-        "memories of the user (default: the user's recorded m, else 4, or 0 with --history; 0 = off)."),
-    history: Optional[bool] = typer.Option(None, "--history/--no-history", help="History encoding: each fact also "
-        "behind every memory "
-        "of the user written before it (default: as the user's facts were encoded so far, else off)."),
+    window: Optional[int] = _UWINDOW, neighbours: Optional[int] = _UNEIGHBOURS, history: Optional[bool] = _UHISTORY,
     model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
     extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
