@@ -128,6 +128,10 @@ def test_history_and_neighbours_do_not_combine(tmp_path, lm_emb):
         Memory(tmp_path / "x", model=lm, embedder=emb, history=True, neighbours=2)
     with pytest.raises(MemoryInputError, match="history"):
         Memory(tmp_path / "x", model=lm, embedder=emb, history="yes")
+    # history alone: no turns between the chain and the fact (turns there measured worse, docs/benchmarks.md)
+    mem = Memory(tmp_path / "y", model=lm, embedder=emb, history=True)
+    assert (mem.window, mem.neighbours, mem.history_encoding) == (0, 0, True)
+    assert Memory(tmp_path / "y", model=lm, embedder=emb).window == 5
 
 
 def test_ingest_locomo_history_cli(tmp_path, small_locomo):
@@ -147,7 +151,7 @@ def test_ingest_locomo_history_cli(tmp_path, small_locomo):
         assert p.returncode == 0, p.stderr[-2000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 
-    hist = ingest(tmp_path / "h0", "--history", "--window", "0")
+    hist = ingest(tmp_path / "h0", "--history")  # --window 0 by default
     plain = ingest(tmp_path / "p0", "--neighbours", "0", "--window", "0")
     st = Store.open(tmp_path / "h0")
     assert hist["history"] is True and hist["neighbours"] == 0 and st.user_info("conv-26")["history"] is True

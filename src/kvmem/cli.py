@@ -60,7 +60,7 @@ def friendly(fn):
 
 # How writes encode new memories (serve, memory add); unset: each user's recorded encoding (Memory._encoding).
 _UWINDOW = typer.Option(None, "--window", help="Conversation turns encoded before each new memory (default: the "
-                        "user's recorded window, else 5).")
+                        "user's recorded window, else 5, or 0 with --history).")
 _UNEIGHBOURS = typer.Option(None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new memory "
                             "behind its m most similar memories of the user (default: the user's recorded m, else 4, "
                             "or 0 with --history; 0 = off).")
@@ -133,7 +133,8 @@ def ingest_locomo(
     file: Path,
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
-    window: int = typer.Option(5, help="Conversation turns before each fact's source turn to encode with it."),
+    window: Optional[int] = typer.Option(None, help="Conversation turns before each fact's source turn to encode "
+                                         "with it (default 5, or 0 with --history)."),
     neighbours: Optional[int] = typer.Option(
         None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: also encode each fact "
         "behind its m most similar other facts (default 4, or 0 with --history; 0 = off; no serving cost)."),
@@ -151,6 +152,7 @@ def ingest_locomo(
     from .models import load
     from .retrieve import Embedder
 
+    window = (0 if history else 5) if window is None else window
     if window < 0:
         raise ValueError("--window must be >= 0")
     if batch_tokens < 1:

@@ -136,7 +136,8 @@ class Memory:
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
             ``window``, ``neighbours`` and ``history`` left as None take, for each user, how that user's facts
-            were encoded so far (``Store.user_info``), and for a new user the defaults 5, 4 and False.
+            were encoded so far (``Store.user_info``), and for a new user the defaults 5, 4 and False (window 0
+            and neighbours 0 with ``history=True``).
         neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
             encoding, ``ingest.neighbour_prefixes``; default ``ingest.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
@@ -178,7 +179,7 @@ class Memory:
 
                 self._lm = load(self._model_name, dtype=dtype)
             self.store, _ = open_or_create_store(root, self._lm, self.embedder)
-        self.window = 5 if window is None else window
+        self.window = (0 if history else 5) if window is None else window  # history: the chain, without turns
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self._indexes: dict = {}
 
