@@ -191,4 +191,25 @@ def test_a_users_encoding_is_kept_across_processes(tmp_path, lm_emb):
     assert_is_prefill(lm.model, seq, *ukv.fact_kv(len(facts) - 1))
     Memory(tmp_path / "s", model=lm, embedder=emb, neighbours=2).add("Maya likes tea.", user_id="maya", infer=False)
     info = store.user_info("maya")
-    assert (info["neighbours"], info["history"]) == (2, False)  # explicit neighbours turn history off
+    assert (info["window"], info["neighbours"], info["history"]) == (5, 2, False)  # explicit m: history off
+    # switching a user's method takes that method's defaults, not the old method's window
+    Memory(tmp_path / "s", model=lm, embedder=emb, history=True).add("Bo grows basil.", user_id="bo", infer=False)
+    info = store.user_info("bo")
+    assert (info["window"], info["neighbours"], info["history"]) == (0, 0, True)
+    Memory(tmp_path / "s", model=lm, embedder=emb, history=False).add("Bo rides a bike.", user_id="bo", infer=False)
+    info = store.user_info("bo")
+    assert (info["window"], info["neighbours"], info["history"]) == (5, 4, False)
+
+
+def test_reopened_memory_encodes_in_the_stores_dtype(tmp_path):
+    """``kvmem memory update`` has no --dtype: a Memory opened without one encodes in the store's dtype, whatever
+    this machine would choose for a new store."""
+    if not (model_dir(FAST) / MANIFEST).exists():
+        pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
+    from kvmem.hardware import resolve_dtype
+
+    other = "float32" if resolve_dtype(None) == "bfloat16" else "bfloat16"
+    mem = Memory(tmp_path / "s", model=FAST, dtype=other, window=0)
+    fid = mem.add("Maya moved to Lisbon.", user_id="maya", infer=False)["results"][0]["id"]
+    Memory(tmp_path / "s").update(fid, "Maya moved to Porto.")
+    assert Memory(tmp_path / "s").get(fid)["memory"] == "Maya moved to Porto."

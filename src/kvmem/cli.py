@@ -773,7 +773,8 @@ def bench_serve(
 @friendly
 def eval_locomo(
     k: str = typer.Option("20", "--k", help="Comma-separated k values."),
-    window: str = typer.Option("20", "--window", help="Comma-separated encoding windows."),
+    window: Optional[str] = typer.Option(None, "--window", help="Comma-separated encoding windows (default 20, or 0 "
+                                         "with --history)."),
     mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
                              "recompute of the last r facts), kv-sel<p> (selective recompute of p% of the fact "
                              "tokens; --engine hf)."),
@@ -793,6 +794,7 @@ def eval_locomo(
     from .bench import eval_locomo as ev
     from .bench.common import int_list, str_list
 
+    window = window if window is not None else "0" if history else "20"
     ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
            questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo,
            neighbours=_encoding(neighbours, history), history=history)

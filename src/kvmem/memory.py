@@ -198,7 +198,10 @@ class Memory:
         if self._lm is None:
             from .models import fingerprint, load
 
-            self._lm = load(self._model_name, dtype=self._dtype)
+            dtype = self._dtype
+            if dtype in (None, "auto"):  # an existing store's KV fixes the dtype new facts must be encoded in
+                dtype = self.store.fingerprint.get("dtype") or dtype
+            self._lm = load(self._model_name, dtype=dtype)
             Store.open(self.store.root, fingerprint(self._lm)).close()  # raises StoreMismatch
         return self._lm
 
@@ -293,17 +296,26 @@ class Memory:
 
     def _encoding(self, user: str) -> tuple[int, int, bool]:
         """(window, neighbours, history) of a write to ``user``: what the constructor was given, else how the
-        user's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False), so one user's
-        facts keep one encoding across processes."""
+        user's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False; 0, 0 with
+        history), so one user's facts keep one encoding across processes. A given ``history`` that switches the
+        user's method takes that method's defaults for what is not given."""
         w, m, h = self._given
         try:
             info = self.store.user_info(user)
         except StoreError:  # a new user (or one whose every fact was deleted)
             info = None
         if info is not None:
-            w = info["window"] if w is None else w
-            h = (info.get("history", False) and not m) if h is None else h  # explicit neighbours turn history off
-            m = (0 if h else info["neighbours"]) if m is None else m
+            recorded = info.get("history", False)
+            h = (recorded and not m) if h is None else h  # explicit neighbours turn history off
+            if h == recorded:  # the user's window and neighbours go with its method; a switch takes the defaults
+                w = info["window"] if w is None else w
+                m = (0 if h else info["neighbours"]) if m is None else m
+        if w is None and h is not None:
+            w = 0 if h else 5
+        if m is None and h is not None:
+            from .ingest import DEFAULT_NEIGHBOURS
+
+            m = 0 if h else DEFAULT_NEIGHBOURS
         return (self.window if w is None else w, self.neighbours if m is None else m,
                 self.history_encoding if h is None else h)
 
