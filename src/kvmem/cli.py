@@ -796,7 +796,7 @@ def eval_locomo(
     window = window if window is not None else "0" if history else "20"
     ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
            questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo,
-           neighbours=_encoding(neighbours, history), history=history)
+           neighbours=neighbours, history=history)
 
 
 def main():  # pragma: no cover

@@ -94,6 +94,16 @@ def check_neighbours(neighbours: int) -> int:
     return neighbours
 
 
+def check_encoding(neighbours: int | None, history: bool) -> int:
+    """The neighbours of a write: as given (``check_neighbours``), else ``DEFAULT_NEIGHBOURS``, or 0 with
+    ``history``. Raises ValueError for history encoding with neighbours: the two do not combine."""
+    if neighbours is None:
+        return 0 if history else DEFAULT_NEIGHBOURS
+    if history and check_neighbours(neighbours):
+        raise ValueError("history encoding and neighbours do not combine; use one of them")
+    return check_neighbours(neighbours)
+
+
 def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], pool_embeddings: torch.Tensor | None,
                        pool_token_ids: list[list[int]], neighbours: int,
                        max_tokens: int = MAX_NEIGHBOUR_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
@@ -226,9 +236,7 @@ def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, fa
     store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
     None. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s}). Raises ValueError for
     ``history`` with ``neighbours``."""
-    check_neighbours(neighbours)
-    if history and neighbours:
-        raise ValueError("history encoding and neighbours do not combine; use one of them")
+    check_encoding(neighbours, history)
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
@@ -263,21 +271,20 @@ def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, fa
 
 def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
                         window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
-                        source: str = "", neighbours: int = DEFAULT_NEIGHBOURS, history: bool = False) -> IngestReport:
+                        source: str = "", neighbours: int | None = None, history: bool = False) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
     context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware
-    encoding, each fact also behind its m most similar other facts of the conversation. ``history``: history
-    encoding, each fact behind all the conversation's facts before it (``encode_facts``; needs ``neighbours=0``).
+    encoding, each fact also behind its m most similar other facts of the conversation (``check_encoding``:
+    default 4). ``history``: history encoding, each fact behind all the conversation's facts before it
+    (``encode_facts``; default neighbours 0).
 
     Raises StoreError if the store belongs to another model or the conversation has no facts; ValueError for a
     negative window, neighbours outside 0..MAX_NEIGHBOURS, or history with neighbours.
     """
     if window < 0:
         raise ValueError("window must be >= 0")
-    check_neighbours(neighbours)
-    if history and neighbours:
-        raise ValueError("history encoding and neighbours do not combine; use one of them")
+    neighbours = check_encoding(neighbours, history)
     if not conv.facts:
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()

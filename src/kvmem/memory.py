@@ -150,22 +150,21 @@ class Memory:
 
     def __init__(self, store: str | Path, model=None, extractor=None, window: int | None = None, embedder=None,
                  dtype=None, engine=None, neighbours: int | None = None, history: bool | None = None):
-        from .ingest import DEFAULT_NEIGHBOURS, check_neighbours, open_or_create_store
+        from .ingest import check_encoding, open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
             raise MemoryInputError("window must be an integer >= 0")
         if history is not None and not isinstance(history, bool):
             raise MemoryInputError("history must be True or False")
+        self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
+        # a new user's encoding; history: the chain of earlier facts, no turns by default
+        self.history_encoding = bool(history)
         try:
-            self.neighbours = check_neighbours((0 if history else DEFAULT_NEIGHBOURS) if neighbours is None
-                                               else neighbours)
+            self.neighbours = check_encoding(neighbours, self.history_encoding)
         except ValueError as exc:
             raise MemoryInputError(str(exc)) from None
-        if history and self.neighbours:
-            raise MemoryInputError("history encoding and neighbours do not combine; use one of them")
-        self.history_encoding = bool(history)
-        self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
+        self.window = (0 if history else 5) if window is None else window
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
@@ -179,7 +178,6 @@ class Memory:
 
                 self._lm = load(self._model_name, dtype=dtype)
             self.store, _ = open_or_create_store(root, self._lm, self.embedder)
-        self.window = (0 if history else 5) if window is None else window  # history: the chain, without turns
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self._indexes: dict = {}
 
@@ -299,25 +297,19 @@ class Memory:
         user's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False; 0, 0 with
         history), so one user's facts keep one encoding across processes. A given ``history`` that switches the
         user's method takes that method's defaults for what is not given."""
-        w, m, h = self._given
         try:
             info = self.store.user_info(user)
         except StoreError:  # a new user (or one whose every fact was deleted)
             info = None
-        if info is not None:
-            recorded = info.get("history", False)
-            h = (recorded and not m) if h is None else h  # explicit neighbours turn history off
-            if h == recorded:  # the user's window and neighbours go with its method; a switch takes the defaults
-                w = info["window"] if w is None else w
-                m = (0 if h else info["neighbours"]) if m is None else m
-        if w is None and h is not None:
-            w = 0 if h else 5
-        if m is None and h is not None:
-            from .ingest import DEFAULT_NEIGHBOURS
-
-            m = 0 if h else DEFAULT_NEIGHBOURS
-        return (self.window if w is None else w, self.neighbours if m is None else m,
-                self.history_encoding if h is None else h)
+        w, m, h = self._given
+        recorded = bool(info and info.get("history"))
+        if h is None:  # explicit neighbours turn a history user's method off
+            h = (recorded and not m) if info is not None else self.history_encoding
+        if info is not None and h == recorded:  # the user's window and neighbours go with its method
+            w = info["window"] if w is None else w
+            m = info["neighbours"] if m is None else m
+        # otherwise h is the constructor's method, whose defaults these are
+        return self.window if w is None else w, self.neighbours if m is None else m, h
 
     def _context(self, user: str, new_turns: list[dict], upto: int) -> str:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""

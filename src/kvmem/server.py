@@ -254,9 +254,10 @@ class KvmemServer:
               neighbours: int | None = None, selective_recompute: int = 0,
               history: bool | None = None) -> "KvmemServer":
         """Load the store, model, embedder and engine. ``engine``: auto | vllm | hf; ``window``, ``neighbours``,
-        ``history``: how writes encode new memories (``Memory``; None: each user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default
-        ``memory`` options of chat requests. Raises StoreError, ModelError, EngineUnavailable (one line each);
-        ValueError for selective recompute off the transformers engine or with tail recompute."""
+        ``history``: how writes encode new memories (``Memory``; None: each user's recorded encoding);
+        ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of chat requests. Raises
+        StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
+        transformers engine or with tail recompute."""
         import os
 
         from .hardware import resolve_engine

@@ -129,12 +129,12 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
                  neighbours: int | None = None, history: bool = False) -> Path:
     """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding, or ``history``,
     history encoding), ingesting it first when missing (or built differently)."""
-    from ..ingest import DEFAULT_NEIGHBOURS, ingest_conversation
+    from ..ingest import check_encoding, ingest_conversation
     from ..store import Store, StoreError
 
     from ..models import fingerprint
 
-    neighbours = (0 if history else DEFAULT_NEIGHBOURS) if neighbours is None else neighbours
+    neighbours = check_encoding(neighbours, history)
     root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours,
                       history)
     try:
@@ -375,9 +375,9 @@ class Setup:
         return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
 
     def services(self, window: int, log=None, neighbours: int | None = None, history: bool = False) -> dict:
-        """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours``, default
-        ``ingest.DEFAULT_NEIGHBOURS``, or ``history``). Every store is ingested before any engine starts; with vLLM, all samples
-        share one engine (started once per Setup)."""
+        """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours`` or
+        ``history``: ``ingest.check_encoding``). Every store is ingested before any engine starts; with vLLM, all
+        samples share one engine (started once per Setup)."""
         roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,
                                            neighbours, history) for c in self.convs}
         out = {}

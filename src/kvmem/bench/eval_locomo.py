@@ -163,12 +163,10 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
     ``history``). Returns the summary (also written to ``out/summary.json``)."""
-    from ..ingest import DEFAULT_NEIGHBOURS, check_neighbours
+    from ..ingest import check_encoding
     from ..serve import check_methods_engine, parse_mode
 
-    neighbours = check_neighbours((0 if history else DEFAULT_NEIGHBOURS) if neighbours is None else neighbours)
-    if history and neighbours:
-        raise ValueError("--history and --neighbours do not combine; use one of them")
+    neighbours = check_encoding(neighbours, history)
     try:
         for m in modes:
             parse_mode(m)
