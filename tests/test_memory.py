@@ -243,6 +243,13 @@ def test_memory_cli(tmp_path, shared):
         assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, args
     res = run.invoke(app, ["memory", "add", "--store", root, "--user", "alice", "--no-infer"], input="")
     assert res.exit_code == 2 and "no messages given" in res.output
+    # text given where a file is expected: a hint, nothing stored; --message stores the text itself
+    res = run.invoke(app, ["memory", "add", "My cat is Tom.", "--store", root, "--user", "alice", "--no-infer"])
+    assert res.exit_code == 2 and "--message" in res.output and "Traceback" not in res.output
+    res = run.invoke(app, ["memory", "add", "-m", "My cat is Tom.", "--store", root, "--user", "alice", "--no-infer",
+                           "--json"])
+    assert res.exit_code == 0, res.output
+    assert [r["memory"] for r in json.loads(res.output)["results"]] == ["My cat is Tom."]
 
 
 @pytest.mark.parametrize("call,match", [

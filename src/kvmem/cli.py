@@ -334,8 +334,9 @@ def _print_memories(items: list[dict], as_json: bool) -> None:
 @memory_app.command("add")
 @friendly
 def memory_add(
-    file: Optional[Path] = typer.Argument(None, help="Messages: a JSON list of {role, content}, or plain text; "
-                                          "'-' or nothing reads standard input."),
+    file: Optional[Path] = typer.Argument(None, help="A file of messages: a JSON list of {role, content}, or plain "
+                                          "text; '-' or nothing reads standard input."),
+    message: Optional[str] = typer.Option(None, "--message", "-m", help="The message text itself, instead of a file."),
     store: Path = _MSTORE, user: str = _MUSER,
     infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
                                "or store each message verbatim."),
@@ -346,9 +347,19 @@ def memory_add(
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
     _encoding(neighbours, history)
-    text = sys.stdin.read() if file is None or str(file) == "-" else file.read_text()
+    if message is not None and file is not None:
+        raise ValueError("give a file or --message, not both")
+    if message is not None:
+        text = message
+    elif file is None or str(file) == "-":
+        text = sys.stdin.read()
+    elif not file.is_file():
+        raise ValueError(f"no file {str(file)!r}; to remember text itself, use --message/-m TEXT "
+                         "(or pipe it on standard input)")
+    else:
+        text = file.read_text()
     if not text.strip():
-        raise ValueError("no messages given (a file, or standard input)")
+        raise ValueError("no messages given (a file, --message, or standard input)")
     try:
         messages = json.loads(text)
     except json.JSONDecodeError:

@@ -334,7 +334,8 @@ class Store:
         root = Path(root)
         path = root / "manifest.json"
         if not path.exists():
-            raise StoreError(f"no kvmem store at {root} (run `kvmem ingest-locomo ... --store {root}` first)")
+            raise StoreError(f"no kvmem store at {root} (check the path; `kvmem memory add`, `kvmem serve` or "
+                             f"`kvmem ingest-locomo` with --store {root} create one)")
         try:
             manifest = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -350,9 +351,9 @@ class Store:
             if {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)} == {"dtype"}:
                 raise StoreDtypeMismatch(
                     f"store {root} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
-                    f"KV is never served in another dtype than it was computed in. Either serve it with "
-                    f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode it into a "
-                    f"new store with `kvmem ingest-locomo ... --store NEW_DIR --dtype {ours['dtype']}`")
+                    f"KV is never served in another dtype than it was computed in. Either pass "
+                    f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode the memories "
+                    f"into a new store with --store NEW_DIR --dtype {ours['dtype']}")
             diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
             raise StoreMismatch(
                 f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
