@@ -281,3 +281,40 @@ def test_bench_memory(tiny):
         assert 0 < s[key]["p50"] <= s[key]["p95"]
     recs = json.loads((out / "records.json").read_text())
     assert [r["op"] for r in recs].count("add") == 3 and all(r["tokens"] > 10 for r in recs if r["op"] == "add")
+
+
+def test_sigterm_stops_the_vllm_engine(tiny):
+    """A terminated `kvmem eval` takes vLLM's engine-core process with it (before cli.exit_on_signals it kept
+    running, orphaned, holding its KV cache)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from kvmem.hardware import cpu_facts, vllm_kernels
+
+    facts = cpu_facts()
+    if vllm_kernels(facts) is None and not facts.cuda:
+        pytest.skip("vLLM cannot run on this CPU (test_vllm_engine_flag checks the error)")
+    args = ["eval", "locomo", "--engine", "vllm", "--k", "2", "--window", "0", "--neighbours", "0", "--mode",
+            "kv,prompt", *common(tiny, tiny["root"] / "sigterm", 40)]
+    p = subprocess.Popen([sys.executable, "-m", "kvmem.cli", *map(str, args)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    engine, t0 = [], time.monotonic()
+    try:
+        while not engine and p.poll() is None and time.monotonic() - t0 < 600:
+            time.sleep(0.5)
+            engine = [c for c in psutil.Process(p.pid).children(recursive=True) if "VLLM" in c.name()]
+        assert engine, f"no vLLM engine process started (exit {p.poll()})"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(engine, timeout=30)
+        assert not alive, f"engine processes left running: {alive}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for c in engine:
+            if c.is_running():
+                c.kill()

@@ -810,9 +810,20 @@ def eval_locomo(
            neighbours=neighbours, history=history)
 
 
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP exit through SystemExit (status 128 + signal), so atexit handlers run: vLLM's among
+    them stops its engine-core processes, which a bare SIGTERM leaves running, holding their memory."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def main():  # pragma: no cover
+    exit_on_signals()
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
+    exit_on_signals()
     sys.exit(app())

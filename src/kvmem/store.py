@@ -704,12 +704,11 @@ class Store:
                 "UPDATE SET version=excluded.version, window=excluded.window, "
                 "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
                 (user, version, window, source, now))
-            if neighbours is not None:  # kept in meta: no schema change for stores written before it existed
-                db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
-                           "value=excluded.value", (f"neighbours:{user}", int(neighbours)))
-            if history is not None:
-                db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
-                           "value=excluded.value", (f"history:{user}", int(history)))
+            # the encoding is kept in meta: no schema change for stores written before it existed
+            db.executemany("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
+                           "value=excluded.value", [(f"{key}:{user}", int(val)) for key, val in
+                                                    (("neighbours", neighbours), ("history", history))
+                                                    if val is not None])
         return str(version)
 
     def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
