@@ -300,8 +300,9 @@ def test_sigterm_stops_the_vllm_engine(tiny):
         pytest.skip("vLLM cannot run on this CPU (test_vllm_engine_flag checks the error)")
     args = ["eval", "locomo", "--engine", "vllm", "--k", "2", "--window", "0", "--neighbours", "0", "--mode",
             "kv,prompt", *common(tiny, tiny["root"] / "sigterm", 40)]
-    p = subprocess.Popen([sys.executable, "-m", "kvmem.cli", *map(str, args)], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    script = Path(sys.executable).with_name("kvmem")  # the installed command, as users start it
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvmem.cli"]
+    p = subprocess.Popen([*cmd, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     engine, t0 = [], time.monotonic()
     try:
         while not engine and p.poll() is None and time.monotonic() - t0 < 600:

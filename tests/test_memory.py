@@ -250,6 +250,16 @@ def test_memory_cli(tmp_path, shared):
                            "--json"])
     assert res.exit_code == 0, res.output
     assert [r["memory"] for r in json.loads(res.output)["results"]] == ["My cat is Tom."]
+    res = run.invoke(app, ["memory", "add", "-m", "42", "--store", root, "--user", "alice", "--no-infer", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["results"][0]["memory"] == "42"  # -m is text, not JSON
+    res = run.invoke(app, ["memory", "add", str(tmp_path), "--store", root, "--user", "alice", "--no-infer"])
+    assert res.exit_code == 2 and "is a directory" in res.output
+    # bad input fails before a store is created
+    fresh = tmp_path / "never"
+    for args in (["-m", "hi", "--user", "a/b"], ["--user", "alice"]):
+        res = run.invoke(app, ["memory", "add", *args, "--store", str(fresh), "--no-infer", "--model", FAST],
+                         input="[]")
+        assert res.exit_code == 2 and "Traceback" not in res.output and not fresh.exists(), res.output
 
 
 @pytest.mark.parametrize("call,match", [

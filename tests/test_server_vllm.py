@@ -61,9 +61,13 @@ def base(tmp_path_factory):
         kids = psutil.Process(proc.pid).children(recursive=True)
         assert any("VLLM" in " ".join(k.cmdline()) or "EngineCore" in k.name() for k in kids if k.is_running())
         proc.terminate()
+        time.sleep(0.3)
+        proc.terminate()  # an impatient second signal must not break the shutdown the first one started
         assert proc.wait(timeout=120) == 0
         gone, alive = psutil.wait_procs(kids, timeout=60)
         assert not alive, [k.pid for k in alive]
+        log.flush()
+        assert "Traceback" not in (tmp / "server.log").read_text()
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group

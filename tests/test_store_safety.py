@@ -89,6 +89,26 @@ def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch)
     assert len(list((store.root / "users").iterdir())) == 1
 
 
+def test_exit_after_the_commit_keeps_the_new_segment(store, monkeypatch):
+    """SystemExit from a signal handler can land after SQLite's COMMIT, before ``commit`` returns: the new rows
+    are durable, so their KV file must stay (it used to be unlinked, leaving a fact whose KV is gone)."""
+    real = Store._commit_rows
+
+    def commit_then_exit(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(Store, "_commit_rows", commit_then_exit)
+    facts, kv, emb = sw.generation("u", 2)
+    with pytest.raises(SystemExit):
+        store.put_user("u", facts, kv, kv, emb, window=0)
+    monkeypatch.undo()
+    st = Store.open(store.root)
+    assert sw.check(st.snapshot("u")) == 2
+    report = st.fsck()
+    assert report["ok"] == ["u"] and report["bad"] == {}
+
+
 def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
     """Issue 10 (h): one process rewrites U, another writes V, a third reads U. No read may pair one
     generation's rows with another's tensors, and none may fail."""

@@ -44,6 +44,26 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ContextOverflow, LocomoError, ModelError, RetrievalError, StoreError, ValueError, OSError)
 
 
+@app.callback()
+def exit_on_signals() -> None:
+    """Every command: SIGTERM and SIGHUP exit through SystemExit (status 128 + signal), so atexit handlers run;
+    vLLM's among them stops its engine-core processes, which a bare SIGTERM leaves running, holding their memory.
+    Later signals are ignored, so they cannot interrupt that shutdown. (``serve`` installs its own.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        return
+
+    def _exit(signum, _frame):
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+
+
 def friendly(fn):
     """Turn known errors into ``error: <message>`` on stderr and exit code 2 (no traceback)."""
 
@@ -353,17 +373,25 @@ def memory_add(
         text = message
     elif file is None or str(file) == "-":
         text = sys.stdin.read()
-    elif not file.is_file():
+    elif file.is_dir():
+        raise ValueError(f"{str(file)!r} is a directory, not a file of messages")
+    elif not file.exists():
         raise ValueError(f"no file {str(file)!r}; to remember text itself, use --message/-m TEXT "
                          "(or pipe it on standard input)")
     else:
-        text = file.read_text()
+        text = file.read_text()  # any readable file: also /dev/stdin or a <(process substitution)
     if not text.strip():
         raise ValueError("no messages given (a file, --message, or standard input)")
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError:
-        messages = text.strip()
+    messages = text.strip()
+    if message is None:  # a file or stdin: a JSON list of {role, content}, else plain text; -m is always text
+        try:
+            messages = json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    from .memory import check_messages, check_user_id
+
+    check_messages(messages)  # bad input fails before a model loads or a store is created
+    check_user_id(user)
     mem = _memory(store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours,
                   history=history)
     out = mem.add(messages, user, infer=infer)
@@ -810,20 +838,9 @@ def eval_locomo(
            neighbours=neighbours, history=history)
 
 
-def exit_on_signals() -> None:
-    """SIGTERM and SIGHUP exit through SystemExit (status 128 + signal), so atexit handlers run: vLLM's among
-    them stops its engine-core processes, which a bare SIGTERM leaves running, holding their memory."""
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
-
-
 def main():  # pragma: no cover
-    exit_on_signals()
     app()
 
 
 if __name__ == "__main__":  # pragma: no cover
-    exit_on_signals()
     sys.exit(app())

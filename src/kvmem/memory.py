@@ -40,7 +40,7 @@ def _date(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%-d %B, %Y")
 
 
-def _messages(messages) -> list[dict]:
+def check_messages(messages) -> list[dict]:
     """A string or an OpenAI-style list of {role, content} -> checked messages. Raises MemoryInputError."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -68,7 +68,7 @@ def _messages(messages) -> list[dict]:
     return out
 
 
-def _user(user_id) -> str:
+def check_user_id(user_id) -> str:
     try:
         return check_user(user_id)
     except ValueError as exc:
@@ -247,7 +247,7 @@ class Memory:
     def search(self, query: str, user_id: str, limit: int = 100, filters: dict | None = None) -> dict:
         """The ``limit`` memories most similar to ``query``: ``{"results": [{id, memory, score, metadata,
         created_at, updated_at, user_id}]}``, best first. ``filters``: metadata key -> required value."""
-        user = _user(user_id)
+        user = check_user_id(user_id)
         query = _text(query, "query")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
@@ -272,7 +272,7 @@ class Memory:
 
     def get_all(self, user_id: str, limit: int = 100) -> dict:
         """``{"results": [...]}``: the user's live memories, oldest first."""
-        user = _user(user_id)
+        user = check_user_id(user_id)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
             raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
         ukv = self._snapshot(user)
@@ -345,8 +345,8 @@ class Memory:
         The raw messages are stored as the user's turns (the context of later facts). Returns
         ``{"results": [{"id", "memory", "event", "previous_memory"?}]}``. Raises MemoryInputError for bad input.
         """
-        user = _user(user_id)
-        msgs = _messages(messages)
+        user = check_user_id(user_id)
+        msgs = check_messages(messages)
         _metadata(metadata)
         now = _timestamp(timestamp)
         turns = [{"speaker": m.get("name") or m["role"], "content": m["content"], "time": now} for m in msgs]
@@ -427,12 +427,12 @@ class Memory:
         return {"message": "Memory deleted successfully!"}
 
     def delete_all(self, user_id: str) -> dict:
-        self.store.delete_user(_user(user_id))  # what is live when the commit runs
+        self.store.delete_user(check_user_id(user_id))  # what is live when the commit runs
         return {"message": "Memories deleted successfully!"}
 
     def compact(self, user_id: str) -> dict:
         """Rewrite the user's KV segments without dead rows; what search and get_all return is unchanged."""
-        user = _user(user_id)
+        user = check_user_id(user_id)
         if not self._live(user):
             return {"message": "nothing to compact"}
         return {"message": "Memory compacted", "version": self.store.compact(user)}

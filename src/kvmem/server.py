@@ -797,10 +797,13 @@ def serve(store: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys
         f"http://{host}:{port}/v1")
     import signal
 
-    def _exit(signum, frame):  # SIGTERM (docker stop, systemd): unwind so the engine processes are stopped too
+    def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the shutdown itself
+            signal.signal(sig, signal.SIG_IGN)
         raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, _exit)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
     uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
                                        timeout_graceful_shutdown=5))
     try:

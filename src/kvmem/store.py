@@ -353,7 +353,8 @@ class Store:
                     f"store {root} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
                     f"KV is never served in another dtype than it was computed in. Either pass "
                     f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode the memories "
-                    f"into a new store with --store NEW_DIR --dtype {ours['dtype']}")
+                    f"into a new store: `kvmem ingest-locomo` or `kvmem memory add` again, with --store NEW_DIR "
+                    f"--dtype {ours['dtype']}")
             diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
             raise StoreMismatch(
                 f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
@@ -639,13 +640,22 @@ class Store:
             try:
                 version = self._commit_rows(user, add, embeddings, segment, digest, delete, replace,
                                             list(turns), list(events), window, source, now, neighbours, history)
-            except BaseException:
-                if path is not None:
+            except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
+                if path is not None and not self._segment_committed(user, segment):
                     path.unlink(missing_ok=True)
                 raise
             self._gc(user)
         self._user_cache.pop(user, None)
         return version
+
+    def _segment_committed(self, user: str, segment: str) -> bool:
+        """Whether a commit of ``segment`` reached the database (then its file must stay). True when unsure: an
+        unreferenced file is only disk space, a referenced file that is gone is a lost memory."""
+        try:
+            return self._db.execute("SELECT 1 FROM segments WHERE user=? AND segment=?",
+                                    (user, segment)).fetchone() is not None
+        except Exception:
+            return True
 
     def _commit_rows(self, user, add, embeddings, segment, digest, delete, replace, turns, events, window, source,
                      now, neighbours=None, history=None) -> str:
