@@ -56,8 +56,8 @@ def test_chunked_composition_equals_prefill_of_the_joint_encoding_only_when_join
     values = torch.cat([kvs[0].values, kvs[1].values, kvs[2].values], dim=2)
     memory = compose_raw(Rotary.for_model(model), header + f1 + f2, keys, values)
     engine = HFEngine(model, eos_token_ids=[])
-    a = engine.generate(query, memory, "kv", 1)
-    b = engine.generate(query, memory, "prompt", 1)
+    a = engine.run(query, memory, "kv", 1)
+    b = engine.run(query, memory, "prompt", 1)
     assert (a.first_logits - b.first_logits).abs().max() > 1e-3
 
 
@@ -67,10 +67,10 @@ def test_random_kv_changes_output():
     memory, query = random_ids(60, seed=12), random_ids(6, seed=13)
     (kv,) = encode_spans(model, [memory], [(0, 60)])
     engine = HFEngine(model, eos_token_ids=[])
-    good = engine.generate(query, compose_raw(Rotary.for_model(model), memory, kv.keys, kv.values), "kv", 1)
+    good = engine.run(query, compose_raw(Rotary.for_model(model), memory, kv.keys, kv.values), "kv", 1)
     noise = compose_raw(Rotary.for_model(model), memory, torch.randn_like(kv.keys), torch.randn_like(kv.values))
-    bad = engine.generate(query, noise, "kv", 1)
-    ref = engine.generate(query, compose_raw(Rotary.for_model(model), memory, kv.keys, kv.values), "prompt", 1)
+    bad = engine.run(query, noise, "kv", 1)
+    ref = engine.run(query, compose_raw(Rotary.for_model(model), memory, kv.keys, kv.values), "prompt", 1)
     assert (good.first_logits - ref.first_logits).abs().max() <= REL_TOL * ref.first_logits.abs().max()
     assert (bad.first_logits - ref.first_logits).abs().max() > 1e-2
 
@@ -93,10 +93,10 @@ def test_off_by_one_rotation_fails_the_bound():
     (kv,) = encode_spans(model, [memory], [(0, 60)])
     rot = Rotary.for_model(model)
     engine = HFEngine(model, eos_token_ids=[])
-    ref = engine.generate(query, compose_raw(rot, memory, kv.keys, kv.values), "prompt", 1).first_logits
-    good = engine.generate(query, compose_raw(rot, memory, kv.keys, kv.values), "kv", 1).first_logits
+    ref = engine.run(query, compose_raw(rot, memory, kv.keys, kv.values), "prompt", 1).first_logits
+    good = engine.run(query, compose_raw(rot, memory, kv.keys, kv.values), "kv", 1).first_logits
     shifted = compose_raw(rot, memory, kv.keys, kv.values, start=1)
-    off = engine.generate(query, ComposedMemory(memory, [], 0, shifted.keys, shifted.values), "kv", 1).first_logits
+    off = engine.run(query, ComposedMemory(memory, [], 0, shifted.keys, shifted.values), "kv", 1).first_logits
     bound = REL_TOL * ref.abs().max()
     assert (good - ref).abs().max() <= bound
     assert (off - ref).abs().max() > 10 * bound

@@ -12,6 +12,7 @@ import torch
 from conftest import assert_is_prefill, random_ids, tiny_model
 from kvmem.encode import encode_chain, encode_spans
 from kvmem.ingest import history_runs
+from kvmem.policy import Encoding
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
 
@@ -101,7 +102,7 @@ def lm_emb():
 def test_memory_history_stores_a_prefill_behind_earlier_facts(tmp_path, lm_emb):
     lm, emb = lm_emb
     mem = Memory(tmp_path / "s", model=lm, embedder=emb, window=0, history=True)
-    assert mem.neighbours == 0  # history replaces the neighbours default
+    assert mem.encoding.neighbours == 0  # history replaces the neighbours default
     first = mem.add("Maya moved to Lisbon in 2021.", user_id="maya", infer=False)["results"][0]["id"]
     mem.add("Maya's brother Tom is a pilot.", user_id="maya", infer=False)
     mem.delete(first)  # a deleted fact is no longer history
@@ -130,8 +131,8 @@ def test_history_and_neighbours_do_not_combine(tmp_path, lm_emb):
         Memory(tmp_path / "x", model=lm, embedder=emb, history="yes")
     # history alone: no turns between the chain and the fact (turns there measured worse, docs/benchmarks.md)
     mem = Memory(tmp_path / "y", model=lm, embedder=emb, history=True)
-    assert (mem.window, mem.neighbours, mem.history_encoding) == (0, 0, True)
-    assert Memory(tmp_path / "y", model=lm, embedder=emb).window == 5
+    assert mem.encoding == Encoding(0, 0, True)
+    assert Memory(tmp_path / "y", model=lm, embedder=emb).encoding == Encoding(5, 4, False)
 
 
 def test_ingest_locomo_history_cli(tmp_path, small_locomo):

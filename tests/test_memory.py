@@ -4,6 +4,7 @@ with the real model (output always parses), and a concurrent writer against read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -71,7 +72,7 @@ def test_every_write_stores_exact_context_window_kv(mem, shared):
     from kvmem.encode import encode_spans
 
     lm, _ = shared
-    mem.neighbours = 0  # the window alone (neighbour-aware encoding: tests/test_neighbours.py)
+    mem.encoding = dataclasses.replace(mem.encoding, neighbours=0)  # the window alone (neighbour-aware encoding: tests/test_neighbours.py)
     mem.add("Hello there, I am Carla.", "carla", infer=False)
     r = mem.add([{"role": "user", "content": "I work as a nurse."}, {"role": "user", "content": "I like tea."}],
                 "carla", infer=False)

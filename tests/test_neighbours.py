@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import assert_is_prefill
-from kvmem.ingest import check_neighbours, neighbour_prefixes
+from kvmem.ingest import neighbour_prefixes
+from kvmem.policy import check_neighbours
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
 
@@ -81,20 +82,20 @@ def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):
 
 
 def test_no_serving_cost(stores):
-    from kvmem.serve import MemoryService
+    from kvmem.service import MemoryService
 
     lm, emb, mems = stores
     preps, texts = [], []
     for m in (0, 2):
-        svc = MemoryService(mems[m].store.root, model=lm, embedder=emb, engine="hf")
+        svc = MemoryService.open(mems[m].store.root, model=lm, embedder=emb, engine="hf")
         p = svc.prepare("maya", "Where does Tom fly to?", 4, "kv", 8)
         preps.append(p)
         texts.append([mems[m].get(f)["memory"] for f in p.fact_ids])
     a, b = preps
     assert texts[0] == texts[1] and len(texts[0]) == 4  # the same facts, in the same order
     assert a.prompt_ids == b.prompt_ids and a.query_ids == b.query_ids
-    assert a.memory.token_ids == b.memory.token_ids  # same injected tokens: the same prefill at serving time
-    assert not torch.equal(a.memory.values[1], b.memory.values[1])  # but other KV
+    assert a.memory.composed.token_ids == b.memory.composed.token_ids  # same injected tokens: the same prefill at serving time
+    assert not torch.equal(a.memory.composed.values[1], b.memory.composed.values[1])  # but other KV
 
 
 def test_bad_neighbours_is_an_input_error(tmp_path, stores):
@@ -137,11 +138,6 @@ def test_bad_neighbours_refused_before_loading(tmp_path):
     import subprocess
     import sys
 
-    from kvmem.cli import DEFAULT_NEIGHBOURS, MAX_NEIGHBOURS
-    from kvmem.ingest import DEFAULT_NEIGHBOURS as INGEST_DEFAULT
-    from kvmem.ingest import MAX_NEIGHBOURS as INGEST_MAX
-
-    assert MAX_NEIGHBOURS == INGEST_MAX and DEFAULT_NEIGHBOURS == INGEST_DEFAULT
     for cmd in (["serve", "--store", str(tmp_path / "s"), "--engine", "hf"],
                 ["memory", "add", "hi", "--store", str(tmp_path / "m"), "--user", "u"],
                 ["ingest-locomo", "x.json", "--sample", "conv-26", "--store", str(tmp_path / "i")],

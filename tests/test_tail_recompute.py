@@ -23,19 +23,19 @@ def svc(tmp_path_factory):
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
     from kvmem.models import load
     from kvmem.retrieve import Embedder
-    from kvmem.serve import MemoryService
+    from kvmem.service import MemoryService
 
     lm, emb = load(FAST, dtype="float32"), Embedder()
     root = tmp_path_factory.mktemp("tail") / "s"
     mem = Memory(root, model=lm, embedder=emb, window=2)
     for f in FACTS:  # one add per fact: each is encoded behind the turns before it, not behind the other facts
         mem.add(f, user_id="maya", infer=False)
-    return MemoryService(root, model=lm, embedder=emb, engine="hf")
+    return MemoryService.open(root, model=lm, embedder=emb, engine="hf")
 
 
 def _logits(svc, r: int, mode: str = "kv"):
     p = svc.prepare("maya", "Where does Maya's brother fly to?", 4, mode, 8, tail_recompute=r)
-    gen = svc.engine.generate(p.query_ids, p.memory, p.mode, 8)
+    (gen,) = svc.engine.generate([p.request(svc.sampling(8))])
     return p, gen
 
 
@@ -49,7 +49,7 @@ def test_tail_recompute_spans_plain_injection_to_prompt_injection(svc):
         tail = sum(ukv.facts[row[f]].num_tokens for f in p.fact_ids[len(p.fact_ids) - r:]) if r else 0
         query = len(runs[0][0].query_ids)
         assert g.prefilled_tokens == tail + query  # the engine prefilled exactly the tail facts and the query
-        assert len(p.memory.token_ids) == len(pr.prompt_ids) - tail - query  # and injected the rest
+        assert len(p.memory.composed.token_ids) == len(pr.prompt_ids) - tail - query  # and injected the rest
     full = runs[4][1].first_logits
     assert torch.allclose(full, g_pr.first_logits, atol=1e-4), (full - g_pr.first_logits).abs().max()
     plain = runs[0][1].first_logits
@@ -61,7 +61,7 @@ def test_tail_recompute_spans_plain_injection_to_prompt_injection(svc):
 def test_tail_recompute_cli_and_bad_values(svc):
     with pytest.raises(ValueError, match="tail_recompute"):
         svc.prepare("maya", "Who is Tom?", 3, "kv", 8, tail_recompute=-1)
-    from kvmem.serve import parse_mode
+    from kvmem.policy import parse_mode
 
     assert parse_mode("kv-tail4") == ("kv", 4, 0.0) and parse_mode("prompt") == ("prompt", None, 0.0)
     with pytest.raises(ValueError):

@@ -121,7 +121,7 @@ def build(tmp: Path, family: str) -> dict:
         rows = ukv.row_of()
         mem = compose(rot, header, st.header_kv(), ukv, [rows[f] for f in ORDER])
         assert mem.token_ids == joint_ids
-        refs[user] = engine.generate(query, mem, "kv", STEPS).token_ids
+        refs[user] = engine.run(query, mem, "kv", STEPS).token_ids
     (seg,) = st.snapshot("trunc").segments
     kv_file = st._segment_path("trunc", seg)
     kv_file.write_bytes(kv_file.read_bytes()[:-64])
@@ -211,7 +211,7 @@ def run_mode(spec_path: str, run: str) -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, detokenize=False,
                             extra_args={"kv_transfer_params": params})
         (o,) = eng.llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)
-        results[name] = [_row(eng._result(o), o)]
+        results[name] = [_row(eng.generation_of(o), o)]
     # Faults that used to kill the engine or inject wrong KV; each must cost only that request a plain prefill.
     mem_ids = spec["memory"] + spec["query"]
     def ref(name: str, user: str, version_of: str | None = None) -> MemoryRef:
@@ -221,26 +221,26 @@ def run_mode(spec_path: str, run: str) -> None:
     faults = [("trunc", ref("main", "trunc", "trunc")), ("foreign", ref("foreign", "indep")),
               ("unlisted", ref("unlisted", "indep")), ("twin", ref("twin", "indep"))]
     for name, ref in faults:
-        results[name] = [_row(eng.generate(mem_ids, ref, STEPS, ignore_eos=True), None)]
+        results[name] = [_row(eng.generate_ids(mem_ids, ref, STEPS, ignore_eos=True), None)]
     # (a) re-ingest while a version is cached on the scheduler side, then a request still naming the old one.
     from kvmem.store import Store
 
     st = Store.open(spec["store"])
     old = st.snapshot("replaced")
     main = (spec["store"], sid[spec["store"]])
-    results["before_replace"] = [_row(eng.generate(mem_ids, MemoryRef(*main, "replaced", old.version, fact_ids),
+    results["before_replace"] = [_row(eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", old.version, fact_ids),
                                                    STEPS, ignore_eos=True), None)]
     kvs = [old.fact_kv(i) for i in range(len(old.facts))]
     new_version = st.put_user("replaced", old.facts, [k for k, _ in kvs], [v for _, v in kvs], old.embeddings, 0)
     st.close()
     # in another fact order, so no block of it is in vLLM's prefix cache: only the connector decides
     rev_ids = spec["memory_rev"] + spec["query"]
-    results["stale_ref"] = [_row(eng.generate(rev_ids, None, STEPS, ignore_eos=True, salt="cold-3"), None)]
-    results["stale_cached"] = [_row(eng.generate(rev_ids, MemoryRef(*main, "replaced", old.version,
+    results["stale_ref"] = [_row(eng.generate_ids(rev_ids, None, STEPS, ignore_eos=True, salt="cold-3"), None)]
+    results["stale_cached"] = [_row(eng.generate_ids(rev_ids, MemoryRef(*main, "replaced", old.version,
                                                                      list(reversed(fact_ids))), STEPS,
                                                  ignore_eos=True), None)]
     # the engine is alive and injects the new version
-    results["after"] = [_row(eng.generate(mem_ids, MemoryRef(*main, "replaced", new_version, fact_ids), STEPS,
+    results["after"] = [_row(eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", new_version, fact_ids), STEPS,
                                           ignore_eos=True), None)]
     (out_dir / f"result-{run}.json").write_text(json.dumps(results))
 

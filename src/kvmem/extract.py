@@ -127,37 +127,21 @@ def chat_prompt_ids(lm, prompt: str) -> list[int]:
 
 
 class LocalExtractor(Extractor):
-    """The answer model itself (offline), greedy, constrained to the JSON schema.
-
-    With ``engine`` (an engine with ``complete_json``, e.g. ``VLLMEngine``: vLLM's guided decoding) the running
-    engine decodes; without, transformers' ``generate`` under xgrammar's logits processor."""
+    """The answer model itself (offline), greedy, constrained to the JSON schema through an engine's
+    ``complete_json``: the running engine's (vLLM guided decoding, or the transformers engine under xgrammar),
+    else a transformers engine on ``lm`` made on first use."""
 
     def __init__(self, lm, max_new_tokens: int = 256, engine=None):
         self.lm, self.max_new_tokens, self.engine = lm, max_new_tokens, engine
-        self._compiled: dict[str, object] = {}
 
     def complete(self, prompt: str, schema: dict) -> str:
         ids = chat_prompt_ids(self.lm, prompt)
-        if self.engine is not None:
-            out = self.engine.complete_json(ids, schema, self.max_new_tokens)
-            return self.lm.tokenizer.decode(out, skip_special_tokens=True)
-        import torch
-        import xgrammar as xgr
-        from xgrammar.contrib.hf import LogitsProcessor
+        if self.engine is None:
+            from .engines.hf import HFEngine
 
-        key = json.dumps(schema, sort_keys=True)
-        if key not in self._compiled:
-            if len(self._compiled) > 64:  # per-call schemas: keep the compile cache bounded
-                self._compiled.clear()
-            info = xgr.TokenizerInfo.from_huggingface(self.lm.tokenizer, vocab_size=self.lm.config.vocab_size)
-            self._compiled[key] = xgr.GrammarCompiler(info).compile_json_schema(key)
-        tok = self.lm.tokenizer
-        x = torch.tensor([ids], device=self.lm.device)
-        with torch.inference_mode():
-            out = self.lm.model.generate(x, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                         logits_processor=[LogitsProcessor(self._compiled[key])],
-                                         pad_token_id=tok.pad_token_id or tok.eos_token_id)
-        return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)
+            self.engine = HFEngine(self.lm.model, tokenizer=self.lm.tokenizer)
+        out = self.engine.complete_json(ids, schema, self.max_new_tokens)
+        return self.lm.tokenizer.decode(out, skip_special_tokens=True)
 
 
 class OpenAIExtractor(Extractor):

@@ -148,7 +148,8 @@ def vllm_problem(f: CpuFacts, check_import: bool = True) -> str | None:
     if check_import:
         try:
             import vllm  # noqa: F401
-            import kvmem.engines.vllm_engine  # noqa: F401
+            # what the kvmem connector builds on
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
         except Exception as exc:  # any import failure means no vLLM engine here
             first = (str(exc).splitlines() or [""])[0]
             return f"vLLM does not import ({type(exc).__name__}: {first})"

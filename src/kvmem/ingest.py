@@ -1,15 +1,15 @@
-"""Offline ingestion: LoCoMo facts -> context-window encoded pre-RoPE K/V + embeddings -> store.
+"""The write path: facts -> context-window encoded pre-RoPE K/V + embeddings -> store (``write_facts``).
 
 Paper §3.1-3.2, §5.2. Each fact is encoded as ``[header][w turns before its source turn][fact]`` and only the
 fact tokens' K/V are kept; the header is the same one the fact follows at serving time, so the fact's first
 token is never an attention sink.
 
-Neighbour-aware encoding (``neighbours=m``, ``DEFAULT_NEIGHBOURS`` = 4): ``[header][m most similar other facts of
+Neighbour-aware encoding (``neighbours=m``, ``policy.DEFAULT_NEIGHBOURS`` = 4): ``[header][m most similar other facts of
 the same user][w turns][fact]``, so a fact's values already mix in the facts it is likely to be retrieved with.
 This is the offline half of FusionRAG (arXiv 2601.12904); it costs m fact lengths more per encoded fact and
 nothing at serving time (the stored KV has the same shape).
 
-History encoding (``history=True``, issue 13): ``[header][the user's earlier facts, in write order][w turns][fact]``,
+History encoding (``history=True``): ``[header][the user's earlier facts, in write order][w turns][fact]``,
 as a prompt listing every memory would compute the fact. At w=0 it is one forward over all of a user's facts
 (1 encoded token per fact token, against 11 for w=5, m=4), at w>0 one pass over the chain plus each fact's turns
 on its cache (``encode.encode_chain``). A run covers at most ``MAX_HISTORY_TOKENS`` positions.
@@ -19,37 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .compose import PromptFormat, text_ids
 from .encode import encode_chain, encode_spans
-from .locomo import Conversation
 from .models import LoadedModel, fingerprint
+from .policy import Encoding
 from .retrieve import Embedder
 from .store import FactRecord, Store, StoreError
 
-DEFAULT_NEIGHBOURS = 4  # on by default: closes the KV-vs-prompt gap at no serving cost (docs/benchmarks.md)
-MAX_NEIGHBOURS = 32
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
-
-
-@dataclass
-class IngestReport:
-    user: str
-    num_facts: int
-    num_fact_tokens: int
-    num_encoded_tokens: int  # header + window + fact tokens run through the model
-    window: int
-    encode_s: float
-    embed_s: float
-    total_s: float
-    version: str
-    neighbours: int = 0
-    history: bool = False
 
 
 def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) -> tuple[Store, PromptFormat]:
@@ -85,23 +67,6 @@ def build_sequences(tok, header_ids: list[int], contexts: list[str], facts: list
         sequences.append(list(header_ids) + list(pre) + ctx_ids + ids)
         spans.append((start, start + len(ids)))
     return sequences, spans
-
-
-def check_neighbours(neighbours: int) -> int:
-    """``neighbours`` as given, or ValueError outside 0..MAX_NEIGHBOURS."""
-    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or not 0 <= neighbours <= MAX_NEIGHBOURS:
-        raise ValueError(f"neighbours must be an integer in 0..{MAX_NEIGHBOURS}, got {neighbours!r}")
-    return neighbours
-
-
-def check_encoding(neighbours: int | None, history: bool) -> int:
-    """The neighbours of a write: as given (``check_neighbours``), else ``DEFAULT_NEIGHBOURS``, or 0 with
-    ``history``. Raises ValueError for history encoding with neighbours: the two do not combine."""
-    if neighbours is None:
-        return 0 if history else DEFAULT_NEIGHBOURS
-    if history and check_neighbours(neighbours):
-        raise ValueError("history encoding and neighbours do not combine; use one of them")
-    return check_neighbours(neighbours)
 
 
 def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], pool_embeddings: torch.Tensor | None,
@@ -141,18 +106,6 @@ def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], poo
                 seen.add(tuple(ids[c]))
         top.append(kept[::-1])  # ascending similarity
     return [[t for c in row for t in ids[c]] for row in top], top
-
-
-def conversation_inputs(conv: Conversation, window: int) -> tuple[list[str], list[str]]:
-    """(contexts, rendered facts) of a LoCoMo conversation: each observation behind the ``window`` turns
-    before its source turn."""
-    contexts = ["".join(t.render() for t in conv.turns_before(f.source_turn, window)) for f in conv.facts]
-    return contexts, [f.render() for f in conv.facts]
-
-
-def context_sequences(tok, header_ids: list[int], conv: Conversation, window: int):
-    """``build_sequences`` for a LoCoMo conversation's facts (what ``ingest_conversation`` encodes)."""
-    return build_sequences(tok, header_ids, *conversation_inputs(conv, window))
 
 
 def history_runs(header_len: int, history: list[list[int]], facts: list[list[int]], contexts: list[list[int]],
@@ -226,17 +179,17 @@ def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], fa
 
 def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, facts: list[FactRecord],
                 contexts: list[str], rendered: list[str], delete: list[str] = (), replace: bool = False,
-                turns: list[dict] = (), events: list[tuple] = (), window: int = 0, source: str | None = None,
-                max_batch_tokens: int = 2048, progress=None, now: float | None = None,
-                neighbours: int = 0, history: bool = False) -> tuple[str, dict]:
+                turns: list[dict] = (), events: list[tuple] = (), encoding: Encoding = Encoding(0, 0),
+                source: str | None = None, max_batch_tokens: int = 2048, progress=None,
+                now: float | None = None) -> tuple[str, dict]:
     """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
     facts of the user: ``neighbour_prefixes``; or, with ``history``, behind every live fact of the user written
     before them: ``encode_facts``) in one batched pass, and commit facts, tombstones, turns and history in one
     store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
-    None. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s}). Raises ValueError for
-    ``history`` with ``neighbours``."""
-    check_encoding(neighbours, history)
+    None; ``encoding``: window, neighbours and history (``policy.Encoding``; the window's turns are already in
+    ``contexts``). Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    window, neighbours, history = encoding.window, encoding.neighbours, encoding.history
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
@@ -267,49 +220,3 @@ def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, fa
                            window=window, source=source, now=now, neighbours=neighbours if facts else None,
                            history=history if facts else None)
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
-
-
-def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
-                        window: int = 5, max_batch_tokens: int = 2048, progress: bool = True,
-                        source: str = "", neighbours: int | None = None, history: bool = False) -> IngestReport:
-    """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
-    through the one write path (``write_facts``): observations are the facts, their source turns' windows the
-    context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware
-    encoding, each fact also behind its m most similar other facts of the conversation (``check_encoding``:
-    default 4). ``history``: history encoding, each fact behind all the conversation's facts before it
-    (``encode_facts``; default neighbours 0).
-
-    Raises StoreError if the store belongs to another model or the conversation has no facts; ValueError for a
-    negative window, neighbours outside 0..MAX_NEIGHBOURS, or history with neighbours.
-    """
-    if window < 0:
-        raise ValueError("window must be >= 0")
-    neighbours = check_encoding(neighbours, history)
-    if not conv.facts:
-        raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
-    t0 = time.perf_counter()
-    store, fmt = open_or_create_store(store_root, lm, embedder)
-    contexts, rendered = conversation_inputs(conv, window)
-    records = [FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)
-               for f in conv.facts]
-    bar = None
-    if progress:  # by tokens, ticking per decoder layer, so it moves (with an ETA) even on a slow CPU
-        import sys
-
-        from tqdm import tqdm
-
-        label = f"w={window}" + (f", m={neighbours}" if neighbours else "") + (", history" if history else "")
-        bar = tqdm(total=None, desc=f"encode {conv.sample_id} ({len(records)} facts, {label})",
-                   unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0)
-    turns = [{"dia_id": t.dia_id, "speaker": t.speaker, "content": t.text} for t in conv.turns]
-    version, tm = write_facts(lm, embedder, store, conv.sample_id, records, contexts, rendered, replace=True,
-                              turns=turns, window=window, source=source, max_batch_tokens=max_batch_tokens,
-                              progress=bar, neighbours=neighbours, history=history)
-    if bar:
-        bar.close()
-    n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id, kv=False).facts)  # rows only: no KV read
-    store.close()
-    return IngestReport(conv.sample_id, len(records), n_fact, tm["encoded_tokens"], window, tm["encode_s"],
-                        tm["embed_s"], time.perf_counter() - t0, version, neighbours, history)
-
-

@@ -21,7 +21,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .compose import check_text
-from .store import FactRecord, Store, StoreError, check_user
+from .policy import Encoding, check_user
+from .retrieve import IndexCache
+from .store import FactRecord, Store, StoreError
 
 logger = logging.getLogger("kvmem.memory")
 
@@ -142,29 +144,26 @@ class Memory:
             encoding, ``ingest.neighbour_prefixes``; default ``ingest.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
         history: encode each new fact behind every live fact of the user written before it (history encoding,
-            ``ingest.encode_facts``; issue 13). Not with ``neighbours`` (then default 0). No serving cost.
+            ``ingest.encode_facts``). Not with ``neighbours`` (then default 0). No serving cost. The defaults
+            and checks are ``policy.Encoding``'s.
         dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
-        engine: a running engine with ``complete_json`` (e.g. ``VLLMEngine``) that the local extractor decodes on
-            (vLLM guided decoding); None: transformers ``generate`` under xgrammar.
+        engine: a running engine with ``complete_json`` (an ``Engine``, or a synchronous view of an
+            ``AsyncEngine``) that the local extractor decodes on; None: the transformers model under xgrammar.
+        index_cache_bytes: LRU bound of the per-user search indexes; ``indexes``: an ``retrieve.IndexCache`` to
+            share (the server's), instead of an own one.
     """
 
     def __init__(self, store: str | Path, model=None, extractor=None, window: int | None = None, embedder=None,
-                 dtype=None, engine=None, neighbours: int | None = None, history: bool | None = None):
-        from .ingest import check_encoding, open_or_create_store
+                 dtype=None, engine=None, neighbours: int | None = None, history: bool | None = None,
+                 index_cache_bytes: int = 64 << 20, indexes: IndexCache | None = None):
+        from .ingest import open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-            raise MemoryInputError("window must be an integer >= 0")
-        if history is not None and not isinstance(history, bool):
-            raise MemoryInputError("history must be True or False")
-        self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
-        # a new user's encoding; history: the chain of earlier facts, no turns by default
-        self.history_encoding = bool(history)
-        try:
-            self.neighbours = check_encoding(neighbours, self.history_encoding)
+        try:  # a new user's encoding; checked here, before any model loads
+            self.encoding = Encoding.of(window, neighbours, history)
         except ValueError as exc:
             raise MemoryInputError(str(exc)) from None
-        self.window = (0 if history else 5) if window is None else window
+        self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
         root = Path(store)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
@@ -179,7 +178,7 @@ class Memory:
                 self._lm = load(self._model_name, dtype=dtype)
             self.store, _ = open_or_create_store(root, self._lm, self.embedder)
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
-        self._indexes: dict = {}
+        self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
 
     @property
     def embedder(self):
@@ -226,22 +225,18 @@ class Memory:
 
     def _snapshot(self, user: str):
         """Rows and embeddings of the user's current version (no KV: reads never need it), or None."""
-        return self.store.snapshot(user, kv=False) if self.store.version(user) and self._live(user) else None
-
-    def _live(self, user: str) -> bool:
-        return self.store._db.execute("SELECT 1 FROM facts WHERE user=? AND deleted IS NULL LIMIT 1",
-                                      (user,)).fetchone() is not None
+        if not self.store.version(user):
+            return None
+        try:
+            return self.store.snapshot(user, kv=False)
+        except StoreError:  # every fact deleted
+            return None
 
     def _search(self, user: str, query: str, limit: int):
-        from .retrieve import UserIndex
-
         ukv = self._snapshot(user)
         if ukv is None:
             return None, [], []
-        if user not in self._indexes:
-            self._indexes[user] = UserIndex(ukv.embeddings.shape[1])
-        index = self._indexes[user].sync(self.store, ukv)
-        scores, rows = index.search(self.embedder.embed([query])[0], limit, ukv)
+        scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([query])[0], limit)
         return ukv, list(rows), list(scores)
 
     def search(self, query: str, user_id: str, limit: int = 100, filters: dict | None = None) -> dict:
@@ -304,12 +299,12 @@ class Memory:
         w, m, h = self._given
         recorded = bool(info and info.get("history"))
         if h is None:  # explicit neighbours turn a history user's method off
-            h = (recorded and not m) if info is not None else self.history_encoding
+            h = (recorded and not m) if info is not None else self.encoding.history
         if info is not None and h == recorded:  # the user's window and neighbours go with its method
             w = info["window"] if w is None else w
             m = info["neighbours"] if m is None else m
         # otherwise h is the constructor's method, whose defaults these are
-        return self.window if w is None else w, self.neighbours if m is None else m, h
+        return self.encoding.window if w is None else w, self.encoding.neighbours if m is None else m, h
 
     def _context(self, user: str, new_turns: list[dict], upto: int) -> str:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
@@ -332,8 +327,8 @@ class Memory:
                    for text, fid, meta in new]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
-                                 delete=delete, turns=turns, events=events, window=window, now=now,
-                                 neighbours=neighbours, history=history)
+                                 delete=delete, turns=turns, events=events, now=now,
+                                 encoding=Encoding(window, neighbours, history))
         return version, records
 
     def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,
@@ -433,14 +428,14 @@ class Memory:
     def compact(self, user_id: str) -> dict:
         """Rewrite the user's KV segments without dead rows; what search and get_all return is unchanged."""
         user = check_user_id(user_id)
-        if not self._live(user):
+        if self._snapshot(user) is None:
             return {"message": "nothing to compact"}
         return {"message": "Memory compacted", "version": self.store.compact(user)}
 
     def reset(self) -> None:
         """Delete every memory, turn and history row of the store (the model and header stay)."""
         self.store.reset()
-        self._indexes.clear()
+        self.indexes.clear()
 
 
 def _norm(text: str) -> str:

@@ -268,6 +268,23 @@ class LoadedModel:
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
 
+    @property
+    def max_context(self) -> int:
+        """The model's own context limit, tokens."""
+        return int(self.config.max_position_embeddings)
+
+
+def stop_token_ids(lm: LoadedModel) -> list[int]:
+    """Where an answer ends, the one rule for both engines: the model's EOS ids, and for completion-style models
+    (no chat template) every token that holds a line break."""
+    eos = lm.model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if not lm.chat:  # completion-style prompts: the answer ends at the line break
+        tok = lm.tokenizer
+        eos += [i for i, t in enumerate(tok.convert_ids_to_tokens(range(len(tok))))
+                if t is not None and "\n" in tok.convert_tokens_to_string([t])]
+    return eos
+
 
 def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
          weights: bool = True) -> LoadedModel:

@@ -8,6 +8,7 @@ HNSW or a GPU index. Retrieval is per user and never crosses users.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,6 +89,7 @@ class UserIndex:
 
         self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self.version: str | None = None
+        self.lock = threading.Lock()
 
     def __len__(self) -> int:
         return self.index.ntotal
@@ -104,7 +106,8 @@ class UserIndex:
                                     np.array([f.row for f in ukv.facts], dtype=np.int64))
 
     def sync(self, store, ukv) -> "UserIndex":
-        """Bring the index to ``ukv.version`` (a snapshot of ``store``)."""
+        """Bring the index to ``ukv.version`` (a snapshot of ``store``). Not thread-safe: hold ``lock``
+        (``IndexCache`` does)."""
         if self.version == ukv.version:
             return self
         delta = store.changes(ukv.user, self.version) if self.version is not None else None
@@ -119,7 +122,8 @@ class UserIndex:
                                         np.array([r for r, _ in added], dtype=np.int64))
             import faiss
 
-            if set(faiss.vector_to_array(self.index.id_map).tolist()) != set(ukv.position):
+            ids = faiss.vector_to_array(self.index.id_map).tolist()
+            if len(ids) != len(ukv.position) or set(ids) != set(ukv.position):
                 self._rebuild(ukv)  # a writer committed between the snapshot and the delta
         self.version = ukv.version
         return self
@@ -130,6 +134,50 @@ class UserIndex:
         pos = ukv.position
         keep = [j for j, i in enumerate(ids[0]) if i in pos]
         return scores[0][keep], np.array([pos[ids[0][j]] for j in keep], dtype=np.int64)
+
+
+class IndexCache:
+    """Per-user ``UserIndex``es, LRU-bounded by ``max_bytes`` (cachetools' ``LRUCache`` sized by ``nbytes``).
+    ``get`` syncs a user's index to a snapshot under that index's own lock, so concurrent readers and a writer
+    never apply one delta twice. An index larger than the whole bound is served, not cached. ``hits`` and
+    ``misses`` count lookups (for /metrics)."""
+
+    def __init__(self, max_bytes: int):
+        from cachetools import LRUCache
+
+        self._lru = LRUCache(maxsize=max(1, int(max_bytes)), getsizeof=lambda ix: max(1, ix.nbytes))
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lru.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the cached indexes hold."""
+        return int(self._lru.currsize)
+
+    def search(self, store, ukv, query: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``UserIndex.search`` on ``ukv.user``'s index, synced to ``ukv`` (a snapshot of ``store``) first,
+        incrementally; both under the index's lock (FAISS indexes are not safe to change while searched).
+        Returns (scores [k], positions [k] into ``ukv.facts``), best first, each position once."""
+        with self._lock:
+            index = self._lru.get(ukv.user)
+            if index is None:
+                self.misses += 1
+                index = UserIndex(ukv.embeddings.shape[1])
+            else:
+                self.hits += 1
+        with index.lock:
+            index.sync(store, ukv)
+            found = index.search(query, top_k, ukv)
+        with self._lock:
+            try:
+                self._lru[ukv.user] = index  # (re)insert: its size may have changed
+            except ValueError:  # larger than the whole bound: served, not cached
+                self._lru.pop(ukv.user, None)
+        return found
 
 
 @dataclass

@@ -45,9 +45,12 @@ from cachetools import LRUCache
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
+from .policy import check_user
+
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version
 BUSY_TIMEOUT_S = 30.0
+CACHE_BYTES = 1 << 30  # default LRU bound of each of a Store's caches (snapshots, KV segments), bytes
 ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
 logger = logging.getLogger("kvmem.store")
 _UMASK = os.umask(0)
@@ -75,6 +78,10 @@ def fsync_dir(path: Path) -> None:
 
 class StoreError(RuntimeError):
     """Missing or unreadable store, unknown user."""
+
+
+class UnknownUser(StoreError):
+    """The user has no live memories in this store (never written, or every fact deleted)."""
 
 
 class StoreMismatch(StoreError):
@@ -191,18 +198,6 @@ def _fact(r) -> FactRecord:
                       r[9], r[10], r[11], r[12], r[13])
 
 
-def check_user(user: str) -> str:
-    """A user id: non-empty, at most 256 characters, no path separators or control characters.
-    Raises ValueError."""
-    if not isinstance(user, str) or not user.strip():
-        raise ValueError("user_id must be a non-empty string")
-    if len(user) > 256 or any(c in user for c in "/\\\0") or user in (".", "..") \
-            or any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in user):
-        raise ValueError(f"user_id {user[:40]!r} is not allowed (no path characters, control characters, or more "
-                         f"than 256 characters)")
-    return user
-
-
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -267,7 +262,7 @@ def fingerprint_diff(a: dict, b: dict) -> list[str]:
 class Store:
     """A directory of users' memory. Use ``Store.create`` / ``Store.open``."""
 
-    def __init__(self, root: Path, manifest: dict, schema: str | None = None):
+    def __init__(self, root: Path, manifest: dict, schema: str | None = None, cache_bytes: int = CACHE_BYTES):
         self.root = root
         self.manifest = manifest
         db = root / "meta.sqlite"
@@ -284,7 +279,7 @@ class Store:
             raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
         self._lock = threading.RLock()  # one connection, shared by threads: one transaction at a time
         # caches, LRU-bounded by bytes: snapshots (rows, embeddings, KV) and immutable KV segment files
-        size = int(os.environ.get("KVMEM_STORE_CACHE_BYTES", 1 << 30))
+        size = max(1, int(cache_bytes))
         self._user_cache: LRUCache = LRUCache(maxsize=size, getsizeof=_ukv_bytes)
         self._segments: LRUCache = LRUCache(maxsize=size, getsizeof=lambda kv: kv[0].nbytes + kv[1].nbytes)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -324,7 +319,7 @@ class Store:
         return cls(root, manifest)
 
     @classmethod
-    def open(cls, root: str | Path, fingerprint: dict | None = None) -> "Store":
+    def open(cls, root: str | Path, fingerprint: dict | None = None, cache_bytes: int = CACHE_BYTES) -> "Store":
         """Open an existing store. If ``fingerprint`` is given it must equal the store's.
 
         Raises:
@@ -360,7 +355,7 @@ class Store:
                 f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
                 f"the loaded model {fingerprint.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
             )
-        return cls(root, manifest)
+        return cls(root, manifest, cache_bytes=cache_bytes)
 
     def close(self) -> None:
         self._db.close()
@@ -381,6 +376,11 @@ class Store:
             t = load_file(self.root / "header.safetensors")
             self._header = (t["keys"], t["values"])
         return self._header
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV segments this Store object holds in its LRU cache."""
+        return int(self._segments.currsize)
 
     def disk_bytes(self) -> int:
         """Bytes of every file in the store directory (segments, SQLite with its WAL, header, manifest). A file a
@@ -414,7 +414,7 @@ class Store:
                              "WHERE user=? AND deleted IS NULL", (user,)).fetchone()
         if row is None or n[0] == 0:
             known = ", ".join(self.users()[:20]) or "none"
-            raise StoreError(f"unknown user {user!r} in store {self.root} (users: {known})")
+            raise UnknownUser(f"unknown user {user!r} in store {self.root} (users: {known})")
         m = self._db.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
         h = self._db.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
         return {"version": str(row[0]), "window": row[1], "neighbours": m[0] if m else 0,
@@ -503,7 +503,7 @@ class Store:
             finally:
                 self._db.execute("COMMIT")
             if not facts:
-                raise StoreError(f"unknown user {user!r} in store {self.root} (no live memories)")
+                raise UnknownUser(f"unknown user {user!r} in store {self.root} (no live memories)")
             if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             try:

@@ -129,12 +129,12 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
                  neighbours: int | None = None, history: bool = False) -> Path:
     """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding, or ``history``,
     history encoding), ingesting it first when missing (or built differently)."""
-    from ..ingest import check_encoding, ingest_conversation
+    from ..locomo_ingest import ingest_conversation
+    from ..models import fingerprint
+    from ..policy import Encoding
     from ..store import Store, StoreError
 
-    from ..models import fingerprint
-
-    neighbours = check_encoding(neighbours, history)
+    neighbours = Encoding.of(window, neighbours, history).neighbours
     root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours,
                       history)
     try:
@@ -159,35 +159,34 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
     return root
 
 
-def make_service(engine: str, store_root: Path, lm, embedder, vllm_engine=None):
-    """A serving object with ``ask(user, question, top_k, mode, max_new_tokens) -> serve.Answer``.
-    ``vllm_engine``: a running vLLM engine to reuse (vllm only)."""
-    if engine == "vllm":
-        from ..engines.vllm_engine import bench_service
-
-        return bench_service(store_root, lm, embedder, vllm_engine)
-    from ..serve import MemoryService
-
-    return MemoryService(store_root, model=lm, embedder=embedder)
-
-
 def answer_batch(svcs: dict, items: list[tuple[str, str, int, str]], max_new_tokens: int,
                  ignore_eos: bool = False) -> list:
-    """Answers (``serve.Answer``) for ``(sample, question, k, mode)`` items, in order.
-
-    vLLM: every item is retrieved and composed first, then all go to the shared engine in one ``generate_many``
-    call (continuous batching; each prompt names its own store and memory). Prompt mode gets cold cache salts, so
-    the baseline prefills every prompt in full. hf: one request at a time (the engine does not batch)."""
+    """Answers (``service.Answer``) for ``(sample, question, k, mode)`` items, in order; the services share one
+    engine. An engine that batches gets every item retrieved and composed first, then all in one ``generate``
+    call (continuous batching; each prompt names its own store and memory; prompt mode gets cold cache salts, so
+    the baseline prefills every prompt in full). One that does not gets them one at a time, each composed just
+    before it runs (composition sets length-dependent RoPE state for that request)."""
     if not items:
         return []
     first = svcs[items[0][0]]
-    if getattr(first, "vllm", None) is None:
-        return [svcs[s].ask(s, q, k, m, max_new_tokens) for s, q, k, m in items]
+    sampling = first.sampling(max_new_tokens, ignore_eos)
+    if not first.engine.batches:
+        out = []
+        for s, q, k, m in items:
+            p = svcs[s].prepare(s, q, k, m, max_new_tokens)
+            out.append(svcs[s].answer(p, first.engine.generate([p.request(sampling)])[0]))
+        return out
     preps = [svcs[s].prepare(s, q, k, m, max_new_tokens) for s, q, k, m in items]
-    gens = first.vllm.generate_many([p.prompt_ids for p in preps], [p.ref for p in preps], max_new_tokens,
-                                    ignore_eos=ignore_eos, salts=[None if p.ref else first.vllm.cold_salt()
-                                                                  for p in preps], stop_token_ids=first.stop_ids)
+    gens = first.engine.generate([p.request(sampling) for p in preps])
     return [svcs[s].answer(p, g) for (s, *_), p, g in zip(items, preps, gens)]
+
+
+def bare(svc, question: str, max_new_tokens: int, ignore_eos: bool = False) -> dict:
+    """The no-memory baseline: the question alone, a cold prefix cache. Timings in ms, counts in tokens."""
+    p = svc.bare(question, max_new_tokens)
+    (gen,) = svc.engine.generate([p.request(svc.sampling(max_new_tokens, ignore_eos))])
+    return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
+            "generated_tokens": len(gen.token_ids)}
 
 
 def store_device_note(store_device: str) -> str:
@@ -354,37 +353,58 @@ def progress(total: int, desc: str, enabled: bool = True):
 
 @dataclass
 class Setup:
-    """What every command loads once: the chosen conversations, model and embedder."""
+    """What every command loads once: the chosen conversations, model and embedder, and (``services``) one
+    engine for all their stores."""
 
     data: Path
     convs: list
     lm: object
     embedder: object
-    engine: str
+    engine: str  # as asked (auto | vllm | hf); ``engine_name`` once started
     show_progress: bool = True
-    _vllm: object = None  # the vLLM engine, once started
+    opened: object = None  # engines.select.Opened, once started
 
     @classmethod
     def load(cls, data: Path, samples: list[str] | None, model: str, engine: str,
              show_progress: bool = True) -> "Setup":
-        engine = check_engine(engine)
         from ..models import load
         from ..retrieve import Embedder
 
+        check_engine(engine)  # EngineUnavailable before anything loads
         convs = load_samples(Path(data), samples)
         return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
 
+    def start(self, stores: list[Path] = ()):
+        """The engine (started once; ``stores``: more stores it may inject from besides the bench cache)."""
+        if self.opened is None:
+            from ..engines.select import open_engine
+
+            self.opened = open_engine(self.lm, self.engine, stores=[cache_root(), *stores])
+            if self.opened.note:
+                log_err(self.opened.note)
+        return self.opened.engine
+
+    @property
+    def engine_name(self) -> str:
+        return self.start().name
+
+    def service(self, root: Path):
+        """A ``service.MemoryService`` over ``root`` on the shared engine."""
+        from ..service import MemoryService
+
+        return MemoryService(root, self.start([root]), self.lm, self.embedder)
+
     def services(self, window: int, log=None, neighbours: int | None = None, history: bool = False) -> dict:
-        """sample -> serving object over that sample's cached store at ``window`` (and ``neighbours`` or
-        ``history``: ``ingest.check_encoding``). Every store is ingested before any engine starts; with vLLM, all
-        samples share one engine (started once per Setup)."""
+        """sample -> ``MemoryService`` over that sample's cached store at ``window`` (and ``neighbours`` or
+        ``history``: ``policy.Encoding``). Every store is ingested before the engine starts; all samples share
+        it."""
         roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,
                                            neighbours, history) for c in self.convs}
-        out = {}
-        for sample, root in roots.items():
-            out[sample] = make_service(self.engine, root, self.lm, self.embedder, self._vllm)
-            self._vllm = getattr(out[sample], "vllm", None)
-        return out
+        return {sample: self.service(root) for sample, root in roots.items()}
+
+    def close(self) -> None:
+        if self.opened is not None:
+            self.opened.engine.close()
 
 
 def log_err(msg: str) -> None:

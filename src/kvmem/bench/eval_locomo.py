@@ -34,7 +34,7 @@ from pathlib import Path
 from .common import (
     answer_batch, log_err, log_k_axis, machine, progress, pyplot, select_questions, Setup, table, write_csv, write_json)
 
-VLLM_BATCH = 32  # requests per vLLM generate call: batched decode; results are written after each batch
+BATCH = 32  # requests per vLLM generate call: batched decode; results are written after each batch
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
@@ -163,24 +163,22 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
     ``history``). Returns the summary (also written to ``out/summary.json``)."""
-    from ..ingest import check_encoding
-    from ..serve import check_methods_engine, parse_mode
+    from ..engines.select import check_methods
+    from ..policy import MODES_HELP, Encoding, parse_mode
 
-    neighbours = check_encoding(neighbours, history)
+    neighbours = Encoding.of(None, neighbours, history).neighbours
     try:
         for m in modes:
             parse_mode(m)
     except ValueError:
-        raise ValueError(f"--mode must be a comma-separated subset of kv, prompt, kv-tail<r> (tail recompute r), "
-                         f"kv-sel<p> (selective recompute of p% of fact tokens, hf engine), "
+        raise ValueError(f"--mode must be a comma-separated subset of {MODES_HELP}, "
                          f"not {','.join(modes) or '(empty)'}") from None
-    check_methods_engine(modes, engine)
+    check_methods(modes, engine)
     if not modes:
         raise ValueError("--mode is empty")
     if bool(judge_url) != bool(judge_model):
         raise ValueError("--judge-url and --judge-model go together")
     setup = Setup.load(data, samples, model, engine, show_progress)
-    engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")
@@ -201,7 +199,8 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
             if not todo_w:
                 continue
             svcs = setup.services(w, log_err, neighbours, history)
-            step = VLLM_BATCH if engine == "vllm" else 1
+            engine = setup.engine_name
+            step = BATCH if setup.start().batches else 1  # one at a time: resumable per answer
             for i in range(0, len(todo_w), step):
                 chunk = todo_w[i:i + step]
                 answers = answer_batch(svcs, [(q.sample, q.question, k, mode) for _, q, k, mode in chunk],

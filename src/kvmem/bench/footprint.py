@@ -18,7 +18,6 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
         engine: str, k: int = 10, show_progress: bool = True, echo=print) -> dict:
     rss0 = rss_bytes()
     setup = Setup.load(data, samples, model, engine, show_progress)
-    engine = setup.engine  # auto resolved
     rss_model = rss_bytes()
     info = machine()
     cfg = setup.lm.config
@@ -28,6 +27,7 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
     b = setup.lm.dtype.itemsize
     theory = 2 * L * h * d * b
     svcs = setup.services(window, log_err)
+    engine = setup.engine_name
     qs = select_questions(setup.convs, questions)
     records = []
     for c in setup.convs:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (
-    log_err, log_k_axis, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note,
+    bare, log_err, log_k_axis, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note,
     table, write_csv, write_summary_and_records)
 
 MODES = ("kv", "prompt")
@@ -22,12 +22,7 @@ STAGES = ("embed", "search", "compose", "ttft", "decode")
 
 def bare_generate(svc, question: str, max_new_tokens: int) -> dict:
     """The query alone, no memory: the same query token ids the memory modes see, prefilled at position 0."""
-    if hasattr(svc, "bare"):
-        return svc.bare(question, max_new_tokens)
-    ids = svc.fmt.query_ids(svc.lm.tokenizer, question)
-    gen = svc.engine.generate(ids, None, "kv", max_new_tokens)
-    return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
-            "generated_tokens": len(gen.token_ids)}
+    return bare(svc, question, max_new_tokens)
 
 
 def _record(ans, q, window) -> dict:
@@ -110,16 +105,14 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
         model: str, engine: str, max_new_tokens: int = 32, store_device: str = "host", show_progress: bool = True,
         echo=print, tails: list[int] = (), methods: list[str] = ()) -> dict:
     """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
-    any further serving methods (``serve.parse_mode``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
-    from ..serve import same_prompt
+    any further serving methods (``policy.parse_mode``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
+    from ..engines.select import check_methods
+    from ..service import same_prompt
 
     note = store_device_note(store_device)
     modes = MODES + tuple(dict.fromkeys([f"kv-tail{r}" for r in tails if r > 0] + list(methods)))
-    from ..serve import check_methods_engine
-
-    check_methods_engine(modes, engine)
+    check_methods(modes, engine)
     setup = Setup.load(data, samples, model, engine, show_progress)
-    engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")
@@ -161,11 +154,12 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
         per_window[str(w)] = summarize(records, ks, w, modes)
 
     head = per_window[str(windows[0])]
+    engine = setup.engine_name
     summary = {
         "command": "bench latency", "engine": engine, "model": model, "data": str(data),
         "samples": [c.sample_id for c in setup.convs], "questions": len(qs), "k": ks, "windows": windows,
         "max_new_tokens": max_new_tokens, "store_device": store_device, "store_device_note": note,
-        "engine_note": "hf engine: one request at a time, greedy, batch size 1" if engine == "hf" else "",
+        "engine_note": "" if setup.start().batches else f"{engine} engine: one request at a time, greedy, batch size 1",
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in __import__("os").getloadavg()]},
         "window": windows[0],
         "ttft_ms": head["ttft_ms"], "ratios": head["ratios"], "overhead_fraction": head["overhead_fraction"],

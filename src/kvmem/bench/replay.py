@@ -23,7 +23,7 @@ from pathlib import Path
 from .common import answer_batch, log_err, machine, median, p95, pyplot, table, write_json
 
 ARMS = ("observations", "infer", "raw")
-VLLM_BATCH = 32
+BATCH = 32
 
 
 def session_timestamp(date: str, fallback: float) -> float:
@@ -55,7 +55,7 @@ def replay_questions(conv, sessions: int) -> list[tuple[int, object]]:
 
 def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err, engine=None) -> dict:
     """Replay ``conv`` (already cut to the replayed sessions) into a fresh store at ``root``; the arm's figures."""
-    from ..ingest import ingest_conversation
+    from ..locomo_ingest import ingest_conversation
     from ..memory import Memory
 
     if root.exists():
@@ -103,22 +103,22 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
     from ..bench.eval_locomo import CATEGORY_NAMES, locomo_f1
     from ..models import load
     from ..retrieve import Embedder
-    from .common import check_engine, load_samples, make_service
+    from ..engines.select import open_engine
+    from ..service import MemoryService
+    from .common import check_engine, load_samples
 
-    engine = check_engine(engine)
+    check_engine(engine)
     for a in arms:
         if a not in ARMS:
             raise ValueError(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
     out.mkdir(parents=True, exist_ok=True)
     convs = [cut(c, sessions) for c in load_samples(Path(data), samples)]
     lm, embedder = load(model), Embedder()
-    vllm = None
-    if engine == "vllm":  # one engine: extraction (guided decoding) and answers
-        from ..engines.vllm_engine import VLLMEngine
-        from ..models import model_dir
-
-        vllm = VLLMEngine(model_dir(lm.name), dtype=str(lm.dtype).removeprefix("torch."), max_model_len=8192,
-                          stores=[out / "stores"])
+    opened = open_engine(lm, engine, stores=[out / "stores"], max_model_len=8192)  # extraction and answers
+    if opened.note:
+        log_err(opened.note)
+    eng = opened.engine
+    engine = eng.name
     import json
 
     done = json.loads((out / "builds.json").read_text()) if reuse and (out / "builds.json").exists() else []
@@ -131,7 +131,7 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
                 log_err(f"replay {conv.sample_id} arm {arm}: reusing the store built earlier")
                 continue
             log_err(f"replay {conv.sample_id} ({len(conv.turns)} turns, sessions 1-{sessions}) arm {arm} ...")
-            b = build_arm(arm, conv, out / "stores" / arm / conv.sample_id, lm, embedder, window, engine=vllm)
+            b = build_arm(arm, conv, out / "stores" / arm / conv.sample_id, lm, embedder, window, engine=eng)
             log_err(f"  -> {b['facts']} facts, {b['stored_bytes'] / 1e6:.1f} MB, add p50 {b['add_ms_p50']} ms "
                     f"p95 {b['add_ms_p95']} ms ({b['build_s']} s)")
             builds.append(b)
@@ -141,17 +141,11 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
         svcs = {}
         for conv in convs:
             root = out / "stores" / arm / conv.sample_id
-            if engine == "vllm":
-                from ..engines.vllm_engine import bench_service
-
-                svcs[conv.sample_id] = bench_service(root, lm, embedder, vllm)
-            else:
-                svcs[conv.sample_id] = make_service(engine, root, lm, embedder)
-            vllm = getattr(svcs[conv.sample_id], "vllm", None)
+            svcs[conv.sample_id] = MemoryService(root, eng, lm, embedder)
         items = [(c.sample_id, i, q, mode) for c in convs for i, q in replay_questions(c, sessions)
                  for mode in ("kv", "prompt")]
-        for s in range(0, len(items), VLLM_BATCH):
-            chunk = items[s:s + VLLM_BATCH]
+        for s in range(0, len(items), BATCH):
+            chunk = items[s:s + BATCH]
             answers = answer_batch(svcs, [(c, q.question, k, m) for c, _, q, m in chunk], max_new_tokens)
             for (sample, i, q, mode), a in zip(chunk, answers):
                 records.append({"arm": arm, "sample": sample, "qid": f"{sample}#{i}", "category": q.category,

@@ -19,35 +19,28 @@ from .common import (
     write_csv, write_summary_and_records)
 
 MODES = ("kv", "prompt")
-HF_NOTE = ("hf engine: requests are served one at a time in arrival order (batch size 1, no continuous "
+SEQUENTIAL_NOTE = ("hf engine: requests are served one at a time in arrival order (batch size 1, no continuous "
            "batching); the 2·U requests of a round are all queued at t=0 and drained sequentially, so QPS "
            "here is the single-stream rate including retrieval and composition, not a batched one")
 
 
-VLLM_NOTE = ("vllm engine: each round's 2·U requests are retrieved and composed, then submitted together in one "
+BATCHED_NOTE = ("vllm engine: each round's 2·U requests are retrieved and composed, then submitted together in one "
              "generate call (continuous batching, ignore_eos); QPS includes retrieval and composition")
 
 
-def _fixed_length(svcs, tokens: int) -> None:
-    """Exactly ``tokens`` output tokens: an engine that never stops on EOS."""
-    from ..engines.hf import HFEngine
-
-    for svc in svcs.values():
-        if isinstance(getattr(svc, "engine", None), HFEngine):
-            svc.engine = HFEngine(svc.lm.model, eos_token_ids=[])
-
-
-def _hf_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tuple[object, float]]:
-    """FIFO: the hf engine serves one request at a time. Returns (Answer, completion ms since t0) per request."""
+def _sequential_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tuple[object, float]]:
+    """FIFO, for an engine that serves one request at a time. Returns (Answer, completion ms since t0) per
+    request."""
     out = []
     for _, q in reqs:
-        a = svcs[q.sample].ask(q.sample, q.question, k, mode, tokens)
+        (a,) = answer_batch(svcs, [(q.sample, q.question, k, mode)], tokens, ignore_eos=True)
         out.append((a, (time.perf_counter() - t0) * 1e3))
     return out
 
 
-def _vllm_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tuple[object, float]]:
-    """All requests of a round go to vLLM in one batch (``answer_batch``); completion time is the batch's end."""
+def _batched_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tuple[object, float]]:
+    """All requests of a round go to the engine in one batch (``answer_batch``); completion time is the batch's
+    end."""
     answers = answer_batch(svcs, [(q.sample, q.question, k, mode) for _, q in reqs], tokens, ignore_eos=True)
     t_done = (time.perf_counter() - t0) * 1e3
     return [(a, t_done) for a in answers]
@@ -73,7 +66,6 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         show_progress: bool = True, echo=print) -> dict:
     note = store_device_note(store_device)
     setup = Setup.load(data, samples, model, engine, show_progress)
-    engine = setup.engine  # auto resolved
     qs = select_questions(setup.convs, questions)
     per_sample = {}
     for q in qs:
@@ -82,7 +74,9 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         raise ValueError("throughput needs at least 2 category 1-4 questions per sample (raise --questions)")
     info = machine()
     svcs = setup.services(window, log_err)
-    _fixed_length(svcs, tokens)
+    eng = setup.start()
+    engine, batches = eng.name, eng.batches
+    run_round = _batched_round if batches else _sequential_round
     q0 = qs[0]
     for mode in MODES:  # warm-up
         svcs[q0.sample].ask(q0.sample, q0.question, k, mode, tokens)
@@ -95,8 +89,7 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         for mode in (MODES if ui % 2 == 0 else MODES[::-1]):
             t0 = time.perf_counter()
             done = []
-            served = _vllm_round(svcs, reqs, k, mode, tokens, t0) if engine == "vllm" else _hf_round(
-                svcs, reqs, k, mode, tokens, t0)
+            served = run_round(svcs, reqs, k, mode, tokens, t0)
             for ri, ((user, q), (a, t_done)) in enumerate(zip(reqs, served)):
                 if a.generated_tokens != tokens:
                     raise AssertionError(f"expected exactly {tokens} output tokens, got {a.generated_tokens}")
@@ -120,7 +113,7 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
         "samples": [c.sample_id for c in setup.convs], "users": users, "k": k, "window": window,
         "output_tokens": tokens, "requests_per_user": 2, "qps": qps, "ratios": ratios, "latency": lat,
         "includes_retrieval_and_composition": True,
-        "concurrency_note": HF_NOTE if engine == "hf" else VLLM_NOTE,
+        "concurrency_note": BATCHED_NOTE if batches else SEQUENTIAL_NOTE,
         "store_device": store_device, "store_device_note": note,
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
@@ -145,8 +138,8 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
     fig.savefig(out / "qps_vs_users.png", dpi=120)
     plt.close(fig)
     echo(table(rows, header))
-    if engine == "hf":
-        echo(HF_NOTE)
+    if not batches:
+        echo(SEQUENTIAL_NOTE)
     echo(note)
     echo(f"wrote {out}/summary.json, records.json, records.csv, summary.csv, qps_vs_users.png")
     return summary

@@ -1,19 +1,40 @@
 """The seam between kvmem and an inference engine.
 
-kvmem owns retrieval, composition and the memory reference; an engine owns prefill and decode. Two engines
-implement the same two protocols: ``hf.HFEngine`` / ``hf.AsyncHFEngine`` (transformers, the exact reference; one
-request at a time) and ``vllm_engine.VLLMEngine`` / ``vllm_engine.AsyncVLLMEngine`` (stock vLLM with the kvmem
-connector; continuous batching). ``serve.MemoryService`` and the HTTP server (``server``) receive an engine and
-never ask which one it is.
+kvmem owns retrieval, composition and the memory plan; an engine owns prefill and decode. Two engines implement
+the two roles below:
 
-``memory`` is what ``MemoryService.prepare`` made for that engine: a ``compose.ComposedMemory`` (hf: the rotated
-KV itself) or a ``vllm_engine.MemoryRef`` (vLLM: the store, user, version and fact ids the connector reads).
+* ``hf``: transformers, the exact reference; one request at a time (``hf.HFEngine`` / ``hf.AsyncHFEngine``);
+* ``vllm``: stock vLLM with the kvmem KV connector; continuous batching (``vllm_engine.VLLMEngine`` /
+  ``vllm_engine.AsyncVLLMEngine``).
+
+``Engine`` is the synchronous role (``kvmem ask``, benchmarks), ``AsyncEngine`` the one shared by concurrent
+requests (the HTTP server). ``engines.select`` builds both; everything else receives one and never asks which
+it is. What differs between engines is a method or a capability here:
+
+* how memory reaches it: ``memory(plan)`` turns the service's ``MemoryPlan`` into what ``EngineRequest.memory``
+  carries: composed, rotated KV (hf) or a reference the connector's worker reads from the store (vLLM);
+* ``selective_recompute``: whether it can recompute tokens inside an injected prefix;
+* ``batches``: whether concurrent requests run in one batch (continuous batching) or one at a time.
+
+Paper §3.3 (serving path).
 """
 
 from __future__ import annotations
 
+import inspect
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator
+
+from ..hardware import EngineUnavailable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..store import Store, UserKV
+
+__all__ = ["AsyncEngine", "Delta", "Engine", "EngineBusy", "EngineRequest", "EngineUnavailable", "Generation",
+           "MemoryPlan", "Sampling", "check_implements"]
 
 
 class EngineBusy(RuntimeError):
@@ -34,6 +55,67 @@ class Sampling:
 
 
 @dataclass
+class MemoryPlan:
+    """What the service retrieved for one request, for the engine to turn into injectable memory.
+
+    ``snapshot``: the user's memory version the rows index (``Store.snapshot``; its KV segments may be absent:
+    an engine that needs them reads them, ``Engine.memory``); ``rows``: injected facts in order (rows of
+    ``snapshot.facts``); ``header_ids``: the store's header token ids; ``served_len``: tokens of the whole served
+    prompt (for length-dependent RoPE); ``recompute``: fraction of fact tokens to recompute (selective recompute,
+    0 = off); ``memory_tokens``: set when the prompt goes on with more facts that the engine prefills (tail
+    recompute): the injected length."""
+
+    store: Store
+    snapshot: UserKV
+    rows: list[int]
+    header_ids: list[int]
+    served_len: int
+    recompute: float = 0.0
+    memory_tokens: int | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Header + injected facts' token ids, [m]."""
+        return list(self.header_ids) + [t for r in self.rows for t in self.snapshot.facts[r].token_ids]
+
+    @property
+    def fact_ids(self) -> list[str]:
+        return [self.snapshot.facts[r].fact_id for r in self.rows]
+
+
+@dataclass
+class EngineRequest:
+    """One generation. ``prompt_ids``: the whole prompt, memory ids first; ``memory``: what ``Engine.memory``
+    made (None: prefill every prompt token, as prompt injection and a bare chat do); ``query_len``: how many of
+    the last prompt ids follow the injected memory (prefilled in kv mode)."""
+
+    prompt_ids: list[int]
+    memory: object | None = None
+    query_len: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
+    prefix_cache: bool = False  # a memory-less prompt may reuse the engine's prefix cache (default: cold, as a baseline)
+
+
+@dataclass
+class Generation:
+    """A finished generation. ``token_ids``: generated ids; ``ttft_ms``: engine call start (vLLM: arrival) ->
+    first token; ``decode_ms``: first -> last token; ``prefilled_tokens``: prompt tokens the engine computed (the
+    rest came from injected memory or the prefix cache); ``first_logits``: [vocab] float32 logits at the last
+    prompt position (empty where the engine returns none); ``step_logits``: per generated token, when asked;
+    ``extra``: engine counters (vLLM: ``num_cached_tokens``, ``engine_prefill_ms``)."""
+
+    token_ids: list[int]
+    ttft_ms: float
+    decode_ms: float
+    prefilled_tokens: int
+    first_logits: torch.Tensor | None = None
+    step_logits: list = field(default_factory=list)
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
 class Delta:
     """One streamed step: new token ids; on the last one ``finished`` and the request's counts and timings.
     ``prefilled_tokens``: prompt tokens the engine computed (the rest came from the injected memory or the
@@ -48,29 +130,86 @@ class Delta:
     extra: dict = field(default_factory=dict)
 
 
-class Engine(Protocol):
-    """A synchronous engine (benchmarks, ``kvmem ask``)."""
-
-    name: str
-    max_model_len: int
-
-    def generate(self, prompt_ids: list[int], memory, sampling: Sampling, mode: str = "kv"): ...
-
-    def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]: ...
+class _Capabilities:
+    name: str = ""
+    max_model_len: int = 0
+    selective_recompute: bool = False
+    batches: bool = False
 
 
-class AsyncEngine(Protocol):
-    """An engine shared by many concurrent requests (the HTTP server). ``stream`` yields ``Delta``s; closing the
+class Engine(_Capabilities, ABC):
+    """The synchronous role: ``kvmem ask``, the benchmarks, the evaluations."""
+
+    @abstractmethod
+    def memory(self, plan: MemoryPlan) -> object:
+        """The injectable memory for ``plan`` (goes in ``EngineRequest.memory``). Raises ValueError for what this
+        engine cannot do (e.g. ``plan.recompute`` without ``selective_recompute``); StoreError for unreadable KV."""
+
+    @abstractmethod
+    def generate(self, requests: list[EngineRequest]) -> list[Generation]:
+        """Generations for ``requests``, in order (batched where the engine batches). Raises ValueError for an
+        empty prompt."""
+
+    @abstractmethod
+    def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        """Greedy token ids for ``prompt_ids`` constrained to the JSON ``schema`` (fact extraction)."""
+
+    def close(self) -> None:
+        """Stop what the engine started (processes, threads). Idempotent."""
+
+
+class AsyncEngine(_Capabilities, ABC):
+    """The role shared by many concurrent requests (the HTTP server). ``stream`` yields ``Delta``s; closing the
     iterator (a client that disconnects) aborts the request. Raises EngineBusy when it cannot take more."""
 
-    name: str
-    max_model_len: int
+    @abstractmethod
+    async def memory(self, plan: MemoryPlan) -> object:
+        """As ``Engine.memory``, without blocking the event loop."""
 
-    def stream(self, request_id: str, prompt_ids: list[int], memory, sampling: Sampling, mode: str = "kv",
-               query_len: int = 0) -> AsyncIterator[Delta]: ...
+    @abstractmethod
+    def stream(self, request_id: str, request: EngineRequest) -> AsyncIterator[Delta]:
+        """Deltas of one request, the last with ``finished`` and the counts."""
 
-    async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]: ...
+    @abstractmethod
+    async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        """As ``Engine.complete_json``."""
 
-    def queue_depth(self) -> int: ...
+    def queue_depth(self) -> int:
+        """Requests waiting for or running in the engine."""
+        return 0
 
-    async def shutdown(self) -> None: ...
+    def sync_json(self, loop) -> object:
+        """An object with a blocking ``complete_json`` for code on a worker thread (fact extraction during a
+        write): by default it runs this engine's coroutine on ``loop`` (the server's event loop) and waits."""
+        return _LoopJSON(self, loop)
+
+    async def shutdown(self) -> None:
+        """Stop what the engine started. Idempotent."""
+
+
+class _LoopJSON:
+    def __init__(self, engine: AsyncEngine, loop):
+        self.engine, self.loop = engine, loop
+
+    def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self.engine.complete_json(prompt_ids, schema, max_tokens),
+                                                self.loop).result()
+
+
+def check_implements(impl: type, role: type) -> list[str]:
+    """What ``impl`` lacks to satisfy ``role`` (``Engine`` or ``AsyncEngine``): abstract methods left
+    unimplemented, and methods whose parameters differ from the role's. Empty when it satisfies it."""
+    problems = [f"{impl.__name__}.{m} is not implemented" for m in getattr(impl, "__abstractmethods__", ())]
+    for name, member in inspect.getmembers(role, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        want = list(inspect.signature(member).parameters)
+        got = list(inspect.signature(getattr(impl, name)).parameters)
+        if got[:len(want)] != want or any(inspect.signature(getattr(impl, name)).parameters[p].default
+                                          is inspect.Parameter.empty for p in got[len(want):]):
+            problems.append(f"{impl.__name__}.{name}{tuple(got)} does not match {role.__name__}.{name}{tuple(want)}")
+    if not issubclass(impl, role):
+        problems.append(f"{impl.__name__} is not a {role.__name__}")
+    return problems

@@ -8,33 +8,31 @@ Mem0-style baseline) prefills the whole identical token sequence instead.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import math
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
-from ..compose import ComposedMemory
-from ..rope import reset_rope_state, served_length
-from .base import Delta, EngineBusy, Sampling
+from ..compose import ComposedMemory, compose
+from ..rope import Rotary, reset_rope_state, served_length
+from .base import AsyncEngine, Delta, Engine, EngineBusy, EngineRequest, Generation, MemoryPlan, Sampling
 
 
 @dataclass
-class Generation:
-    """token_ids: generated ids (greedy); ttft_ms: model call start -> first token's logits;
-    prefilled_tokens: tokens the engine ran a forward pass over before the first token;
-    first_logits: [vocab] float32 logits at the last prompt position."""
+class HFMemory:
+    """What the transformers engine injects: the composed, rotated KV, and the selective-recompute fraction of
+    its fact tokens (after ``header_len`` header tokens) to recompute first."""
 
-    token_ids: list[int]
-    ttft_ms: float
-    decode_ms: float
-    prefilled_tokens: int
-    first_logits: torch.Tensor
-    step_logits: list[torch.Tensor] = field(default_factory=list)
+    composed: ComposedMemory
+    recompute: float = 0.0
+    header_len: int = 0
 
 
 GQA_SDPA = "kvmem_gqa_sdpa"
@@ -84,15 +82,17 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
 
 
 def use_gqa_sdpa(model) -> None:
-    """Switch a model on transformers' plain ``sdpa`` attention to ``gqa_sdpa_attention_forward`` (same masks)."""
+    """Switch a model on transformers' plain ``sdpa`` attention to ``gqa_sdpa_attention_forward`` (same masks),
+    through transformers' own attention registry and ``set_attn_implementation``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     if model.config._attn_implementation != "sdpa" or getattr(model.config, "attn_logit_softcapping", None):
         return
-    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
-    AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    model.config._attn_implementation = GQA_SDPA
+    if GQA_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention_forward)
+        AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(GQA_SDPA)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -176,26 +176,84 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     return cache, sel, len(query_ids) + n_sel
 
 
-class HFEngine:
-    """Greedy generation with optional injected memory. Picks nothing itself: runs on the model's device."""
+class HFEngine(Engine):
+    """The transformers reference engine: injects composed KV into a ``DynamicCache`` and prefills the query, one
+    request at a time, on the model's device. ``eos_token_ids``: where answers end (default: the model's EOS);
+    ``max_model_len``: context limit (default: the model's)."""
 
-    def __init__(self, model, eos_token_ids: list[int] | None = None):
+    name = "hf"
+    selective_recompute = True
+    batches = False
+
+    def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None,
+                 tokenizer=None):
         use_gqa_sdpa(model)
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer  # the tokenizer: JSON grammars (complete_json) only
         self.device = next(model.parameters()).device
+        self.rotary = Rotary.for_model(model)
+        self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
+
+    def memory(self, plan: MemoryPlan) -> HFMemory:
+        """Compose ``[header][facts]`` with chunked RoPE on this engine's device (paper §3.3). Reads the rows' KV
+        from the store when ``plan.snapshot`` holds none (LookupError if that version was replaced meanwhile)."""
+        ukv = plan.snapshot
+        if not ukv.segments and plan.rows:
+            ukv = plan.store.snapshot(ukv.user, version=ukv.version)
+        composed = compose(self.rotary, plan.header_ids, plan.store.header_kv(), ukv, plan.rows, device=self.device,
+                           served_len=plan.served_len)
+        return HFMemory(composed, plan.recompute, len(plan.header_ids))
+
+    def generate(self, requests: list[EngineRequest]) -> list[Generation]:
+        return [self.run_request(r) for r in requests]
+
+    def run_request(self, request: EngineRequest, on_token=None, cancel=None) -> Generation:
+        """One ``EngineRequest``: kv mode with an ``HFMemory``, else the whole prompt prefilled from position 0."""
+        mem = request.memory
+        if mem is None:
+            return self.run(list(request.prompt_ids), None, "prompt", sampling=request.sampling, on_token=on_token,
+                            cancel=cancel)
+        query = list(request.prompt_ids[len(request.prompt_ids) - request.query_len:])
+        return self.run(query, mem.composed, "kv", sampling=request.sampling, on_token=on_token, cancel=cancel,
+                        recompute=mem.recompute, header_len=mem.header_len)
+
+    def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
+        """Greedy ids under xgrammar's JSON-schema logits processor (transformers ``generate``)."""
+        import xgrammar as xgr
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        key = json.dumps(schema, sort_keys=True)
+        compiled = self._grammars.get(key)
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("complete_json needs the engine's tokenizer (HFEngine(..., tokenizer=...))")
+        if compiled is None:
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.model.config.vocab_size)
+            compiled = xgr.GrammarCompiler(info).compile_json_schema(key)
+            if len(self._grammars) >= 64:  # per-call schemas: keep the compile cache bounded
+                self._grammars.clear()
+            self._grammars[key] = compiled
+        x = torch.tensor([prompt_ids], device=self.device)
+        pad = tok.pad_token_id or tok.eos_token_id
+        with torch.inference_mode():
+            out = self.model.generate(x, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
+                                      logits_processor=[LogitsProcessor(compiled)])
+        return out[0, x.shape[1]:].tolist()
+
+    @functools.cached_property
+    def _grammars(self) -> dict:
+        return {}
 
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def generate(self, query_ids: list[int], memory: ComposedMemory | None = None, mode: str = "kv",
-                 max_new_tokens: int = 32, keep_step_logits: bool = False, sampling: Sampling | None = None,
-                 on_token=None, cancel=None, recompute: float = 0.0, header_len: int = 0) -> Generation:
-        """Answer ``query_ids`` after ``memory``.
-
+    def run(self, query_ids: list[int], memory: ComposedMemory | None = None, mode: str = "kv",
+            max_new_tokens: int = 32, keep_step_logits: bool = False, sampling: Sampling | None = None,
+            on_token=None, cancel=None, recompute: float = 0.0, header_len: int = 0) -> Generation:
+        """Answer ``query_ids`` after ``memory``: the reference call the exactness checks use.
         mode "kv": inject ``memory`` (already rotated) and prefill only ``query_ids`` at positions memory.end...
         mode "prompt": prefill ``memory.token_ids + query_ids`` at positions memory.start...
         Without memory both modes prefill the bare query at position 0.
@@ -259,25 +317,33 @@ class HFEngine:
                 steps.append(logits)
             pos += 1
         self._sync()
-        return Generation(tokens, ttft_ms, (time.perf_counter() - t1) * 1e3, len(ids) + extra, first_logits, steps)
+        stopped = tokens[-1] in eos
+        return Generation(tokens, ttft_ms, (time.perf_counter() - t1) * 1e3, len(ids) + extra, first_logits, steps,
+                          prompt_tokens=len(memory or ()) + len(query_ids), finish_reason="stop" if stopped else "length")
 
 
-class AsyncHFEngine:
-    """``HFEngine`` behind the ``AsyncEngine`` protocol: one request at a time on one worker thread (the
-    reference engine does not batch), at most ``max_queue`` waiting (then EngineBusy -> HTTP 429). Closing a
-    stream sets its cancel event: decoding stops at the next token. ``pool``: a one-thread executor to share
-    with other work on the same model (the server's writes); default: its own."""
+class AsyncHFEngine(AsyncEngine):
+    """``HFEngine`` in the ``AsyncEngine`` role: one request at a time on one worker thread (the reference engine
+    does not batch), at most ``max_queue`` waiting (then EngineBusy -> HTTP 429). Closing a stream sets its cancel
+    event: decoding stops at the next token. ``pool``: a one-thread executor shared with other work on the same
+    model (the server's writes), so the model and its RoPE state serve one caller at a time; default: its own."""
 
     name = "hf"
+    selective_recompute = True
+    batches = False
 
-    def __init__(self, engine: HFEngine, max_model_len: int, max_queue: int = 64,
-                 pool: ThreadPoolExecutor | None = None):
-        self.engine, self.max_model_len, self.max_queue = engine, max_model_len, max_queue
+    def __init__(self, engine: HFEngine, max_queue: int = 64, pool: ThreadPoolExecutor | None = None):
+        self.engine, self.max_model_len, self.max_queue = engine, engine.max_model_len, max_queue
+        self._own_pool = pool is None
         self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-hf")
         self._pending = 0
 
     def queue_depth(self) -> int:
         return self._pending
+
+    async def memory(self, plan: MemoryPlan) -> HFMemory:
+        """``HFEngine.memory`` on the model thread (composition uses the model's RoPE state)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.engine.memory, plan)
 
     def _submit(self, fn):
         if self._pending >= self.max_queue:
@@ -288,22 +354,19 @@ class AsyncHFEngine:
         fut.add_done_callback(lambda _: setattr(self, "_pending", self._pending - 1))
         return fut
 
-    async def stream(self, request_id: str, prompt_ids: list[int], memory, sampling: Sampling, mode: str = "kv",
-                     query_len: int = 0, recompute: float = 0.0, header_len: int = 0):
-        """``prompt_ids`` = memory ids + the ``query_len`` conversation ids; ``memory``: the composed KV (None:
-        no memory); ``recompute``, ``header_len``: selective recompute (``HFEngine.generate``). Yields a Delta per
-        token, the last with the counts."""
+    async def stream(self, request_id: str, request: EngineRequest):
+        """A Delta per generated token, the last with the counts (``HFEngine.run_request``)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        query = list(prompt_ids[len(prompt_ids) - query_len:]) if memory is not None else list(prompt_ids)
         put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
 
         def run():
+            if cancel.is_set():  # the request was abandoned while it waited
+                put(("err", asyncio.CancelledError()))
+                return
             try:
-                put(("done", self.engine.generate(query, memory, mode, sampling=sampling,
-                                                  on_token=lambda t: put(("tok", t)), cancel=cancel,
-                                                  recompute=recompute, header_len=header_len)))
+                put(("done", self.engine.run_request(request, on_token=lambda t: put(("tok", t)), cancel=cancel)))
             except BaseException as exc:  # reaches the request, not the worker thread
                 put(("err", exc))
 
@@ -316,15 +379,19 @@ class AsyncHFEngine:
                 elif kind == "err":
                     raise x
                 else:
-                    stopped = bool(x.token_ids) and x.token_ids[-1] in (self.engine.eos | set(sampling.stop_token_ids))
-                    yield Delta([], True, "stop" if stopped else "length", len(prompt_ids), x.prefilled_tokens,
-                                x.ttft_ms)
+                    yield Delta([], True, x.finish_reason, len(request.prompt_ids), x.prefilled_tokens, x.ttft_ms)
                     return
         finally:
             cancel.set()
 
+    def sync_json(self, loop) -> HFEngine:
+        """The transformers engine itself: writes already run on its model thread."""
+        return self.engine
+
     async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
-        raise NotImplementedError("the transformers engine decodes JSON through extract.LocalExtractor")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.engine.complete_json, prompt_ids, schema, max_tokens)
 
     async def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_pool:
+            self._pool.shutdown(wait=False, cancel_futures=True)

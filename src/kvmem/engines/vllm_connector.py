@@ -98,6 +98,7 @@ def kvmem_params(store: str, user: str, version: str, fact_ids: list[str], start
 
 _LOCK = threading.Lock()
 _STORES: dict[str, Any] = {}
+_CACHE_BYTES = [1 << 30]  # each store's cache bound in this process: kv_connector_extra_config["cache_bytes"]
 _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 
 
@@ -109,7 +110,7 @@ def _store(root: str):
     with _LOCK:
         st = _STORES.get(root)
         if st is None or st._manifest_ino != ino:
-            st = _STORES[root] = Store.open(root)
+            st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0])
             st._manifest_ino = ino
             for k in [k for k in _FACT_TOKENS if k[0] == root]:
                 del _FACT_TOKENS[k]
@@ -215,6 +216,8 @@ class KvmemConnector(KVConnectorBase_V1):
         self._hf_config = vllm_config.model_config.hf_config
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._metrics_file = extra.get("metrics_file")
+        if extra.get("cache_bytes"):
+            _CACHE_BYTES[0] = int(extra["cache_bytes"])
         self._allowed = [Path(p).resolve() for p in extra.get("stores") or []]
         self._identity = engine_identity(vllm_config)
         self._trusted: dict[tuple[str, str], str | None] = {}  # (root, store_id) -> None if it matches, else why

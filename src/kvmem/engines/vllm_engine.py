@@ -23,8 +23,19 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from ..hardware import EngineUnavailable, resolve_dtype  # noqa: E402
-from .hf import Generation  # noqa: E402
+from ..hardware import resolve_dtype  # noqa: E402
+from ..models import head_dim  # noqa: E402
+from .base import (  # noqa: E402
+    AsyncEngine,
+    Delta,
+    Engine,
+    EngineBusy,
+    EngineRequest,
+    EngineUnavailable,
+    Generation,
+    MemoryPlan,
+    Sampling,
+)
 from .vllm_connector import kvmem_cache_salt, kvmem_params, tail_salt  # noqa: E402
 
 CONNECTOR = "KvmemConnector"
@@ -35,7 +46,6 @@ CONNECTOR_MODULE = "kvmem.engines.vllm_connector"
 class VLLMGeneration(Generation):
     """``Generation`` plus vLLM's own per-request counters. ``first_logits`` is empty (vLLM returns no logits)."""
 
-    prompt_tokens: int = 0
     num_cached_tokens: int = 0
     engine_prefill_ms: float = 0.0  # engine-core scheduled -> first token
 
@@ -62,12 +72,53 @@ class MemoryRef:
         return salt if self.memory_tokens is None else tail_salt(salt, self.memory_tokens)
 
 
+def memory_ref(plan: MemoryPlan) -> MemoryRef:
+    """The connector's reference for ``plan``: the worker reads and composes the facts' KV itself. Raises
+    ValueError for selective recompute (vLLM's connector can report an injected prefix, not tokens to recompute
+    inside it)."""
+    if plan.recompute:
+        raise ValueError("kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
+                         "KV connector can report an injected prefix, not tokens to recompute inside it")
+    store = plan.store
+    return MemoryRef(str(store.root.resolve()), store.manifest["store_id"], plan.snapshot.user, plan.snapshot.version,
+                     plan.fact_ids, memory_tokens=plan.memory_tokens)
+
+
+def cold_salt() -> str:
+    """A fresh cache salt: the prompt shares no prefix-cache block, so it is prefilled in full."""
+    return f"cold:{uuid.uuid4().hex}"
+
+
+def prompt_of(request: EngineRequest) -> dict:
+    """vLLM's prompt for ``request``: its ids and cache salt (the memory's, or a cold one unless the request may
+    use the prefix cache)."""
+    prompt = {"prompt_token_ids": list(request.prompt_ids)}
+    if request.memory is not None:
+        prompt["cache_salt"] = request.memory.salt
+    elif not request.prefix_cache:
+        prompt["cache_salt"] = cold_salt()
+    return prompt
+
+
+def sampling_params(sampling: Sampling, memory: MemoryRef | None, schema: dict | None = None, delta: bool = False):
+    """vLLM ``SamplingParams`` for kvmem's ``Sampling``, the memory's kvmem params, an optional JSON schema
+    (guided decoding) and, for streaming, delta outputs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    extra = {"kv_transfer_params": memory.params} if memory is not None else None
+    kw = {"output_kind": RequestOutputKind.DELTA} if delta else {}
+    return SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
+        ignore_eos=sampling.ignore_eos, detokenize=False, extra_args=extra,
+        stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
+        structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None, **kw)
+
+
 def kv_bytes_per_token(config, dtype: str) -> int:
     """KV-cache bytes one token takes in vLLM: 2 (K, V) x layers x num_kv_heads x head_dim x dtype bytes. Every
     layer counts at full length: the connector does not implement ``SupportsHMA``, so sliding-window layers get
     full-size KV too."""
-    from ..models import head_dim
-
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize
 
@@ -88,7 +139,7 @@ def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int,
 
 
 def engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process, enforce_eager,
-                  skip_tokenizer_init, metrics_file, seed, stores, **llm_kwargs) -> dict:
+                  skip_tokenizer_init, metrics_file, seed, stores, cache_bytes=None, **llm_kwargs) -> dict:
     """vLLM engine arguments with the kvmem connector (shared by ``LLM`` and ``AsyncEngineArgs``); see VLLMEngine."""
     dtype = resolve_dtype(dtype)
     max_model_len = fit_max_model_len(model, dtype, kv_cache_memory_bytes, max_model_len)
@@ -100,6 +151,8 @@ def engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size
     extra = {"stores": [str(Path(p).resolve()) for p in stores]}
     if metrics_file:
         extra["metrics_file"] = metrics_file
+    if cache_bytes:
+        extra["cache_bytes"] = int(cache_bytes)  # the worker's store caches
     kwargs = dict(
         model=str(model), dtype=dtype, kv_cache_memory_bytes=int(kv_cache_memory_bytes),
         max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
@@ -121,8 +174,8 @@ def _one_line(exc: Exception) -> str:
     return f"vLLM could not start ({type(exc).__name__}: {first})"
 
 
-class VLLMEngine:
-    """Greedy generation on a vLLM engine with the kvmem connector.
+class VLLMEngine(Engine):
+    """Stock vLLM (``vllm.LLM``) with the kvmem connector, in the synchronous ``Engine`` role.
 
     Args:
         model: a HF safetensors folder (e.g. ``models.model_dir(name)``).
@@ -140,6 +193,10 @@ class VLLMEngine:
     Raises EngineUnavailable (one line) if vLLM cannot start.
     """
 
+    name = "vllm"
+    selective_recompute = False
+    batches = True
+
     def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
                  enforce_eager: bool = True, skip_tokenizer_init: bool = False, metrics_file: str | None = None,
@@ -149,65 +206,61 @@ class VLLMEngine:
         self.max_model_len, in_process = kwargs["max_model_len"], kwargs.get("distributed_executor_backend") == "uni"
         from vllm import LLM
 
-        self.in_process = in_process
+        self.in_process, self.metrics_file = in_process, metrics_file
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many kinds; the user gets one line, never a traceback box
             raise EngineUnavailable(_one_line(exc)) from exc
 
-    def _sampling(self, max_new_tokens: int, memory: MemoryRef | None, ignore_eos: bool,
-                  stop_token_ids: list[int] | None = None):
-        from vllm import SamplingParams
+    def memory(self, plan: MemoryPlan) -> MemoryRef:
+        return memory_ref(plan)
 
-        extra = {"kv_transfer_params": memory.params} if memory is not None else None
-        return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                              detokenize=False, extra_args=extra,
-                              stop_token_ids=None if ignore_eos else list(stop_token_ids or []) or None)
+    def generate(self, requests: list[EngineRequest]) -> list[VLLMGeneration]:
+        """One ``llm.generate`` call for all ``requests`` (continuous batching)."""
+        outs = self.llm.generate([prompt_of(r) for r in requests],
+                                 [sampling_params(r.sampling, r.memory) for r in requests], use_tqdm=False)
+        return [self.generation_of(o) for o in outs]
 
     def generate_many(self, prompts: list[list[int]], memories: list[MemoryRef | None], max_new_tokens: int = 32,
                       ignore_eos: bool = False, salts: list[str | None] | None = None,
                       stop_token_ids: list[int] | None = None) -> list[VLLMGeneration]:
-        """Greedy answers for full prompt token ids (memory ids + query ids), one batch.
-
-        A prompt with a MemoryRef gets the memory's kvmem params and user/version cache salt (the connector
-        injects the memory's KV); one without gets ``salts[i]`` (None: shared prefix cache; give a unique salt
-        for a cold prompt-injection baseline). ``stop_token_ids``: the service's stop rule (the same ids the
-        transformers engine stops at), on top of vLLM's EOS.
-        """
+        """Greedy answers with explicit cache salts (the connector tests): a prompt with a MemoryRef gets its
+        params and salt; one without gets ``salts[i]`` (None: the shared prefix cache)."""
         salts = salts or [None] * len(prompts)
         inputs, params = [], []
+        sampling = Sampling(max_tokens=max_new_tokens, ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids or ()))
         for ids, mem, salt in zip(prompts, memories, salts):
             p = {"prompt_token_ids": list(ids)}
             s = mem.salt if mem is not None else salt
             if s is not None:
                 p["cache_salt"] = s
             inputs.append(p)
-            params.append(self._sampling(max_new_tokens, mem, ignore_eos, stop_token_ids))
+            params.append(sampling_params(sampling, mem))
         outs = self.llm.generate(inputs, params, use_tqdm=False)
-        return [self._result(o) for o in outs]
+        return [self.generation_of(o) for o in outs]
 
-    def generate(self, prompt_ids: list[int], memory: MemoryRef | None = None, max_new_tokens: int = 32,
-                 ignore_eos: bool = False, salt: str | None = None,
-                 stop_token_ids: list[int] | None = None) -> VLLMGeneration:
-        return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt], stop_token_ids)[0]
+    def generate_ids(self, prompt_ids: list[int], memory: MemoryRef | None = None, max_new_tokens: int = 32,
+                     ignore_eos: bool = False, salt: str | None = None) -> VLLMGeneration:
+        """One prompt of ``generate_many``."""
+        return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt])[0]
 
     def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy token ids for ``prompt_ids`` under vLLM's guided decoding to the JSON ``schema`` (no memory, a
         fresh cache salt). Used by fact extraction (``extract.LocalExtractor``)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import StructuredOutputsParams
-
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
-                            structured_outputs=StructuredOutputsParams(json=schema))
-        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids), "cache_salt": self.cold_salt()}], sp,
+        sp = sampling_params(Sampling(max_tokens=max_tokens), None, schema)
+        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()}], sp,
                                 use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
-    def cold_salt(self) -> str:
-        return f"cold:{uuid.uuid4().hex}"
+    def close(self) -> None:
+        core = getattr(getattr(self, "llm", None), "llm_engine", None)
+        client = getattr(core, "engine_core", None)
+        if client is not None and hasattr(client, "shutdown"):
+            client.shutdown()
 
     @staticmethod
-    def _result(out) -> VLLMGeneration:
+    def generation_of(out) -> VLLMGeneration:
+        """A ``VLLMGeneration`` from one of vLLM's finished ``RequestOutput``s (its own timings and counts)."""
         comp = out.outputs[0]
         n_prompt = len(out.prompt_token_ids)
         cached = int(out.num_cached_tokens or 0)
@@ -220,36 +273,20 @@ class VLLMEngine:
             if m.first_token_ts and m.scheduled_ts:
                 prefill = (m.first_token_ts - m.scheduled_ts) * 1e3
         return VLLMGeneration(list(comp.token_ids), ttft, decode, n_prompt - cached, torch.empty(0),
-                              prompt_tokens=n_prompt, num_cached_tokens=cached, engine_prefill_ms=prefill)
+                              prompt_tokens=n_prompt, finish_reason=comp.finish_reason,
+                              extra={"num_cached_tokens": cached, "engine_prefill_ms": prefill},
+                              num_cached_tokens=cached, engine_prefill_ms=prefill)
 
 
-def bench_service(store_root, lm, embedder, vllm_engine: VLLMEngine | None = None, **vllm_options):
-    """A ``serve.MemoryService`` answering through vLLM (``kvmem bench ... --engine vllm``), with ``bare`` (the
-    query alone, no memory, cold prefix cache) for the no-memory baseline. ``vllm_engine``: reuse a running engine
-    (several stores, one engine)."""
-    from ..serve import MemoryService
-
-    class _VLLMService(MemoryService):
-        def bare(self, question: str, max_new_tokens: int) -> dict:
-            ids = self.fmt.query_ids(self.lm.tokenizer, question)
-            gen = self.vllm.generate(ids, None, max_new_tokens, salt=self.vllm.cold_salt(), stop_token_ids=self.stop_ids)
-            return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
-                    "generated_tokens": len(gen.token_ids)}
-
-    from ..bench.common import cache_root
-
-    vllm_options = {"stores": [cache_root(), store_root], **vllm_options}  # every cached bench store
-    return _VLLMService(store_root, model=lm, embedder=embedder, engine="vllm", vllm_options=vllm_options,
-                        vllm_engine=vllm_engine)
-
-
-class AsyncVLLMEngine:
-    """vLLM's ``AsyncLLM`` with the kvmem connector behind the ``AsyncEngine`` protocol (the HTTP server):
-    requests from many clients batch together (continuous batching); closing a stream aborts its request.
-    ``max_queue``: requests in flight at most (then EngineBusy -> HTTP 429). Arguments as ``VLLMEngine``.
+class AsyncVLLMEngine(AsyncEngine):
+    """vLLM's ``AsyncLLM`` with the kvmem connector in the ``AsyncEngine`` role (the HTTP server): requests from
+    many clients batch together (continuous batching); closing a stream aborts its request. ``max_queue``:
+    requests in flight at most (then EngineBusy -> HTTP 429). Arguments as ``VLLMEngine``.
     Raises EngineUnavailable (one line) if vLLM cannot start."""
 
     name = "vllm"
+    selective_recompute = False
+    batches = True
 
     def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
                  max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
@@ -258,6 +295,7 @@ class AsyncVLLMEngine:
         kwargs = engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process,
                                enforce_eager, False, metrics_file, seed, stores, **llm_kwargs)
         self.max_model_len, self.max_queue, self._pending = kwargs["max_model_len"], max_queue, 0
+        self.metrics_file = metrics_file
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -269,32 +307,18 @@ class AsyncVLLMEngine:
     def queue_depth(self) -> int:
         return self._pending
 
-    @staticmethod
-    def _params(sampling, memory: MemoryRef | None, schema: dict | None = None):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    async def memory(self, plan: MemoryPlan) -> MemoryRef:
+        return memory_ref(plan)
 
-        extra = {"kv_transfer_params": memory.params} if memory is not None else None
-        return SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
-            ignore_eos=sampling.ignore_eos, detokenize=False, extra_args=extra,
-            stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
-            output_kind=RequestOutputKind.DELTA,
-            structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None)
-
-    async def stream(self, request_id: str, prompt_ids: list[int], memory: MemoryRef | None, sampling, mode: str = "kv",
-                     query_len: int = 0, salt: str | None = None):
-        """Deltas of one request. ``memory``: the MemoryRef (kv mode; its salt is the cache salt); without one the
-        prompt gets ``salt`` (None: a fresh one, so prompt mode prefills everything). Raises EngineBusy."""
-        from .base import Delta, EngineBusy
-
+    async def stream(self, request_id: str, request: EngineRequest):
+        """Deltas of one request (vLLM's delta outputs). Raises EngineBusy."""
         if self._pending >= self.max_queue:
             raise EngineBusy(f"{self._pending} requests are in the engine (limit {self.max_queue})")
         self._pending += 1
-        prompt = {"prompt_token_ids": list(prompt_ids),
-                  "cache_salt": memory.salt if memory is not None else (salt or self.cold_salt())}
+        n_prompt = len(request.prompt_ids)
         try:
-            async for out in self.llm.generate(prompt, self._params(sampling, memory), request_id):
+            async for out in self.llm.generate(prompt_of(request), sampling_params(request.sampling, request.memory,
+                                                                                   delta=True), request_id):
                 comp = out.outputs[0]
                 if not out.finished:
                     yield Delta(list(comp.token_ids))
@@ -302,24 +326,19 @@ class AsyncVLLMEngine:
                 cached = int(out.num_cached_tokens or 0)
                 m = out.metrics
                 ttft = m.first_token_latency * 1e3 if m is not None else float("nan")
-                yield Delta(list(comp.token_ids), True, comp.finish_reason, len(prompt_ids), len(prompt_ids) - cached,
-                            ttft, {"num_cached_tokens": cached})
+                yield Delta(list(comp.token_ids), True, comp.finish_reason, n_prompt, n_prompt - cached, ttft,
+                            {"num_cached_tokens": cached})
         finally:
             self._pending -= 1
 
     async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy ids under vLLM's guided decoding to ``schema`` (fact extraction)."""
-        from .base import Sampling
-
         out: list[int] = []
-        async for out_ in self.llm.generate({"prompt_token_ids": list(prompt_ids), "cache_salt": self.cold_salt()},
-                                            self._params(Sampling(max_tokens=max_tokens), None, schema),
+        async for out_ in self.llm.generate({"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()},
+                                            sampling_params(Sampling(max_tokens=max_tokens), None, schema, delta=True),
                                             f"extract-{uuid.uuid4().hex}"):
             out += list(out_.outputs[0].token_ids)
         return out
-
-    def cold_salt(self) -> str:
-        return f"cold:{uuid.uuid4().hex}"
 
     async def shutdown(self) -> None:
         self.llm.shutdown()

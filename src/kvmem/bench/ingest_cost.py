@@ -21,7 +21,7 @@ from .common import (machine, progress, pyplot, Setup, table, write_csv, write_s
 def fact_sequences(lm, conv, window: int) -> list[list[int]]:
     """The sequences ``ingest_conversation`` encodes: header + ``window`` turns before the fact + the fact."""
     from ..compose import PromptFormat
-    from ..ingest import context_sequences
+    from ..locomo_ingest import context_sequences
 
     tok = lm.tokenizer
     return context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)[0]
@@ -43,10 +43,10 @@ def plain_forward(model, sequences: list[list[int]], max_batch_tokens: int = 204
 
 def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, questions: int | None, model: str,
         engine: str, batch_tokens: int = 2048, show_progress: bool = True, echo=print) -> dict:
-    from ..ingest import ingest_conversation
+    from ..locomo_ingest import ingest_conversation
 
     setup = Setup.load(data, samples, model, engine, show_progress)
-    engine = setup.engine  # auto resolved
+    engine = "hf"  # encoding runs on the transformers model, whatever serves
     info = machine()
     lm = setup.lm
     # warm-up: one small batched forward

@@ -1,0 +1,59 @@
+"""``kvmem serve``: one long-lived process, an OpenAI-compatible chat API with KV-injected memory and a memories
+REST API in Mem0's platform shapes (FastAPI + uvicorn, pydantic models, prometheus_client metrics).
+
+Request path (chat): key -> tenant (``tenants``); the request's ``user`` is the memory owner inside the
+tenant's namespace; ``service.MemoryService.plan`` embeds the last user message, retrieves ``top_k`` facts and
+orders them; the engine's ``memory`` composes them (``engines.base.AsyncEngine``), and the engine prefills only
+the conversation in ``kv`` mode, everything in ``prompt`` mode, and the bare chat in ``off`` mode
+(``streaming``). Writes (``POST /v1/memories`` ...) go through ``memory.Memory``'s one write path and are
+visible to the next chat request (a new memory version).
+
+Modules: ``schemas`` (request models, errors), ``tenants``, ``runtime`` (wiring: ``KvmemServer.start``, metrics),
+``streaming`` (one chat generation, SSE), ``routes`` (the FastAPI app).
+
+Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 401 missing or
+unknown key, 403 another tenant's memory, 404 unknown memory id / model / route, 409 a write that lost a race,
+413 body too large, 422 a field of the wrong type, 429 engine queue full, 503 not ready or timed out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .routes import create_app
+from .runtime import KvmemServer, Limits
+from .schemas import APIError
+from .tenants import Tenants, load_api_keys
+
+__all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_api_keys", "serve"]
+
+
+def serve(store: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys_file: str | None = None,
+          log=print, **start_kwargs) -> None:
+    """Start the server (blocking). Without an API keys file it binds to loopback only. Raises ValueError for a
+    bad keys file or a non-loopback host without keys."""
+    import uvicorn
+
+    keys = load_api_keys(api_keys_file) if api_keys_file else None
+    if not keys and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"refusing to bind {host} without --api-keys: without keys the server is loopback-only")
+    server = KvmemServer.start(store, api_keys=keys, **start_kwargs)
+    log(f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {store}, "
+        f"{'tenants: ' + ', '.join(sorted(set(keys.values()))) if keys else 'no API keys: loopback only'}; "
+        f"http://{host}:{port}/v1")
+    import signal
+
+    def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the shutdown itself
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
+                                       timeout_graceful_shutdown=5))
+    try:
+        uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
+    finally:
+        server.close()
+        log("kvmem serve: stopped")

@@ -1,0 +1,224 @@
+"""The HTTP routes of ``kvmem serve``: OpenAI chat completions with KV-injected memory, the memories REST API
+in Mem0's platform shapes, health, readiness, models and metrics. Each route checks its input, maps the caller
+to a tenant, and hands the work to the service, the ``Memory`` facade or the engine (``runtime.KvmemServer``);
+blocking work runs off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engines.base import Sampling
+from ..memory import MemoryInputError
+from .runtime import KvmemServer, logger
+from .schemas import AddMemoryRequest, APIError, ChatRequest, MemoryOptions, SearchRequest, UpdateRequest, error_of
+from .streaming import ChatGeneration, prepare_chat, sse, until_disconnect
+from .tenants import Tenants
+
+
+def create_app(server: KvmemServer) -> FastAPI:
+    """The FastAPI app over a started ``KvmemServer``."""
+    app = FastAPI(title="kvmem", version="0.1", docs_url=None, redoc_url=None)
+    app.state.kvmem = server
+    limits = server.limits
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        errs = exc.errors()
+        if any(e.get("type") in ("json_invalid", "json_type") or tuple(e.get("loc", ())) == ("body",) for e in errs):
+            return APIError(400, "the body is not a valid JSON object", "invalid_json").response()
+        e = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in e.get("loc", ())[1:]) or None
+        return APIError(422, f"{loc or 'body'}: {e.get('msg', 'invalid value')}", "invalid_value", loc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _any(request, exc: Exception):
+        err = error_of(exc)
+        if err.status >= 500:
+            logger.exception("unhandled error on %s", request.url.path)
+        return err.response()
+
+    @app.middleware("http")
+    async def _limits_and_metrics(request: Request, call_next):
+        n = request.headers.get("content-length")
+        if n is not None and (not n.isdigit() or int(n) > limits.max_body_bytes):
+            resp = APIError(413, f"the body exceeds {limits.max_body_bytes} bytes", "body_too_large").response()
+        elif n is None and "chunked" in request.headers.get("transfer-encoding", "").lower():  # unbounded otherwise
+            resp = APIError(413, "a body must come with Content-Length", "length_required").response()
+        else:
+            try:
+                resp = await call_next(request)
+            except Exception as exc:  # noqa: BLE001 - errors raised past the handlers
+                err = error_of(exc)
+                if err.status >= 500 and err.code == "internal_error":
+                    logger.exception("unhandled error on %s", request.url.path)
+                resp = err.response()
+        matched = request.scope.get("route")  # the route template, never the raw path (bounded label values)
+        server.metrics.requests.labels(getattr(matched, "path", "other"), str(resp.status_code)).inc()
+        return resp
+
+    def tenant_of(request: Request) -> str | None:
+        return server.tenants.tenant(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not server.ready:
+            raise APIError(503, "the engine is not ready", "not_ready")
+        return {"status": "ready", "engine": server.engine.name, "model": server.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        tenant_of(request)
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvmem"}]}
+
+    # --- memories ---------------------------------------------------------------------------------------
+
+    async def owned_fact(tenant, memory_id: str):
+        try:
+            f = await server.off_loop(server.memory.store.fact, str(memory_id))
+        except LookupError as exc:
+            raise MemoryInputError(str(exc)) from None
+        if f is None:
+            raise APIError(404, f"memory {str(memory_id)[:64]!r} not found", "memory_not_found")
+        if not Tenants.owns(tenant, f.user):
+            raise APIError(403, "this memory belongs to another tenant", "forbidden")
+        return f
+
+    def public_item(tenant, item: dict) -> dict:
+        if "user_id" in item:
+            item["user_id"] = Tenants.public(tenant, item["user_id"])
+        return item
+
+    async def write(fn, *args):
+        """Writes queue on the model thread, at most ``max_queue`` at a time (then 429). A queued write is never
+        timed out: a write that answered 503 must not land later (a retry would duplicate it)."""
+        if server.pending_writes >= server.max_writes:
+            raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
+        server.pending_writes += 1
+        try:
+            return await server.on_model_thread(fn, *args)
+        finally:
+            server.pending_writes -= 1
+
+    @app.post("/v1/memories")
+    async def add_memories(body: AddMemoryRequest, request: Request):
+        tenant = tenant_of(request)
+        user = Tenants.user(tenant, body.user_id)
+        server.attach_extraction(asyncio.get_running_loop())
+        return await write(lambda: server.memory.add(body.messages, user, body.metadata, body.infer, body.timestamp))
+
+    @app.get("/v1/memories")
+    async def list_memories(request: Request, user_id: str, limit: int = 100):
+        tenant = tenant_of(request)
+        if not 1 <= limit <= 10000:
+            raise APIError(422, "limit must be between 1 and 10000", "invalid_value", "limit")
+        out = await server.off_loop(server.memory.get_all, Tenants.user(tenant, user_id), limit)
+        return {"results": [public_item(tenant, m) for m in out["results"]]}
+
+    @app.post("/v1/memories/search")
+    async def search_memories(body: SearchRequest, request: Request):
+        tenant = tenant_of(request)
+        out = await server.off_loop(server.memory.search, body.query, Tenants.user(tenant, body.user_id),
+                                    body.limit, body.filters)
+        return {"results": [public_item(tenant, m) for m in out["results"]]}
+
+    @app.get("/v1/memories/{memory_id}/history")
+    async def memory_history(memory_id: str, request: Request):
+        tenant = tenant_of(request)
+        events = await server.off_loop(server.memory.history, memory_id)
+        if not all(Tenants.owns(tenant, e["user_id"]) for e in events):
+            raise APIError(403, "this memory belongs to another tenant", "forbidden")
+        return [public_item(tenant, e) for e in events]
+
+    @app.get("/v1/memories/{memory_id}")
+    async def get_memory(memory_id: str, request: Request):
+        tenant = tenant_of(request)
+        await owned_fact(tenant, memory_id)
+        item = await server.off_loop(server.memory.get, memory_id)
+        if item is None:  # deleted between the check and the read
+            raise APIError(404, f"memory {memory_id[:64]!r} not found", "memory_not_found")
+        return public_item(tenant, item)
+
+    @app.put("/v1/memories/{memory_id}")
+    async def update_memory(memory_id: str, body: UpdateRequest, request: Request):
+        await owned_fact(tenant_of(request), memory_id)
+        return await write(server.memory.update, memory_id, body.text)
+
+    @app.delete("/v1/memories/{memory_id}")
+    async def delete_memory(memory_id: str, request: Request):
+        await owned_fact(tenant_of(request), memory_id)
+        return await write(server.memory.delete, memory_id)
+
+    @app.delete("/v1/memories")
+    async def delete_all(request: Request, user_id: str):
+        tenant = tenant_of(request)
+        return await write(server.memory.delete_all, Tenants.user(tenant, user_id))
+
+    # --- chat -------------------------------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        t_arrive = time.perf_counter()
+        tenant = tenant_of(request)
+        if body.model and body.model != server.model_name:
+            raise APIError(404, f"model {body.model!r} not found; this server serves {server.model_name!r}",
+                           "model_not_found", "model")
+        if body.messages[-1].role != "user":
+            raise APIError(400, "the last message must be from the user", param="messages")
+        opts = body.memory or MemoryOptions()
+        mode = opts.mode or limits.default_mode
+        top_k = opts.top_k or limits.default_top_k
+        max_tokens = body.max_completion_tokens or body.max_tokens or limits.default_max_tokens
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        svc = server.service
+        user = Tenants.user(tenant, body.user) if body.user is not None else None
+        if user is None and mode != "off":
+            raise APIError(400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')",
+                           param="user")
+        sel = server.selective_recompute if opts.selective_recompute is None else opts.selective_recompute
+        prep = await asyncio.wait_for(prepare_chat(server, user, messages, top_k, mode, max_tokens,
+                                                   opts.tail_recompute, sel), limits.request_timeout_s)
+
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise APIError(400, "stop: at most 4 non-empty strings", param="stop")
+        sampling = Sampling(max_tokens=max_tokens, temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
+                            seed=body.seed, stop_token_ids=tuple(svc.stop_ids))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = ChatGeneration(server, rid, prep, sampling, stops, t_arrive)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
+            return StreamingResponse(sse(gen, first, include_usage), media_type="text/event-stream")
+        text = await until_disconnect(request, gen.collect(), limits.request_timeout_s)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": server.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": gen.finish_reason}],
+                "usage": gen.usage(), "kvmem": gen.kvmem()}
+
+    return app

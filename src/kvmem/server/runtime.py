@@ -1,0 +1,165 @@
+"""Runtime wiring of ``kvmem serve``: the service, the ``Memory`` facade for writes, the engine, tenants, limits
+and metrics, built once by ``KvmemServer.start``.
+
+Everything that runs the transformers model (encoding new facts, the transformers engine's composition and
+decoding) runs on one model thread, so the model and its RoPE state are never used by two requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engines.base import AsyncEngine
+from ..engines.select import check_methods, open_engine
+from ..ingest import open_or_create_store
+from ..memory import Memory
+from ..models import DEFAULT_MODEL, load
+from ..policy import parse_mode
+from ..retrieve import Embedder, IndexCache
+from ..service import MemoryService
+from ..store import Store
+from .schemas import MAX_BODY_BYTES
+from .tenants import Tenants
+
+logger = logging.getLogger("kvmem.server")
+
+
+@dataclass
+class Limits:
+    max_body_bytes: int = MAX_BODY_BYTES
+    request_timeout_s: float = 120.0
+    default_top_k: int = 10
+    default_mode: str = "kv"
+    default_max_tokens: int = 64
+
+
+class Metrics:
+    """The server's prometheus metrics, in their own registry (several servers per process in tests)."""
+
+    def __init__(self, server: KvmemServer):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvmem_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.ttft = Histogram("kvmem_ttft_seconds", "Server-side time to first token by memory mode", ["mode"],
+                              buckets=(.025, .05, .1, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 10, 20, 60), registry=r)
+        self.tokens = Counter("kvmem_prompt_tokens", "Prompt tokens: injected (from memory KV) or prefilled",
+                              ["kind"], registry=r)
+        self.fallbacks = Counter("kvmem_connector_fallbacks", "kv-mode requests whose memory was prefilled instead "
+                                 "of injected, by reason", ["reason"], registry=r)
+        Gauge("kvmem_engine_queue_depth", "Requests waiting for or running in the engine", registry=r) \
+            .set_function(lambda: server.engine.queue_depth())
+        Gauge("kvmem_store_bytes", "Bytes of the store directory", registry=r).set_function(server.store_bytes)
+        cached = Gauge("kvmem_cache_bytes", "Bytes held by the server's LRU caches", ["cache"], registry=r)
+        indexes = server.service.indexes
+        cached.labels("index").set_function(lambda: indexes.nbytes)
+        cached.labels("store_kv").set_function(lambda: server.service.store.kv_cache_bytes)
+        hits = Gauge("kvmem_index_cache_events", "Per-user index cache hits and misses", ["event"], registry=r)
+        hits.labels("hit").set_function(lambda: indexes.hits)
+        hits.labels("miss").set_function(lambda: indexes.misses)
+        self._conn = Gauge("kvmem_connector_events", "The vLLM connector's scheduler counters", ["event"], registry=r)
+        self._metrics_file = getattr(server.engine, "metrics_file", None)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        path = self._metrics_file
+        if path and Path(path).exists():
+            try:
+                for k, v in json.loads(Path(path).read_text()).items():
+                    self._conn.labels(k).set(v)
+            except (OSError, ValueError):
+                pass
+        return generate_latest(self.registry)
+
+
+class KvmemServer:
+    """What the app holds: the memory service (retrieval + composition), the Memory facade (writes), the
+    engine, tenants, limits and metrics. Build with ``KvmemServer.start``; ``service.lm`` names the model."""
+
+    def __init__(self, service: MemoryService, memory: Memory, engine: AsyncEngine, tenants: Tenants,
+                 limits: Limits, model_pool: ThreadPoolExecutor, max_writes: int = 64, selective_recompute: int = 0):
+        self.service, self.memory, self.engine, self.tenants, self.limits = service, memory, engine, tenants, limits
+        self.model_pool = model_pool  # the one thread that runs the transformers model
+        self.model_name = service.lm.name
+        self.ready = True
+        self.pending_writes, self.max_writes = 0, max_writes
+        self.selective_recompute = selective_recompute  # default memory.selective_recompute (%)
+        self.metrics = Metrics(self)
+        self._store_bytes = (0.0, 0)
+
+    @classmethod
+    def start(cls, store: str | Path, model: str | None = None, engine: str = "auto", api_keys: dict | None = None,
+              limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
+              kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int | None = None,
+              vllm_options: dict | None = None, tail_recompute: int = 0,
+              neighbours: int | None = None, selective_recompute: int = 0,
+              history: bool | None = None) -> KvmemServer:
+        """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
+        hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
+        user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of
+        chat requests; ``cache_bytes``: the LRU bound of each cache (indexes, KV segments) here and in the vLLM
+        worker. Raises StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective
+        recompute off the transformers engine or with tail recompute."""
+        methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
+        for m in methods:
+            parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
+        check_methods(methods, engine)  # refused before any engine starts
+        root = Path(store)
+        embedder = Embedder()
+        if not (root / "manifest.json").exists():  # a new, empty store for the model
+            lm = load(model or DEFAULT_MODEL, dtype=dtype)
+            open_or_create_store(root, lm, embedder)[0].close()
+        if model is None:
+            st = Store.open(root)
+            model = st.fingerprint["model"]
+            st.close()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-model")
+        opened = open_engine(model, engine, dtype, serving=True, stores=[root], max_queue=max_queue,
+                             kv_cache_memory_bytes=kv_cache_memory_bytes, pool=pool, cache_bytes=cache_bytes,
+                             metrics_file=str(root / f".connector-metrics-{os.getpid()}.json"),
+                             vllm_options=vllm_options)
+        if opened.note:
+            logger.warning(opened.note)
+        eng, lm = opened.engine, opened.lm
+        indexes = IndexCache(cache_bytes)
+        svc = MemoryService(root, eng, lm, embedder, tail_recompute=tail_recompute, store_cache_bytes=cache_bytes)
+        svc.indexes = indexes
+        # writes: the same model (its weights load on the first write where the engine does not hold them)
+        mem = Memory(root, model=lm if lm.model.device.type != "meta" else lm.name, window=window,
+                     embedder=embedder, dtype=dtype, neighbours=neighbours, history=history, indexes=indexes)
+        return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
+
+    def store_bytes(self) -> int:
+        at, n = self._store_bytes
+        if time.monotonic() - at > 10:  # a directory walk, at most every 10 s
+            n = self.service.store.disk_bytes()
+            self._store_bytes = (time.monotonic(), n)
+        return n
+
+    def attach_extraction(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Let writes (on the model thread) decode extraction JSON on the engine (``AsyncEngine.sync_json``)."""
+        if self.memory.engine is None:
+            self.memory.engine = self.engine.sync_json(loop)
+
+    def close(self) -> None:
+        """Stop the engine (vLLM's engine core and worker processes) and the model thread."""
+        self.ready = False
+        try:
+            asyncio.run(self.engine.shutdown())
+        finally:
+            self.model_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.model_pool, fn, *args)
+
+    async def off_loop(self, fn, *args):
+        """Blocking work that does not touch the transformers model (retrieval) on the default pool."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -1,0 +1,198 @@
+"""One chat request against the engine: preparation (retrieval, then the engine's memory), the engine's deltas
+turned into text (incremental detokenization, stop strings), counts and timings, and OpenAI's streaming format
+(``chat.completion.chunk`` server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from ..engines.base import Sampling
+from ..service import Prepared
+from ..store import UnknownUser
+from .schemas import APIError, error_of
+
+if TYPE_CHECKING:
+    from .runtime import KvmemServer
+
+
+async def prepare_chat(server: KvmemServer, user: str | None, messages: list[dict], top_k: int, mode: str,
+                       max_tokens: int, tail_recompute: int | None = None, selective_recompute: int = 0) -> Prepared:
+    """Retrieval (off the event loop), then the engine's memory for one chat request. ``mode`` "off", an empty
+    last message or a user with no memories yet: the bare chat. ``selective_recompute`` p (kv mode): the
+    ``kv-sel<p>`` method (``policy.parse_mode``; ValueError -> HTTP 400 where the engine cannot, or with tail
+    recompute)."""
+    svc = server.service
+    question = messages[-1]["content"]
+    if mode == "off" or not question.strip():
+        return await server.off_loop(lambda: svc.bare(max_new_tokens=max_tokens, messages=messages))
+    method = f"kv-sel{selective_recompute}" if mode == "kv" and selective_recompute else mode
+    for attempt in range(3):
+        try:
+            p = await server.off_loop(svc.plan, user, question, top_k, method, max_tokens, messages, tail_recompute)
+        except UnknownUser:  # no memories yet: answer without any
+            return await server.off_loop(lambda: svc.bare(max_new_tokens=max_tokens, messages=messages))
+        if p.plan is None:
+            return p
+        t = time.perf_counter()
+        try:
+            p.memory = await server.engine.memory(p.plan)
+        except LookupError:  # a write replaced the version between retrieval and the KV read
+            if attempt == 2:
+                raise
+            continue
+        p.timings_ms["compose"] = (time.perf_counter() - t) * 1e3
+        return p
+    raise AssertionError("unreachable")
+
+
+async def until_disconnect(request: Request, coro, timeout_s: float):
+    """Run ``coro`` (a non-streaming generation) unless the client goes away first: then it is cancelled, which
+    closes the engine stream (vLLM aborts the request; the transformers engine stops at the next token)."""
+    task = asyncio.ensure_future(coro)
+    deadline = time.perf_counter() + timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise APIError(400, "the client disconnected", "client_disconnected")
+            if time.perf_counter() > deadline:
+                raise asyncio.TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - cancelled on purpose
+                pass
+
+
+class ChatGeneration:
+    """One engine request: deltas -> text (incremental detokenization, stop strings), counts and timings."""
+
+    def __init__(self, server: KvmemServer, rid: str, prep: Prepared, sampling: Sampling, stops: list[str],
+                 t_arrive: float):
+        self.server, self.rid, self.prep, self.stops, self.t_arrive = server, rid, prep, stops, t_arrive
+        tok = server.service.lm.tokenizer
+        self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+        self._it = server.engine.stream(rid, prep.request(sampling))
+        self.ids: list[int] = []
+        self.text, self.sent = "", 0
+        self.finish_reason, self.final, self.ttft_ms = None, None, None
+        self.deadline = t_arrive + server.limits.request_timeout_s
+
+    async def first(self):
+        """The first delta (raises the engine's error, e.g. EngineBusy, before any byte is sent)."""
+        try:
+            return await asyncio.wait_for(self._it.__anext__(), max(0.1, self.deadline - time.perf_counter()))
+        except StopAsyncIteration:
+            return None
+
+    def _take(self, delta) -> str:
+        """Apply a delta; return the new text that may be sent now."""
+        if self.ttft_ms is None and (delta.token_ids or delta.finished):
+            self.ttft_ms = (time.perf_counter() - self.t_arrive) * 1e3
+            self.server.metrics.ttft.labels(self.prep.mode).observe(self.ttft_ms / 1e3)
+        self.ids += delta.token_ids
+        text = self._decode(self.ids)
+        if delta.finished:
+            self.final, self.finish_reason = delta, ("length" if delta.finish_reason == "length" else "stop")
+        for s in self.stops:
+            i = text.find(s)
+            if i >= 0:
+                text, self.finish_reason = text[:i], "stop"
+                self.final = self.final or delta
+        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.stops), default=0)
+        if not self.finish_reason and text.endswith("\ufffd"):
+            hold = max(hold, 1)  # half a multi-byte character
+        self.text = text
+        ready = text[:max(self.sent, len(text) - hold)]
+        new, self.sent = ready[self.sent:], len(ready)
+        return new
+
+    async def deltas(self, first=None):
+        """New text pieces until the end; closing it aborts the engine request."""
+        try:
+            if first is not None:
+                piece = self._take(first)
+                if piece:
+                    yield piece
+            while self.finish_reason is None:
+                remaining = self.deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                try:
+                    d = await asyncio.wait_for(self._it.__anext__(), remaining)
+                except StopAsyncIteration:
+                    self.finish_reason = self.finish_reason or "stop"
+                    break
+                piece = self._take(d)
+                if piece:
+                    yield piece
+            tail = self.text[self.sent:]
+            if tail:
+                self.sent = len(self.text)
+                yield tail
+        finally:
+            await self._it.aclose()
+            self._account()
+
+    async def collect(self) -> str:
+        first = await self.first()
+        async for _ in self.deltas(first):
+            pass
+        return self.text
+
+    def _account(self):
+        if getattr(self, "_accounted", False) or self.final is None:
+            return
+        self._accounted = True
+        m = self.server.metrics
+        injected = self.final.prompt_tokens - self.final.prefilled_tokens
+        m.tokens.labels("injected").inc(max(0, injected))
+        m.tokens.labels("prefilled").inc(self.final.prefilled_tokens)
+        if self.prep.mode == "kv" and self.prep.fact_ids and self.final.prefilled_tokens > len(self.prep.query_ids):
+            m.fallbacks.labels("prefilled_memory").inc()
+
+    def usage(self) -> dict:
+        n_prompt = len(self.prep.prompt_ids)
+        cached = (self.final.prompt_tokens - self.final.prefilled_tokens) if self.final else 0
+        return {"prompt_tokens": n_prompt, "completion_tokens": len(self.ids),
+                "total_tokens": n_prompt + len(self.ids), "prompt_tokens_details": {"cached_tokens": max(0, cached)}}
+
+    def kvmem(self) -> dict:
+        t = dict(self.prep.timings_ms)
+        t["ttft"] = self.ttft_ms
+        return {"mode": self.prep.mode, "k": len(self.prep.fact_ids), "fact_ids": self.prep.fact_ids,
+                "engine": self.server.engine.name, "timings_ms": {k: round(v, 3) for k, v in t.items() if v is not None}}
+
+
+async def sse(gen: ChatGeneration, first, include_usage: bool):
+    """OpenAI's chat.completion.chunk stream: a role delta, content deltas, the finish chunk (with ``kvmem``),
+    an optional usage chunk, then ``[DONE]``. A mid-stream error ends the stream with an error event."""
+    base = {"id": gen.rid, "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": gen.server.model_name}
+
+    def chunk(delta: dict, finish=None, **extra) -> str:
+        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                                      **extra}) + "\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for piece in gen.deltas(first):
+            yield chunk({"content": piece})
+    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+        err = error_of(exc)
+        yield "data: " + json.dumps({"error": {"message": err.message, "type": APIError.TYPES.get(err.status, "api_error"),
+                                               "code": err.code}}) + "\n\n"
+        return
+    yield chunk({}, gen.finish_reason, kvmem=gen.kvmem())
+    if include_usage:
+        yield "data: " + json.dumps({**base, "choices": [], "usage": gen.usage()}) + "\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,234 @@
+"""Serving: question -> embed -> top-k retrieval -> compose (chunked RoPE) -> inject or prompt -> answer.
+
+One request reads as one straight line: ``plan`` (embed, retrieve, order, check the budget), the engine's
+``memory`` (composition, by the engine: rotated KV or a connector reference), then the engine call, in ``ask``.
+Paper §3.3 (serving path) and §5.1 (position policy).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .compose import ContextOverflow, PromptFormat, check_text, max_facts_that_fit
+from .engines.base import AsyncEngine, Engine, EngineRequest, Generation, MemoryPlan, Sampling
+from .engines.select import open_engine
+from .models import LoadedModel, fingerprint, stop_token_ids
+from .policy import parse_mode
+from .retrieve import Embedder, IndexCache, Retrieved, order_reverse_proximity
+from .store import Store, StoreError
+
+@dataclass
+class Answer:
+    """One answered question. ``timings_ms``: embed, search, compose (incl. prompt assembly), ttft (model call
+    start -> first token's logits) and total (question received -> first token); decode is after the first token."""
+
+    answer: str
+    mode: str
+    k: int
+    fact_ids: list[str]
+    prompt_tokens: int
+    prefilled_tokens: int
+    timings_ms: dict[str, float]
+    user: str = ""
+    question: str = ""
+    engine: str = ""
+    generated_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("prompt_token_ids")
+        return d
+
+
+class MemoryService:
+    """A long-lived answerer over one store: the embedder, the per-user indexes and the engine stay loaded.
+
+    ``engine``: an ``Engine`` or ``AsyncEngine`` (``engines.select.open_engine``); one engine may serve several
+    services (stores). ``lm``: the answer model the engine runs (its tokenizer, config and fingerprint; the
+    store must have been built by it). ``max_context``: context limit (default: the engine's).
+    ``index_cache_bytes`` bounds the per-user vector indexes (LRU); ``tail_recompute``: the default r of ``plan``.
+
+    Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model
+    (StoreDtypeMismatch: computed in another dtype).
+    """
+
+    def __init__(self, store_root: str | Path, engine: Engine | AsyncEngine, lm: LoadedModel,
+                 embedder: Embedder | None = None, max_context: int | None = None,
+                 index_cache_bytes: int = 256 << 20, tail_recompute: int = 0, store_cache_bytes: int | None = None):
+        self.engine, self.lm = engine, lm
+        cache = {} if store_cache_bytes is None else {"cache_bytes": store_cache_bytes}
+        self.store = Store.open(store_root, fingerprint(lm), **cache)
+        self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
+        self.fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
+        self.stop_ids = stop_token_ids(lm)  # one stop rule for both engines
+        self.max_context = min(max_context or lm.max_context, engine.max_model_len)
+        self.indexes = IndexCache(index_cache_bytes)
+        self.tail_recompute = tail_recompute
+        self.engine_note: str | None = None
+
+    @classmethod
+    def open(cls, store_root: str | Path, model: LoadedModel | str | None = None, engine: str = "auto",
+             dtype: str | None = None, embedder: Embedder | None = None, max_context: int | None = None,
+             **engine_options) -> "MemoryService":
+        """A service with its own engine (``engines.select.open_engine``; ``engine_options`` go there), for the
+        store's model unless ``model`` is given. ``engine_note`` says why ``auto`` fell back to transformers.
+        Raises what the constructor and ``open_engine`` raise."""
+        if model is None:
+            st = Store.open(store_root)  # the manifest names the model
+            model = st.fingerprint["model"]
+            st.close()
+        opened = open_engine(model, engine, dtype, stores=[store_root], max_model_len=max_context, **engine_options)
+        svc = cls(store_root, opened.engine, opened.lm, embedder, max_context)
+        svc.engine_note = opened.note
+        return svc
+
+    def close(self) -> None:
+        self.store.close()
+
+    def plan(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32,
+             messages: list[dict] | None = None, tail_recompute: int | None = None) -> "Prepared":
+        """Everything before composition: embed, retrieve, order, check the budget.
+
+        ``mode``: a serving method (``policy.parse_mode``). ``messages``: a multi-turn chat (OpenAI-style,
+        checked) that follows the memory instead of the single ``question`` (which is still what retrieval
+        embeds: the last user message). ``tail_recompute`` r (default ``self.tail_recompute``): inject the header
+        and all but the last r facts; the engine prefills those r facts (the most relevant, nearest the query)
+        with the query, so they attend to every injected fact (cross-fact repair). The prompt ids are the same
+        for every r; only what is injected changes. Prompt mode is unaffected.
+        Raises ValueError for an empty question, top_k < 1, an unknown mode or one this engine cannot serve;
+        StoreError for an unknown user; ContextOverflow when memory + query + ``max_new_tokens`` exceed the model
+        context (the message gives the k that fits, paper Corollary 7).
+        """
+        if not question or not question.strip():
+            raise ValueError("empty question")
+        check_text(question, "the question")  # before anything tokenizes or embeds it
+        if top_k < 1:
+            raise ValueError(f"k must be >= 1, got {top_k}")
+        mode, tail_recompute, recompute = parse_mode(
+            mode, self.tail_recompute if tail_recompute is None else tail_recompute)
+        if recompute and not self.engine.selective_recompute:
+            raise ValueError(f"kv-sel (query-aware selective recompute) runs on the transformers engine only, not "
+                             f"on {self.engine.name}: its KV connector can report an injected prefix, not tokens to "
+                             f"recompute inside it")
+        r = int(tail_recompute or 0)
+        if r < 0:
+            raise ValueError(f"tail_recompute must be >= 0, got {r}")
+        t0 = time.perf_counter()
+        ukv = self.store.snapshot(user, kv=False)  # the engine reads the KV it injects (Engine.memory)
+        q_vec = self.embedder.embed([question])[0]
+        t1 = time.perf_counter()
+        scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k)
+        retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
+        t2 = time.perf_counter()
+        query_ids = (self.fmt.conversation_ids(self.lm.tokenizer, messages) if messages
+                     else self.fmt.query_ids(self.lm.tokenizer, question))
+        header_ids = self.store.header_token_ids
+        lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
+        need = self.check_budget(len(header_ids), lens, len(query_ids), max_new_tokens)
+        rows = order_reverse_proximity(retrieved)
+        head, tail = rows[:max(0, len(rows) - r)], rows[max(0, len(rows) - r):]
+        tail_ids = [t for row in tail for t in ukv.facts[row].token_ids]
+        plan = MemoryPlan(self.store, ukv, head, header_ids, need, recompute,
+                          memory_tokens=None if not tail else len(header_ids) + sum(ukv.facts[h].num_tokens
+                                                                                     for h in head))
+        memory_ids = plan.token_ids
+        query_ids = tail_ids + query_ids  # after the injected memory: recomputed tail facts, then the query
+        timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3}
+        return Prepared(user, question, mode, query_ids, memory_ids + query_ids,
+                        [ukv.facts[row].fact_id for row in rows], plan if mode == "kv" else None, timings)
+
+    def check_budget(self, header_len: int, fact_lens: list[int], query_len: int, max_new_tokens: int) -> int:
+        """Tokens of the served prompt (header + facts + query); ContextOverflow when it and ``max_new_tokens``
+        (room for the answer) exceed the context, with the k that fits (paper Corollary 7)."""
+        need = header_len + sum(fact_lens) + query_len
+        if header_len + query_len + max_new_tokens > self.max_context:
+            what = f"the header ({header_len} tokens), query" if header_len else "the conversation"
+            raise ContextOverflow(
+                f"{what} ({query_len} tokens) and answer ({max_new_tokens} tokens) alone exceed the model context "
+                f"of {self.max_context} tokens" + ("; no memory fits" if header_len else ""))
+        if need + max_new_tokens > self.max_context:
+            fits = max_facts_that_fit(header_len, fact_lens, query_len + max_new_tokens, self.max_context)
+            raise ContextOverflow(
+                f"memory ({header_len + sum(fact_lens)} tokens for k={len(fact_lens)}) + query ({query_len} tokens) "
+                f"+ answer ({max_new_tokens} tokens) = {need + max_new_tokens} tokens exceeds the model context of "
+                f"{self.max_context} tokens; at most k={fits} fits")
+        return need
+
+    def bare(self, question: str | None = None, max_new_tokens: int = 32,
+             messages: list[dict] | None = None) -> "Prepared":
+        """A request without memory (``mode`` "off"): the bare question, or the chat ``messages``. Raises
+        ContextOverflow when it and the answer exceed the context."""
+        ids = (self.fmt.conversation_ids(self.lm.tokenizer, messages, memory=False) if messages
+               else self.fmt.query_ids(self.lm.tokenizer, question))
+        self.check_budget(0, [], len(ids), max_new_tokens)
+        return Prepared("", question or "", "off", ids, ids, [], None, {})
+
+    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32,
+                messages: list[dict] | None = None, tail_recompute: int | None = None) -> "Prepared":
+        """``plan``, then the engine's memory (synchronous engines). Raises what ``plan`` raises."""
+        for attempt in range(3):
+            req = self.plan(user, question, top_k, mode, max_new_tokens, messages, tail_recompute)
+            t = time.perf_counter()
+            try:
+                req.memory = self.engine.memory(req.plan) if req.plan is not None else None
+            except LookupError:  # a write replaced the version between retrieval and the KV read: again
+                if attempt == 2:
+                    raise StoreError(f"the memory of {user!r} kept changing while being read") from None
+                continue
+            req.timings_ms["compose"] = (time.perf_counter() - t) * 1e3
+            return req
+        raise AssertionError("unreachable")
+
+    def sampling(self, max_new_tokens: int, ignore_eos: bool = False) -> Sampling:
+        """Greedy decoding to ``max_new_tokens`` with this service's stop rule."""
+        return Sampling(max_tokens=max_new_tokens, stop_token_ids=tuple(self.stop_ids), ignore_eos=ignore_eos)
+
+    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> "Answer":
+        """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
+        engine call). Raises what ``prepare`` raises."""
+        req = self.prepare(user, question, top_k, mode, max_new_tokens)
+        (gen,) = self.engine.generate([req.request(self.sampling(max_new_tokens))])
+        return self.answer(req, gen)
+
+    def answer(self, req: "Prepared", gen: Generation) -> "Answer":
+        """The Answer record for a prepared request and its engine generation."""
+        text = self.lm.tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip()
+        pre = sum(req.timings_ms.values())
+        timings = {**req.timings_ms, "ttft": gen.ttft_ms, "total": pre + gen.ttft_ms, "decode": gen.decode_ms}
+        return Answer(text, req.mode, len(req.fact_ids), req.fact_ids, len(req.prompt_ids), gen.prefilled_tokens,
+                      {k: round(v, 3) for k, v in timings.items()}, req.user, req.question, self.engine.name,
+                      len(gen.token_ids), req.prompt_ids)
+
+
+@dataclass
+class Prepared:
+    """A request after retrieval (and, once ``memory`` is set, composition), before the model call.
+
+    ``query_ids``: what follows the injected memory (recomputed tail facts, then the conversation);
+    ``prompt_ids``: the whole prompt, identical in every mode; ``plan``: what to inject (kv mode; None
+    otherwise); ``memory``: the engine's injectable memory for ``plan``; ``timings_ms``: embed, search, compose."""
+
+    user: str
+    question: str
+    mode: str
+    query_ids: list[int]
+    prompt_ids: list[int]
+    fact_ids: list[str]
+    plan: MemoryPlan | None
+    timings_ms: dict[str, float]
+    memory: object | None = None
+
+    def request(self, sampling: Sampling) -> EngineRequest:
+        """The engine request: kv mode injects ``memory`` and prefills ``query_ids``; otherwise all is prefilled."""
+        if self.plan is not None and self.memory is None:
+            raise ValueError("a kv-mode request needs its memory (MemoryService.prepare, or the engine's memory)")
+        return EngineRequest(self.prompt_ids, self.memory, len(self.query_ids), sampling)
+
+
+def same_prompt(a: Answer, b: Answer) -> None:
+    """Both modes must see exactly the same prompt token ids (and so the same facts in the same order)."""
+    if a.prompt_token_ids != b.prompt_token_ids or a.fact_ids != b.fact_ids:
+        raise AssertionError("kv and prompt modes saw different prompts")
