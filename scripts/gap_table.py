@@ -26,7 +26,7 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 CATS = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", "overall": "overall"}
 KS = ("5", "20", "50")
@@ -50,8 +50,10 @@ def load(dirs: list[Path], k: int, variants: dict | None = None) -> dict:
 def ingest_costs(logs: list[Path]) -> dict:
     """(window, neighbours, sample, history) -> (encoded tokens, seconds) from eval logs' ingest lines (the last
     one wins: a store ingested once is reused by later runs)."""
-    pat = re.compile(r"ingested (\d+) facts of (\S+) \(w=(\d+)(?:, m=(\d+))?(, history)?\) in ([\d.]+) s"
-                     r"(?: \((\d+) tokens encoded)?")
+    pat = re.compile(
+        r"ingested (\d+) facts of (\S+) \(w=(\d+)(?:, m=(\d+))?(, history)?\) in ([\d.]+) s"
+        r"(?: \((\d+) tokens encoded)?"
+    )
     out: dict = {}
     for log in logs:
         for m in pat.finditer(log.read_text(errors="replace")):
@@ -71,23 +73,42 @@ def bootstrap(d: list[float], n: int = 2000) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dirs", nargs="+", help="eval locomo output directories; DIR=LABEL keeps an experiment run "
-                    "with the same w and m as another as its own row, named by LABEL")
+    ap.add_argument(
+        "dirs",
+        nargs="+",
+        help="eval locomo output directories; DIR=LABEL keeps an experiment run "
+        "with the same w and m as another as its own row, named by LABEL",
+    )
     ap.add_argument("--ref", type=Path, required=True, help="the run whose prompt records are the reference")
     ap.add_argument("--ref-window", type=int, default=5)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--latency-hf", type=Path, help="bench latency --engine hf output with kv-sel methods")
     ap.add_argument("--latency", type=Path, help="bench latency output with --tail-recompute")
-    ap.add_argument("--fact-tokens", default="conv-26:6652,conv-49:8411", help="sample:stored fact tokens (the "
-                    "Qwen2.5 tokenizer), for the ingest cost per fact token")
-    ap.add_argument("--base-tokens", default="0:29479,5:106452,20:332731,50:765391",
-                    help="w:tokens encoded at m=0 for conv-26 + conv-49, for logs without token counts")
+    ap.add_argument(
+        "--fact-tokens",
+        default="conv-26:6652,conv-49:8411",
+        help="sample:stored fact tokens (the Qwen2.5 tokenizer), for the ingest cost per fact token",
+    )
+    ap.add_argument(
+        "--base-tokens",
+        default="0:29479,5:106452,20:332731,50:765391",
+        help="w:tokens encoded at m=0 for conv-26 + conv-49, for logs without token counts",
+    )
     ap.add_argument("--plot", type=Path)
-    ap.add_argument("--point", action="append", default=[], metavar="LABEL:TTFT:GAP",
-                    help="an extra plot point from a run whose records are gone (e.g. 'kv w=20 (s3):1:5.16')")
+    ap.add_argument(
+        "--point",
+        action="append",
+        default=[],
+        metavar="LABEL:TTFT:GAP",
+        help="an extra plot point from a run whose records are gone (e.g. 'kv w=20 (s3):1:5.16')",
+    )
     ap.add_argument("--json", type=Path, help="also write the rows here")
-    ap.add_argument("--x-ingest", action="store_true", help="plot the gap against the ingest cost instead of TTFT "
-                    "(for offline methods, whose TTFT is plain KV injection's)")
+    ap.add_argument(
+        "--x-ingest",
+        action="store_true",
+        help="plot the gap against the ingest cost instead of TTFT "
+        "(for offline methods, whose TTFT is plain KV injection's)",
+    )
     a = ap.parse_args()
 
     variants = {Path(d.split("=", 1)[0]): d.split("=", 1)[1] for d in a.dirs if "=" in d}
@@ -95,13 +116,16 @@ def main() -> None:
     recs = load(a.dirs, a.k, variants)
     # the prompt ids do not depend on w or m; the window only names which of the ref run's prompt records to use
     ref = next(v for (w, m, mode, *_), v in load([a.ref], a.k).items() if (w, mode) == (a.ref_window, "prompt"))
-    logs = sorted({Path(str(d) + ".log") for d in [a.ref, *a.dirs] if d not in variants and
-                   Path(str(d) + ".log").exists()})
+    logs = sorted(
+        {Path(str(d) + ".log") for d in [a.ref, *a.dirs] if d not in variants and Path(str(d) + ".log").exists()}
+    )
     costs = ingest_costs(logs)
-    variant_costs = {v: ingest_costs([Path(str(d) + ".log")]) for d, v in variants.items()
-                     if Path(str(d) + ".log").exists()}
+    variant_costs = {
+        v: ingest_costs([Path(str(d) + ".log")]) for d, v in variants.items() if Path(str(d) + ".log").exists()
+    }
     base = {int(w): int(t) for w, t in (x.split(":") for x in a.base_tokens.split(","))}
     fact_tokens = {s: int(t) for s, t in (x.split(":") for x in a.fact_tokens.split(","))}
+
     def ratios(path):
         if not path:
             return None
@@ -110,14 +134,21 @@ def main() -> None:
 
     lat, lat_hf = ratios(a.latency), ratios(a.latency_hf)
     qids = sorted(ref)
-    head = (["method", "w", "m"] + [f"F1 {n}" for n in CATS.values()] + [f"gap {n}" for n in CATS.values()]
-            + ["gap 95% CI", "n", "same facts", "encoded tok / fact tok", "ingest s", "TTFT/kv k=20", "prompt/method k=50"])
-    rows = [["prompt (ref)", "", ""] + [f"{f1([ref[q] for q in qids if c == 'overall' or ref[q]['category'] == c]):.2f}"
-                                        for c in CATS] + [""] * (len(head) - 8)]
+    head = (
+        ["method", "w", "m"]
+        + [f"F1 {n}" for n in CATS.values()]
+        + [f"gap {n}" for n in CATS.values()]
+        + ["gap 95% CI", "n", "same facts", "encoded tok / fact tok", "ingest s", "TTFT/kv k=20", "prompt/method k=50"]
+    )
+    rows = [
+        ["prompt (ref)", "", ""]
+        + [f"{f1([ref[q] for q in qids if c == 'overall' or ref[q]['category'] == c]):.2f}" for c in CATS]
+        + [""] * (len(head) - 8)
+    ]
     out, pts = [], []
-    for (w, m, mode, engine, variant), by in sorted(recs.items(), key=lambda kv: (kv[0][3], kv[0][2] != "kv",
-                                                                                   kv[0][4], kv[0][1], kv[0][0],
-                                                                                   kv[0][2])):
+    for (w, m, mode, engine, variant), by in sorted(
+        recs.items(), key=lambda kv: (kv[0][3], kv[0][2] != "kv", kv[0][4], kv[0][1], kv[0][0], kv[0][2])
+    ):
         if mode == "prompt":
             continue
         common = [q for q in qids if q in by]
@@ -141,7 +172,6 @@ def main() -> None:
         sec = sum(x for _, x in got) if len(got) == len(samples) else float("nan")
         tok = tok or (base.get(w) if m == 0 and samples == ["conv-26", "conv-49"] else 0)
         n_fact = sum(fact_tokens[smp] for smp in samples)
-        tail = int(mode.removeprefix("kv-tail")) if mode.startswith("kv-tail") else 0
         src = lat_hf if engine == "hf" else lat
         if mode != "kv":  # a serving method: its own TTFT ratio, from the latency run of its engine
             r = (src or {}).get("method_over_kv", {}).get(mode, {})
@@ -149,16 +179,46 @@ def main() -> None:
             p50 = (src or {}).get("prompt_over_method", {}).get(mode, {}).get("50", float("nan"))
         else:  # window and neighbours change the stored KV, not what is injected
             r20, p50 = 1.0, ((src or {}).get("prompt_over_kv", {}).get("50", float("nan")))
-        label = f"kv w={w}" + (f" m={m}" if m else "") + (f" {mode.removeprefix('kv-')}" if mode != "kv" else "") \
-            + (f" ({engine})" if engine != "vllm" else "") + (f" {variant}" if variant else "")
-        rows.append([label, w, m] + [f"{x:.2f}" for x in cells] + [f"{g:+.2f}" for g in gaps]
-                    + [f"{lo:.1f} to {hi:.1f}", len(common), f"{same}/{len(common)}",
-                       f"{tok / n_fact:.1f}" if tok else "",
-                       f"{sec:.0f}" if sec == sec else "", f"{r20:.2f}", f"{p50:.1f}"])
-        out.append({"method": label, "window": w, "neighbours": m, "mode": mode, "engine": engine, "variant": variant,
-                    "f1": dict(zip(map(str, CATS), cells)), "gap": dict(zip(map(str, CATS), gaps)),
-                    "gap_ci95": [lo, hi], "same_facts": same, "n": len(common), "encoded_tokens": tok,
-                    "ingest_s": sec, "ttft_over_kv_k20": r20, "prompt_over_method_k50": p50})
+        label = (
+            f"kv w={w}"
+            + (f" m={m}" if m else "")
+            + (f" {mode.removeprefix('kv-')}" if mode != "kv" else "")
+            + (f" ({engine})" if engine != "vllm" else "")
+            + (f" {variant}" if variant else "")
+        )
+        rows.append(
+            [label, w, m]
+            + [f"{x:.2f}" for x in cells]
+            + [f"{g:+.2f}" for g in gaps]
+            + [
+                f"{lo:.1f} to {hi:.1f}",
+                len(common),
+                f"{same}/{len(common)}",
+                f"{tok / n_fact:.1f}" if tok else "",
+                f"{sec:.0f}" if sec == sec else "",
+                f"{r20:.2f}",
+                f"{p50:.1f}",
+            ]
+        )
+        out.append(
+            {
+                "method": label,
+                "window": w,
+                "neighbours": m,
+                "mode": mode,
+                "engine": engine,
+                "variant": variant,
+                "f1": dict(zip(map(str, CATS), cells)),
+                "gap": dict(zip(map(str, CATS), gaps)),
+                "gap_ci95": [lo, hi],
+                "same_facts": same,
+                "n": len(common),
+                "encoded_tokens": tok,
+                "ingest_s": sec,
+                "ttft_over_kv_k20": r20,
+                "prompt_over_method_k50": p50,
+            }
+        )
         pts.append((label, r20, gaps[-1], tok / n_fact if tok else float("nan")))
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
@@ -172,8 +232,19 @@ def main() -> None:
             x = cost if a.x_ingest else ttft
             if x != x:
                 continue  # no ingest cost for this point
-            ax.scatter([x], [y], color="tab:green" if " m=" in label else "tab:orange" if "tail" in label
-                       else "tab:purple" if "sel" in label else "tab:red" if "history" in label else "tab:blue")
+            ax.scatter(
+                [x],
+                [y],
+                color="tab:green"
+                if " m=" in label
+                else "tab:orange"
+                if "tail" in label
+                else "tab:purple"
+                if "sel" in label
+                else "tab:red"
+                if "history" in label
+                else "tab:blue",
+            )
             ax.annotate(label.removeprefix("kv "), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.axhline(1.0, ls="--", color="gray", lw=1, label="target gap 1.0")
         if not a.x_ingest:
@@ -183,11 +254,17 @@ def main() -> None:
         ax.set_xticks([1, 2, 4, 8, 16] if a.x_ingest else [1, 1.3, 2, 4, 8])
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("ingest tokens per stored fact token (TTFT: plain KV injection's)"
-                      if a.x_ingest else f"TTFT / plain KV injection (k={a.k})")
+        ax.set_xlabel(
+            "ingest tokens per stored fact token (TTFT: plain KV injection's)"
+            if a.x_ingest
+            else f"TTFT / plain KV injection (k={a.k})"
+        )
         ax.set_ylabel("F1 gap to prompt injection (points)")
-        ax.set_title(f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k}\n(blue: window, green: "
-                     f"neighbours, red: history, orange: tail recompute, purple: selective recompute)", fontsize=8)
+        ax.set_title(
+            f"{ref[qids[0]]['model']}, {len(qids)} questions, k={a.k}\n(blue: window, green: "
+            f"neighbours, red: history, orange: tail recompute, purple: selective recompute)",
+            fontsize=8,
+        )
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot, dpi=120)

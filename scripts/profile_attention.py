@@ -43,8 +43,13 @@ def main() -> None:
 
     @torch.inference_mode()
     def forward(m: int, cache: DynamicCache) -> None:
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-              position_ids=torch.arange(m, m + ids.shape[1])[None])
+        model(
+            input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=torch.arange(m, m + ids.shape[1])[None],
+        )
 
     print(f"{args.model}, {torch.get_num_threads()} threads, query {args.query_tokens} tokens, median of {args.reps}")
     print(f"{'m':>6} {'forward ms':>11} {'sdpa ms':>8} {'cat ms':>7}")

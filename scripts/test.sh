@@ -6,4 +6,8 @@ bash scripts/setup.sh
 .venv/bin/kvmem models install smollm2-135m-instruct
 .venv/bin/kvmem models install qwen2.5-coder-0.5b-instruct
 .venv/bin/kvmem models install gemma3-270m
+# Habits first (seconds): lint, format and the import structure (layers, no cycles; pyproject.toml).
+.venv/bin/ruff check src tests scripts
+.venv/bin/ruff format --check src tests scripts
+.venv/bin/lint-imports
 exec .venv/bin/python -m pytest -q "$@"

@@ -32,13 +32,18 @@ def main() -> None:
     from kvmem.hardware import cpu_facts, plan
     from kvmem.models import model_dir
 
-    out = {"machine": plan().to_json(), "env": {k: os.environ.get(k) for k in ("ONEDNN_MAX_CPU_ISA",
-                                                                               "ATEN_CPU_CAPABILITY")},
-           "tokens": args.tokens, "runs": args.runs, "by_dtype": {}}
+    out = {
+        "machine": plan().to_json(),
+        "env": {k: os.environ.get(k) for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")},
+        "tokens": args.tokens,
+        "runs": args.runs,
+        "by_dtype": {},
+    }
     if args.one:  # one engine per process: vLLM engines do not always release everything in-process
         g = torch.Generator().manual_seed(0)
-        eng = VLLMEngine(model_dir(args.model), dtype=args.one, kv_cache_memory_bytes=1 << 30, max_model_len=2048,
-                         in_process=True)
+        eng = VLLMEngine(
+            model_dir(args.model), dtype=args.one, kv_cache_memory_bytes=1 << 30, max_model_len=2048, in_process=True
+        )
         ttft, decode = [], []
         eng.generate(torch.randint(100, 20000, (64,), generator=g).tolist(), None, 2, salt=eng.cold_salt())
         for _ in range(args.runs):
@@ -46,20 +51,42 @@ def main() -> None:
             gen = eng.generate(ids, None, 16, ignore_eos=True, salt=eng.cold_salt())
             ttft.append(gen.ttft_ms)
             decode.append(gen.decode_ms / max(1, len(gen.token_ids) - 1))
-        print("RESULT " + json.dumps({"ttft_ms_median": round(statistics.median(ttft), 1),
-                                      "ttft_ms_p95": round(sorted(ttft)[int(0.95 * (len(ttft) - 1) + 0.5)], 1),
-                                      "decode_ms_per_token_median": round(statistics.median(decode), 2)}))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "ttft_ms_median": round(statistics.median(ttft), 1),
+                    "ttft_ms_p95": round(sorted(ttft)[int(0.95 * (len(ttft) - 1) + 0.5)], 1),
+                    "decode_ms_per_token_median": round(statistics.median(decode), 2),
+                }
+            )
+        )
         return
     for dtype in args.dtypes.split(","):
-        p = subprocess.run([sys.executable, __file__, "--one", dtype, "--model", args.model, "--tokens",
-                            str(args.tokens), "--runs", str(args.runs)], capture_output=True, text=True)
+        p = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--one",
+                dtype,
+                "--model",
+                args.model,
+                "--tokens",
+                str(args.tokens),
+                "--runs",
+                str(args.runs),
+            ],
+            capture_output=True,
+            text=True,
+        )
         line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
         out["by_dtype"][dtype] = json.loads(line[7:]) if line else {"error": p.stderr[-500:]}
     d = out["by_dtype"]
     if all("ttft_ms_median" in d.get(k, {}) for k in ("bfloat16", "float32")):
         out["ttft_bf16_over_fp32"] = round(d["bfloat16"]["ttft_ms_median"] / d["float32"]["ttft_ms_median"], 3)
-        out["decode_bf16_over_fp32"] = round(d["bfloat16"]["decode_ms_per_token_median"]
-                                             / d["float32"]["decode_ms_per_token_median"], 3)
+        out["decode_bf16_over_fp32"] = round(
+            d["bfloat16"]["decode_ms_per_token_median"] / d["float32"]["decode_ms_per_token_median"], 3
+        )
     out["cpu"] = cpu_facts().cpu
     print(json.dumps(out, indent=1))
 

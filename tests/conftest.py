@@ -23,8 +23,16 @@ def tiny_model(family: str, **overrides):
     import transformers as tf
 
     torch.manual_seed(0)
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     common.update(overrides.pop("common", {}))
     if family == "llama":
         cfg, cls = tf.LlamaConfig(**common, **overrides), tf.LlamaForCausalLM
@@ -37,8 +45,10 @@ def tiny_model(family: str, **overrides):
     elif family == "phi3":
         cfg, cls = tf.Phi3Config(**common, pad_token_id=0, **overrides), tf.Phi3ForCausalLM
     elif family == "gemma2":
-        cfg, cls = tf.Gemma2Config(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
-                                   **overrides), tf.Gemma2ForCausalLM
+        cfg, cls = (
+            tf.Gemma2Config(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16, **overrides),
+            tf.Gemma2ForCausalLM,
+        )
     elif family == "gemma3":
         common.update(num_hidden_layers=4, num_key_value_heads=1)
         overrides.setdefault("layer_types", ["sliding_attention"] * 3 + ["full_attention"])
@@ -72,8 +82,11 @@ def small_locomo(tmp_path_factory, locomo_path) -> Path:
     import json
 
     sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
-    sample["observation"] = {k: v for k, v in sample["observation"].items()
-                             if k in ("session_1_observation", "session_2_observation", "session_3_observation")}
+    sample["observation"] = {
+        k: v
+        for k, v in sample["observation"].items()
+        if k in ("session_1_observation", "session_2_observation", "session_3_observation")
+    }
     path = tmp_path_factory.mktemp("data") / "small.json"
     path.write_text(json.dumps([sample]))
     return path

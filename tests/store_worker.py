@@ -24,8 +24,10 @@ N_FACTS = 3
 
 def generation(user: str, g: int, big: bool = False):
     tokens = 2000 if big else 4  # big: a few MB per file, so a kill lands inside a write
-    facts = [FactRecord(f"{user}-g{g}-{i}", user, f"fact {i} of gen {g}", "", "", "", tuple(range(tokens)), 0, 0)
-             for i in range(N_FACTS)]
+    facts = [
+        FactRecord(f"{user}-g{g}-{i}", user, f"fact {i} of gen {g}", "", "", "", tuple(range(tokens)), 0, 0)
+        for i in range(N_FACTS)
+    ]
     kv = [torch.full((2, 1, tokens, 64), float(g)) for _ in facts]
     return facts, kv, torch.full((N_FACTS, 4), float(g))
 

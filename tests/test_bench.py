@@ -21,6 +21,7 @@ FAST = "smollm2-135m-instruct"
 
 # --- scoring -----------------------------------------------------------------------------------------------
 
+
 def test_normalize_and_f1_values():
     assert normalize_answer("The Cat, and a dog!") == "cat dog"
     assert f1_score("The cat sat", "cat sat down") == pytest.approx(0.8)  # p=1, r=2/3
@@ -63,6 +64,7 @@ def test_question_subset_is_deterministic_prefix(locomo_path):
 
 # --- commands on a tiny config -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, locomo_path):
     """conv-26 with only sessions 1-2 of facts; a private store cache; one torch thread (the CPU may be shared)."""
@@ -71,8 +73,9 @@ def tiny(tmp_path_factory, locomo_path):
     import torch
 
     sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
-    sample["observation"] = {k: v for k, v in sample["observation"].items()
-                             if k in ("session_1_observation", "session_2_observation")}
+    sample["observation"] = {
+        k: v for k, v in sample["observation"].items() if k in ("session_1_observation", "session_2_observation")
+    }
     root = tmp_path_factory.mktemp("bench")
     data = root / "small.json"
     data.write_text(json.dumps([sample]))
@@ -98,8 +101,19 @@ def cli(*args, rc: int = 0):
 
 
 def common(tiny, out: Path, questions: int = 2):
-    return ["--data", tiny["data"], "--model", FAST, "--samples", "conv-26", "--questions", questions, "--out", out,
-            "--no-progress"]
+    return [
+        "--data",
+        tiny["data"],
+        "--model",
+        FAST,
+        "--samples",
+        "conv-26",
+        "--questions",
+        questions,
+        "--out",
+        out,
+        "--no-progress",
+    ]
 
 
 def check_outputs(out: Path, png: str) -> dict:
@@ -123,32 +137,80 @@ def test_vllm_engine_flag(tiny, tmp_path):
     else:  # scripts/setup.sh installs vLLM; where it can run it must import (a broken install fails here)
         assert vllm_problem(facts) is None
         out = tmp_path / "vllm-latency"
-        cli("bench", "latency", "--engine", "vllm", "--k", "1,2", "--window", "0", "--max-new-tokens", 4,
-            *common(tiny, out))
+        cli(
+            "bench",
+            "latency",
+            "--engine",
+            "vllm",
+            "--k",
+            "1,2",
+            "--window",
+            "0",
+            "--max-new-tokens",
+            4,
+            *common(tiny, out),
+        )
         s = check_outputs(out, "latency_vs_k.png")
         assert s["engine"] == "vllm" and s["ttft_ms"]["bare"] > 0
         assert set(s["ttft_ms"]["kv"]) == {"1", "2"} and all(v > 0 for v in s["ttft_ms"]["prompt"].values())
         out = tmp_path / "vllm-throughput"
-        cli("bench", "throughput", "--engine", "vllm", "--users", "1,2", "--k", 2, "--window", 0, "--tokens", 4,
-            *common(tiny, out, 4))
+        cli(
+            "bench",
+            "throughput",
+            "--engine",
+            "vllm",
+            "--users",
+            "1,2",
+            "--k",
+            2,
+            "--window",
+            0,
+            "--tokens",
+            4,
+            *common(tiny, out, 4),
+        )
         s = check_outputs(out, "qps_vs_users.png")
         assert set(s["qps"]["kv"]) == {"1", "2"} and all(v > 0 for v in s["qps"]["prompt"].values())
         assert "batching" in s["concurrency_note"]
         # eval: requests batched through the one engine; same rows and fields as the hf engine writes
         out = tmp_path / "vllm-eval"
-        res = cli("eval", "locomo", "--engine", "vllm", "--k", "1,2", "--window", "0", "--max-new-tokens", 4,
-                  *common(tiny, out, 3))
+        res = cli(
+            "eval",
+            "locomo",
+            "--engine",
+            "vllm",
+            "--k",
+            "1,2",
+            "--window",
+            "0",
+            "--max-new-tokens",
+            4,
+            *common(tiny, out, 3),
+        )
         assert "12 to answer" in res.output
         rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
-        assert len(rows) == 12 and {(r["mode"], r["k"]) for r in rows} == {(m, k) for m in ("kv", "prompt") for k in (1, 2)}
+        assert len(rows) == 12 and {(r["mode"], r["k"]) for r in rows} == {
+            (m, k) for m in ("kv", "prompt") for k in (1, 2)
+        }
         assert all(r["engine"] == "vllm" and r["k_used"] == r["k"] and len(r["fact_ids"]) == r["k"] for r in rows)
         assert check_outputs(out, "accuracy_vs_k.png")["f1"]["0"]["2"]["kv"]["overall"] is not None
 
 
 def test_bench_latency(tiny):
     out = tiny["root"] / "latency"
-    res = cli("bench", "latency", "--k", "1,2", "--window", "0", "--max-new-tokens", 4, "--methods",
-              "kv-sel50,kv-tail1", *common(tiny, out))
+    res = cli(
+        "bench",
+        "latency",
+        "--k",
+        "1,2",
+        "--window",
+        "0",
+        "--max-new-tokens",
+        4,
+        "--methods",
+        "kv-sel50,kv-tail1",
+        *common(tiny, out),
+    )
     s = check_outputs(out, "latency_vs_k.png")
     assert set(s["ratios"]["method_over_kv"]) == {"kv-sel50", "kv-tail1"}
     assert all(v > 0 for m in s["ratios"]["prompt_over_method"].values() for v in m.values())
@@ -219,7 +281,7 @@ class _Judge(http.server.BaseHTTPRequestHandler):
 
     calls: list = []
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _Judge.calls.append(body)
         text = '{"label": "CORRECT"}' if len(_Judge.calls) == 1 else "I cannot tell."
@@ -240,8 +302,23 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{srv.server_port}/v1"
-        args = ["eval", "locomo", "--k", "1", "--window", "0", "--mode", "kv,prompt", "--max-new-tokens", 8,
-                "--judge-url", url, "--judge-model", "stub", *common(tiny, out)]
+        args = [
+            "eval",
+            "locomo",
+            "--k",
+            "1",
+            "--window",
+            "0",
+            "--mode",
+            "kv,prompt",
+            "--max-new-tokens",
+            8,
+            "--judge-url",
+            url,
+            "--judge-model",
+            "stub",
+            *common(tiny, out),
+        ]
         res = cli(*args)
         assert "4 to answer" in res.output
         s = check_outputs(out, "accuracy_vs_k.png")
@@ -273,8 +350,22 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
 
 def test_bench_memory(tiny):
     out = tiny["root"] / "memory"
-    cli("bench", "memory", "--turns", 3, "--facts", 1500, "--window", 2, "--data", tiny["data"], "--model", FAST,
-        "--out", out)
+    cli(
+        "bench",
+        "memory",
+        "--turns",
+        3,
+        "--facts",
+        1500,
+        "--window",
+        2,
+        "--data",
+        tiny["data"],
+        "--model",
+        FAST,
+        "--out",
+        out,
+    )
     s = check_outputs(out, "memory.png")
     assert s["facts_for_search"] == 1500 and s["deleted_absent_from_next_search"] is True
     for key in ("add_ms", "plain_forward_ms", "search_ms", "delete_ms"):
@@ -298,8 +389,21 @@ def test_sigterm_stops_the_vllm_engine(tiny):
     facts = cpu_facts()
     if vllm_kernels(facts) is None and not facts.cuda:
         pytest.skip("vLLM cannot run on this CPU (test_vllm_engine_flag checks the error)")
-    args = ["eval", "locomo", "--engine", "vllm", "--k", "2", "--window", "0", "--neighbours", "0", "--mode",
-            "kv,prompt", *common(tiny, tiny["root"] / "sigterm", 40)]
+    args = [
+        "eval",
+        "locomo",
+        "--engine",
+        "vllm",
+        "--k",
+        "2",
+        "--window",
+        "0",
+        "--neighbours",
+        "0",
+        "--mode",
+        "kv,prompt",
+        *common(tiny, tiny["root"] / "sigterm", 40),
+    ]
     script = Path(sys.executable).with_name("kvmem")  # the installed command, as users start it
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvmem.cli"]
     p = subprocess.Popen([*cmd, *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -33,8 +33,19 @@ def run(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
 def store(tmp_path_factory, small_locomo) -> Path:
     require(FAST)
     root = tmp_path_factory.mktemp("store") / "s"
-    p = run("ingest-locomo", small_locomo, "--sample", "conv-26", "--store", root, "--window", "3", "--model", FAST,
-            "--json")
+    p = run(
+        "ingest-locomo",
+        small_locomo,
+        "--sample",
+        "conv-26",
+        "--store",
+        root,
+        "--window",
+        "3",
+        "--model",
+        FAST,
+        "--json",
+    )
     report = json.loads(p.stdout.strip().splitlines()[-1])
     assert report["user"] == "conv-26" and report["num_facts"] > 10 and report["window"] == 3
     return root
@@ -44,10 +55,16 @@ def test_ask_both_modes_same_prompt(store):
     from kvmem.store import Store
 
     q = "What did Caroline research?"
-    kv = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "kv", "--json",
-                        q).stdout)
-    pr = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "prompt",
-                        "--json", q).stdout)
+    kv = json.loads(
+        run(
+            "ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "kv", "--json", q
+        ).stdout
+    )
+    pr = json.loads(
+        run(
+            "ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--mode", "prompt", "--json", q
+        ).stdout
+    )
     assert kv["fact_ids"] == pr["fact_ids"] and len(kv["fact_ids"]) == 5 and kv["k"] == 5
     assert kv["prompt_tokens"] == pr["prompt_tokens"]
     st = Store.open(store)
@@ -61,15 +78,18 @@ def test_ask_both_modes_same_prompt(store):
         assert isinstance(a["answer"], str) and a["answer"]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--user", "nobody", "--k", "3", "q?"], "unknown user 'nobody'"),
-    (["--user", "conv-26", "--k", "0", "q?"], "--k must be >= 1"),
-    (["--user", "conv-26", "--k", "3", "  "], "empty question"),
-    (["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"], "at most k="),
-    (["--user", "conv-26", "--k", "8", "--max-context", "10", "What did Caroline research?"], "no memory fits"),
-    (["--user", "conv-26", "--k", "3", "--max-context", "0", "q?"], "--max-context must be >= 1"),
-    (["--user", "conv-26", "--k", "3", "--max-new-tokens", "0", "q?"], "--max-new-tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--user", "nobody", "--k", "3", "q?"], "unknown user 'nobody'"),
+        (["--user", "conv-26", "--k", "0", "q?"], "--k must be >= 1"),
+        (["--user", "conv-26", "--k", "3", "  "], "empty question"),
+        (["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"], "at most k="),
+        (["--user", "conv-26", "--k", "8", "--max-context", "10", "What did Caroline research?"], "no memory fits"),
+        (["--user", "conv-26", "--k", "3", "--max-context", "0", "q?"], "--max-context must be >= 1"),
+        (["--user", "conv-26", "--k", "3", "--max-new-tokens", "0", "q?"], "--max-new-tokens must be >= 1"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(store, args, needle):
     p = run("ask", "--engine", "hf", "--store", store, *args, check_rc=2)
     assert needle in p.stderr and "Traceback" not in p.stderr
@@ -80,22 +100,55 @@ def test_budget_reserves_the_answer(store):
     """Issue 10 (f): a context exactly as long as the composed prompt leaves no room for the answer: refused
     with kvmem's own "at most k" error, not accepted (and decoded past the context)."""
     q = "What did Caroline research?"
-    a = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--json",
-                       "--max-new-tokens", 4, q).stdout)
-    p = run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--max-new-tokens", 4,
-            "--max-context", a["prompt_tokens"], q, check_rc=2)
+    a = json.loads(
+        run(
+            "ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--json", "--max-new-tokens", 4, q
+        ).stdout
+    )
+    p = run(
+        "ask",
+        "--engine",
+        "hf",
+        "--store",
+        store,
+        "--user",
+        "conv-26",
+        "--k",
+        3,
+        "--max-new-tokens",
+        4,
+        "--max-context",
+        a["prompt_tokens"],
+        q,
+        check_rc=2,
+    )
     assert "+ answer (4 tokens)" in p.stderr and "at most k=2 fits" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 3, "--max-new-tokens", 4,
-        "--max-context", a["prompt_tokens"] + 4, q)
+    run(
+        "ask",
+        "--engine",
+        "hf",
+        "--store",
+        store,
+        "--user",
+        "conv-26",
+        "--k",
+        3,
+        "--max-new-tokens",
+        4,
+        "--max-context",
+        a["prompt_tokens"] + 4,
+        q,
+    )
 
 
 def test_store_in_another_dtype_is_refused_with_how_to_reencode(store):
     from kvmem.hardware import resolve_dtype
 
     other = "float32" if resolve_dtype(None) == "bfloat16" else "bfloat16"
-    p = run("ask", "--engine", "hf", "--dtype", other, "--store", store, "--user", "conv-26", "--k", 3, "q?",
-            check_rc=2)
+    p = run(
+        "ask", "--engine", "hf", "--dtype", other, "--store", store, "--user", "conv-26", "--k", 3, "q?", check_rc=2
+    )
     assert f"computed in {resolve_dtype(None)}, but this run computes in {other}" in p.stderr
     assert "--dtype" in p.stderr and "re-encode" in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
@@ -125,10 +178,16 @@ def test_ask_default_engine_is_auto(store):
     from kvmem.hardware import plan
 
     q = "What did Caroline research?"
-    kv = json.loads(run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--json", "--max-new-tokens", 8,
-                        q).stdout.strip().splitlines()[-1])
-    hf = json.loads(run("ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--json",
-                        "--max-new-tokens", 8, q).stdout)
+    kv = json.loads(
+        run("ask", "--store", store, "--user", "conv-26", "--k", 5, "--json", "--max-new-tokens", 8, q)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    hf = json.loads(
+        run(
+            "ask", "--engine", "hf", "--store", store, "--user", "conv-26", "--k", 5, "--json", "--max-new-tokens", 8, q
+        ).stdout
+    )
     assert kv["engine"] == plan().engine and kv["mode"] == "kv"
     assert kv["fact_ids"] == hf["fact_ids"] and kv["prompt_tokens"] == hf["prompt_tokens"]
     assert kv["prefilled_tokens"] == hf["prefilled_tokens"]  # the query alone, as vLLM counts it
@@ -137,8 +196,9 @@ def test_ask_default_engine_is_auto(store):
 def test_missing_store_and_bad_file(tmp_path, store):
     p = run("ask", "--store", tmp_path / "none", "--user", "x", "--k", "3", "q?", check_rc=2)
     assert "no kvmem store" in p.stderr and "Traceback" not in p.stderr
-    p = run("ingest-locomo", tmp_path / "missing.json", "--sample", "conv-26", "--store", store, "--model", FAST,
-            check_rc=2)
+    p = run(
+        "ingest-locomo", tmp_path / "missing.json", "--sample", "conv-26", "--store", store, "--model", FAST, check_rc=2
+    )
     assert "not found" in p.stderr
 
 
@@ -166,11 +226,44 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
     root = tmp_path / "g"
     run("ingest-locomo", small_locomo, "--sample", "conv-26", "--store", root, "--window", "2", "--model", GEMMA)
     q = "What did Caroline research?"
-    kv = json.loads(run("ask", "--engine", "hf", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "kv", "--json",
-                        "--max-new-tokens", 8, q).stdout)
-    pr = json.loads(run("ask", "--engine", "hf", "--store", root, "--user", "conv-26", "--k", 4, "--mode", "prompt",
-                        "--json",
-                        "--max-new-tokens", 8, q).stdout)
+    kv = json.loads(
+        run(
+            "ask",
+            "--engine",
+            "hf",
+            "--store",
+            root,
+            "--user",
+            "conv-26",
+            "--k",
+            4,
+            "--mode",
+            "kv",
+            "--json",
+            "--max-new-tokens",
+            8,
+            q,
+        ).stdout
+    )
+    pr = json.loads(
+        run(
+            "ask",
+            "--engine",
+            "hf",
+            "--store",
+            root,
+            "--user",
+            "conv-26",
+            "--k",
+            4,
+            "--mode",
+            "prompt",
+            "--json",
+            "--max-new-tokens",
+            8,
+            q,
+        ).stdout
+    )
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]
     # Issue 10 (g): one stop rule for both engines: a completion-style answer ends at the line break in vLLM too.
@@ -178,14 +271,35 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
 
     if plan().engine == "vllm":
         for k in (1, 4):
-            v = json.loads(run("ask", "--engine", "vllm", "--store", root, "--user", "conv-26", "--k", k, "--json",
-                               "--max-new-tokens", 16, q).stdout.strip().splitlines()[-1])
+            v = json.loads(
+                run(
+                    "ask",
+                    "--engine",
+                    "vllm",
+                    "--store",
+                    root,
+                    "--user",
+                    "conv-26",
+                    "--k",
+                    k,
+                    "--json",
+                    "--max-new-tokens",
+                    16,
+                    q,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
             assert v["engine"] == "vllm" and "\n" not in v["answer"] and v["generated_tokens"] >= 1
 
 
 def test_undecodable_question_is_one_error_line(store):
     """Bytes that are not UTF-8 reach Python as lone surrogates: one error line, not a tokenizer traceback."""
-    p = subprocess.run(KVMEM + ["ask", "--engine", "hf", "--store", str(store), "--user", "conv-26", "--k", "3",
-                                b"\xff\xfe?"], capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        KVMEM + ["ask", "--engine", "hf", "--store", str(store), "--user", "conv-26", "--k", "3", b"\xff\xfe?"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 2 and "not valid Unicode" in p.stderr and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1

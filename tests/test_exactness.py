@@ -8,9 +8,9 @@ import torch
 from conftest import random_ids, tiny_model
 from kvmem.compose import compose_raw
 from kvmem.encode import encode_spans
-from kvmem.rope import Rotary
 from kvmem.engines.hf import HFEngine
 from kvmem.exactness import REL_TOL, check_joint, check_relocated_keys, check_window, run_all
+from kvmem.rope import Rotary
 
 FAMILIES = ["llama", "qwen2", "mistral"]
 
@@ -50,7 +50,12 @@ def test_chunked_composition_equals_prefill_of_the_joint_encoding_only_when_join
     """Independently encoded facts are NOT the joint prefill: composing them must differ measurably from
     prompt injection (they never attended to each other), while the joint encoding matches exactly."""
     model = tiny_model("llama")
-    header, f1, f2, query = random_ids(10, seed=8), random_ids(20, seed=9), random_ids(20, seed=10), random_ids(6, seed=11)
+    header, f1, f2, query = (
+        random_ids(10, seed=8),
+        random_ids(20, seed=9),
+        random_ids(20, seed=10),
+        random_ids(6, seed=11),
+    )
     kvs = encode_spans(model, [header, header + f1, header + f2], [(0, 10), (10, 30), (10, 30)])
     keys = torch.cat([kvs[0].keys, kvs[1].keys, kvs[2].keys], dim=2)
     values = torch.cat([kvs[0].values, kvs[1].values, kvs[2].values], dim=2)

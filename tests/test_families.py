@@ -21,11 +21,19 @@ def _rope(kind: str, rotary_half: int = 8) -> dict:
         "linear": {"rope_type": "linear", "factor": 2.0},
         "dynamic": {"rope_type": "dynamic", "factor": 2.0},
         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64},
-        "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 64,
-                     "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
-                     "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)]},
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "longrope": {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)],
+        },
     }[kind] | base
 
 
@@ -39,8 +47,11 @@ CASES = {
     "qwen2": dict(),
     "qwen3": dict(),
     "phi3": dict(),
-    "phi3-partial-longrope": dict(partial_rotary_factor=0.5, rope_parameters=_rope("longrope", rotary_half=4),
-                                  common={"max_position_embeddings": 4096}),
+    "phi3-partial-longrope": dict(
+        partial_rotary_factor=0.5,
+        rope_parameters=_rope("longrope", rotary_half=4),
+        common={"max_position_embeddings": 4096},
+    ),
     "gemma2": dict(),
     "gemma3": dict(),
 }
@@ -77,8 +88,13 @@ def test_relocation_exact(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_context_window_slice_exact(case):
     model = _model(case)
-    r = check_window(model, random_ids(10, seed=45), random_ids(30, seed=46), random_ids(12, seed=47),
-                     distractors=[random_ids(n, seed=n) for n in (4, 20, 70)])
+    r = check_window(
+        model,
+        random_ids(10, seed=45),
+        random_ids(30, seed=46),
+        random_ids(12, seed=47),
+        distractors=[random_ids(n, seed=n) for n in (4, 20, 70)],
+    )
     assert r["rel_key_diff"] <= REL_TOL and r["rel_value_diff"] <= REL_TOL
 
 
@@ -102,22 +118,57 @@ def _first_logits(model, memory, query):
         return model(input_ids=torch.tensor([memory + query]), logits_to_keep=1).logits[0, -1]
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda tf: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), "absolute"),
-    (lambda tf: tf.BloomForCausalLM(tf.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64)), "ALiBi"),
-    (lambda tf: tf.MambaForCausalLM(tf.MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64)), "recurrent"),
-    (lambda tf: tf.JambaForCausalLM(tf.JambaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                                   num_key_value_heads=1, intermediate_size=64, vocab_size=64,
-                                                   num_experts=2, expert_layer_period=2, attn_layer_period=2,
-                                                   attn_layer_offset=1, use_mamba_kernels=False)), "recurrent"),
-    (lambda tf: tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(num_hidden_layers=1, hidden_size=32,
-                                                             num_attention_heads=2, num_key_value_heads=2,
-                                                             intermediate_size=64, moe_intermediate_size=16,
-                                                             vocab_size=64, q_lora_rank=16, kv_lora_rank=16,
-                                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                                                             n_routed_experts=2, num_experts_per_tok=1,
-                                                             first_k_dense_replace=1)), "latent attention"),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda tf: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)), "absolute"),
+        (lambda tf: tf.BloomForCausalLM(tf.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64)), "ALiBi"),
+        (
+            lambda tf: tf.MambaForCausalLM(tf.MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64)),
+            "recurrent",
+        ),
+        (
+            lambda tf: tf.JambaForCausalLM(
+                tf.JambaConfig(
+                    num_hidden_layers=2,
+                    hidden_size=32,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    intermediate_size=64,
+                    vocab_size=64,
+                    num_experts=2,
+                    expert_layer_period=2,
+                    attn_layer_period=2,
+                    attn_layer_offset=1,
+                    use_mamba_kernels=False,
+                )
+            ),
+            "recurrent",
+        ),
+        (
+            lambda tf: tf.DeepseekV3ForCausalLM(
+                tf.DeepseekV3Config(
+                    num_hidden_layers=1,
+                    hidden_size=32,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    intermediate_size=64,
+                    moe_intermediate_size=16,
+                    vocab_size=64,
+                    q_lora_rank=16,
+                    kv_lora_rank=16,
+                    qk_rope_head_dim=8,
+                    qk_nope_head_dim=8,
+                    v_head_dim=8,
+                    n_routed_experts=2,
+                    num_experts_per_tok=1,
+                    first_k_dense_replace=1,
+                )
+            ),
+            "latent attention",
+        ),
+    ],
+)
 def test_refuses_what_cannot_be_injected(make, needle):
     import transformers as tf
 

@@ -17,26 +17,66 @@ from kvmem import hardware
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from kvmem.hardware import CpuFacts, EngineUnavailable, choose_dtype, plan, resolve_dtype, resolve_engine, vllm_kernels
 
-ZEN3 = CpuFacts("AMD EPYC 7B13 (Zen 3)", "AVX2", avx2=True, avx512=False, avx512_bf16=False, amx=False,
-                onednn_max_isa="", cuda=False, cores=2)
-GENOA = CpuFacts("AMD EPYC 9B14 (Zen 4)", "AVX512", avx2=True, avx512=True, avx512_bf16=True, amx=False,
-                 onednn_max_isa="", cuda=False, cores=2)
-SAPPHIRE = CpuFacts("Intel Xeon (Sapphire Rapids)", "AVX512", avx2=True, avx512=True, avx512_bf16=True, amx=True,
-                    onednn_max_isa="", cuda=False, cores=2)
-SKYLAKE = CpuFacts("Intel Xeon (Skylake)", "AVX512", avx2=True, avx512=True, avx512_bf16=False, amx=False,
-                   onednn_max_isa="", cuda=False, cores=2)
-OLD = CpuFacts("no AVX2", "DEFAULT", avx2=False, avx512=False, avx512_bf16=False, amx=False, onednn_max_isa="",
-               cuda=False, cores=2)
+ZEN3 = CpuFacts(
+    "AMD EPYC 7B13 (Zen 3)",
+    "AVX2",
+    avx2=True,
+    avx512=False,
+    avx512_bf16=False,
+    amx=False,
+    onednn_max_isa="",
+    cuda=False,
+    cores=2,
+)
+GENOA = CpuFacts(
+    "AMD EPYC 9B14 (Zen 4)",
+    "AVX512",
+    avx2=True,
+    avx512=True,
+    avx512_bf16=True,
+    amx=False,
+    onednn_max_isa="",
+    cuda=False,
+    cores=2,
+)
+SAPPHIRE = CpuFacts(
+    "Intel Xeon (Sapphire Rapids)",
+    "AVX512",
+    avx2=True,
+    avx512=True,
+    avx512_bf16=True,
+    amx=True,
+    onednn_max_isa="",
+    cuda=False,
+    cores=2,
+)
+SKYLAKE = CpuFacts(
+    "Intel Xeon (Skylake)",
+    "AVX512",
+    avx2=True,
+    avx512=True,
+    avx512_bf16=False,
+    amx=False,
+    onednn_max_isa="",
+    cuda=False,
+    cores=2,
+)
+OLD = CpuFacts(
+    "no AVX2", "DEFAULT", avx2=False, avx512=False, avx512_bf16=False, amx=False, onednn_max_isa="", cuda=False, cores=2
+)
 
 
-@pytest.mark.parametrize("facts,dtype,kernels", [
-    (ZEN3, "float32", "AVX2 (vllm._C_AVX2)"),
-    (SKYLAKE, "float32", "AVX-512 (vllm._C_AVX512)"),
-    (GENOA, "bfloat16", "AVX-512 + BF16 (vllm._C)"),
-    (SAPPHIRE, "bfloat16", "AVX-512 + BF16 (vllm._C)"),
-    (replace(ZEN3, cuda=True), "bfloat16", "AVX2 (vllm._C_AVX2)"),
-    (OLD, "float32", None),
-])
+@pytest.mark.parametrize(
+    "facts,dtype,kernels",
+    [
+        (ZEN3, "float32", "AVX2 (vllm._C_AVX2)"),
+        (SKYLAKE, "float32", "AVX-512 (vllm._C_AVX512)"),
+        (GENOA, "bfloat16", "AVX-512 + BF16 (vllm._C)"),
+        (SAPPHIRE, "bfloat16", "AVX-512 + BF16 (vllm._C)"),
+        (replace(ZEN3, cuda=True), "bfloat16", "AVX2 (vllm._C_AVX2)"),
+        (OLD, "float32", None),
+    ],
+)
 def test_dtype_and_vllm_kernels_per_cpu(facts, dtype, kernels):
     assert choose_dtype(facts)[0] == dtype
     assert vllm_kernels(facts) == kernels
@@ -85,8 +125,13 @@ def test_threads_follow_usable_cores():
 
 
 def _doctor(env: dict) -> dict:
-    p = subprocess.run([sys.executable, "-m", "kvmem.cli", "doctor", "--json"], capture_output=True, text=True,
-                       env={**os.environ, **env}, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvmem.cli", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout)
 
@@ -108,8 +153,14 @@ def test_kv_cache_sizing_per_dtype(tmp_path):
 
     from kvmem.engines.vllm_engine import fit_max_model_len, kv_bytes_per_token
 
-    cfg = tf.Gemma3TextConfig(num_hidden_layers=18, num_key_value_heads=1, head_dim=256, hidden_size=640,
-                              num_attention_heads=4, max_position_embeddings=32768)
+    cfg = tf.Gemma3TextConfig(
+        num_hidden_layers=18,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_size=640,
+        num_attention_heads=4,
+        max_position_embeddings=32768,
+    )
     cfg.save_pretrained(tmp_path)
     assert kv_bytes_per_token(cfg, "float32") == 2 * 18 * 1 * 256 * 4 == 36864
     assert 32768 * 36864 > 1 << 30
@@ -122,7 +173,6 @@ def test_kv_cache_sizing_per_dtype(tmp_path):
 
 def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
     from conftest import random_ids, tiny_model
-
     from kvmem.encode import encode_spans
 
     model = tiny_model("llama")
@@ -153,8 +203,11 @@ def test_connector_refuses_what_it_does_not_implement():
 
     def cfg(tp=1, cache_dtype="auto", rope=None):
         hf = tf.LlamaConfig(rope_scaling=rope) if rope else tf.LlamaConfig()
-        return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=1),
-                  cache_config=NS(cache_dtype=cache_dtype), model_config=NS(hf_config=hf))
+        return NS(
+            parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=1),
+            cache_config=NS(cache_dtype=cache_dtype),
+            model_config=NS(hf_config=hf),
+        )
 
     check_engine_config(cfg())  # plain Llama: fine
     check_engine_config(cfg(rope={"rope_type": "linear", "factor": 2.0}))
@@ -164,9 +217,15 @@ def test_connector_refuses_what_it_does_not_implement():
         check_engine_config(cfg(cache_dtype="fp8"))
     with pytest.raises(ValueError, match="2 KV-cache groups"):
         check_engine_config(cfg(), NS(kv_cache_groups=[1, 2]))
-    for rope in ({"rope_type": "dynamic", "factor": 2.0},
-                 {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [1.0] * 32,
-                  "original_max_position_embeddings": 1024}):
+    for rope in (
+        {"rope_type": "dynamic", "factor": 2.0},
+        {
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 32,
+            "long_factor": [1.0] * 32,
+            "original_max_position_embeddings": 1024,
+        },
+    ):
         with pytest.raises(ValueError, match=f"RoPE scaling '{rope['rope_type']}' depends on the served length"):
             check_engine_config(cfg(rope=rope))
 
@@ -194,11 +253,17 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     ids = st.header_token_ids + [t for f in facts for t in f.token_ids]
 
     def request(p=params):
-        return NS(kv_transfer_params=p, prompt_token_ids=ids + [7], cache_salt=salt, request_id="r",
-                  num_prompt_tokens=len(ids) + 1)
+        return NS(
+            kv_transfer_params=p,
+            prompt_token_ids=ids + [7],
+            cache_salt=salt,
+            request_id="r",
+            num_prompt_tokens=len(ids) + 1,
+        )
 
     assert conn.get_num_new_matched_tokens(request(), 0) == (len(ids), False)  # the good case injects
     for fault in (sqlite3.OperationalError("database is locked"), FileNotFoundError("users/u.x.kv.safetensors")):
+
         def boom(p, fault=fault):
             raise fault
 
@@ -207,8 +272,10 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert conn.get_num_new_matched_tokens(request({"kvmem": "not an object"}), 0) == (0, False)
     assert conn.get_num_new_matched_tokens(request(["not", "a", "dict"]), 0) == (0, False)
-    assert conn.get_num_new_matched_tokens(request(dict(params, kvmem={**params["kvmem"], "store": "/nope"})),
-                                           0) == (0, False)
+    assert conn.get_num_new_matched_tokens(request(dict(params, kvmem={**params["kvmem"], "store": "/nope"})), 0) == (
+        0,
+        False,
+    )
     # a store path outside the allow-list is judged before anything opens it: untrusted, not a store error
     assert conn.metrics["store_error"] == 3 and conn.metrics["untrusted_store"] == 1
     assert conn.metrics["requests_injected"] == 0

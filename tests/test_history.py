@@ -12,9 +12,9 @@ import torch
 from conftest import assert_is_prefill, random_ids, tiny_model
 from kvmem.encode import encode_chain, encode_spans
 from kvmem.ingest import history_runs
-from kvmem.policy import Encoding
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
+from kvmem.policy import Encoding
 
 FAST = "smollm2-135m-instruct"
 
@@ -41,8 +41,11 @@ def test_chain_is_a_prefill_of_each_facts_sequence(family, with_turns):
 
 
 def test_chain_refuses_what_it_cannot_encode_exactly():
-    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-                       common={"max_position_embeddings": 64})
+    model = tiny_model(
+        "llama",
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        common={"max_position_embeddings": 64},
+    )
     for turns in (None, [[], [6]]):
         with pytest.raises(ValueError, match="fixed-frequency RoPE"):
             encode_chain(model, [1, 2], [[3, 4], [5]], turns)
@@ -65,7 +68,7 @@ def test_history_runs_fit_the_budget():
         for j, i in enumerate(idx):
             assert 10 + len(prefix) + sum(len(facts[x]) for x in idx[:j]) + len(ctx[i]) + len(facts[i]) <= 120
     assert runs[0][0] == [8] * 30  # the 50-token fact does not fit beside it: dropped whole, oldest first
-    assert runs[1][0][-len(facts[runs[0][1][-1]]):] == facts[runs[0][1][-1]]  # a run starts behind the last one
+    assert runs[1][0][-len(facts[runs[0][1][-1]]) :] == facts[runs[0][1][-1]]  # a run starts behind the last one
     assert len(history_runs(10, [], facts, ctx, budget=10_000)) == 1
     # the earlier facts give way to a fact that fits the budget beside the header (not beside half the budget)
     assert history_runs(10, [[7] * 55], [[1] * 60], [[]], budget=120) == [([], [0])]
@@ -106,8 +109,14 @@ def test_memory_history_stores_a_prefill_behind_earlier_facts(tmp_path, lm_emb):
     first = mem.add("Maya moved to Lisbon in 2021.", user_id="maya", infer=False)["results"][0]["id"]
     mem.add("Maya's brother Tom is a pilot.", user_id="maya", infer=False)
     mem.delete(first)  # a deleted fact is no longer history
-    mem.add([{"role": "user", "content": "Tom flies to Tokyo every month."},
-             {"role": "user", "content": "Maya adopted a dog named Biscuit."}], user_id="maya", infer=False)
+    mem.add(
+        [
+            {"role": "user", "content": "Tom flies to Tokyo every month."},
+            {"role": "user", "content": "Maya adopted a dog named Biscuit."},
+        ],
+        user_id="maya",
+        infer=False,
+    )
     store = mem.store
     assert store.user_info("maya")["history"] is True
     ukv = store.snapshot("maya")
@@ -146,9 +155,26 @@ def test_ingest_locomo_history_cli(tmp_path, small_locomo):
     from kvmem.store import Store
 
     def ingest(root, *extra):
-        p = subprocess.run([sys.executable, "-m", "kvmem.cli", "ingest-locomo", str(small_locomo), "--sample",
-                            "conv-26", "--store", str(root), "--model", FAST, "--json", *extra],
-                           capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvmem.cli",
+                "ingest-locomo",
+                str(small_locomo),
+                "--sample",
+                "conv-26",
+                "--store",
+                str(root),
+                "--model",
+                FAST,
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -173,8 +199,9 @@ def test_a_users_encoding_is_kept_across_processes(tmp_path, lm_emb):
     mem = Memory(tmp_path / "s", model=lm, embedder=emb, window=0, history=True)
     for f in ("Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Tom flies to Tokyo every month."):
         mem.add(f, user_id="maya", infer=False)
-    Memory(tmp_path / "s", model=lm, embedder=emb, window=2, neighbours=3).add("Bo is a cook.", user_id="bo",
-                                                                              infer=False)
+    Memory(tmp_path / "s", model=lm, embedder=emb, window=2, neighbours=3).add(
+        "Bo is a cook.", user_id="bo", infer=False
+    )
     reopened = Memory(tmp_path / "s", model=lm, embedder=emb)
     first = reopened.get_all(user_id="maya")["results"][0]["id"]
     reopened.update(first, "Maya moved to Porto in 2021.")

@@ -19,7 +19,9 @@ def test_reads_all_samples_and_facts(locomo_path):
 
 def test_list_evidence_takes_earliest_turn(locomo_path):
     conv = get_conversation(locomo_path, "conv-30")
-    fact = next(f for f in conv.facts if f.text.startswith("Jon is working on opening a dance studio, with the official"))
+    fact = next(
+        f for f in conv.facts if f.text.startswith("Jon is working on opening a dance studio, with the official")
+    )
     assert fact.source_turn == "D15:3"
 
 
@@ -50,9 +52,15 @@ def test_lone_surrogates_are_replaced_in_data_and_refused_in_questions(tmp_path)
     a question gets a clear ValueError (one error line on the CLI)."""
     from kvmem.compose import PromptFormat, check_text
 
-    sample = {"sample_id": "s", "conversation": {
-        "session_1": [{"dia_id": "D1:1", "speaker": "A", "text": "hi \\ud83d there"}], "session_1_date_time": "d"},
-        "observation": {"session_1_observation": {"A": [["A likes \\ud83d tea", "D1:1"]]}}, "qa": []}
+    sample = {
+        "sample_id": "s",
+        "conversation": {
+            "session_1": [{"dia_id": "D1:1", "speaker": "A", "text": "hi \\ud83d there"}],
+            "session_1_date_time": "d",
+        },
+        "observation": {"session_1_observation": {"A": [["A likes \\ud83d tea", "D1:1"]]}},
+        "qa": [],
+    }
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(sample).replace("\\\\ud83d", "\\ud83d"))
     assert "\\ud83d" in path.read_text()  # the raw escape is in the file

@@ -34,13 +34,21 @@ def mem(tmp_path, shared):
 
 
 def test_round_trip_events_and_history(mem):
-    r = mem.add([{"role": "user", "content": "I moved to Lisbon in March."},
-                 {"role": "user", "content": "My sister Ana plays the cello."}], "alice", infer=False,
-                metadata={"source": "chat"})
+    r = mem.add(
+        [
+            {"role": "user", "content": "I moved to Lisbon in March."},
+            {"role": "user", "content": "My sister Ana plays the cello."},
+        ],
+        "alice",
+        infer=False,
+        metadata={"source": "chat"},
+    )
     assert [x["event"] for x in r["results"]] == ["ADD", "ADD"]
     lisbon, ana = (x["id"] for x in r["results"])
-    assert [m["memory"] for m in mem.get_all("alice")["results"]] == ["I moved to Lisbon in March.",
-                                                                      "My sister Ana plays the cello."]
+    assert [m["memory"] for m in mem.get_all("alice")["results"]] == [
+        "I moved to Lisbon in March.",
+        "My sister Ana plays the cello.",
+    ]
     hits = mem.search("Which instrument does Ana play?", "alice", limit=2)["results"]
     assert hits[0]["id"] == ana and hits[0]["score"] > hits[1]["score"]
     assert set(hits[0]) >= {"id", "memory", "score", "metadata", "created_at", "updated_at"}
@@ -56,7 +64,9 @@ def test_round_trip_events_and_history(mem):
     assert all(h["id"] != ana for h in mem.search("cello", "alice", limit=10)["results"])
     h = mem.history(lisbon)
     assert [(e["event"], e["old_memory"], e["new_memory"]) for e in h] == [
-        ("ADD", None, "I moved to Lisbon in March."), ("UPDATE", "I moved to Lisbon in March.", "I moved to Porto in April.")]
+        ("ADD", None, "I moved to Lisbon in March."),
+        ("UPDATE", "I moved to Lisbon in March.", "I moved to Porto in April."),
+    ]
     assert [e["event"] for e in mem.history(ana)] == ["ADD", "DELETE"]
     assert mem.get_all("bob")["results"] == [] and mem.search("x", "bob")["results"] == []
     mem.delete_all("alice")
@@ -72,16 +82,22 @@ def test_every_write_stores_exact_context_window_kv(mem, shared):
     from kvmem.encode import encode_spans
 
     lm, _ = shared
-    mem.encoding = dataclasses.replace(mem.encoding, neighbours=0)  # the window alone (neighbour-aware encoding: tests/test_neighbours.py)
+    mem.encoding = dataclasses.replace(
+        mem.encoding, neighbours=0
+    )  # the window alone (neighbour-aware encoding: tests/test_neighbours.py)
     mem.add("Hello there, I am Carla.", "carla", infer=False)
-    r = mem.add([{"role": "user", "content": "I work as a nurse."}, {"role": "user", "content": "I like tea."}],
-                "carla", infer=False)
+    r = mem.add(
+        [{"role": "user", "content": "I work as a nurse."}, {"role": "user", "content": "I like tea."}],
+        "carla",
+        infer=False,
+    )
     ukv = mem.store.snapshot("carla")
     pos = ukv.row_of()[r["results"][1]["id"]]
     fact = ukv.facts[pos]
     header = mem.store.header_token_ids
-    ctx = lm.tokenizer("user: Hello there, I am Carla.\nuser: I work as a nurse.\n",
-                       add_special_tokens=False)["input_ids"]
+    ctx = lm.tokenizer("user: Hello there, I am Carla.\nuser: I work as a nurse.\n", add_special_tokens=False)[
+        "input_ids"
+    ]
     seq = header + ctx + list(fact.token_ids)
     (ref,) = encode_spans(lm.model, [seq], [(len(seq) - fact.num_tokens, len(seq))])
     k, v = ukv.fact_kv(pos)
@@ -109,19 +125,22 @@ def test_adds_are_incremental_and_compaction_keeps_what_is_served(mem):
     assert dead == (0,) and [e["event"] for e in mem.history(ids[1])] == ["ADD", "DELETE"]
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda m: m.add("", "u", infer=False), "message 0 is empty"),
-    (lambda m: m.add("x" * 9000, "u", infer=False), "at most 8000"),
-    (lambda m: m.add([{"role": "user"}], "u", infer=False), "string 'content'"),
-    (lambda m: m.add([1, 2], "u", infer=False), "string 'content'"),
-    (lambda m: m.add("hi", "../etc", infer=False), "not allowed"),
-    (lambda m: m.add("hi", "", infer=False), "non-empty"),
-    (lambda m: m.add("hi \ud83d", "u", infer=False), "not valid Unicode"),
-    (lambda m: m.update("nope", "text"), "not found"),
-    (lambda m: m.delete("nope"), "not found"),
-    (lambda m: m.history("nope"), "not found"),
-    (lambda m: m.search("", "u"), "non-empty"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda m: m.add("", "u", infer=False), "message 0 is empty"),
+        (lambda m: m.add("x" * 9000, "u", infer=False), "at most 8000"),
+        (lambda m: m.add([{"role": "user"}], "u", infer=False), "string 'content'"),
+        (lambda m: m.add([1, 2], "u", infer=False), "string 'content'"),
+        (lambda m: m.add("hi", "../etc", infer=False), "not allowed"),
+        (lambda m: m.add("hi", "", infer=False), "non-empty"),
+        (lambda m: m.add("hi \ud83d", "u", infer=False), "not valid Unicode"),
+        (lambda m: m.update("nope", "text"), "not found"),
+        (lambda m: m.delete("nope"), "not found"),
+        (lambda m: m.history("nope"), "not found"),
+        (lambda m: m.search("", "u"), "non-empty"),
+    ],
+)
 def test_bad_input_raises_and_changes_nothing(mem, call, match):
     mem.add("I keep bees.", "u", infer=False)
     version = mem.store.version("u")
@@ -158,29 +177,50 @@ def test_infer_add_update_delete_none(tmp_path, shared):
 
     lm, emb = shared
     seed = Memory(tmp_path / "s", model=lm, embedder=emb, window=2)
-    lisbon, cat = (x["id"] for x in seed.add([{"role": "user", "content": "Alice lives in Lisbon."},
-                                              {"role": "user", "content": "Alice has a cat."}], "alice",
-                                             infer=False)["results"])
+    lisbon, cat = (
+        x["id"]
+        for x in seed.add(
+            [{"role": "user", "content": "Alice lives in Lisbon."}, {"role": "user", "content": "Alice has a cat."}],
+            "alice",
+            infer=False,
+        )["results"]
+    )
     prompts = []
 
     class Stub(Extractor):
         def complete(self, prompt, schema):
             prompts.append(prompt)
             if "facts" in schema["properties"]:
-                return json.dumps({"facts": ["Alice lives in Porto.", "Alice has no cat anymore.",
-                                             "Alice likes jazz.", "Alice lives in Porto."]})
+                return json.dumps(
+                    {
+                        "facts": [
+                            "Alice lives in Porto.",
+                            "Alice has no cat anymore.",
+                            "Alice likes jazz.",
+                            "Alice lives in Porto.",
+                        ]
+                    }
+                )
             num = {text: n for n, text in re.findall(r"^(\d+)\. (.*)$", prompt, re.M)}
-            return json.dumps({"memory": [
-                {"event": "UPDATE", "id": num["Alice lives in Lisbon."], "text": "Alice lives in Porto."},
-                {"event": "DELETE", "id": num["Alice has a cat."], "text": ""},
-                {"event": "ADD", "id": "new", "text": "Alice likes jazz."},
-                {"event": "NONE", "id": "new", "text": "Alice lives in Porto."},
-                {"event": "UPDATE", "id": "77", "text": "an unknown number: NONE"}]})
+            return json.dumps(
+                {
+                    "memory": [
+                        {"event": "UPDATE", "id": num["Alice lives in Lisbon."], "text": "Alice lives in Porto."},
+                        {"event": "DELETE", "id": num["Alice has a cat."], "text": ""},
+                        {"event": "ADD", "id": "new", "text": "Alice likes jazz."},
+                        {"event": "NONE", "id": "new", "text": "Alice lives in Porto."},
+                        {"event": "UPDATE", "id": "77", "text": "an unknown number: NONE"},
+                    ]
+                }
+            )
 
     m = Memory(tmp_path / "s", model=lm, embedder=emb, window=2, extractor=Stub())
     out = m.add("I moved to Porto, my cat died, and I discovered jazz.", "alice", infer=True)["results"]
     assert {(r["event"], r["memory"]) for r in out} == {
-        ("ADD", "Alice likes jazz."), ("UPDATE", "Alice lives in Porto."), ("DELETE", "Alice has a cat.")}
+        ("ADD", "Alice likes jazz."),
+        ("UPDATE", "Alice lives in Porto."),
+        ("DELETE", "Alice has a cat."),
+    }
     upd = next(r for r in out if r["event"] == "UPDATE")
     assert upd["id"] == lisbon and upd["previous_memory"] == "Alice lives in Lisbon."
     assert next(r for r in out if r["event"] == "DELETE")["id"] == cat
@@ -213,8 +253,14 @@ def test_local_extractor_output_always_parses(mem):
         assert r["event"] in ("ADD", "UPDATE", "DELETE") and r["memory"]
         if r["event"] == "ADD":
             assert mem.get(r["id"])["memory"] == r["memory"]
-    raw = mem._extractor.complete("Reply with facts about: I like tea.", {"type": "object", "properties": {
-        "facts": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2}}, "required": ["facts"]})
+    raw = mem._extractor.complete(
+        "Reply with facts about: I like tea.",
+        {
+            "type": "object",
+            "properties": {"facts": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2}},
+            "required": ["facts"],
+        },
+    )
     assert isinstance(json.loads(raw)["facts"], list)
 
 
@@ -225,21 +271,45 @@ def test_memory_cli(tmp_path, shared):
 
     run = CliRunner()
     root = str(tmp_path / "c")
-    msgs = json.dumps([{"role": "user", "content": "I moved to Porto in April."},
-                       {"role": "user", "content": "Ana plays the cello."}])
-    res = run.invoke(app, ["memory", "add", "--store", root, "--user", "alice", "--no-infer", "--window", "2",
-                           "--model", FAST, "--dtype", "float32", "--json"], input=msgs)
+    msgs = json.dumps(
+        [{"role": "user", "content": "I moved to Porto in April."}, {"role": "user", "content": "Ana plays the cello."}]
+    )
+    res = run.invoke(
+        app,
+        [
+            "memory",
+            "add",
+            "--store",
+            root,
+            "--user",
+            "alice",
+            "--no-infer",
+            "--window",
+            "2",
+            "--model",
+            FAST,
+            "--dtype",
+            "float32",
+            "--json",
+        ],
+        input=msgs,
+    )
     assert res.exit_code == 0, res.output
     porto, _ = (r["id"] for r in json.loads(res.output)["results"])
-    res = run.invoke(app, ["memory", "search", "Where do I live?", "--store", root, "--user", "alice", "--limit",
-                           "1", "--json"])
+    res = run.invoke(
+        app, ["memory", "search", "Where do I live?", "--store", root, "--user", "alice", "--limit", "1", "--json"]
+    )
     assert res.exit_code == 0 and json.loads(res.output)["results"][0]["id"] == porto
-    assert run.invoke(app, ["memory", "delete", porto, "--store", root]).output.strip() == "Memory deleted successfully!"
+    assert (
+        run.invoke(app, ["memory", "delete", porto, "--store", root]).output.strip() == "Memory deleted successfully!"
+    )
     res = run.invoke(app, ["memory", "history", porto, "--store", root, "--json"])
     assert [e["event"] for e in json.loads(res.output)] == ["ADD", "DELETE"]
-    for args, needle in ((["memory", "delete", porto, "--store", root], "not found"),
-                         (["memory", "get", "nope", "--store", root], "not found"),
-                         (["memory", "list", "--store", root, "--user", "a/b"], "not allowed")):
+    for args, needle in (
+        (["memory", "delete", porto, "--store", root], "not found"),
+        (["memory", "get", "nope", "--store", root], "not found"),
+        (["memory", "list", "--store", root, "--user", "a/b"], "not allowed"),
+    ):
         res = run.invoke(app, args)
         assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, args
     res = run.invoke(app, ["memory", "add", "--store", root, "--user", "alice", "--no-infer"], input="")
@@ -247,8 +317,9 @@ def test_memory_cli(tmp_path, shared):
     # text given where a file is expected: a hint, nothing stored; --message stores the text itself
     res = run.invoke(app, ["memory", "add", "My cat is Tom.", "--store", root, "--user", "alice", "--no-infer"])
     assert res.exit_code == 2 and "--message" in res.output and "Traceback" not in res.output
-    res = run.invoke(app, ["memory", "add", "-m", "My cat is Tom.", "--store", root, "--user", "alice", "--no-infer",
-                           "--json"])
+    res = run.invoke(
+        app, ["memory", "add", "-m", "My cat is Tom.", "--store", root, "--user", "alice", "--no-infer", "--json"]
+    )
     assert res.exit_code == 0, res.output
     assert [r["memory"] for r in json.loads(res.output)["results"]] == ["My cat is Tom."]
     res = run.invoke(app, ["memory", "add", "-m", "42", "--store", root, "--user", "alice", "--no-infer", "--json"])
@@ -258,21 +329,25 @@ def test_memory_cli(tmp_path, shared):
     # bad input fails before a store is created
     fresh = tmp_path / "never"
     for args in (["-m", "hi", "--user", "a/b"], ["--user", "alice"]):
-        res = run.invoke(app, ["memory", "add", *args, "--store", str(fresh), "--no-infer", "--model", FAST],
-                         input="[]")
+        res = run.invoke(
+            app, ["memory", "add", *args, "--store", str(fresh), "--no-infer", "--model", FAST], input="[]"
+        )
         assert res.exit_code == 2 and "Traceback" not in res.output and not fresh.exists(), res.output
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda m: m.add("hi", "u", metadata={"k": {1}}, infer=False), "JSON values"),
-    (lambda m: m.add("hi", "u\ud800", infer=False), "not allowed"),
-    (lambda m: m.add("hi", "u", timestamp=float("nan"), infer=False), "out of range"),
-    (lambda m: m.add("hi", "u", timestamp=1e20, infer=False), "out of range"),
-    (lambda m: m.search("bees", "u", filters=["x"]), "filters must be an object"),
-    (lambda m: m.search("bees \ud800", "u"), "not valid Unicode"),
-    (lambda m: m.get_all("u", limit=-1), "positive integer"),
-    (lambda m: m.update(m.get_all("u")["results"][0]["id"], "y" * 9000), "at most 8000"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda m: m.add("hi", "u", metadata={"k": {1}}, infer=False), "JSON values"),
+        (lambda m: m.add("hi", "u\ud800", infer=False), "not allowed"),
+        (lambda m: m.add("hi", "u", timestamp=float("nan"), infer=False), "out of range"),
+        (lambda m: m.add("hi", "u", timestamp=1e20, infer=False), "out of range"),
+        (lambda m: m.search("bees", "u", filters=["x"]), "filters must be an object"),
+        (lambda m: m.search("bees \ud800", "u"), "not valid Unicode"),
+        (lambda m: m.get_all("u", limit=-1), "positive integer"),
+        (lambda m: m.update(m.get_all("u")["results"][0]["id"], "y" * 9000), "at most 8000"),
+    ],
+)
 def test_more_bad_input_raises_and_changes_nothing(mem, call, match):
     test_bad_input_raises_and_changes_nothing(mem, call, match)
 
@@ -285,8 +360,13 @@ def test_ambiguous_ids_are_refused(mem):
 
     k = t.zeros(mem.lm.config.num_hidden_layers, mem.lm.config.num_key_value_heads, 1, 64, dtype=mem.lm.dtype)
     for user in ("a", "b"):
-        mem.store.commit(user, [FactRecord("D1:3", user, "same id", "", "", "", (1,))], [k], [k.clone()],
-                         t.nn.functional.normalize(t.ones(1, mem.embedder.dim), dim=1))
+        mem.store.commit(
+            user,
+            [FactRecord("D1:3", user, "same id", "", "", "", (1,))],
+            [k],
+            [k.clone()],
+            t.nn.functional.normalize(t.ones(1, mem.embedder.dim), dim=1),
+        )
     for call in (lambda: mem.get("D1:3"), lambda: mem.delete("D1:3"), lambda: mem.history("D1:3")):
         with pytest.raises(MemoryInputError, match="several users"):
             call()
@@ -298,8 +378,10 @@ def test_reads_never_create_a_store(tmp_path):
     from kvmem.cli import app
 
     missing = tmp_path / "nope"
-    for args in (["memory", "get", "x", "--store", str(missing)], ["memory", "list", "--store", str(missing), "--user",
-                                                                     "u"]):
+    for args in (
+        ["memory", "get", "x", "--store", str(missing)],
+        ["memory", "list", "--store", str(missing), "--user", "u"],
+    ):
         res = CliRunner().invoke(app, args)
         assert res.exit_code == 2 and "no kvmem store" in res.output
     assert not missing.exists()

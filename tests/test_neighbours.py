@@ -10,13 +10,19 @@ import torch
 
 from conftest import assert_is_prefill
 from kvmem.ingest import neighbour_prefixes
-from kvmem.policy import check_neighbours
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
+from kvmem.policy import check_neighbours
 
 FAST = "smollm2-135m-instruct"
-FACTS = ["Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Maya adopted a dog named Biscuit.",
-         "Tom flies to Tokyo every month.", "Maya teaches chemistry at a school.", "Tom's plane is an Airbus A320."]
+FACTS = [
+    "Maya moved to Lisbon in 2021.",
+    "Maya's brother Tom is a pilot.",
+    "Maya adopted a dog named Biscuit.",
+    "Tom flies to Tokyo every month.",
+    "Maya teaches chemistry at a school.",
+    "Tom's plane is an Airbus A320.",
+]
 
 
 def test_neighbour_prefixes_pick_the_most_similar_others():
@@ -94,7 +100,9 @@ def test_no_serving_cost(stores):
     a, b = preps
     assert texts[0] == texts[1] and len(texts[0]) == 4  # the same facts, in the same order
     assert a.prompt_ids == b.prompt_ids and a.query_ids == b.query_ids
-    assert a.memory.composed.token_ids == b.memory.composed.token_ids  # same injected tokens: the same prefill at serving time
+    assert (
+        a.memory.composed.token_ids == b.memory.composed.token_ids
+    )  # same injected tokens: the same prefill at serving time
     assert not torch.equal(a.memory.composed.values[1], b.memory.composed.values[1])  # but other KV
 
 
@@ -114,9 +122,28 @@ def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
     from kvmem.store import Store
 
     def ingest(root, *extra, rc=0):
-        p = subprocess.run([sys.executable, "-m", "kvmem.cli", "ingest-locomo", str(small_locomo), "--sample",
-                            "conv-26", "--store", str(root), "--window", "1", "--model", FAST, "--json", *extra],
-                           capture_output=True, text=True, timeout=900)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvmem.cli",
+                "ingest-locomo",
+                str(small_locomo),
+                "--sample",
+                "conv-26",
+                "--store",
+                str(root),
+                "--window",
+                "1",
+                "--model",
+                FAST,
+                "--json",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert p.returncode == rc, p.stderr[-2000:]
         return p
 
@@ -138,16 +165,27 @@ def test_bad_neighbours_refused_before_loading(tmp_path):
     import subprocess
     import sys
 
-    for cmd in (["serve", "--store", str(tmp_path / "s"), "--engine", "hf"],
-                ["memory", "add", "hi", "--store", str(tmp_path / "m"), "--user", "u"],
-                ["ingest-locomo", "x.json", "--sample", "conv-26", "--store", str(tmp_path / "i")],
-                ["demo"], ["eval", "locomo"]):
+    for cmd in (
+        ["serve", "--store", str(tmp_path / "s"), "--engine", "hf"],
+        ["memory", "add", "hi", "--store", str(tmp_path / "m"), "--user", "u"],
+        ["ingest-locomo", "x.json", "--sample", "conv-26", "--store", str(tmp_path / "i")],
+        ["demo"],
+        ["eval", "locomo"],
+    ):
         for bad in ("33", "-1"):
-            p = subprocess.run([sys.executable, "-m", "kvmem.cli", *cmd, "--neighbours", bad, "--model", FAST],
-                               capture_output=True, text=True, timeout=120)
+            p = subprocess.run(
+                [sys.executable, "-m", "kvmem.cli", *cmd, "--neighbours", bad, "--model", FAST],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert p.returncode == 2 and "--neighbours" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
         if cmd[0] != "demo":  # history encoding and neighbours are one or the other
-            p = subprocess.run([sys.executable, "-m", "kvmem.cli", *cmd, "--history", "--neighbours", "2", "--model",
-                                FAST], capture_output=True, text=True, timeout=120)
+            p = subprocess.run(
+                [sys.executable, "-m", "kvmem.cli", *cmd, "--history", "--neighbours", "2", "--model", FAST],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert p.returncode == 2 and "do not combine" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
     assert not any(tmp_path.iterdir())  # nothing created

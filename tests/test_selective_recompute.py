@@ -87,17 +87,25 @@ def test_one_kv_head_and_a_shifted_memory():
     kvs = encode_spans(model, [header + f for f in facts], [(len(header), len(header) + len(f)) for f in facts])
     (hkv,) = encode_spans(model, [header], [(0, len(header))])
     ids = header + [t for f in facts for t in f]
-    memory = compose_raw(Rotary.for_model(model), ids, torch.cat([hkv.keys] + [kv.keys for kv in kvs], dim=2),
-                         torch.cat([hkv.values] + [kv.values for kv in kvs], dim=2), start=13)
+    memory = compose_raw(
+        Rotary.for_model(model),
+        ids,
+        torch.cat([hkv.keys] + [kv.keys for kv in kvs], dim=2),
+        torch.cat([hkv.values] + [kv.values for kv in kvs], dim=2),
+        start=13,
+    )
     cache, _, _ = selective_recompute(model, memory, [7], 1.0, header_len=0)
     ref = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids]), past_key_values=ref, use_cache=True,
-              position_ids=torch.arange(13, 13 + len(ids))[None])
+        model(
+            input_ids=torch.tensor([ids]),
+            past_key_values=ref,
+            use_cache=True,
+            position_ids=torch.arange(13, 13 + len(ids))[None],
+        )
     for a, b in zip(cache.layers, ref.layers):
         torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
-
 
 
 def test_dynamic_rope_recompute_uses_the_served_length():
@@ -105,7 +113,6 @@ def test_dynamic_rope_recompute_uses_the_served_length():
     the recomputed tokens take the served prompt's frequencies, so the cache equals a prefill of memory + query
     (transformers would otherwise reset to the base frequencies for the shorter recompute pass)."""
     from kvmem.rope import reset_rope_state
-
     from test_families import _rope
 
     model = tiny_model("llama", rope_parameters=_rope("dynamic"), common={"max_position_embeddings": 64})
@@ -114,11 +121,17 @@ def test_dynamic_rope_recompute_uses_the_served_length():
     header, facts, query = random_ids(6, seed=10), [random_ids(n, seed=20 + n) for n in (12, 14, 10)], random_ids(40)
     ids = header + [t for f in facts for t in f]
     served = len(ids) + len(query)
-    kvs = encode_spans(model, [header + f for f in facts], [(len(header), len(header) + len(f)) for f in facts],
-                       served_len=served)
+    kvs = encode_spans(
+        model, [header + f for f in facts], [(len(header), len(header) + len(f)) for f in facts], served_len=served
+    )
     (hkv,) = encode_spans(model, [header], [(0, len(header))], served_len=served)
-    memory = compose_raw(Rotary.for_model(model), ids, torch.cat([hkv.keys] + [kv.keys for kv in kvs], dim=2),
-                         torch.cat([hkv.values] + [kv.values for kv in kvs], dim=2), served_len=served)
+    memory = compose_raw(
+        Rotary.for_model(model),
+        ids,
+        torch.cat([hkv.keys] + [kv.keys for kv in kvs], dim=2),
+        torch.cat([hkv.values] + [kv.values for kv in kvs], dim=2),
+        served_len=served,
+    )
     cache, _, _ = selective_recompute(model, memory, query, 1.0, header_len=len(header))
     reset_rope_state(model.model.rotary_emb)
     ref = DynamicCache(config=model.config)
@@ -155,8 +168,12 @@ def test_kv_sel_end_to_end(tmp_path, monkeypatch):
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
     lm, emb = load(FAST, dtype="float32"), Embedder()
     mem = Memory(tmp_path / "s", model=lm, embedder=emb, window=0)
-    for f in ["Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Tom flies to Tokyo every month.",
-              "Maya adopted a dog named Biscuit."]:
+    for f in [
+        "Maya moved to Lisbon in 2021.",
+        "Maya's brother Tom is a pilot.",
+        "Tom flies to Tokyo every month.",
+        "Maya adopted a dog named Biscuit.",
+    ]:
         mem.add(f, user_id="maya", infer=False)
     svc = MemoryService.open(tmp_path / "s", model=lm, embedder=emb, engine="hf")
     q = "Where does Maya's brother fly to?"
@@ -176,9 +193,26 @@ def test_kv_sel_end_to_end(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="do not combine"):
         svc.prepare("maya", q, 4, "kv-sel20", 8, tail_recompute=1)
     # the CLI refuses it off the transformers engine, before loading anything
-    r = subprocess.run([sys.executable, "-m", "kvmem.cli", "ask", "--store", str(tmp_path / "s"), "--user", "maya",
-                        "--engine", "vllm", "--selective-recompute", "10", q], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmem.cli",
+            "ask",
+            "--store",
+            str(tmp_path / "s"),
+            "--user",
+            "maya",
+            "--engine",
+            "vllm",
+            "--selective-recompute",
+            "10",
+            q,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and "--engine hf" in r.stderr and "Traceback" not in r.stderr
 
     # --engine auto is refused only where it resolves to vLLM (as serve does), still before a model loads
@@ -195,10 +229,20 @@ def test_kv_sel_end_to_end(tmp_path, monkeypatch):
         raise Reached(engine)
 
     monkeypatch.setattr(kvmem.service.MemoryService, "open", service)
-    args = ["ask", "--store", str(tmp_path / "s"), "--user", "maya", "--dtype", "float32", "--selective-recompute",
-            "10", q]
+    args = [
+        "ask",
+        "--store",
+        str(tmp_path / "s"),
+        "--user",
+        "maya",
+        "--dtype",
+        "float32",
+        "--selective-recompute",
+        "10",
+        q,
+    ]
     for resolved in ("vllm", "hf"):
-        monkeypatch.setattr(kvmem.engines.select, "resolve_engine", lambda engine, facts=None: (resolved, None))
+        monkeypatch.setattr(kvmem.engines.select, "resolve_engine", lambda engine, facts=None, r=resolved: (r, None))
         res = CliRunner().invoke(app, args)
         if resolved == "vllm":
             assert res.exit_code == 2 and "--engine hf" in res.output

@@ -33,9 +33,15 @@ def server(tmp_path_factory):
     if not (model_dir(FAST) / MANIFEST).exists():
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
     root = tmp_path_factory.mktemp("serve") / "store"
-    srv = KvmemServer.start(root, model=FAST, engine="hf", dtype="float32", window=2,
-                            api_keys={KEY_A: "acme", KEY_B: "globex"},
-                            limits=Limits(max_body_bytes=64 << 10, default_max_tokens=12))
+    srv = KvmemServer.start(
+        root,
+        model=FAST,
+        engine="hf",
+        dtype="float32",
+        window=2,
+        api_keys={KEY_A: "acme", KEY_B: "globex"},
+        limits=Limits(max_body_bytes=64 << 10, default_max_tokens=12),
+    )
     port = _free_port()
     uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=uv.run, daemon=True)
@@ -60,12 +66,16 @@ def _h(key=KEY_A):
 def alice(server):
     """User alice of tenant acme with three memories (one a canary)."""
     _, base = server
-    facts = ["Alice adopted a grey cat named Pixel in March.", "Alice works as a nurse at the city hospital.",
-             "Alice's secret code word is PINEAPPLE-42."]
+    facts = [
+        "Alice adopted a grey cat named Pixel in March.",
+        "Alice works as a nurse at the city hospital.",
+        "Alice's secret code word is PINEAPPLE-42.",
+    ]
     ids = []
     for f in facts:
-        r = httpx.post(f"{base}/v1/memories", headers=_h(), json={"messages": f, "user_id": "alice", "infer": False},
-                       timeout=120)
+        r = httpx.post(
+            f"{base}/v1/memories", headers=_h(), json={"messages": f, "user_id": "alice", "infer": False}, timeout=120
+        )
         assert r.status_code == 200, r.text
         [ev] = r.json()["results"]
         assert ev["event"] == "ADD" and ev["memory"] == f
@@ -85,8 +95,14 @@ def test_openai_client_chat_kv_equals_prompt_and_streams(server, alice):
     msgs = [{"role": "user", "content": "What is Alice's secret code word?"}]
     out = {}
     for mode in ("kv", "prompt", "off"):
-        r = client.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=12, temperature=0,
-                                           extra_body={"memory": {"top_k": 3, "mode": mode}})
+        r = client.chat.completions.create(
+            model=FAST,
+            messages=msgs,
+            user="alice",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"memory": {"top_k": 3, "mode": mode}},
+        )
         extra = r.model_extra["kvmem"]
         out[mode] = (r, extra)
         assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason in ("stop", "length")
@@ -103,9 +119,16 @@ def test_openai_client_chat_kv_equals_prompt_and_streams(server, alice):
     assert set(kvx["timings_ms"]) >= {"embed", "search", "compose", "ttft"}
     # streaming: the pieces add up to the same answer, the last chunk carries finish_reason, then usage
     pieces, finish, usage = [], None, None
-    for ch in client.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=12, stream=True,
-                                             temperature=0, stream_options={"include_usage": True},
-                                             extra_body={"memory": {"top_k": 3, "mode": "kv"}}):
+    for ch in client.chat.completions.create(
+        model=FAST,
+        messages=msgs,
+        user="alice",
+        max_tokens=12,
+        stream=True,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"memory": {"top_k": 3, "mode": "kv"}},
+    ):
         if ch.choices:
             pieces.append(ch.choices[0].delta.content or "")
             finish = ch.choices[0].finish_reason or finish
@@ -120,11 +143,19 @@ def test_selective_recompute_over_http(server, alice):
     the greedy answer is prompt injection's and fewer prompt tokens come from the cache; bad values are 400s."""
     _, base = server
     c = httpx.Client(base_url=base, headers=_h(), timeout=120)
-    chat = {"model": FAST, "user": "alice", "max_tokens": 12, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is Alice's job?"}]}
+    chat = {
+        "model": FAST,
+        "user": "alice",
+        "max_tokens": 12,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "What is Alice's job?"}],
+    }
     out = {}
-    for name, memory in (("kv", {"mode": "kv"}), ("sel", {"mode": "kv", "selective_recompute": 100}),
-                         ("prompt", {"mode": "prompt"})):
+    for name, memory in (
+        ("kv", {"mode": "kv"}),
+        ("sel", {"mode": "kv", "selective_recompute": 100}),
+        ("prompt", {"mode": "prompt"}),
+    ):
         r = c.post("/v1/chat/completions", json={**chat, "memory": {"top_k": 3, **memory}})
         assert r.status_code == 200, r.text
         out[name] = r.json()
@@ -141,9 +172,25 @@ def test_selective_recompute_needs_the_transformers_engine(tmp_path):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "kvmem.cli", "serve", "--store", str(tmp_path / "s"), "--engine",
-                        "vllm", "--selective-recompute", "10", "--model", FAST], capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvmem.cli",
+            "serve",
+            "--store",
+            str(tmp_path / "s"),
+            "--engine",
+            "vllm",
+            "--selective-recompute",
+            "10",
+            "--model",
+            FAST,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2 and "transformers engine only" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "s").exists()
 
@@ -155,8 +202,9 @@ def test_sampling_parameters_are_honoured(server, alice):
     a = client.chat.completions.create(temperature=1.5, top_p=0.95, seed=7, **kw).choices[0].message.content
     b = client.chat.completions.create(temperature=1.5, top_p=0.95, seed=7, **kw).choices[0].message.content
     greedy = client.chat.completions.create(temperature=0, **kw).choices[0].message.content
-    others = {client.chat.completions.create(temperature=1.5, seed=s, **kw).choices[0].message.content
-              for s in range(8, 12)}
+    others = {
+        client.chat.completions.create(temperature=1.5, seed=s, **kw).choices[0].message.content for s in range(8, 12)
+    }
     assert a == b  # same seed, same sample
     assert len(others | {greedy}) > 1  # sampling is not greedy
     r = client.chat.completions.create(max_tokens=3, **{k: v for k, v in kw.items() if k != "max_tokens"})
@@ -165,7 +213,7 @@ def test_sampling_parameters_are_honoured(server, alice):
     if len(text) > 4:  # a stop string cuts the answer before it
         stop = text[2:4]
         cut = client.chat.completions.create(temperature=0, stop=[stop], **kw).choices[0].message.content
-        assert cut == text[:text.index(stop)]
+        assert cut == text[: text.index(stop)]
 
 
 def test_memories_rest_round_trip_and_next_chat_sees_writes(server, alice):
@@ -176,10 +224,21 @@ def test_memories_rest_round_trip_and_next_chat_sees_writes(server, alice):
     found = c.post("/v1/memories/search", json={"query": "pet cat", "user_id": "alice", "limit": 1}).json()
     assert found["results"][0]["id"] == alice["cat"] and "score" in found["results"][0]
     # a new memory is visible to the very next chat
-    new = c.post("/v1/memories", json={"messages": [{"role": "user", "content": "Alice plays the cello on Sundays."}],
-                                       "user_id": "alice", "infer": False}).json()["results"][0]["id"]
-    chat = dict(model=FAST, user="alice", max_tokens=4, memory={"top_k": 10, "mode": "kv"},
-                messages=[{"role": "user", "content": "Which instrument does Alice play?"}])
+    new = c.post(
+        "/v1/memories",
+        json={
+            "messages": [{"role": "user", "content": "Alice plays the cello on Sundays."}],
+            "user_id": "alice",
+            "infer": False,
+        },
+    ).json()["results"][0]["id"]
+    chat = dict(
+        model=FAST,
+        user="alice",
+        max_tokens=4,
+        memory={"top_k": 10, "mode": "kv"},
+        messages=[{"role": "user", "content": "Which instrument does Alice play?"}],
+    )
     assert new in c.post("/v1/chat/completions", json=chat).json()["kvmem"]["fact_ids"]
     # update keeps the id; history has both events; the old text is never served again
     assert c.put(f"/v1/memories/{new}", json={"text": "Alice plays the viola on Sundays."}).status_code == 200
@@ -189,7 +248,9 @@ def test_memories_rest_round_trip_and_next_chat_sees_writes(server, alice):
     # delete: gone from the next search and the next chat
     assert c.delete(f"/v1/memories/{new}").status_code == 200
     assert c.get(f"/v1/memories/{new}").status_code == 404
-    ids = [m["id"] for m in c.post("/v1/memories/search", json={"query": "viola", "user_id": "alice"}).json()["results"]]
+    ids = [
+        m["id"] for m in c.post("/v1/memories/search", json={"query": "viola", "user_id": "alice"}).json()["results"]
+    ]
     assert new not in ids
     assert new not in c.post("/v1/chat/completions", json=chat).json()["kvmem"]["fact_ids"]
 
@@ -197,55 +258,119 @@ def test_memories_rest_round_trip_and_next_chat_sees_writes(server, alice):
 def test_tenants_are_isolated(server, alice):
     _, base = server
     b = httpx.Client(base_url=base, headers=_h(KEY_B), timeout=120)
-    for method, path, body in [("GET", f"/v1/memories/{alice['canary']}", None),
-                               ("GET", f"/v1/memories/{alice['canary']}/history", None),
-                               ("PUT", f"/v1/memories/{alice['canary']}", {"text": "stolen"}),
-                               ("DELETE", f"/v1/memories/{alice['canary']}", None)]:
+    for method, path, body in [
+        ("GET", f"/v1/memories/{alice['canary']}", None),
+        ("GET", f"/v1/memories/{alice['canary']}/history", None),
+        ("PUT", f"/v1/memories/{alice['canary']}", {"text": "stolen"}),
+        ("DELETE", f"/v1/memories/{alice['canary']}", None),
+    ]:
         r = b.request(method, path, json=body)
         assert r.status_code == 403, (method, path, r.text)
         assert "PINEAPPLE" not in r.text
     # the same user_id in another tenant is another user: nothing of acme's is listed, found or injected
     assert b.get("/v1/memories", params={"user_id": "alice"}).json() == {"results": []}
     assert b.post("/v1/memories/search", json={"query": "code word", "user_id": "alice"}).json() == {"results": []}
-    r = b.post("/v1/chat/completions", json={"model": FAST, "user": "alice", "max_tokens": 8,
-                                             "messages": [{"role": "user", "content": "What is the code word?"}]})
+    r = b.post(
+        "/v1/chat/completions",
+        json={
+            "model": FAST,
+            "user": "alice",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": "What is the code word?"}],
+        },
+    )
     assert r.status_code == 200 and r.json()["kvmem"]["fact_ids"] == [] and "PINEAPPLE" not in r.text
     assert httpx.get(f"{base}/v1/memories", params={"user_id": "alice"}).status_code == 401
     assert httpx.get(f"{base}/v1/models", headers=_h("key-wrong-0123456789abcdef")).status_code == 401
     assert httpx.get(f"{base}/v1/memories/{alice['canary']}", headers=_h()).status_code == 200  # the owner can
 
 
-@pytest.mark.parametrize("method,path,kwargs,status", [
-    ("POST", "/v1/chat/completions", {"content": b"{not json"}, 400),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "messages": [{"role": "user", "content": "hi"}],
-                                               "user": "alice", "max_tokens": "many"}}, 422),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "messages": []}}, 422),
-    ("POST", "/v1/chat/completions", {"json": {"model": "gpt-17", "user": "alice",
-                                               "messages": [{"role": "user", "content": "hi"}]}}, 404),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "user": "a/b",
-                                               "messages": [{"role": "user", "content": "hi"}]}}, 400),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "user": "alice",
-                                               "messages": [{"role": "assistant", "content": "hi"}]}}, 400),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "messages": [{"role": "user", "content": "hi"}],
-                                               "user": "alice", "memory": {"mode": "telepathy"}}}, 422),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "user": "alice", "messages": [
-        {"role": "user", "content": "x" * 30000}] * 3}}, 413),
-    ("POST", "/v1/memories", {"json": {"messages": "", "user_id": "alice", "infer": False}}, 400),
-    ("POST", "/v1/memories", {"json": {"messages": [{"role": "user"}], "user_id": "alice", "infer": False}}, 400),
-    ("POST", "/v1/memories", {"json": {"messages": "hi", "user_id": "", "infer": False}}, 400),
-    ("POST", "/v1/memories", {"json": {"messages": [{"content": "x", "name": {"a": 1}}], "user_id": "alice",
-                                       "infer": False}}, 400),
-    ("POST", "/v1/memories", {"content": b'{"messages": "x", "user_id": "alice", "infer": false, '
-                                         b'"metadata": {"a": "\\ud83d"}}',
-                              "headers": {"Content-Type": "application/json"}}, 400),
-    ("POST", "/v1/chat/completions", {"json": {"model": FAST, "user": "alice", "seed": 2**64,
-                                               "messages": [{"role": "user", "content": "hi"}]}}, 422),
-    ("PUT", "/v1/memories/no-such-id", {"json": {"text": "x"}}, 404),
-    ("GET", "/v1/memories/no-such-id", {}, 404),
-    ("DELETE", "/v1/memories/no-such-id", {}, 404),
-    ("GET", "/v1/memories", {}, 422),
-    ("GET", "/v1/nothing-here", {}, 404),
-])
+@pytest.mark.parametrize(
+    "method,path,kwargs,status",
+    [
+        ("POST", "/v1/chat/completions", {"content": b"{not json"}, 400),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "json": {
+                    "model": FAST,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "user": "alice",
+                    "max_tokens": "many",
+                }
+            },
+            422,
+        ),
+        ("POST", "/v1/chat/completions", {"json": {"model": FAST, "messages": []}}, 422),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"json": {"model": "gpt-17", "user": "alice", "messages": [{"role": "user", "content": "hi"}]}},
+            404,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"json": {"model": FAST, "user": "a/b", "messages": [{"role": "user", "content": "hi"}]}},
+            400,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"json": {"model": FAST, "user": "alice", "messages": [{"role": "assistant", "content": "hi"}]}},
+            400,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "json": {
+                    "model": FAST,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "user": "alice",
+                    "memory": {"mode": "telepathy"},
+                }
+            },
+            422,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"json": {"model": FAST, "user": "alice", "messages": [{"role": "user", "content": "x" * 30000}] * 3}},
+            413,
+        ),
+        ("POST", "/v1/memories", {"json": {"messages": "", "user_id": "alice", "infer": False}}, 400),
+        ("POST", "/v1/memories", {"json": {"messages": [{"role": "user"}], "user_id": "alice", "infer": False}}, 400),
+        ("POST", "/v1/memories", {"json": {"messages": "hi", "user_id": "", "infer": False}}, 400),
+        (
+            "POST",
+            "/v1/memories",
+            {"json": {"messages": [{"content": "x", "name": {"a": 1}}], "user_id": "alice", "infer": False}},
+            400,
+        ),
+        (
+            "POST",
+            "/v1/memories",
+            {
+                "content": b'{"messages": "x", "user_id": "alice", "infer": false, "metadata": {"a": "\\ud83d"}}',
+                "headers": {"Content-Type": "application/json"},
+            },
+            400,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"json": {"model": FAST, "user": "alice", "seed": 2**64, "messages": [{"role": "user", "content": "hi"}]}},
+            422,
+        ),
+        ("PUT", "/v1/memories/no-such-id", {"json": {"text": "x"}}, 404),
+        ("GET", "/v1/memories/no-such-id", {}, 404),
+        ("DELETE", "/v1/memories/no-such-id", {}, 404),
+        ("GET", "/v1/memories", {}, 422),
+        ("GET", "/v1/nothing-here", {}, 404),
+    ],
+)
 def test_bad_input_gets_the_right_status(server, alice, method, path, kwargs, status):
     _, base = server
     kwargs = dict(kwargs)
@@ -260,8 +385,12 @@ def test_update_to_empty_text_and_overload_and_timeout(server, alice):
     c = httpx.Client(base_url=base, headers=_h(), timeout=120)
     assert c.put(f"/v1/memories/{alice['job']}", json={"text": "  "}).status_code == 400
     assert c.get(f"/v1/memories/{alice['job']}").json()["memory"] == "Alice works as a nurse at the city hospital."
-    chat = {"model": FAST, "user": "alice", "max_tokens": 12,
-            "messages": [{"role": "user", "content": "Where does Alice work?"}]}
+    chat = {
+        "model": FAST,
+        "user": "alice",
+        "max_tokens": 12,
+        "messages": [{"role": "user", "content": "Where does Alice work?"}],
+    }
     srv.engine.max_queue = 1  # overload: the engine takes one request; the rest are refused, not queued
     try:
         import concurrent.futures as cf
@@ -284,12 +413,22 @@ def test_health_ready_and_metrics(server, alice):
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     assert httpx.get(f"{base}/ready").json()["engine"] == "hf"
     text = httpx.get(f"{base}/metrics").text
-    for name in ("kvmem_requests_total", "kvmem_ttft_seconds_bucket", "kvmem_prompt_tokens_total",
-                 "kvmem_engine_queue_depth", "kvmem_store_bytes", "kvmem_cache_bytes", "kvmem_index_cache_events"):
+    for name in (
+        "kvmem_requests_total",
+        "kvmem_ttft_seconds_bucket",
+        "kvmem_prompt_tokens_total",
+        "kvmem_engine_queue_depth",
+        "kvmem_store_bytes",
+        "kvmem_cache_bytes",
+        "kvmem_index_cache_events",
+    ):
         assert name in text, name
     assert 'mode="kv"' in text and 'kind="injected"' in text
-    statuses = {line.split('status="')[1].split('"')[0] for line in text.splitlines()
-                if line.startswith("kvmem_requests_total{")}
+    statuses = {
+        line.split('status="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("kvmem_requests_total{")
+    }
     # route labels are templates: random paths do not grow the metric
     for i in range(3):
         httpx.get(f"{base}/no-such-route-{i}")

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvmem.models import MANIFEST, model_dir  # noqa: E402
+from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
@@ -37,11 +37,34 @@ def base(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvmem.cli", "serve", "--store", str(tmp / "store"), "--model", FAST,
-                             "--engine", "vllm", "--dtype", "float32", "--port", str(port), "--api-keys",
-                             str(tmp / "keys.json"), "--window", "2", "--kv-cache-bytes", str(256 << 20)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmem.cli",
+            "serve",
+            "--store",
+            str(tmp / "store"),
+            "--model",
+            FAST,
+            "--engine",
+            "vllm",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--api-keys",
+            str(tmp / "keys.json"),
+            "--window",
+            "2",
+            "--kv-cache-bytes",
+            str(256 << 20),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600
@@ -80,10 +103,17 @@ def test_vllm_server_injects_memory_and_isolates_tenants(base):
     import openai
 
     h = {"Authorization": f"Bearer {KEY_A}"}
-    facts = ["Alice adopted a grey cat named Pixel in March.", "Alice's secret code word is PINEAPPLE-42.",
-             "Alice works as a nurse at the city hospital."]
-    r = httpx.post(f"{base}/v1/memories", headers=h, timeout=300,
-                   json={"messages": [{"role": "user", "content": f} for f in facts], "user_id": "alice", "infer": False})
+    facts = [
+        "Alice adopted a grey cat named Pixel in March.",
+        "Alice's secret code word is PINEAPPLE-42.",
+        "Alice works as a nurse at the city hospital.",
+    ]
+    r = httpx.post(
+        f"{base}/v1/memories",
+        headers=h,
+        timeout=300,
+        json={"messages": [{"role": "user", "content": f} for f in facts], "user_id": "alice", "infer": False},
+    )
     assert r.status_code == 200, r.text
     ids = {e["id"] for e in r.json()["results"]}
     assert len(ids) == 3
@@ -93,8 +123,14 @@ def test_vllm_server_injects_memory_and_isolates_tenants(base):
     msgs = [{"role": "user", "content": "What is Alice's secret code word?"}]
     got = {}
     for mode in ("kv", "prompt"):
-        got[mode] = client.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=10,
-                                                   temperature=0, extra_body={"memory": {"top_k": 3, "mode": mode}})
+        got[mode] = client.chat.completions.create(
+            model=FAST,
+            messages=msgs,
+            user="alice",
+            max_tokens=10,
+            temperature=0,
+            extra_body={"memory": {"top_k": 3, "mode": mode}},
+        )
     kv, pr = got["kv"], got["prompt"]
     assert set(kv.model_extra["kvmem"]["fact_ids"]) == ids and kv.model_extra["kvmem"]["engine"] == "vllm"
     assert kv.model_extra["kvmem"]["fact_ids"] == pr.model_extra["kvmem"]["fact_ids"]
@@ -104,26 +140,47 @@ def test_vllm_server_injects_memory_and_isolates_tenants(base):
     assert pr.usage.prompt_tokens_details.cached_tokens == 0
     assert kv.choices[0].message.content == pr.choices[0].message.content  # fp32: injection is exact
     # tail recompute: the last retrieved fact is prefilled with the question, the rest still injected
-    tail = client.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=4, temperature=0,
-                                          extra_body={"memory": {"top_k": 3, "mode": "kv", "tail_recompute": 1}})
+    tail = client.chat.completions.create(
+        model=FAST,
+        messages=msgs,
+        user="alice",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"memory": {"top_k": 3, "mode": "kv", "tail_recompute": 1}},
+    )
     assert tail.model_extra["kvmem"]["fact_ids"] == kv.model_extra["kvmem"]["fact_ids"]
     assert 20 <= tail.usage.prompt_tokens_details.cached_tokens < kv.usage.prompt_tokens_details.cached_tokens
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=FAST, messages=msgs, user="alice", max_tokens=10, temperature=0, stream=True,
-        extra_body={"memory": {"top_k": 3, "mode": "kv"}}) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=FAST,
+            messages=msgs,
+            user="alice",
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"memory": {"top_k": 3, "mode": "kv"}},
+        )
+        if c.choices
+    ]
     assert "".join(pieces) == kv.choices[0].message.content
     # another tenant's "alice" is another user: nothing injected, nothing of acme's served
     other = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY_B, max_retries=0, timeout=300)
     r = other.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=10)
     assert r.model_extra["kvmem"]["fact_ids"] == [] and r.usage.prompt_tokens_details.cached_tokens == 0
-    assert httpx.get(f"{base}/v1/memories/{next(iter(ids))}",
-                     headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 403
+    assert (
+        httpx.get(f"{base}/v1/memories/{next(iter(ids))}", headers={"Authorization": f"Bearer {KEY_B}"}).status_code
+        == 403
+    )
     # a delete is seen by the next request
     gone = next(iter(ids))
     assert httpx.delete(f"{base}/v1/memories/{gone}", headers=h, timeout=300).status_code == 200
-    again = client.chat.completions.create(model=FAST, messages=msgs, user="alice", max_tokens=4,
-                                           extra_body={"memory": {"top_k": 3, "mode": "kv"}})
+    again = client.chat.completions.create(
+        model=FAST, messages=msgs, user="alice", max_tokens=4, extra_body={"memory": {"top_k": 3, "mode": "kv"}}
+    )
     assert gone not in again.model_extra["kvmem"]["fact_ids"] and len(again.model_extra["kvmem"]["fact_ids"]) == 2
     text = httpx.get(f"{base}/metrics").text
     injected = [ln for ln in text.splitlines() if ln.startswith('kvmem_connector_events{event="requests_injected"}')]
-    assert injected and float(injected[0].split()[-1]) >= 2  # kv, then the new version (the stream hit the prefix cache)
+    assert (
+        injected and float(injected[0].split()[-1]) >= 2
+    )  # kv, then the new version (the stream hit the prefix cache)

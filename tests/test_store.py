@@ -6,16 +6,18 @@ import torch
 from conftest import random_ids, tiny_model
 from kvmem.compose import compose, compose_raw, max_facts_that_fit
 from kvmem.encode import encode_spans
-from kvmem.rope import Rotary
 from kvmem.retrieve import FlatIPIndex, Retrieved, order_reverse_proximity
+from kvmem.rope import Rotary
 from kvmem.store import FactRecord, Store, StoreError, StoreMismatch
 
 FP = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
 
 
 def _facts(user, n, lens):
-    return [FactRecord(f"{user}/{i}", user, f"fact {i}", "A", "D1:1", "d", tuple(random_ids(lens[i], seed=i)), 0, 0)
-            for i in range(n)]
+    return [
+        FactRecord(f"{user}/{i}", user, f"fact {i}", "A", "D1:1", "d", tuple(random_ids(lens[i], seed=i)), 0, 0)
+        for i in range(n)
+    ]
 
 
 def _store(tmp_path, model, user="u1", n=4):
@@ -82,8 +84,12 @@ def test_compose_gathers_facts_in_injected_order(tmp_path):
     assert mem.token_ids == header + list(facts[2].token_ids) + list(facts[0].token_ids)
     assert mem.fact_ids == ["u1/2", "u1/0"]
     hk, hv = st.header_kv()
-    ref = compose_raw(Rotary.for_model(model), mem.token_ids, torch.cat([hk, kvs[2].keys, kvs[0].keys], 2),
-                      torch.cat([hv, kvs[2].values, kvs[0].values], 2))
+    ref = compose_raw(
+        Rotary.for_model(model),
+        mem.token_ids,
+        torch.cat([hk, kvs[2].keys, kvs[0].keys], 2),
+        torch.cat([hv, kvs[2].values, kvs[0].values], 2),
+    )
     assert torch.equal(mem.keys, ref.keys) and torch.equal(mem.values, ref.values)
 
 

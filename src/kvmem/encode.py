@@ -32,9 +32,9 @@ def _layers(model):
 def _to_bhtd(x: torch.Tensor, layout: str, num_kv_heads: int, dim: int, q_size: int = 0) -> torch.Tensor:
     kv_size = num_kv_heads * dim
     if layout == "qkv_k":  # fused [q | k | v] projection (Phi-3)
-        return _to_bhtd(x[..., q_size:q_size + kv_size], "flat", num_kv_heads, dim)
+        return _to_bhtd(x[..., q_size : q_size + kv_size], "flat", num_kv_heads, dim)
     if layout == "qkv_v":
-        return _to_bhtd(x[..., q_size + kv_size:], "flat", num_kv_heads, dim)
+        return _to_bhtd(x[..., q_size + kv_size :], "flat", num_kv_heads, dim)
     if layout == "flat":
         return x.view(x.shape[0], x.shape[1], num_kv_heads, dim).transpose(1, 2)
     if layout == "bthd":
@@ -133,6 +133,7 @@ def encode_spans(
     def tick(i: int):
         def hook(_module, _inputs, _output) -> None:  # returns None: a forward hook's value would replace the output
             progress(in_flight[0] * (i + 1) // len(layers) - in_flight[0] * i // len(layers))
+
         return hook
 
     hooks = [layer.register_forward_hook(tick(i)) for i, layer in enumerate(layers)] if progress else []
@@ -156,8 +157,9 @@ def encode_spans(
 
 
 @torch.inference_mode()
-def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: list[list[int]] | None = None,
-                 progress=None) -> list[SpanKV]:
+def encode_chain(
+    model, prefix: list[int], facts: list[list[int]], contexts: list[list[int]] | None = None, progress=None
+) -> list[SpanKV]:
     """History encoding: fact i's K/V as a prefill of ``prefix + facts[0] + ... + facts[i-1] + contexts[i] +
     facts[i]`` computes them, so each fact's values mix in every fact written before it, as in a prompt that
     lists them all.
@@ -192,22 +194,30 @@ def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: lis
         raise ValueError("history encoding needs a fixed-frequency RoPE (not dynamic or longrope)")
     cfg = model.config
     sliding = "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) or (
-        getattr(cfg, "layer_types", None) is None and getattr(cfg, "sliding_window", None)
-        and getattr(cfg, "use_sliding_window", True))
+        getattr(cfg, "layer_types", None) is None
+        and getattr(cfg, "sliding_window", None)
+        and getattr(cfg, "use_sliding_window", True)
+    )
     seq, bounds = list(prefix), []
     for ids in facts:
         bounds.append((len(seq), len(seq) + len(ids)))
         seq += ids
     if not any(contexts):
         (kv,) = encode_spans(model, [seq], [(len(prefix), len(seq))], max_batch_tokens=len(seq), progress=progress)
-        return [SpanKV(kv.keys[:, :, s - len(prefix):e - len(prefix)].contiguous(),
-                       kv.values[:, :, s - len(prefix):e - len(prefix)].contiguous()) for s, e in bounds]
+        return [
+            SpanKV(
+                kv.keys[:, :, s - len(prefix) : e - len(prefix)].contiguous(),
+                kv.values[:, :, s - len(prefix) : e - len(prefix)].contiguous(),
+            )
+            for s, e in bounds
+        ]
     if sliding:  # a sliding layer's cache keeps only the chain's last window of tokens
-        raise ValueError("history encoding with a window of turns needs a model without sliding-window layers; "
-                         "use window=0")
+        raise ValueError(
+            "history encoding with a window of turns needs a model without sliding-window layers; use window=0"
+        )
     device = next(model.parameters()).device
     reset_rope_state(base.rotary_emb)
-    chain = base(input_ids=torch.tensor([seq[:bounds[-1][0]]], device=device), use_cache=True).past_key_values
+    chain = base(input_ids=torch.tensor([seq[: bounds[-1][0]]], device=device), use_cache=True).past_key_values
     if progress:
         progress(bounds[-1][0])
     out = []
@@ -216,11 +226,14 @@ def encode_chain(model, prefix: list[int], facts: list[list[int]], contexts: lis
             cache = DynamicCache(config=model.config)
             for i, layer in enumerate(chain.layers):  # a view of the chain up to this fact; update() copies on append
                 cache.update(layer.keys[:, :, :start], layer.values[:, :, :start], i)
-            base(input_ids=torch.tensor([list(ctx) + list(ids)], device=device), past_key_values=cache,
-                 use_cache=True)
+            base(input_ids=torch.tensor([list(ctx) + list(ids)], device=device), past_key_values=cache, use_cache=True)
             n = len(ids)
-            out.append(SpanKV(torch.stack([k[0, :, -n:] for k in keys]).contiguous(),
-                              torch.stack([v[0, :, -n:] for v in values]).contiguous()))
+            out.append(
+                SpanKV(
+                    torch.stack([k[0, :, -n:] for k in keys]).contiguous(),
+                    torch.stack([v[0, :, -n:] for v in values]).contiguous(),
+                )
+            )
             if progress:
                 progress(len(ctx) + n)
     return out

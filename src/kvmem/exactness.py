@@ -64,8 +64,13 @@ def check_relocated_keys(model, memory_ids: list[int], start: int) -> dict:
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     with capture_kv(model) as (own_keys, _):
-        model(input_ids=torch.tensor([memory_ids], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1, position_ids=positions.to(device)[None])
+        model(
+            input_ids=torch.tensor([memory_ids], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=positions.to(device)[None],
+        )
         own = torch.stack([k[0] for k in own_keys])
     out = {}
     for name, keys in (("rotation", own), ("stored", stored.keys)):
@@ -73,14 +78,15 @@ def check_relocated_keys(model, memory_ids: list[int], start: int) -> dict:
         worst = (0.0, 0.0)
         for layer in range(rotated.shape[0]):
             ref = cache.layers[layer].keys[0]
-            worst = max(worst, _rel(rotated[layer, :, -ref.shape[1]:], ref))
+            worst = max(worst, _rel(rotated[layer, :, -ref.shape[1] :], ref))
         out[f"max_abs_key_diff_{name}"], out[f"rel_key_diff_{name}"] = worst
     return out
 
 
 @torch.inference_mode()
-def check_window(model, header_ids: list[int], window_ids: list[int], fact_ids: list[int],
-                 distractors: list[list[int]] = ()) -> dict:
+def check_window(
+    model, header_ids: list[int], window_ids: list[int], fact_ids: list[int], distractors: list[list[int]] = ()
+) -> dict:
     """Context-window slice from batched ``encode_spans`` vs a plain prefill of [header][window][fact].
 
     ``distractors`` are encoded in the same batch so padding and batching are exercised."""
@@ -98,12 +104,23 @@ def check_window(model, header_ids: list[int], window_ids: list[int], fact_ids: 
     for layer in range(rotated.shape[0]):
         k_worst = max(k_worst, _rel(rotated[layer], cache.layers[layer].keys[0, :, -n:]))
         v_worst = max(v_worst, _rel(kv.values[layer], cache.layers[layer].values[0, :, -n:]))
-    return {"max_abs_key_diff": k_worst[0], "rel_key_diff": k_worst[1],
-            "max_abs_value_diff": v_worst[0], "rel_value_diff": v_worst[1]}
+    return {
+        "max_abs_key_diff": k_worst[0],
+        "rel_key_diff": k_worst[1],
+        "max_abs_value_diff": v_worst[0],
+        "rel_value_diff": v_worst[1],
+    }
 
 
-def run_all(model, header_ids: list[int], fact_ids: list[list[int]], window_ids: list[int], query_ids: list[int],
-            start: int = 37, steps: int = 20) -> dict:
+def run_all(
+    model,
+    header_ids: list[int],
+    fact_ids: list[list[int]],
+    window_ids: list[int],
+    query_ids: list[int],
+    start: int = 37,
+    steps: int = 20,
+) -> dict:
     """The report printed by ``kvmem check-exactness``; ``passed`` applies the fp32 tolerance."""
     memory_ids = list(header_ids) + [t for f in fact_ids for t in f]
     joint = check_joint(model, memory_ids, query_ids, steps)
@@ -129,7 +146,12 @@ def run_all(model, header_ids: list[int], fact_ids: list[list[int]], window_ids:
         "tolerance_rel": REL_TOL,
     }
     report["passed"] = bool(
-        report["rel_logit_diff_joint"] <= REL_TOL and report["greedy_match_joint"]
-        and report["rel_logit_diff_relocated"] <= REL_TOL and report["greedy_match_relocated"]
-        and keys["rel_key_diff_rotation"] <= REL_TOL and win["rel_key_diff"] <= REL_TOL and win["rel_value_diff"] <= REL_TOL)
+        report["rel_logit_diff_joint"] <= REL_TOL
+        and report["greedy_match_joint"]
+        and report["rel_logit_diff_relocated"] <= REL_TOL
+        and report["greedy_match_relocated"]
+        and keys["rel_key_diff_rotation"] <= REL_TOL
+        and win["rel_key_diff"] <= REL_TOL
+        and win["rel_value_diff"] <= REL_TOL
+    )
     return report

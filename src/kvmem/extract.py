@@ -26,11 +26,21 @@ FACTS_SCHEMA = {
 }
 DECISIONS_SCHEMA = {
     "type": "object",
-    "properties": {"memory": {"type": "array", "items": {
-        "type": "object",
-        "properties": {"event": {"enum": ["ADD", "UPDATE", "DELETE", "NONE"]},
-                       "id": {"type": "string", "maxLength": 8}, "text": {"type": "string", "maxLength": 200}},
-        "required": ["event", "id", "text"]}, "maxItems": 16}},
+    "properties": {
+        "memory": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "event": {"enum": ["ADD", "UPDATE", "DELETE", "NONE"]},
+                    "id": {"type": "string", "maxLength": 8},
+                    "text": {"type": "string", "maxLength": 200},
+                },
+                "required": ["event", "id", "text"],
+            },
+            "maxItems": 16,
+        }
+    },
     "required": ["memory"],
 }
 
@@ -40,10 +50,14 @@ def decisions_schema(num_facts: int, num_existing: int) -> dict:
     small model can neither ramble past the token limit nor name a memory that is not there."""
     item = DECISIONS_SCHEMA["properties"]["memory"]["items"]
     ids = ["new"] + [str(i) for i in range(num_existing)]
-    item = {**item, "properties": {**item["properties"], "id": {"enum": ids},
-                                   "text": {"type": "string", "maxLength": 160}}}
-    return {**DECISIONS_SCHEMA, "properties": {"memory": {"type": "array", "items": item, "minItems": num_facts,
-                                                          "maxItems": num_facts}}}
+    item = {
+        **item,
+        "properties": {**item["properties"], "id": {"enum": ids}, "text": {"type": "string", "maxLength": 160}},
+    }
+    return {
+        **DECISIONS_SCHEMA,
+        "properties": {"memory": {"type": "array", "items": item, "minItems": num_facts, "maxItems": num_facts}},
+    }
 
 
 FACTS_PROMPT = (
@@ -56,10 +70,10 @@ FACTS_PROMPT = (
 )
 DECISIONS_PROMPT = (
     "You maintain a memory of facts about a user. Compare each new fact with the existing memories and decide:\n"
-    "- ADD: the fact is new information (id: \"new\").\n"
+    '- ADD: the fact is new information (id: "new").\n'
     "- UPDATE: the fact changes or refines an existing memory (id: that memory's number; text: the merged fact).\n"
     "- DELETE: the fact says an existing memory is no longer true (id: that memory's number).\n"
-    "- NONE: the fact is already known (id: the matching memory's number, or \"new\").\n\n"
+    '- NONE: the fact is already known (id: the matching memory\'s number, or "new").\n\n'
     "Existing memories:\n{existing}\n\nNew facts:\n{facts}\n\n"
     'Answer with JSON: {{"memory": [{{"event": "...", "id": "...", "text": "..."}}]}}, one entry per new fact.'
 )
@@ -98,8 +112,13 @@ class Extractor:
         if not existing:
             return [Decision("ADD", f) for f in facts]
         shown = "\n".join(f"{i}. {text}" for i, (_, text) in enumerate(existing)) or "(none)"
-        items = _parse(self.complete(DECISIONS_PROMPT.format(existing=shown, facts="\n".join(f"- {f}" for f in facts)),
-                                     decisions_schema(len(facts), len(existing))), "memory")
+        items = _parse(
+            self.complete(
+                DECISIONS_PROMPT.format(existing=shown, facts="\n".join(f"- {f}" for f in facts)),
+                decisions_schema(len(facts), len(existing)),
+            ),
+            "memory",
+        )
         out = []
         for it in items:
             if not isinstance(it, dict) or it.get("event") not in ("ADD", "UPDATE", "DELETE", "NONE"):
@@ -153,11 +172,19 @@ class OpenAIExtractor(Extractor):
     def complete(self, prompt: str, schema: dict) -> str:
         import httpx
 
-        body = {"model": self.model, "temperature": 0, "messages": [{"role": "user", "content": prompt}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": "kvmem", "schema": schema}}}
+        body = {
+            "model": self.model,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": prompt}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "kvmem", "schema": schema}},
+        }
         try:
-            r = httpx.post(f"{self.base_url}/chat/completions", json=body, timeout=self.timeout_s,
-                           headers={"Authorization": f"Bearer {self.api_key}"})
+            r = httpx.post(
+                f"{self.base_url}/chat/completions",
+                json=body,
+                timeout=self.timeout_s,
+                headers={"Authorization": f"Bearer {self.api_key}"},
+            )
             r.raise_for_status()
             return r.json()["choices"][0]["message"]["content"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:

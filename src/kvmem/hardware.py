@@ -23,9 +23,25 @@ DTYPES = ("bfloat16", "float32", "float16")
 ENGINES = ("auto", "vllm", "hf")
 
 # oneDNN's ISA ladder (ONEDNN_MAX_CPU_ISA); bf16 is native from AVX512_CORE_BF16 up.
-_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-                "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
-                "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL")
+_ONEDNN_ISAS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+    "AVX10_2_512",
+    "AVX10_2_512_AMX_2",
+    "ALL",
+)
 
 
 class EngineUnavailable(ValueError):
@@ -112,8 +128,11 @@ def native_bf16(f: CpuFacts) -> tuple[bool, str]:
     units = [n for n, ok in (("AMX", f.amx), ("AVX512-BF16", f.avx512_bf16)) if ok]
     if not units:
         return False, "no AMX or AVX512-BF16: bf16 would be emulated (~40x slower than fp32)"
-    if f.onednn_max_isa and f.onednn_max_isa in _ONEDNN_ISAS \
-            and _ONEDNN_ISAS.index(f.onednn_max_isa) < _ONEDNN_ISAS.index("AVX512_CORE_BF16"):
+    if (
+        f.onednn_max_isa
+        and f.onednn_max_isa in _ONEDNN_ISAS
+        and _ONEDNN_ISAS.index(f.onednn_max_isa) < _ONEDNN_ISAS.index("AVX512_CORE_BF16")
+    ):
         return False, f"ONEDNN_MAX_CPU_ISA={f.onednn_max_isa} caps oneDNN below AVX512_CORE_BF16: bf16 is emulated"
     if not f.capability.upper().startswith("AVX512"):
         return False, f"torch dispatches at {f.capability} (ATEN_CPU_CAPABILITY?): bf16 kernels are not native"
@@ -148,6 +167,7 @@ def vllm_problem(f: CpuFacts, check_import: bool = True) -> str | None:
     if check_import:
         try:
             import vllm  # noqa: F401
+
             # what the kvmem connector builds on
             from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: F401
         except Exception as exc:  # any import failure means no vLLM engine here
@@ -165,8 +185,7 @@ def plan(facts: CpuFacts | None = None, check_import: bool = True) -> Plan:
         engine, engine_reason = "vllm", f"vLLM runs here ({'GPU' if f.cuda else vllm_kernels(f)})"
     else:
         engine, engine_reason = "hf", f"transformers engine: {problem}"
-    return Plan("cuda" if f.cuda else "cpu", dtype, dtype_reason, vllm_kernels(f), engine, engine_reason,
-                f.cores, f)
+    return Plan("cuda" if f.cuda else "cpu", dtype, dtype_reason, vllm_kernels(f), engine, engine_reason, f.cores, f)
 
 
 def resolve_dtype(dtype: str | None) -> str:
@@ -175,7 +194,8 @@ def resolve_dtype(dtype: str | None) -> str:
         return choose_dtype(cpu_facts())[0]
     name = str(dtype).removeprefix("torch.")
     name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32"}.get(
-        name, name)
+        name, name
+    )
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, {', '.join(DTYPES)}; not {dtype!r}")
     return name

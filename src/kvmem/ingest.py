@@ -44,7 +44,9 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
         if store.header_token_ids != header_ids:
             raise StoreError(f"store {root} was built with a different instruction header")
         if store.manifest["embedder"]["name"] != embedder.name:
-            raise StoreError(f"store {root} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}")
+            raise StoreError(
+                f"store {root} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}"
+            )
         return store, fmt
     if Path(root).exists() and not Path(root).is_dir():
         raise StoreError(f"--store {root} is a file, not a directory")
@@ -53,8 +55,9 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
     return store, fmt
 
 
-def build_sequences(tok, header_ids: list[int], contexts: list[str], facts: list[str],
-                    prefixes: list[list[int]] | None = None):
+def build_sequences(
+    tok, header_ids: list[int], contexts: list[str], facts: list[str], prefixes: list[list[int]] | None = None
+):
     """Context-window encoding inputs (paper §3.2): per fact ``[header][prefix][context][fact]`` token ids, and the
     (start, end) span of the fact's own tokens in it. ``facts``: rendered fact texts; ``contexts``: rendered turns;
     ``prefixes``: token ids before the turns (neighbour facts, ``neighbour_prefixes``), default none."""
@@ -69,9 +72,14 @@ def build_sequences(tok, header_ids: list[int], contexts: list[str], facts: list
     return sequences, spans
 
 
-def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], pool_embeddings: torch.Tensor | None,
-                       pool_token_ids: list[list[int]], neighbours: int,
-                       max_tokens: int = MAX_NEIGHBOUR_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
+def neighbour_prefixes(
+    embeddings: torch.Tensor,
+    token_ids: list[list[int]],
+    pool_embeddings: torch.Tensor | None,
+    pool_token_ids: list[list[int]],
+    neighbours: int,
+    max_tokens: int = MAX_NEIGHBOUR_TOKENS,
+) -> tuple[list[list[int]], list[list[int]]]:
     """Neighbour-aware encoding inputs: for each new fact, the ``neighbours`` most similar *other* facts among the
     pool (the user's live facts this write keeps) and the other new facts, by retrieval-embedding inner product.
     Exact copies (same token ids as the fact or as a neighbour already chosen) are skipped: they add no context.
@@ -108,8 +116,9 @@ def neighbour_prefixes(embeddings: torch.Tensor, token_ids: list[list[int]], poo
     return [[t for c in row for t in ids[c]] for row in top], top
 
 
-def history_runs(header_len: int, history: list[list[int]], facts: list[list[int]], contexts: list[list[int]],
-                 budget: int) -> list[tuple[list[int], list[int]]]:
+def history_runs(
+    header_len: int, history: list[list[int]], facts: list[list[int]], contexts: list[list[int]], budget: int
+) -> list[tuple[list[int], list[int]]]:
     """Split a history-encoded write into runs that fit ``budget`` positions: ``[(earlier-fact ids, new-fact
     indices)]``. Each run starts behind the newest earlier facts (written before it, whole facts, oldest first)
     that fit half the budget, so a long-lived user's facts see their recent history, not all of it.
@@ -123,21 +132,32 @@ def history_runs(header_len: int, history: list[list[int]], facts: list[list[int
                 break
             prefix, room = list(ids) + prefix, room - len(ids)
         used, idx = header_len + len(prefix), []
-        while i < len(facts) and used + sum(map(len, (facts[j] for j in idx))) + len(facts[i]) + len(contexts[i]) \
-                <= budget:
+        while (
+            i < len(facts)
+            and used + sum(map(len, (facts[j] for j in idx))) + len(facts[i]) + len(contexts[i]) <= budget
+        ):
             idx.append(i)
             i += 1
         if not idx:
-            raise ValueError(f"a fact of {len(facts[i])} tokens with {len(contexts[i])} context tokens does not fit "
-                             f"the {budget}-position history budget")
+            raise ValueError(
+                f"a fact of {len(facts[i])} tokens with {len(contexts[i])} context tokens does not fit "
+                f"the {budget}-position history budget"
+            )
         runs.append((prefix, idx))
         earlier += [facts[j] for j in idx]
     return runs
 
 
-def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], facts: list[str],
-                 max_batch_tokens: int = 2048, progress=None, prefixes: list[list[int]] | None = None,
-                 history: list[list[int]] | None = None):
+def encode_facts(
+    lm: LoadedModel,
+    header_ids: list[int],
+    contexts: list[str],
+    facts: list[str],
+    max_batch_tokens: int = 2048,
+    progress=None,
+    prefixes: list[list[int]] | None = None,
+    history: list[list[int]] | None = None,
+):
     """Encode many facts behind their contexts in batched forward passes (``build_sequences``). ``progress``: a
     tqdm-like bar (its ``total`` is set to the tokens to run) or None. Returns (token ids per fact, SpanKV per
     fact, tokens run through the model).
@@ -154,16 +174,25 @@ def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], fa
         budget = min(MAX_HISTORY_TOKENS, getattr(lm.model.config, "max_position_embeddings", MAX_HISTORY_TOKENS))
         runs = history_runs(len(header_ids), history, ids, ctx, budget)
         # per run: the chain once (all its facts at w=0; all but the last with turns), then each fact's turns + fact
-        n_tokens = sum(len(header_ids) + len(p) + sum(len(ids[i]) for i in idx)
-                       + (sum(len(ctx[i]) + len(ids[i]) for i in idx) - len(ids[idx[-1]]) if any(ctx[i] for i in idx)
-                          else 0) for p, idx in runs)
+        n_tokens = sum(
+            len(header_ids)
+            + len(p)
+            + sum(len(ids[i]) for i in idx)
+            + (sum(len(ctx[i]) + len(ids[i]) for i in idx) - len(ids[idx[-1]]) if any(ctx[i] for i in idx) else 0)
+            for p, idx in runs
+        )
         if progress is not None:
             progress.total = n_tokens
             progress.refresh()
         kvs = [None] * len(ids)
         for prefix, idx in runs:
-            out = encode_chain(lm.model, list(header_ids) + prefix, [ids[i] for i in idx], [ctx[i] for i in idx],
-                               None if progress is None else progress.update)
+            out = encode_chain(
+                lm.model,
+                list(header_ids) + prefix,
+                [ids[i] for i in idx],
+                [ctx[i] for i in idx],
+                None if progress is None else progress.update,
+            )
             for i, kv in zip(idx, out):
                 kvs[i] = kv
         return [tuple(i) for i in ids], kvs, n_tokens
@@ -177,11 +206,24 @@ def encode_facts(lm: LoadedModel, header_ids: list[int], contexts: list[str], fa
     return [tuple(seq[s:e]) for seq, (s, e) in zip(sequences, spans)], kvs, n_tokens
 
 
-def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, facts: list[FactRecord],
-                contexts: list[str], rendered: list[str], delete: list[str] = (), replace: bool = False,
-                turns: list[dict] = (), events: list[tuple] = (), encoding: Encoding = Encoding(0, 0),
-                source: str | None = None, max_batch_tokens: int = 2048, progress=None,
-                now: float | None = None) -> tuple[str, dict]:
+def write_facts(
+    lm: LoadedModel,
+    embedder: Embedder,
+    store: Store,
+    user: str,
+    facts: list[FactRecord],
+    contexts: list[str],
+    rendered: list[str],
+    delete: list[str] = (),
+    replace: bool = False,
+    turns: list[dict] = (),
+    events: list[tuple] = (),
+    encoding: Encoding = Encoding(0, 0),
+    source: str | None = None,
+    max_batch_tokens: int = 2048,
+    progress=None,
+    now: float | None = None,
+) -> tuple[str, dict]:
     """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
     facts of the user: ``neighbour_prefixes``; or, with ``history``, behind every live fact of the user written
@@ -211,12 +253,25 @@ def write_facts(lm: LoadedModel, embedder: Embedder, store: Store, user: str, fa
             new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
             prefixes, _ = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
     t2 = time.perf_counter()
-    ids, kvs, n_tokens = encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress,
-                                      prefixes, earlier)
+    ids, kvs, n_tokens = encode_facts(
+        lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress, prefixes, earlier
+    )
     t3 = time.perf_counter()
     facts = [dataclasses.replace(f, token_ids=i) for f, i in zip(facts, ids)]
-    version = store.commit(user, facts, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb,
-                           delete=list(delete), replace=replace, turns=list(turns), events=list(events),
-                           window=window, source=source, now=now, neighbours=neighbours if facts else None,
-                           history=history if facts else None)
+    version = store.commit(
+        user,
+        facts,
+        [kv.keys.cpu() for kv in kvs],
+        [kv.values.cpu() for kv in kvs],
+        emb,
+        delete=list(delete),
+        replace=replace,
+        turns=list(turns),
+        events=list(events),
+        window=window,
+        source=source,
+        now=now,
+        neighbours=neighbours if facts else None,
+        history=history if facts else None,
+    )
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}

@@ -154,7 +154,9 @@ def _parse_sample(sample: dict, path: Path) -> Conversation:
                 facts.append(Fact(f"{sid}/s{n}/{s_idx}/{i}", sid, text, str(speaker), source, dates.get(n, "")))
 
     questions = [
-        Question(str(q["question"]), str(q.get("answer", "")), int(q.get("category", 0)), tuple(q.get("evidence") or ()))
+        Question(
+            str(q["question"]), str(q.get("answer", "")), int(q.get("category", 0)), tuple(q.get("evidence") or ())
+        )
         for q in sample.get("qa") or []
         if "question" in q
     ]

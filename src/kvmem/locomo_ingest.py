@@ -42,9 +42,18 @@ def context_sequences(tok, header_ids: list[int], conv: Conversation, window: in
     return build_sequences(tok, header_ids, *conversation_inputs(conv, window))
 
 
-def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | Path, conv: Conversation,
-                        window: int | None = None, max_batch_tokens: int = 2048, progress: bool = True,
-                        source: str = "", neighbours: int | None = None, history: bool = False) -> IngestReport:
+def ingest_conversation(
+    lm: LoadedModel,
+    embedder: Embedder,
+    store_root: str | Path,
+    conv: Conversation,
+    window: int | None = None,
+    max_batch_tokens: int = 2048,
+    progress: bool = True,
+    source: str = "",
+    neighbours: int | None = None,
+    history: bool = False,
+) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
     context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware
@@ -62,8 +71,10 @@ def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | P
     t0 = time.perf_counter()
     store, fmt = open_or_create_store(store_root, lm, embedder)
     contexts, rendered = conversation_inputs(conv, window)
-    records = [FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)
-               for f in conv.facts]
+    records = [
+        FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)
+        for f in conv.facts
+    ]
     bar = None
     if progress:  # by tokens, ticking per decoder layer, so it moves (with an ETA) even on a slow CPU
         import sys
@@ -71,17 +82,44 @@ def ingest_conversation(lm: LoadedModel, embedder: Embedder, store_root: str | P
         from tqdm import tqdm
 
         label = encoding.describe()
-        bar = tqdm(total=None, desc=f"encode {conv.sample_id} ({len(records)} facts, {label})",
-                   unit="tok", unit_scale=True, file=sys.stderr, mininterval=1.0)
+        bar = tqdm(
+            total=None,
+            desc=f"encode {conv.sample_id} ({len(records)} facts, {label})",
+            unit="tok",
+            unit_scale=True,
+            file=sys.stderr,
+            mininterval=1.0,
+        )
     turns = [{"dia_id": t.dia_id, "speaker": t.speaker, "content": t.text} for t in conv.turns]
-    version, tm = write_facts(lm, embedder, store, conv.sample_id, records, contexts, rendered, replace=True,
-                              turns=turns, encoding=encoding, source=source, max_batch_tokens=max_batch_tokens,
-                              progress=bar)
+    version, tm = write_facts(
+        lm,
+        embedder,
+        store,
+        conv.sample_id,
+        records,
+        contexts,
+        rendered,
+        replace=True,
+        turns=turns,
+        encoding=encoding,
+        source=source,
+        max_batch_tokens=max_batch_tokens,
+        progress=bar,
+    )
     if bar:
         bar.close()
     n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id, kv=False).facts)  # rows only: no KV read
     store.close()
-    return IngestReport(conv.sample_id, len(records), n_fact, tm["encoded_tokens"], window, tm["encode_s"],
-                        tm["embed_s"], time.perf_counter() - t0, version, neighbours, history)
-
-
+    return IngestReport(
+        conv.sample_id,
+        len(records),
+        n_fact,
+        tm["encoded_tokens"],
+        window,
+        tm["encode_s"],
+        tm["embed_s"],
+        time.perf_counter() - t0,
+        version,
+        neighbours,
+        history,
+    )

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .compose import check_text
@@ -39,7 +39,7 @@ class MemoryInputError(ValueError):
 
 
 def _date(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%-d %B, %Y")
+    return datetime.fromtimestamp(ts, UTC).strftime("%-d %B, %Y")
 
 
 def check_messages(messages) -> list[dict]:
@@ -54,13 +54,18 @@ def check_messages(messages) -> list[dict]:
         raise MemoryInputError(f"at most {MAX_MESSAGES} messages per add, got {len(messages)}")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role", "user"), str):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("content"), str)
+            or not isinstance(m.get("role", "user"), str)
+        ):
             raise MemoryInputError(f"message {i} must be an object with a string 'content' (and 'role')")
         for key in ("role", "name"):
             v = m.get(key)
             if v is not None and (not isinstance(v, str) or not v.strip() or len(v) > MAX_NAME_CHARS):
-                raise MemoryInputError(f"message {i}: '{key}' must be a non-empty string of at most "
-                                       f"{MAX_NAME_CHARS} characters")
+                raise MemoryInputError(
+                    f"message {i}: '{key}' must be a non-empty string of at most {MAX_NAME_CHARS} characters"
+                )
             if v is not None:
                 _text(v, f"message {i} {key}", MAX_NAME_CHARS)
         if not m["content"].strip():
@@ -95,6 +100,7 @@ def _metadata(metadata) -> str:
         return "{}"
     if not isinstance(metadata, dict):
         raise MemoryInputError("metadata must be an object")
+
     def strings(x):
         if isinstance(x, str):
             yield x
@@ -153,9 +159,20 @@ class Memory:
             share (the server's), instead of an own one.
     """
 
-    def __init__(self, store: str | Path, model=None, extractor=None, window: int | None = None, embedder=None,
-                 dtype=None, engine=None, neighbours: int | None = None, history: bool | None = None,
-                 index_cache_bytes: int = 64 << 20, indexes: IndexCache | None = None):
+    def __init__(
+        self,
+        store: str | Path,
+        model=None,
+        extractor=None,
+        window: int | None = None,
+        embedder=None,
+        dtype=None,
+        engine=None,
+        neighbours: int | None = None,
+        history: bool | None = None,
+        index_cache_bytes: int = 64 << 20,
+        indexes: IndexCache | None = None,
+    ):
         from .ingest import open_or_create_store
         from .models import DEFAULT_MODEL, LoadedModel
 
@@ -203,7 +220,7 @@ class Memory:
         return self._lm
 
     @classmethod
-    def from_config(cls, config: dict) -> "Memory":
+    def from_config(cls, config: dict) -> Memory:
         """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 4, "history": False, "extractor": {...},
         "dtype": ...}``."""
         if not isinstance(config, dict) or "store" not in config:
@@ -211,14 +228,27 @@ class Memory:
         unknown = set(config) - {"store", "model", "window", "neighbours", "history", "extractor", "dtype"}
         if unknown:
             raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        return cls(config["store"], config.get("model"), config.get("extractor"), config.get("window"),
-                   dtype=config.get("dtype"), neighbours=config.get("neighbours"), history=config.get("history"))
+        return cls(
+            config["store"],
+            config.get("model"),
+            config.get("extractor"),
+            config.get("window"),
+            dtype=config.get("dtype"),
+            neighbours=config.get("neighbours"),
+            history=config.get("history"),
+        )
 
     # --- reads ----------------------------------------------------------------------------------------------
 
     def _item(self, f: FactRecord, score: float | None = None) -> dict:
-        out = {"id": f.fact_id, "memory": f.text, "user_id": f.user, "metadata": json.loads(f.metadata or "{}"),
-               "created_at": _iso(f.created_at), "updated_at": _iso(f.updated_at)}
+        out = {
+            "id": f.fact_id,
+            "memory": f.text,
+            "user_id": f.user,
+            "metadata": json.loads(f.metadata or "{}"),
+            "created_at": _iso(f.created_at),
+            "updated_at": _iso(f.updated_at),
+        }
         if score is not None:
             out["score"] = round(float(score), 6)
         return out
@@ -315,24 +345,57 @@ class Memory:
         text = "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-window:])
         return text[-MAX_CONTEXT_CHARS:]
 
-    def _write(self, user: str, new: list[tuple[str, str | None, dict]], delete: list[str], turns: list[dict],
-               contexts: list[str], events: list[tuple], now: float,
-               created: dict[str, float] | None = None) -> tuple[str, list[FactRecord]]:
+    def _write(
+        self,
+        user: str,
+        new: list[tuple[str, str | None, dict]],
+        delete: list[str],
+        turns: list[dict],
+        contexts: list[str],
+        events: list[tuple],
+        now: float,
+        created: dict[str, float] | None = None,
+    ) -> tuple[str, list[FactRecord]]:
         """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids."""
         from .ingest import write_facts
 
         window, neighbours, history = self._encoding(user)
-        records = [FactRecord(fid or str(uuid.uuid4()), user, text, "", "", _date(now), (), 0, window,
-                              metadata=_metadata(meta), created_at=(created or {}).get(fid, now))
-                   for text, fid, meta in new]
+        records = [
+            FactRecord(
+                fid or str(uuid.uuid4()),
+                user,
+                text,
+                "",
+                "",
+                _date(now),
+                (),
+                0,
+                window,
+                metadata=_metadata(meta),
+                created_at=(created or {}).get(fid, now),
+            )
+            for text, fid, meta in new
+        ]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
-        version, _ = write_facts(self.lm, self.embedder, self.store, user, records, contexts, rendered,
-                                 delete=delete, turns=turns, events=events, now=now,
-                                 encoding=Encoding(window, neighbours, history))
+        version, _ = write_facts(
+            self.lm,
+            self.embedder,
+            self.store,
+            user,
+            records,
+            contexts,
+            rendered,
+            delete=delete,
+            turns=turns,
+            events=events,
+            now=now,
+            encoding=Encoding(window, neighbours, history),
+        )
         return version, records
 
-    def add(self, messages, user_id: str, metadata: dict | None = None, infer: bool = True,
-            timestamp: float | None = None) -> dict:
+    def add(
+        self, messages, user_id: str, metadata: dict | None = None, infer: bool = True, timestamp: float | None = None
+    ) -> dict:
         """Remember ``messages`` (a string or OpenAI-style [{role, content}]) for ``user_id``.
 
         ``infer=False``: each message becomes one fact, verbatim. ``infer=True``: the extractor turns them into
@@ -379,8 +442,9 @@ class Memory:
                 new.append((d.text, d.target, metadata))
                 delete.append(d.target)
                 events.append((d.target, "UPDATE", existing[d.target], d.text))
-                results.append({"id": d.target, "memory": d.text, "event": "UPDATE",
-                                "previous_memory": existing[d.target]})
+                results.append(
+                    {"id": d.target, "memory": d.text, "event": "UPDATE", "previous_memory": existing[d.target]}
+                )
             elif d.event == "DELETE":
                 delete.append(d.target)
                 results.append({"id": d.target, "memory": existing[d.target], "event": "DELETE"})
@@ -403,9 +467,16 @@ class Memory:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         now = time.time()
         try:
-            self._write(f.user, [(data, f.fact_id, json.loads(f.metadata or "{}"))], [f.fact_id], [],
-                        [self._context(f.user, [], 0)], [(f.fact_id, "UPDATE", f.text, data)], now,
-                        {f.fact_id: f.created_at})
+            self._write(
+                f.user,
+                [(data, f.fact_id, json.loads(f.metadata or "{}"))],
+                [f.fact_id],
+                [],
+                [self._context(f.user, [], 0)],
+                [(f.fact_id, "UPDATE", f.text, data)],
+                now,
+                {f.fact_id: f.created_at},
+            )
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory updated successfully!"}
@@ -443,4 +514,4 @@ def _norm(text: str) -> str:
 
 
 def _iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).isoformat()
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()

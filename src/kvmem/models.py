@@ -105,8 +105,16 @@ def _pip_install(spec: ModelSpec, log=print) -> None:
     import subprocess
 
     log(f"{spec.name}: pip install {' '.join(spec.packages)}")
-    cmd = [sys.executable, "-m", "pip", "install", "-q", *spec.pip_flags, *spec.packages,
-           f"torch=={torch.__version__.split('+')[0]}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        *spec.pip_flags,
+        *spec.packages,
+        f"torch=={torch.__version__.split('+')[0]}",
+    ]
     if subprocess.run(cmd).returncode != 0:
         raise ModelError(f"pip could not install {' '.join(spec.packages)}")
     importlib.invalidate_caches()
@@ -227,8 +235,11 @@ def gguf_tokenizer_meta(gguf: Path) -> dict:
         f = fields.get(f"tokenizer.ggml.{key}")
         return f.contents() if f is not None else None
 
-    return {"add_bos": bool(get("add_bos_token")), "bos_token_id": get("bos_token_id"),
-            "eos_token_id": get("eos_token_id")}
+    return {
+        "add_bos": bool(get("add_bos_token")),
+        "bos_token_id": get("bos_token_id"),
+        "eos_token_id": get("eos_token_id"),
+    }
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -281,13 +292,17 @@ def stop_token_ids(lm: LoadedModel) -> list[int]:
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     if not lm.chat:  # completion-style prompts: the answer ends at the line break
         tok = lm.tokenizer
-        eos += [i for i, t in enumerate(tok.convert_ids_to_tokens(range(len(tok))))
-                if t is not None and "\n" in tok.convert_tokens_to_string([t])]
+        eos += [
+            i
+            for i, t in enumerate(tok.convert_ids_to_tokens(range(len(tok))))
+            if t is not None and "\n" in tok.convert_tokens_to_string([t])
+        ]
     return eos
 
 
-def load(name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-         weights: bool = True) -> LoadedModel:
+def load(
+    name: str, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, weights: bool = True
+) -> LoadedModel:
     """Load an installed registry model (or a local HF folder path) in eval mode.
 
     ``dtype``: None or "auto" -> this machine's compute dtype (``hardware.choose_dtype``: bf16 on a GPU or a
@@ -367,8 +382,15 @@ def fingerprint(lm: LoadedModel) -> dict:
 
 def rope_config(cfg) -> dict:
     """The RoPE-relevant part of a config, JSON-serialisable."""
-    keys = ["rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "max_position_embeddings",
-            "sliding_window", "layer_types"]
+    keys = [
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "partial_rotary_factor",
+        "max_position_embeddings",
+        "sliding_window",
+        "layer_types",
+    ]
     return json.loads(json.dumps({k: getattr(cfg, k, None) for k in keys}, default=str))
 
 
@@ -377,6 +399,7 @@ def head_dim(cfg) -> int:
 
 
 # --- family quirks: where pre-RoPE keys and raw values come out of attention -------------------------
+
 
 @dataclass(frozen=True)
 class KVTaps:

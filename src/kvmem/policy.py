@@ -54,8 +54,11 @@ class Encoding:
 
     def describe(self) -> str:
         """``w=5, m=4`` / ``w=0, history``."""
-        return f"w={self.window}" + (f", m={self.neighbours}" if self.neighbours else "") + \
-            (", history" if self.history else "")
+        return (
+            f"w={self.window}"
+            + (f", m={self.neighbours}" if self.neighbours else "")
+            + (", history" if self.history else "")
+        )
 
 
 def check_neighbours(neighbours) -> int:
@@ -65,7 +68,9 @@ def check_neighbours(neighbours) -> int:
     return neighbours
 
 
-MODES_HELP = "kv, prompt, kv-tail<r> (tail recompute of r facts) or kv-sel<p> (selective recompute of p% of fact tokens)"
+MODES_HELP = (
+    "kv, prompt, kv-tail<r> (tail recompute of r facts) or kv-sel<p> (selective recompute of p% of fact tokens)"
+)
 
 
 def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int | None, float]:
@@ -94,8 +99,14 @@ def check_user(user) -> str:
     user = unicodedata.normalize("NFC", user)
     if not user.strip():
         raise ValueError("user_id must be a non-empty string")
-    if len(user) > MAX_USER_CHARS or any(c in user for c in "/\\\0") or user in (".", "..") \
-            or any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in user):
-        raise ValueError(f"user_id {user[:40]!r} is not allowed (no path characters, control characters, or more "
-                         f"than {MAX_USER_CHARS} characters)")
+    if (
+        len(user) > MAX_USER_CHARS
+        or any(c in user for c in "/\\\0")
+        or user in (".", "..")
+        or any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in user)
+    ):
+        raise ValueError(
+            f"user_id {user[:40]!r} is not allowed (no path characters, control characters, or more "
+            f"than {MAX_USER_CHARS} characters)"
+        )
     return user

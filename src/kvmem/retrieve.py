@@ -23,7 +23,8 @@ class RetrievalError(RuntimeError):
 
 
 class Embedder:
-    """Sentence-transformers embedder loaded from a local folder (no hub). ``embed`` gives [N, E] float32, L2-normalised."""
+    """Sentence-transformers embedder loaded from a local folder (no hub). ``embed`` gives [N, E] float32,
+    L2-normalised."""
 
     def __init__(self, name: str = DEFAULT_EMBEDDER, device: str | None = None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,16 +42,20 @@ class Embedder:
             raise RetrievalError(f"unknown embedder {name!r}; known: {DEFAULT_EMBEDDER} (or a local folder)")
         self.name = name
         self.model = SentenceTransformer(path, device=device or "cpu")
-        self.dim = self.model.get_embedding_dimension() if hasattr(self.model, "get_embedding_dimension") \
+        self.dim = (
+            self.model.get_embedding_dimension()
+            if hasattr(self.model, "get_embedding_dimension")
             else self.model.get_sentence_embedding_dimension()
+        )
 
     def describe(self) -> dict:
         return {"name": self.name, "dim": self.dim}
 
     @torch.inference_mode()
     def embed(self, texts: list[str], batch_size: int = 64) -> torch.Tensor:
-        vecs = self.model.encode(texts, batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True,
-                                 show_progress_bar=False)
+        vecs = self.model.encode(
+            texts, batch_size=batch_size, convert_to_tensor=True, normalize_embeddings=True, show_progress_bar=False
+        )
         return vecs.float().cpu()
 
 
@@ -102,10 +107,12 @@ class UserIndex:
     def _rebuild(self, ukv) -> None:
         self.index.reset()
         if ukv.facts:
-            self.index.add_with_ids(np.ascontiguousarray(ukv.embeddings.float().numpy()),
-                                    np.array([f.row for f in ukv.facts], dtype=np.int64))
+            self.index.add_with_ids(
+                np.ascontiguousarray(ukv.embeddings.float().numpy()),
+                np.array([f.row for f in ukv.facts], dtype=np.int64),
+            )
 
-    def sync(self, store, ukv) -> "UserIndex":
+    def sync(self, store, ukv) -> UserIndex:
         """Bring the index to ``ukv.version`` (a snapshot of ``store``). Not thread-safe: hold ``lock``
         (``IndexCache`` does)."""
         if self.version == ukv.version:
@@ -118,8 +125,10 @@ class UserIndex:
             if removed:
                 self.index.remove_ids(np.array(removed, dtype=np.int64))
             if added:
-                self.index.add_with_ids(np.ascontiguousarray(torch.stack([e for _, e in added]).numpy()),
-                                        np.array([r for r, _ in added], dtype=np.int64))
+                self.index.add_with_ids(
+                    np.ascontiguousarray(torch.stack([e for _, e in added]).numpy()),
+                    np.array([r for r, _ in added], dtype=np.int64),
+                )
             import faiss
 
             ids = faiss.vector_to_array(self.index.id_map).tolist()

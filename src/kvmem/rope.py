@@ -30,13 +30,13 @@ class Rotary:
         self._takes_layer_type = "layer_type" in inspect.signature(rotary_module.forward).parameters
 
     @classmethod
-    def for_model(cls, model) -> "Rotary":
+    def for_model(cls, model) -> Rotary:
         """From a loaded transformers causal LM (``model.model.rotary_emb``)."""
         base = getattr(model, "model", model)
         return cls(model.config, base.rotary_emb, sys.modules[type(base).__module__].apply_rotary_pos_emb)
 
     @classmethod
-    def from_config(cls, config, device: torch.device | str = "cpu") -> "Rotary":
+    def from_config(cls, config, device: torch.device | str = "cpu") -> Rotary:
         """Instantiate the family's rotary module from a config alone (no weights)."""
         family = config.model_type.removesuffix("_text")
         mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -45,8 +45,14 @@ class Rotary:
             raise ValueError(f"expected one rotary embedding class for {config.model_type!r}, found {names}")
         return cls(config, getattr(mod, names[0])(config).to(device), mod.apply_rotary_pos_emb)
 
-    def cos_sin(self, positions: torch.Tensor, layer_type: str | None, dtype: torch.dtype,
-                device: torch.device, served_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self,
+        positions: torch.Tensor,
+        layer_type: str | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        served_len: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary_dim] for ``positions`` ([T] int64), in ``dtype`` on ``device``.
 
         Length-dependent RoPE (``dynamic``, ``longrope``) picks its frequencies from the largest position the
@@ -91,7 +97,6 @@ class Rotary:
         return out
 
 
-
 @contextmanager
 def served_length(model, served_len: int | None):
     """While active, the model's own forward passes pick length-dependent RoPE frequencies (``dynamic``,
@@ -120,8 +125,10 @@ def served_length(model, served_len: int | None):
         n = widths.pop()
         return tuple(t[..., :n, :] for t in output)
 
-    handles = [rotary.register_forward_pre_hook(extend, with_kwargs=True),
-               rotary.register_forward_hook(trim, with_kwargs=True)]
+    handles = [
+        rotary.register_forward_pre_hook(extend, with_kwargs=True),
+        rotary.register_forward_hook(trim, with_kwargs=True),
+    ]
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ from .policy import parse_mode
 from .retrieve import Embedder, IndexCache, Retrieved, order_reverse_proximity
 from .store import Store, StoreError
 
+
 @dataclass
 class Answer:
     """One answered question. ``timings_ms``: embed, search, compose (incl. prompt assembly), ttft (model call
@@ -55,9 +56,17 @@ class MemoryService:
     (StoreDtypeMismatch: computed in another dtype).
     """
 
-    def __init__(self, store_root: str | Path, engine: Engine | AsyncEngine, lm: LoadedModel,
-                 embedder: Embedder | None = None, max_context: int | None = None,
-                 index_cache_bytes: int = 256 << 20, tail_recompute: int = 0, store_cache_bytes: int | None = None):
+    def __init__(
+        self,
+        store_root: str | Path,
+        engine: Engine | AsyncEngine,
+        lm: LoadedModel,
+        embedder: Embedder | None = None,
+        max_context: int | None = None,
+        index_cache_bytes: int = 256 << 20,
+        tail_recompute: int = 0,
+        store_cache_bytes: int | None = None,
+    ):
         self.engine, self.lm = engine, lm
         cache = {} if store_cache_bytes is None else {"cache_bytes": store_cache_bytes}
         self.store = Store.open(store_root, fingerprint(lm), **cache)
@@ -70,9 +79,16 @@ class MemoryService:
         self.engine_note: str | None = None
 
     @classmethod
-    def open(cls, store_root: str | Path, model: LoadedModel | str | None = None, engine: str = "auto",
-             dtype: str | None = None, embedder: Embedder | None = None, max_context: int | None = None,
-             **engine_options) -> "MemoryService":
+    def open(
+        cls,
+        store_root: str | Path,
+        model: LoadedModel | str | None = None,
+        engine: str = "auto",
+        dtype: str | None = None,
+        embedder: Embedder | None = None,
+        max_context: int | None = None,
+        **engine_options,
+    ) -> MemoryService:
         """A service with its own engine (``engines.select.open_engine``; ``engine_options`` go there), for the
         store's model unless ``model`` is given. ``engine_note`` says why ``auto`` fell back to transformers.
         Raises what the constructor and ``open_engine`` raise."""
@@ -88,8 +104,16 @@ class MemoryService:
     def close(self) -> None:
         self.store.close()
 
-    def plan(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32,
-             messages: list[dict] | None = None, tail_recompute: int | None = None) -> "Prepared":
+    def plan(
+        self,
+        user: str,
+        question: str,
+        top_k: int,
+        mode: str = "kv",
+        max_new_tokens: int = 32,
+        messages: list[dict] | None = None,
+        tail_recompute: int | None = None,
+    ) -> Prepared:
         """Everything before composition: embed, retrieve, order, check the budget.
 
         ``mode``: a serving method (``policy.parse_mode``). ``messages``: a multi-turn chat (OpenAI-style,
@@ -108,11 +132,14 @@ class MemoryService:
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
         mode, tail_recompute, recompute = parse_mode(
-            mode, self.tail_recompute if tail_recompute is None else tail_recompute)
+            mode, self.tail_recompute if tail_recompute is None else tail_recompute
+        )
         if recompute and not self.engine.selective_recompute:
-            raise ValueError(f"kv-sel (query-aware selective recompute) runs on the transformers engine only, not "
-                             f"on {self.engine.name}: its KV connector can report an injected prefix, not tokens to "
-                             f"recompute inside it")
+            raise ValueError(
+                f"kv-sel (query-aware selective recompute) runs on the transformers engine only, not "
+                f"on {self.engine.name}: its KV connector can report an injected prefix, not tokens to "
+                f"recompute inside it"
+            )
         r = int(tail_recompute or 0)
         if r < 0:
             raise ValueError(f"tail_recompute must be >= 0, got {r}")
@@ -123,22 +150,39 @@ class MemoryService:
         scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k)
         retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
         t2 = time.perf_counter()
-        query_ids = (self.fmt.conversation_ids(self.lm.tokenizer, messages) if messages
-                     else self.fmt.query_ids(self.lm.tokenizer, question))
+        query_ids = (
+            self.fmt.conversation_ids(self.lm.tokenizer, messages)
+            if messages
+            else self.fmt.query_ids(self.lm.tokenizer, question)
+        )
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
         need = self.check_budget(len(header_ids), lens, len(query_ids), max_new_tokens)
         rows = order_reverse_proximity(retrieved)
-        head, tail = rows[:max(0, len(rows) - r)], rows[max(0, len(rows) - r):]
+        head, tail = rows[: max(0, len(rows) - r)], rows[max(0, len(rows) - r) :]
         tail_ids = [t for row in tail for t in ukv.facts[row].token_ids]
-        plan = MemoryPlan(self.store, ukv, head, header_ids, need, recompute,
-                          memory_tokens=None if not tail else len(header_ids) + sum(ukv.facts[h].num_tokens
-                                                                                     for h in head))
+        plan = MemoryPlan(
+            self.store,
+            ukv,
+            head,
+            header_ids,
+            need,
+            recompute,
+            memory_tokens=None if not tail else len(header_ids) + sum(ukv.facts[h].num_tokens for h in head),
+        )
         memory_ids = plan.token_ids
         query_ids = tail_ids + query_ids  # after the injected memory: recomputed tail facts, then the query
         timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3}
-        return Prepared(user, question, mode, query_ids, memory_ids + query_ids,
-                        [ukv.facts[row].fact_id for row in rows], plan if mode == "kv" else None, timings)
+        return Prepared(
+            user,
+            question,
+            mode,
+            query_ids,
+            memory_ids + query_ids,
+            [ukv.facts[row].fact_id for row in rows],
+            plan if mode == "kv" else None,
+            timings,
+        )
 
     def check_budget(self, header_len: int, fact_lens: list[int], query_len: int, max_new_tokens: int) -> int:
         """Tokens of the served prompt (header + facts + query); ContextOverflow when it and ``max_new_tokens``
@@ -148,26 +192,40 @@ class MemoryService:
             what = f"the header ({header_len} tokens), query" if header_len else "the conversation"
             raise ContextOverflow(
                 f"{what} ({query_len} tokens) and answer ({max_new_tokens} tokens) alone exceed the model context "
-                f"of {self.max_context} tokens" + ("; no memory fits" if header_len else ""))
+                f"of {self.max_context} tokens" + ("; no memory fits" if header_len else "")
+            )
         if need + max_new_tokens > self.max_context:
             fits = max_facts_that_fit(header_len, fact_lens, query_len + max_new_tokens, self.max_context)
             raise ContextOverflow(
                 f"memory ({header_len + sum(fact_lens)} tokens for k={len(fact_lens)}) + query ({query_len} tokens) "
                 f"+ answer ({max_new_tokens} tokens) = {need + max_new_tokens} tokens exceeds the model context of "
-                f"{self.max_context} tokens; at most k={fits} fits")
+                f"{self.max_context} tokens; at most k={fits} fits"
+            )
         return need
 
-    def bare(self, question: str | None = None, max_new_tokens: int = 32,
-             messages: list[dict] | None = None) -> "Prepared":
+    def bare(
+        self, question: str | None = None, max_new_tokens: int = 32, messages: list[dict] | None = None
+    ) -> Prepared:
         """A request without memory (``mode`` "off"): the bare question, or the chat ``messages``. Raises
         ContextOverflow when it and the answer exceed the context."""
-        ids = (self.fmt.conversation_ids(self.lm.tokenizer, messages, memory=False) if messages
-               else self.fmt.query_ids(self.lm.tokenizer, question))
+        ids = (
+            self.fmt.conversation_ids(self.lm.tokenizer, messages, memory=False)
+            if messages
+            else self.fmt.query_ids(self.lm.tokenizer, question)
+        )
         self.check_budget(0, [], len(ids), max_new_tokens)
         return Prepared("", question or "", "off", ids, ids, [], None, {})
 
-    def prepare(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32,
-                messages: list[dict] | None = None, tail_recompute: int | None = None) -> "Prepared":
+    def prepare(
+        self,
+        user: str,
+        question: str,
+        top_k: int,
+        mode: str = "kv",
+        max_new_tokens: int = 32,
+        messages: list[dict] | None = None,
+        tail_recompute: int | None = None,
+    ) -> Prepared:
         """``plan``, then the engine's memory (synchronous engines). Raises what ``plan`` raises."""
         for attempt in range(3):
             req = self.plan(user, question, top_k, mode, max_new_tokens, messages, tail_recompute)
@@ -186,21 +244,32 @@ class MemoryService:
         """Greedy decoding to ``max_new_tokens`` with this service's stop rule."""
         return Sampling(max_tokens=max_new_tokens, stop_token_ids=tuple(self.stop_ids), ignore_eos=ignore_eos)
 
-    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> "Answer":
+    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
         engine call). Raises what ``prepare`` raises."""
         req = self.prepare(user, question, top_k, mode, max_new_tokens)
         (gen,) = self.engine.generate([req.request(self.sampling(max_new_tokens))])
         return self.answer(req, gen)
 
-    def answer(self, req: "Prepared", gen: Generation) -> "Answer":
+    def answer(self, req: Prepared, gen: Generation) -> Answer:
         """The Answer record for a prepared request and its engine generation."""
         text = self.lm.tokenizer.decode(gen.token_ids, skip_special_tokens=True).strip()
         pre = sum(req.timings_ms.values())
         timings = {**req.timings_ms, "ttft": gen.ttft_ms, "total": pre + gen.ttft_ms, "decode": gen.decode_ms}
-        return Answer(text, req.mode, len(req.fact_ids), req.fact_ids, len(req.prompt_ids), gen.prefilled_tokens,
-                      {k: round(v, 3) for k, v in timings.items()}, req.user, req.question, self.engine.name,
-                      len(gen.token_ids), req.prompt_ids)
+        return Answer(
+            text,
+            req.mode,
+            len(req.fact_ids),
+            req.fact_ids,
+            len(req.prompt_ids),
+            gen.prefilled_tokens,
+            {k: round(v, 3) for k, v in timings.items()},
+            req.user,
+            req.question,
+            self.engine.name,
+            len(gen.token_ids),
+            req.prompt_ids,
+        )
 
 
 @dataclass

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_bytes
 from cachetools import LRUCache
+from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
@@ -144,7 +144,9 @@ class UserKV:
         """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each (views)."""
         f = self.facts[i]
         k, v = self.segments[f.segment]
-        return k[:, :, f.token_offset:f.token_offset + f.num_tokens], v[:, :, f.token_offset:f.token_offset + f.num_tokens]
+        return k[:, :, f.token_offset : f.token_offset + f.num_tokens], v[
+            :, :, f.token_offset : f.token_offset + f.num_tokens
+        ]
 
     def gather(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each."""
@@ -189,13 +191,29 @@ CREATE TABLE IF NOT EXISTS turns (
     PRIMARY KEY (user, idx));
 """
 
-_FACT_COLS = ("fact_id, user, text, speaker, source_turn, date, token_ids, token_offset, window, segment, row, "
-              "metadata, created_at, updated_at")
+_FACT_COLS = (
+    "fact_id, user, text, speaker, source_turn, date, token_ids, token_offset, window, segment, row, "
+    "metadata, created_at, updated_at"
+)
 
 
 def _fact(r) -> FactRecord:
-    return FactRecord(r[0], r[1], r[2], r[3] or "", r[4] or "", r[5] or "", tuple(json.loads(r[6])), r[7], r[8],
-                      r[9], r[10], r[11], r[12], r[13])
+    return FactRecord(
+        r[0],
+        r[1],
+        r[2],
+        r[3] or "",
+        r[4] or "",
+        r[5] or "",
+        tuple(json.loads(r[6])),
+        r[7],
+        r[8],
+        r[9],
+        r[10],
+        r[11],
+        r[12],
+        r[13],
+    )
 
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -238,7 +256,7 @@ def _cache_put(cache: LRUCache, key, value) -> None:
         cache.pop(key, None)
 
 
-def _ukv_bytes(ukv: "UserKV") -> int:
+def _ukv_bytes(ukv: UserKV) -> int:
     return max(1, ukv.embeddings.nbytes + sum(k.nbytes + v.nbytes for k, v in ukv.segments.values()))
 
 
@@ -248,15 +266,19 @@ def _safe(user: str) -> str:
 
 def _locked(method):
     """Run a Store method under the store object's lock (its SQLite connection is shared across threads)."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
     return wrapper
 
 
 def fingerprint_diff(a: dict, b: dict) -> list[str]:
-    return [f"{k}: store has {a.get(k)!r}, model has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return [
+        f"{k}: store has {a.get(k)!r}, model has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+    ]
 
 
 class Store:
@@ -287,8 +309,16 @@ class Store:
     # --- lifecycle -----------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, root: str | Path, fingerprint: dict, header_text: str, header_token_ids: list[int],
-               header_keys: torch.Tensor, header_values: torch.Tensor, embedder: dict) -> "Store":
+    def create(
+        cls,
+        root: str | Path,
+        fingerprint: dict,
+        header_text: str,
+        header_token_ids: list[int],
+        header_keys: torch.Tensor,
+        header_values: torch.Tensor,
+        embedder: dict,
+    ) -> Store:
         """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw."""
         root = Path(root)
         if (root / "manifest.json").exists():
@@ -319,7 +349,7 @@ class Store:
         return cls(root, manifest)
 
     @classmethod
-    def open(cls, root: str | Path, fingerprint: dict | None = None, cache_bytes: int = CACHE_BYTES) -> "Store":
+    def open(cls, root: str | Path, fingerprint: dict | None = None, cache_bytes: int = CACHE_BYTES) -> Store:
         """Open an existing store. If ``fingerprint`` is given it must equal the store's.
 
         Raises:
@@ -329,8 +359,10 @@ class Store:
         root = Path(root)
         path = root / "manifest.json"
         if not path.exists():
-            raise StoreError(f"no kvmem store at {root} (check the path; `kvmem memory add`, `kvmem serve` or "
-                             f"`kvmem ingest-locomo` with --store {root} create one)")
+            raise StoreError(
+                f"no kvmem store at {root} (check the path; `kvmem memory add`, `kvmem serve` or "
+                f"`kvmem ingest-locomo` with --store {root} create one)"
+            )
         try:
             manifest = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
@@ -338,8 +370,12 @@ class Store:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
             raise StoreError(f"{root}: store format {got} is not {FORMAT_VERSION}; re-ingest it into a new store")
-        if not isinstance(manifest.get("fingerprint"), dict) or not isinstance(manifest.get("header"), dict) \
-                or not isinstance(manifest.get("embedder"), dict) or not isinstance(manifest.get("store_id"), str):
+        if (
+            not isinstance(manifest.get("fingerprint"), dict)
+            or not isinstance(manifest.get("header"), dict)
+            or not isinstance(manifest.get("embedder"), dict)
+            or not isinstance(manifest.get("store_id"), str)
+        ):
             raise StoreError(f"{path} is corrupt: fingerprint, header, embedder or store_id missing")
         if fingerprint is not None and manifest["fingerprint"] != fingerprint:
             theirs, ours = manifest["fingerprint"], fingerprint
@@ -349,7 +385,8 @@ class Store:
                     f"KV is never served in another dtype than it was computed in. Either pass "
                     f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode the memories "
                     f"into a new store: `kvmem ingest-locomo` or `kvmem memory add` again, with --store NEW_DIR "
-                    f"--dtype {ours['dtype']}")
+                    f"--dtype {ours['dtype']}"
+                )
             diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
             raise StoreMismatch(
                 f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
@@ -385,6 +422,7 @@ class Store:
     def disk_bytes(self) -> int:
         """Bytes of every file in the store directory (segments, SQLite with its WAL, header, manifest). A file a
         concurrent writer removes during the walk counts 0."""
+
         def size(p: Path) -> int:
             try:
                 return p.stat().st_size if p.is_file() else 0
@@ -396,8 +434,7 @@ class Store:
     @_locked
     def users(self) -> list[str]:
         """Users with at least one live fact."""
-        return [r[0] for r in self._db.execute(
-            "SELECT DISTINCT user FROM facts WHERE deleted IS NULL ORDER BY user")]
+        return [r[0] for r in self._db.execute("SELECT DISTINCT user FROM facts WHERE deleted IS NULL ORDER BY user")]
 
     @_locked
     def version(self, user: str) -> str | None:
@@ -410,15 +447,25 @@ class Store:
         """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
         StoreError for an unknown user."""
         row = self._db.execute("SELECT version, window, source FROM users WHERE user=?", (user,)).fetchone()
-        n = self._db.execute("SELECT COUNT(*), COALESCE(SUM(json_array_length(token_ids)), 0) FROM facts "
-                             "WHERE user=? AND deleted IS NULL", (user,)).fetchone()
+        n = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(json_array_length(token_ids)), 0) FROM facts "
+            "WHERE user=? AND deleted IS NULL",
+            (user,),
+        ).fetchone()
         if row is None or n[0] == 0:
             known = ", ".join(self.users()[:20]) or "none"
             raise UnknownUser(f"unknown user {user!r} in store {self.root} (users: {known})")
         m = self._db.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
         h = self._db.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
-        return {"version": str(row[0]), "window": row[1], "neighbours": m[0] if m else 0,
-                "history": bool(h[0]) if h else False, "num_facts": n[0], "num_tokens": n[1], "source": row[2]}
+        return {
+            "version": str(row[0]),
+            "window": row[1],
+            "neighbours": m[0] if m else 0,
+            "history": bool(h[0]) if h else False,
+            "num_facts": n[0],
+            "num_tokens": n[1],
+            "source": row[2],
+        }
 
     def facts(self, user: str) -> list[FactRecord]:
         return self.snapshot(user).facts
@@ -427,9 +474,11 @@ class Store:
     def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
         """The live fact with this id (of ``user``, if given), or None. Ids are unique per user (``Memory`` ids
         are UUIDs); an id live for several users without ``user`` raises LookupError."""
-        rows = self._db.execute(f"SELECT {_FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL "
-                                f"{'AND user=? ' if user is not None else ''}ORDER BY row",
-                                (fact_id, user) if user is not None else (fact_id,)).fetchall()
+        rows = self._db.execute(
+            f"SELECT {_FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL "
+            f"{'AND user=? ' if user is not None else ''}ORDER BY row",
+            (fact_id, user) if user is not None else (fact_id,),
+        ).fetchall()
         if len(rows) > 1:
             raise LookupError(f"memory id {fact_id!r} belongs to several users; name the user")
         return _fact(rows[0]) if rows else None
@@ -437,10 +486,14 @@ class Store:
     @_locked
     def history(self, fact_id: str) -> list[dict]:
         """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
-        rows = self._db.execute("SELECT id, fact_id, user, event, old_memory, new_memory, time FROM history "
-                                "WHERE fact_id=? ORDER BY id", (fact_id,))
-        return [dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
-                for r in rows]
+        rows = self._db.execute(
+            "SELECT id, fact_id, user, event, old_memory, new_memory, time FROM history WHERE fact_id=? ORDER BY id",
+            (fact_id,),
+        )
+        return [
+            dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
+            for r in rows
+        ]
 
     @_locked
     def turns(self, user: str, last: int | None = None) -> list[dict]:
@@ -461,8 +514,10 @@ class Store:
         if key not in self._segments:
             data = self._segment_path(user, segment).read_bytes()  # FileNotFoundError: the caller retries
             if hashlib.sha256(data).hexdigest() != sha:
-                raise StoreError(f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
-                                 f"(truncated or corrupt file)")
+                raise StoreError(
+                    f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
+                    f"(truncated or corrupt file)"
+                )
             try:
                 t = load_bytes(data)
             except Exception as exc:  # corrupt despite a matching checksum: report, never a traceback
@@ -481,24 +536,35 @@ class Store:
         cleanly when a concurrent writer removes a segment between the row read and the file read. Cached per
         version; a new version loads only its new segments. ``kv=False``: rows and embeddings only (search,
         listing), ``segments`` left empty. ``kv="mmap"``: segments memory-mapped (``mmap_segment``), so a reader
-        that gathers k facts reads only their pages (the vLLM worker). Raises StoreError for an unknown user or missing/corrupt files of a
-        current version.
+        that gathers k facts reads only their pages (the vLLM worker). Raises StoreError for an unknown user
+        (UnknownUser) or missing/corrupt files of a current version.
         """
         for attempt in range(retries + 1):
             current = self.version(user)
             if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             cached = self._user_cache.get(user)
-            if cached is not None and cached.version == current and (not kv or (
-                    cached.segments and cached.mmap == (kv == "mmap"))):
+            if (
+                cached is not None
+                and cached.version == current
+                and (not kv or (cached.segments and cached.mmap == (kv == "mmap")))
+            ):
                 return cached
             self._db.execute("BEGIN")
             try:
                 current = self.version(user)
-                facts = [_fact(r) for r in self._db.execute(
-                    f"SELECT {_FACT_COLS} FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,))]
-                emb = [r[0] for r in self._db.execute(
-                    "SELECT embedding FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,))]
+                facts = [
+                    _fact(r)
+                    for r in self._db.execute(
+                        f"SELECT {_FACT_COLS} FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
+                    )
+                ]
+                emb = [
+                    r[0]
+                    for r in self._db.execute(
+                        "SELECT embedding FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
+                    )
+                ]
                 shas = dict(self._db.execute("SELECT segment, kv_sha256 FROM segments WHERE user=?", (user,)))
             finally:
                 self._db.execute("COMMIT")
@@ -507,13 +573,18 @@ class Store:
             if version is not None and current != version:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             try:
-                segments = {s: self._load_segment(user, s, shas[s], mmap=kv == "mmap")
-                            for s in {f.segment for f in facts}} if kv else {}
+                segments = (
+                    {s: self._load_segment(user, s, shas[s], mmap=kv == "mmap") for s in {f.segment for f in facts}}
+                    if kv
+                    else {}
+                )
             except FileNotFoundError:
                 if attempt < retries and self.version(user) != current:
                     continue  # compacted or replaced under us: read the new version
-                raise StoreError(f"store {self.root}: KV files of user {user!r} version {current} are missing "
-                                 f"(run `kvmem store fsck --store {self.root}`)") from None
+                raise StoreError(
+                    f"store {self.root}: KV files of user {user!r} version {current} are missing "
+                    f"(run `kvmem store fsck --store {self.root}`)"
+                ) from None
             embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
             ukv = UserKV(user, current, facts, segments, embeddings, kv == "mmap")
             _cache_put(self._user_cache, user, ukv)
@@ -532,11 +603,19 @@ class Store:
         row = self._db.execute("SELECT compacted FROM users WHERE user=?", (user,)).fetchone()
         if row is None or row[0] > since_v:
             return None
-        added = [(r[0], torch.frombuffer(bytearray(r[1]), dtype=torch.float32)) for r in self._db.execute(
-            "SELECT row, embedding FROM facts WHERE user=? AND added>? AND deleted IS NULL ORDER BY row",
-            (user, since_v))]
-        removed = [r[0] for r in self._db.execute(
-            "SELECT row FROM facts WHERE user=? AND added<=? AND deleted>?", (user, since_v, since_v))]
+        added = [
+            (r[0], torch.frombuffer(bytearray(r[1]), dtype=torch.float32))
+            for r in self._db.execute(
+                "SELECT row, embedding FROM facts WHERE user=? AND added>? AND deleted IS NULL ORDER BY row",
+                (user, since_v),
+            )
+        ]
+        removed = [
+            r[0]
+            for r in self._db.execute(
+                "SELECT row FROM facts WHERE user=? AND added<=? AND deleted>?", (user, since_v, since_v)
+            )
+        ]
         return added, removed
 
     # --- writes ---------------------------------------------------------------------------------------
@@ -556,9 +635,13 @@ class Store:
         queries), and with ``user=None`` also every file no segment row names (a killed writer's leftovers; a
         directory listing, for ``fsck``). Returns the removed file names."""
         scope, args = ("s.user=? AND ", (user,)) if user is not None else ("", ())
-        dead = list(self._db.execute(
-            f"SELECT user, segment FROM segments s WHERE {scope}NOT EXISTS (SELECT 1 FROM facts f WHERE "
-            f"f.user=s.user AND f.segment=s.segment AND f.deleted IS NULL)", args))
+        dead = list(
+            self._db.execute(
+                f"SELECT user, segment FROM segments s WHERE {scope}NOT EXISTS (SELECT 1 FROM facts f WHERE "
+                f"f.user=s.user AND f.segment=s.segment AND f.deleted IS NULL)",
+                args,
+            )
+        )
         if dead:
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -566,7 +649,9 @@ class Store:
         if user is not None:
             doomed = [self._segment_path(u, seg) for u, seg in dead]
         else:
-            live = {self._segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")}
+            live = {
+                self._segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")
+            }
             doomed = [p for p in (self.root / "users").iterdir() if p.name not in live and p.is_file()]
         removed = []
         for p in doomed:
@@ -591,7 +676,8 @@ class Store:
                 try:
                     ukv = self.snapshot(user)
                     if ukv.embeddings.shape[0] != len(ukv.facts) or any(
-                            f.token_offset + f.num_tokens > ukv.segments[f.segment][0].shape[2] for f in ukv.facts):
+                        f.token_offset + f.num_tokens > ukv.segments[f.segment][0].shape[2] for f in ukv.facts
+                    ):
                         raise StoreError("tensor sizes do not match the fact rows")
                     ok.append(user)
                 except (StoreError, LookupError) as exc:
@@ -599,11 +685,23 @@ class Store:
         return {"users": len(ok) + len(bad), "ok": ok, "bad": bad, "removed": removed}
 
     @_locked
-    def commit(self, user: str, add: list[FactRecord] = (), keys: list[torch.Tensor] = (),
-               values: list[torch.Tensor] = (), embeddings: torch.Tensor | None = None, delete: list[str] = (),
-               replace: bool = False, turns: list[dict] = (), events: list[tuple] = (), window: int = 0,
-               source: str | None = None, now: float | None = None, neighbours: int | None = None,
-               history: bool | None = None) -> str:
+    def commit(
+        self,
+        user: str,
+        add: list[FactRecord] = (),
+        keys: list[torch.Tensor] = (),
+        values: list[torch.Tensor] = (),
+        embeddings: torch.Tensor | None = None,
+        delete: list[str] = (),
+        replace: bool = False,
+        turns: list[dict] = (),
+        events: list[tuple] = (),
+        window: int = 0,
+        source: str | None = None,
+        now: float | None = None,
+        neighbours: int | None = None,
+        history: bool | None = None,
+    ) -> str:
         """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
         user), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
 
@@ -621,25 +719,44 @@ class Store:
         delete = [ALL] if delete is ALL else list(delete)
         if add:
             if embeddings is None or not (len(keys) == len(values) == len(add) == embeddings.shape[0]):
-                raise StoreError(f"user {user!r}: {len(add)} facts but {len(keys)} keys, {len(values)} values and "
-                                 f"{0 if embeddings is None else embeddings.shape[0]} embeddings")
+                raise StoreError(
+                    f"user {user!r}: {len(add)} facts but {len(keys)} keys, {len(values)} values and "
+                    f"{0 if embeddings is None else embeddings.shape[0]} embeddings"
+                )
             if len({f.fact_id for f in add}) != len(add):
                 raise StoreError(f"user {user!r}: duplicate fact_id")
             for f, k, v in zip(add, keys, values):
                 if k.shape != v.shape or k.shape[2] != f.num_tokens:
-                    raise StoreError(f"fact {f.fact_id}: keys {tuple(k.shape)} / values {tuple(v.shape)} for "
-                                     f"{f.num_tokens} token ids")
+                    raise StoreError(
+                        f"fact {f.fact_id}: keys {tuple(k.shape)} / values {tuple(v.shape)} for "
+                        f"{f.num_tokens} token ids"
+                    )
         now = time.time() if now is None else now
         with self.writer():
             segment, digest, path = uuid.uuid4().hex[:12], "", None
             if add:
                 path = self._segment_path(user, segment)
-                digest = save_file({"keys": torch.cat(keys, dim=2).contiguous(),
-                                    "values": torch.cat(values, dim=2).contiguous()}, path)
+                digest = save_file(
+                    {"keys": torch.cat(keys, dim=2).contiguous(), "values": torch.cat(values, dim=2).contiguous()}, path
+                )
                 fsync_dir(path.parent)  # durable before the commit that points at it
             try:
-                version = self._commit_rows(user, add, embeddings, segment, digest, delete, replace,
-                                            list(turns), list(events), window, source, now, neighbours, history)
+                version = self._commit_rows(
+                    user,
+                    add,
+                    embeddings,
+                    segment,
+                    digest,
+                    delete,
+                    replace,
+                    list(turns),
+                    list(events),
+                    window,
+                    source,
+                    now,
+                    neighbours,
+                    history,
+                )
             except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
                 if path is not None and not self._segment_committed(user, segment):
                     path.unlink(missing_ok=True)
@@ -652,13 +769,30 @@ class Store:
         """Whether a commit of ``segment`` reached the database (then its file must stay). True when unsure: an
         unreferenced file is only disk space, a referenced file that is gone is a lost memory."""
         try:
-            return self._db.execute("SELECT 1 FROM segments WHERE user=? AND segment=?",
-                                    (user, segment)).fetchone() is not None
+            return (
+                self._db.execute("SELECT 1 FROM segments WHERE user=? AND segment=?", (user, segment)).fetchone()
+                is not None
+            )
         except Exception:
             return True
 
-    def _commit_rows(self, user, add, embeddings, segment, digest, delete, replace, turns, events, window, source,
-                     now, neighbours=None, history=None) -> str:
+    def _commit_rows(
+        self,
+        user,
+        add,
+        embeddings,
+        segment,
+        digest,
+        delete,
+        replace,
+        turns,
+        events,
+        window,
+        source,
+        now,
+        neighbours=None,
+        history=None,
+    ) -> str:
         db = self._db
         with db:
             db.execute("BEGIN IMMEDIATE")
@@ -669,68 +803,128 @@ class Store:
             else:  # only the ids this commit touches: a delete costs O(1) rows, not O(user's memory)
                 wanted, live = sorted(set(delete) | {f.fact_id for f in add}), {}
                 for i in range(0, len(wanted), 500):
-                    chunk = wanted[i:i + 500]
-                    live.update(db.execute(f"SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL AND "
-                                           f"fact_id IN ({','.join('?' * len(chunk))})", (user, *chunk)))
+                    chunk = wanted[i : i + 500]
+                    live.update(
+                        db.execute(
+                            f"SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL AND "
+                            f"fact_id IN ({','.join('?' * len(chunk))})",
+                            (user, *chunk),
+                        )
+                    )
             gone = list(live) if everything else delete
             for fid in gone:
                 if fid not in live:
                     raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
-            db.executemany("UPDATE facts SET deleted=?, updated_at=? WHERE user=? AND fact_id=? AND deleted IS NULL",
-                           [(version, now, user, fid) for fid in gone])
+            db.executemany(
+                "UPDATE facts SET deleted=?, updated_at=? WHERE user=? AND fact_id=? AND deleted IS NULL",
+                [(version, now, user, fid) for fid in gone],
+            )
             if not replace:
-                events = [(fid, "DELETE", live[fid], None) for fid in gone
-                          if not any(e[0] == fid for e in events)] + events
+                events = [
+                    (fid, "DELETE", live[fid], None) for fid in gone if not any(e[0] == fid for e in events)
+                ] + events
             if add:
                 taken = [f.fact_id for f in add if f.fact_id in live and f.fact_id not in gone]
                 if taken:
                     raise StoreError(f"memory id {taken[0]!r} is already in use")
-                db.execute("INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
-                           (user, segment, digest, sum(f.num_tokens for f in add)))
+                db.execute(
+                    "INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
+                    (user, segment, digest, sum(f.num_tokens for f in add)),
+                )
                 offset, rows = 0, []
                 emb = embeddings.float().contiguous()
                 for i, f in enumerate(add):
-                    rows.append((user, f.fact_id, f.text, f.speaker, f.source_turn, f.date, f.metadata,
-                                 json.dumps(list(f.token_ids)), segment, offset, f.window, emb[i].numpy().tobytes(),
-                                 version, f.created_at or now, now))
+                    rows.append(
+                        (
+                            user,
+                            f.fact_id,
+                            f.text,
+                            f.speaker,
+                            f.source_turn,
+                            f.date,
+                            f.metadata,
+                            json.dumps(list(f.token_ids)),
+                            segment,
+                            offset,
+                            f.window,
+                            emb[i].numpy().tobytes(),
+                            version,
+                            f.created_at or now,
+                            now,
+                        )
+                    )
                     offset += f.num_tokens
                 db.executemany(
                     "INSERT INTO facts (user, fact_id, text, speaker, source_turn, date, metadata, token_ids, segment,"
                     " token_offset, window, embedding, added, created_at, updated_at) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-                events = events + [(f.fact_id, "ADD", None, f.text) for f in add
-                                   if not any(e[0] == f.fact_id for e in events)]
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    rows,
+                )
+                events = events + [
+                    (f.fact_id, "ADD", None, f.text) for f in add if not any(e[0] == f.fact_id for e in events)
+                ]
             if replace:
                 db.execute("DELETE FROM turns WHERE user=?", (user,))
             if turns:
                 first = db.execute("SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE user=?", (user,)).fetchone()[0]
-                db.executemany("INSERT INTO turns (user, idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)",
-                               [(user, first + i, t.get("dia_id"), t.get("speaker"), t["content"], t.get("time"))
-                                for i, t in enumerate(turns)])
-            db.executemany("INSERT INTO history (user, fact_id, event, old_memory, new_memory, time, version) "
-                           "VALUES (?,?,?,?,?,?,?)", [(user, *e, now, version) for e in events])
+                db.executemany(
+                    "INSERT INTO turns (user, idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)",
+                    [
+                        (user, first + i, t.get("dia_id"), t.get("speaker"), t["content"], t.get("time"))
+                        for i, t in enumerate(turns)
+                    ],
+                )
+            db.executemany(
+                "INSERT INTO history (user, fact_id, event, old_memory, new_memory, time, version) "
+                "VALUES (?,?,?,?,?,?,?)",
+                [(user, *e, now, version) for e in events],
+            )
             db.execute(
                 "INSERT INTO users (user, version, window, source, updated) VALUES (?,?,?,?,?) ON CONFLICT(user) DO "
                 "UPDATE SET version=excluded.version, window=excluded.window, "
                 "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
-                (user, version, window, source, now))
+                (user, version, window, source, now),
+            )
             # the encoding is kept in meta: no schema change for stores written before it existed
-            db.executemany("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET "
-                           "value=excluded.value", [(f"{key}:{user}", int(val)) for key, val in
-                                                    (("neighbours", neighbours), ("history", history))
-                                                    if val is not None])
+            db.executemany(
+                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                [
+                    (f"{key}:{user}", int(val))
+                    for key, val in (("neighbours", neighbours), ("history", history))
+                    if val is not None
+                ],
+            )
         return str(version)
 
-    def put_user(self, user: str, facts: list[FactRecord], keys: list[torch.Tensor], values: list[torch.Tensor],
-                 embeddings: torch.Tensor, window: int, source: str = "", neighbours: int = 0,
-                 history: bool = False) -> str:
+    def put_user(
+        self,
+        user: str,
+        facts: list[FactRecord],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        embeddings: torch.Tensor,
+        window: int,
+        source: str = "",
+        neighbours: int = 0,
+        history: bool = False,
+    ) -> str:
         """Replace ``user``'s memory atomically (``commit(replace=True)``): keys/values one [L, H, n_i, D] per
         fact, embeddings [F, E]. Returns the new version. Raises StoreError, with nothing written, for no facts,
         duplicate ids, or counts/shapes that do not match the facts."""
         if not facts:
             raise StoreError(f"user {user!r}: no facts to store")
-        return self.commit(user, facts, keys, values, embeddings, replace=True, window=window, source=source,
-                           neighbours=neighbours, history=history)
+        return self.commit(
+            user,
+            facts,
+            keys,
+            values,
+            embeddings,
+            replace=True,
+            window=window,
+            source=source,
+            neighbours=neighbours,
+            history=history,
+        )
 
     @_locked
     def compact(self, user: str) -> str:
@@ -747,16 +941,20 @@ class Store:
             with db:
                 db.execute("BEGIN IMMEDIATE")
                 version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
-                db.execute("INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
-                           (user, segment, digest, keys.shape[2]))
+                db.execute(
+                    "INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
+                    (user, segment, digest, keys.shape[2]),
+                )
                 offset, moves = 0, []
                 for f in ukv.facts:
                     moves.append((segment, offset, f.row))
                     offset += f.num_tokens
                 db.executemany("UPDATE facts SET segment=?, token_offset=? WHERE row=?", moves)
                 db.execute("DELETE FROM facts WHERE user=? AND deleted IS NOT NULL", (user,))
-                db.execute("UPDATE users SET version=?, compacted=?, updated=? WHERE user=?",
-                           (version, version, time.time(), user))
+                db.execute(
+                    "UPDATE users SET version=?, compacted=?, updated=? WHERE user=?",
+                    (version, version, time.time(), user),
+                )
             self._gc(user)
         self._user_cache.pop(user, None)
         return str(version)

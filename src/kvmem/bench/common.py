@@ -27,6 +27,7 @@ CACHE_ENV = "KVMEM_BENCH_CACHE"
 
 # --- option parsing -----------------------------------------------------------------------------------
 
+
 def int_list(text: str, name: str, minimum: int = 0) -> list[int]:
     """``"5,10,20"`` -> [5, 10, 20] (order kept, duplicates dropped). Raises ValueError naming the option."""
     try:
@@ -57,6 +58,7 @@ def check_engine(engine: str) -> str:
 
 
 # --- data, questions, stores ---------------------------------------------------------------------------
+
 
 def file_digest(path: Path) -> str:
     h = hashlib.sha256()
@@ -99,8 +101,11 @@ def select_questions(convs, n: int | None) -> list[QItem]:
     """
     pools = []
     for c in convs:
-        items = [QItem(f"{c.sample_id}#{i}", c.sample_id, q.question, q.answer, q.category)
-                 for i, q in enumerate(c.questions) if 1 <= q.category <= 4 and q.question.strip()]
+        items = [
+            QItem(f"{c.sample_id}#{i}", c.sample_id, q.question, q.answer, q.category)
+            for i, q in enumerate(c.questions)
+            if 1 <= q.category <= 4 and q.question.strip()
+        ]
         random.Random(f"kvmem-bench/{c.sample_id}").shuffle(items)
         pools.append(items)
     out: list[QItem] = []
@@ -117,16 +122,32 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, ".cache/stores"))
 
 
-def store_path(data: Path, sample: str, model: str, window: int, dtype: str = "bfloat16",
-               neighbours: int = 0, history: bool = False) -> Path:
+def store_path(
+    data: Path,
+    sample: str,
+    model: str,
+    window: int,
+    dtype: str = "bfloat16",
+    neighbours: int = 0,
+    history: bool = False,
+) -> Path:
     """Cache directory of the store for (data file, sample, model, compute dtype, window, neighbours, history)."""
     safe_model = Path(model).name if os.sep in model else model
     name = f"w{window}" + (f"-n{neighbours}" if neighbours else "") + ("-h" if history else "")
     return cache_root() / f"{Path(data).stem}-{file_digest(Path(data))}" / sample / safe_model / dtype / name
 
 
-def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_progress: bool = True,
-                 neighbours: int | None = None, history: bool = False) -> Path:
+def ensure_store(
+    data: Path,
+    conv,
+    lm,
+    embedder,
+    window: int,
+    log=None,
+    show_progress: bool = True,
+    neighbours: int | None = None,
+    history: bool = False,
+) -> Path:
     """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding, or ``history``,
     history encoding), ingesting it first when missing (or built differently)."""
     from ..locomo_ingest import ingest_conversation
@@ -135,13 +156,15 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
     from ..store import Store, StoreError
 
     neighbours = Encoding.of(window, neighbours, history).neighbours
-    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours,
-                      history)
+    root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours, history)
     try:
         st = Store.open(root, fingerprint(lm))
         info = st.user_info(conv.sample_id) if conv.sample_id in st.users() else {}
-        ok = info.get("window") == window and info.get("neighbours") == neighbours \
+        ok = (
+            info.get("window") == window
+            and info.get("neighbours") == neighbours
             and info.get("history", False) == history
+        )
         st.close()
     except StoreError:
         ok = False
@@ -150,17 +173,29 @@ def ensure_store(data: Path, conv, lm, embedder, window: int, log=None, show_pro
             import shutil
 
             shutil.rmtree(root)
-        rep = ingest_conversation(lm, embedder, root, conv, window, source=str(data), progress=show_progress,
-                                  neighbours=neighbours, history=history)
+        rep = ingest_conversation(
+            lm,
+            embedder,
+            root,
+            conv,
+            window,
+            source=str(data),
+            progress=show_progress,
+            neighbours=neighbours,
+            history=history,
+        )
         if log:
-            log(f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}, m={neighbours}"
+            log(
+                f"ingested {rep.num_facts} facts of {conv.sample_id} (w={window}, m={neighbours}"
                 f"{', history' if history else ''}) in "
-                f"{rep.total_s:.1f} s ({rep.num_encoded_tokens} tokens encoded, encode {rep.encode_s:.1f} s) -> {root}")
+                f"{rep.total_s:.1f} s ({rep.num_encoded_tokens} tokens encoded, encode {rep.encode_s:.1f} s) -> {root}"
+            )
     return root
 
 
-def answer_batch(svcs: dict, items: list[tuple[str, str, int, str]], max_new_tokens: int,
-                 ignore_eos: bool = False) -> list:
+def answer_batch(
+    svcs: dict, items: list[tuple[str, str, int, str]], max_new_tokens: int, ignore_eos: bool = False
+) -> list:
     """Answers (``service.Answer``) for ``(sample, question, k, mode)`` items, in order; the services share one
     engine. An engine that batches gets every item retrieved and composed first, then all in one ``generate``
     call (continuous batching; each prompt names its own store and memory; prompt mode gets cold cache salts, so
@@ -185,8 +220,12 @@ def bare(svc, question: str, max_new_tokens: int, ignore_eos: bool = False) -> d
     """The no-memory baseline: the question alone, a cold prefix cache. Timings in ms, counts in tokens."""
     p = svc.bare(question, max_new_tokens)
     (gen,) = svc.engine.generate([p.request(svc.sampling(max_new_tokens, ignore_eos))])
-    return {"ttft": gen.ttft_ms, "decode": gen.decode_ms, "prefilled_tokens": gen.prefilled_tokens,
-            "generated_tokens": len(gen.token_ids)}
+    return {
+        "ttft": gen.ttft_ms,
+        "decode": gen.decode_ms,
+        "prefilled_tokens": gen.prefilled_tokens,
+        "generated_tokens": len(gen.token_ids),
+    }
 
 
 def store_device_note(store_device: str) -> str:
@@ -195,14 +234,19 @@ def store_device_note(store_device: str) -> str:
     import torch
 
     if not torch.cuda.is_available():
-        return (f"--store-device {store_device}: CPU-only machine, the engine's device is the host, so the store is "
-                "in host memory either way (no pinned/streamed vs resident distinction to measure)")
-    return (f"--store-device {store_device}: the hf engine gathers facts from the host store and copies the "
-            "composed block to the device per request; a device-resident store is not implemented for the hf "
-            "engine, so both settings measure the host path")
+        return (
+            f"--store-device {store_device}: CPU-only machine, the engine's device is the host, so the store is "
+            "in host memory either way (no pinned/streamed vs resident distinction to measure)"
+        )
+    return (
+        f"--store-device {store_device}: the hf engine gathers facts from the host store and copies the "
+        "composed block to the device per request; a device-resident store is not implemented for the hf "
+        "engine, so both settings measure the host path"
+    )
 
 
 # --- machine, stats ------------------------------------------------------------------------------------
+
 
 def machine() -> dict:
     """What the numbers were measured on."""
@@ -277,6 +321,7 @@ def ratio(a: float, b: float) -> float | None:
 
 # --- writers ---------------------------------------------------------------------------------------------
 
+
 def write_json(path: Path, obj) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
@@ -337,8 +382,23 @@ def pyplot():
 
 def table(rows: list[list], header: list[str]) -> str:
     """A compact fixed-width text table."""
-    cells = [[("" if c is None else (f"{c:.3g}" if isinstance(c, float) and abs(c) < 1e4 else
-                                     f"{c:.0f}" if isinstance(c, float) else str(c))) for c in r] for r in rows]
+    cells = [
+        [
+            (
+                ""
+                if c is None
+                else (
+                    f"{c:.3g}"
+                    if isinstance(c, float) and abs(c) < 1e4
+                    else f"{c:.0f}"
+                    if isinstance(c, float)
+                    else str(c)
+                )
+            )
+            for c in r
+        ]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
@@ -365,8 +425,7 @@ class Setup:
     opened: object = None  # engines.select.Opened, once started
 
     @classmethod
-    def load(cls, data: Path, samples: list[str] | None, model: str, engine: str,
-             show_progress: bool = True) -> "Setup":
+    def load(cls, data: Path, samples: list[str] | None, model: str, engine: str, show_progress: bool = True) -> Setup:
         from ..models import load
         from ..retrieve import Embedder
 
@@ -398,8 +457,12 @@ class Setup:
         """sample -> ``MemoryService`` over that sample's cached store at ``window`` (and ``neighbours`` or
         ``history``: ``policy.Encoding``). Every store is ingested before the engine starts; all samples share
         it."""
-        roots = {c.sample_id: ensure_store(self.data, c, self.lm, self.embedder, window, log, self.show_progress,
-                                           neighbours, history) for c in self.convs}
+        roots = {
+            c.sample_id: ensure_store(
+                self.data, c, self.lm, self.embedder, window, log, self.show_progress, neighbours, history
+            )
+            for c in self.convs
+        }
         return {sample: self.service(root) for sample, root in roots.items()}
 
     def close(self) -> None:

@@ -32,7 +32,18 @@ from collections import Counter
 from pathlib import Path
 
 from .common import (
-    answer_batch, log_err, log_k_axis, machine, progress, pyplot, select_questions, Setup, table, write_csv, write_json)
+    Setup,
+    answer_batch,
+    log_err,
+    log_k_axis,
+    machine,
+    progress,
+    pyplot,
+    select_questions,
+    table,
+    write_csv,
+    write_json,
+)
 
 BATCH = 32  # requests per vLLM generate call: batched decode; results are written after each batch
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
@@ -105,8 +116,12 @@ def judge(url: str, model: str, question: str, gold: str, answer: str, timeout: 
     endpoint = url.rstrip("/")
     if not endpoint.endswith("/chat/completions"):
         endpoint += "/chat/completions"
-    body = {"model": model, "temperature": 0, "max_tokens": 20,
-            "messages": [{"role": "user", "content": JUDGE_PROMPT.format(question=question, gold=gold, answer=answer)}]}
+    body = {
+        "model": model,
+        "temperature": 0,
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": JUDGE_PROMPT.format(question=question, gold=gold, answer=answer)}],
+    }
     headers = {"Content-Type": "application/json"}
     if os.environ.get("KVMEM_JUDGE_API_KEY"):
         headers["Authorization"] = f"Bearer {os.environ['KVMEM_JUDGE_API_KEY']}"
@@ -121,8 +136,15 @@ def judge(url: str, model: str, question: str, gold: str, answer: str, timeout: 
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["qid"], r["mode"], int(r["k"]), int(r["window"]), int(r.get("neighbours", 0)),
-            bool(r.get("history", False)))
+    return (
+        r["model"],
+        r["qid"],
+        r["mode"],
+        int(r["k"]),
+        int(r["window"]),
+        int(r.get("neighbours", 0)),
+        bool(r.get("history", False)),
+    )
 
 
 def load_done(path: Path) -> list[dict]:
@@ -148,18 +170,38 @@ def aggregate(rows: list[dict], ks, windows, modes, with_judge: bool) -> list[di
                 sel = [r for r in rows if r["window"] == w and r["k"] == k and r["mode"] == mode]
                 for cat in [1, 2, 3, 4, "overall"]:
                     cs = sel if cat == "overall" else [r for r in sel if r["category"] == cat]
-                    row = {"window": w, "k": k, "mode": mode, "category": cat,
-                           "category_name": CATEGORY_NAMES.get(cat, "overall"), "n": len(cs)}
+                    row = {
+                        "window": w,
+                        "k": k,
+                        "mode": mode,
+                        "category": cat,
+                        "category_name": CATEGORY_NAMES.get(cat, "overall"),
+                        "n": len(cs),
+                    }
                     for m in metrics:
                         row[m] = round(100 * sum(r[m] for r in cs) / len(cs), 2) if cs else None
                     out.append(row)
     return out
 
 
-def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[str], samples: list[str] | None,
-        questions: int | None, model: str, engine: str, max_new_tokens: int = 32, judge_url: str | None = None,
-        judge_model: str | None = None, show_progress: bool = True, echo=print, neighbours: int | None = None,
-        history: bool = False) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    ks: list[int],
+    windows: list[int],
+    modes: list[str],
+    samples: list[str] | None,
+    questions: int | None,
+    model: str,
+    engine: str,
+    max_new_tokens: int = 32,
+    judge_url: str | None = None,
+    judge_model: str | None = None,
+    show_progress: bool = True,
+    echo=print,
+    neighbours: int | None = None,
+    history: bool = False,
+) -> dict:
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
     ``history``). Returns the summary (also written to ``out/summary.json``)."""
@@ -171,8 +213,9 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
         for m in modes:
             parse_mode(m)
     except ValueError:
-        raise ValueError(f"--mode must be a comma-separated subset of {MODES_HELP}, "
-                         f"not {','.join(modes) or '(empty)'}") from None
+        raise ValueError(
+            f"--mode must be a comma-separated subset of {MODES_HELP}, not {','.join(modes) or '(empty)'}"
+        ) from None
     check_methods(modes, engine)
     if not modes:
         raise ValueError("--mode is empty")
@@ -187,10 +230,19 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
     done_rows = load_done(jsonl)
     done = {_key(r) for r in done_rows}
     n, h = neighbours, history
-    todo = [(w, q, k, m) for w in windows for q in qs for k in ks for m in modes
-            if (model, q.qid, m, k, w, n, h) not in done]
-    echo(f"{len(qs)} questions x {len(ks)} k x {len(windows)} windows x {len(modes)} modes: "
-         f"{len(todo)} to answer, {len(done & {(model, q.qid, m, k, w, n, h) for w in windows for q in qs for k in ks for m in modes})} already in {jsonl}")
+    todo = [
+        (w, q, k, m)
+        for w in windows
+        for q in qs
+        for k in ks
+        for m in modes
+        if (model, q.qid, m, k, w, n, h) not in done
+    ]
+    asked = {(model, q.qid, m, k, w, n, h) for w in windows for q in qs for k in ks for m in modes}
+    echo(
+        f"{len(qs)} questions x {len(ks)} k x {len(windows)} windows x {len(modes)} modes: "
+        f"{len(todo)} to answer, {len(done & asked)} already in {jsonl}"
+    )
     info = machine()
     bar = progress(len(todo), "eval locomo", show_progress)
     with open(jsonl, "a") as fh:
@@ -202,16 +254,32 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
             engine = setup.engine_name
             step = BATCH if setup.start().batches else 1  # one at a time: resumable per answer
             for i in range(0, len(todo_w), step):
-                chunk = todo_w[i:i + step]
-                answers = answer_batch(svcs, [(q.sample, q.question, k, mode) for _, q, k, mode in chunk],
-                                       max_new_tokens)
+                chunk = todo_w[i : i + step]
+                answers = answer_batch(
+                    svcs, [(q.sample, q.question, k, mode) for _, q, k, mode in chunk], max_new_tokens
+                )
                 for (_, q, k, mode), a in zip(chunk, answers):
-                    rec = {"model": model, "engine": engine, "qid": q.qid, "sample": q.sample, "category": q.category,
-                           "window": w, "neighbours": n, "history": h, "k": k, "k_used": a.k, "mode": mode,
-                           "question": q.question,
-                           "reference": q.answer, "answer": a.answer, "f1": round(locomo_f1(a.answer, q.answer, q.category), 4),
-                           "em": exact_match(a.answer, q.answer), "ttft_ms": a.timings_ms["ttft"],
-                           "prompt_tokens": a.prompt_tokens, "fact_ids": a.fact_ids}
+                    rec = {
+                        "model": model,
+                        "engine": engine,
+                        "qid": q.qid,
+                        "sample": q.sample,
+                        "category": q.category,
+                        "window": w,
+                        "neighbours": n,
+                        "history": h,
+                        "k": k,
+                        "k_used": a.k,
+                        "mode": mode,
+                        "question": q.question,
+                        "reference": q.answer,
+                        "answer": a.answer,
+                        "f1": round(locomo_f1(a.answer, q.answer, q.category), 4),
+                        "em": exact_match(a.answer, q.answer),
+                        "ttft_ms": a.timings_ms["ttft"],
+                        "prompt_tokens": a.prompt_tokens,
+                        "fact_ids": a.fact_ids,
+                    }
                     if judge_url:
                         rec.update(judge(judge_url, judge_model, q.question, q.answer, a.answer))
                     fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -220,36 +288,86 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], modes: list[st
                     bar.update(1)
     bar.close()
     wanted = {q.qid for q in qs}
-    rows = [r for r in done_rows if r["model"] == model and r["qid"] in wanted and r["window"] in windows
-            and r["k"] in ks and r["mode"] in modes and r.get("neighbours", 0) == n and r.get("history", False) == h]
+    rows = [
+        r
+        for r in done_rows
+        if r["model"] == model
+        and r["qid"] in wanted
+        and r["window"] in windows
+        and r["k"] in ks
+        and r["mode"] in modes
+        and r.get("neighbours", 0) == n
+        and r.get("history", False) == h
+    ]
     with_judge = bool(judge_url) or any("judge" in r for r in rows)
     if with_judge:
         for r in rows:
             r.setdefault("judge", 0)
     agg = aggregate(rows, ks, windows, modes, with_judge)
     by = {(a["window"], a["k"], a["mode"], a["category"]): a for a in agg}
-    f1 = {str(w): {str(k): {m: {str(c): by[(w, k, m, c)]["f1"] for c in [1, 2, 3, 4, "overall"]} for m in modes}
-                   for k in ks} for w in windows}
+    f1 = {
+        str(w): {
+            str(k): {m: {str(c): by[(w, k, m, c)]["f1"] for c in [1, 2, 3, 4, "overall"]} for m in modes} for k in ks
+        }
+        for w in windows
+    }
     gap = {}
     if set(modes) >= {"kv", "prompt"}:
-        gap = {str(w): {str(k): {str(c): (None if by[(w, k, "prompt", c)]["f1"] is None or by[(w, k, "kv", c)]["f1"] is None
-                                          else round(by[(w, k, "prompt", c)]["f1"] - by[(w, k, "kv", c)]["f1"], 2))
-                                 for c in [1, 2, 3, 4, "overall"]} for k in ks} for w in windows}
+        gap = {
+            str(w): {
+                str(k): {
+                    str(c): (
+                        None
+                        if by[(w, k, "prompt", c)]["f1"] is None or by[(w, k, "kv", c)]["f1"] is None
+                        else round(by[(w, k, "prompt", c)]["f1"] - by[(w, k, "kv", c)]["f1"], 2)
+                    )
+                    for c in [1, 2, 3, 4, "overall"]
+                }
+                for k in ks
+            }
+            for w in windows
+        }
     methods = [m for m in modes if m != "prompt"]
     gaps = {}  # prompt - method, for every KV method (kv, kv-tail<r>)
     if "prompt" in modes:
-        gaps = {m: {str(w): {str(k): {str(c): (None if by[(w, k, "prompt", c)]["f1"] is None or by[(w, k, m, c)]["f1"] is None
-                                              else round(by[(w, k, "prompt", c)]["f1"] - by[(w, k, m, c)]["f1"], 2))
-                                     for c in [1, 2, 3, 4, "overall"]} for k in ks} for w in windows} for m in methods}
+        gaps = {
+            m: {
+                str(w): {
+                    str(k): {
+                        str(c): (
+                            None
+                            if by[(w, k, "prompt", c)]["f1"] is None or by[(w, k, m, c)]["f1"] is None
+                            else round(by[(w, k, "prompt", c)]["f1"] - by[(w, k, m, c)]["f1"], 2)
+                        )
+                        for c in [1, 2, 3, 4, "overall"]
+                    }
+                    for k in ks
+                }
+                for w in windows
+            }
+            for m in methods
+        }
     summary = {
-        "command": "eval locomo", "engine": engine, "model": model, "data": str(data),
-        "samples": [c.sample_id for c in setup.convs], "questions": len(qs),
+        "command": "eval locomo",
+        "engine": engine,
+        "model": model,
+        "data": str(data),
+        "samples": [c.sample_id for c in setup.convs],
+        "questions": len(qs),
         "questions_per_category": {str(c): sum(1 for q in qs if q.category == c) for c in (1, 2, 3, 4)},
-        "k": ks, "windows": windows, "neighbours": n, "history": h, "modes": modes, "max_new_tokens": max_new_tokens,
+        "k": ks,
+        "windows": windows,
+        "neighbours": n,
+        "history": h,
+        "modes": modes,
+        "max_new_tokens": max_new_tokens,
         "scoring": "LoCoMo token F1 (official normalisation, category 1 split on ',', category 3 before ';'; "
-                   "no Porter stemming), exact match" + (", LLM judge" if with_judge else ""),
-        "judge_model": judge_model, "f1": f1, "f1_gap_prompt_minus_kv": gap,
-        "f1_gap_prompt_minus_method": gaps, "table": agg,
+        "no Porter stemming), exact match" + (", LLM judge" if with_judge else ""),
+        "judge_model": judge_model,
+        "f1": f1,
+        "f1_gap_prompt_minus_kv": gap,
+        "f1_gap_prompt_minus_method": gaps,
+        "table": agg,
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_json(out / "summary.json", summary)

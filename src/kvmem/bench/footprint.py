@@ -7,15 +7,34 @@ import os
 from pathlib import Path
 
 from .common import (
-    log_err, machine, pyplot, rss_bytes, select_questions, Setup, table, write_csv, write_summary_and_records)
+    Setup,
+    log_err,
+    machine,
+    pyplot,
+    rss_bytes,
+    select_questions,
+    table,
+    write_csv,
+    write_summary_and_records,
+)
 
 
 def _size(p: Path) -> int:
     return p.stat().st_size if p.exists() else 0
 
 
-def run(data: Path, out: Path, window: int, samples: list[str] | None, questions: int | None, model: str,
-        engine: str, k: int = 10, show_progress: bool = True, echo=print) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    window: int,
+    samples: list[str] | None,
+    questions: int | None,
+    model: str,
+    engine: str,
+    k: int = 10,
+    show_progress: bool = True,
+    echo=print,
+) -> dict:
     rss0 = rss_bytes()
     setup = Setup.load(data, samples, model, engine, show_progress)
     rss_model = rss_bytes()
@@ -42,36 +61,58 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
         n_tok = ukv.num_tokens
         kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in ukv.segments.values())
         hk, hv = st.header_kv()
-        records.append({
-            "sample": c.sample_id, "window": window, "num_facts": len(ukv.facts), "fact_tokens": n_tok,
-            "tokens_per_fact": round(n_tok / max(1, len(ukv.facts)), 2),
-            "kv_bytes": kv_bytes, "kv_file_bytes": sum(map(_size, kv_paths)),
-            "kv_bytes_per_token": round(kv_bytes / n_tok, 2), "theory_bytes_per_token": theory,
-            "measured_over_theory": round(kv_bytes / n_tok / theory, 4),
-            "kv_file_bytes_per_token": round(sum(map(_size, kv_paths)) / n_tok, 2),
-            "header_tokens": int(hk.shape[2]), "header_kv_bytes": hk.nbytes + hv.nbytes,
-            "embeddings_bytes": ukv.embeddings.numel() * 4,
-            "index_bytes": index_bytes, "metadata_sqlite_bytes": _size(st.root / "meta.sqlite"),
-            "manifest_bytes": _size(st.root / "manifest.json"),
-            "store_dir": str(st.root),
-        })
+        records.append(
+            {
+                "sample": c.sample_id,
+                "window": window,
+                "num_facts": len(ukv.facts),
+                "fact_tokens": n_tok,
+                "tokens_per_fact": round(n_tok / max(1, len(ukv.facts)), 2),
+                "kv_bytes": kv_bytes,
+                "kv_file_bytes": sum(map(_size, kv_paths)),
+                "kv_bytes_per_token": round(kv_bytes / n_tok, 2),
+                "theory_bytes_per_token": theory,
+                "measured_over_theory": round(kv_bytes / n_tok / theory, 4),
+                "kv_file_bytes_per_token": round(sum(map(_size, kv_paths)) / n_tok, 2),
+                "header_tokens": int(hk.shape[2]),
+                "header_kv_bytes": hk.nbytes + hv.nbytes,
+                "embeddings_bytes": ukv.embeddings.numel() * 4,
+                "index_bytes": index_bytes,
+                "metadata_sqlite_bytes": _size(st.root / "meta.sqlite"),
+                "manifest_bytes": _size(st.root / "manifest.json"),
+                "store_dir": str(st.root),
+            }
+        )
     # serve one question per sample so the process holds what serving holds
     for q in qs[: max(1, len(setup.convs))]:
         svcs[q.sample].ask(q.sample, q.question, k, "kv", 8)
     rss_serving = rss_bytes()
     tot_kv = sum(r["kv_bytes"] for r in records)
     summary = {
-        "command": "bench footprint", "engine": engine, "model": model, "data": str(data), "window": window,
+        "command": "bench footprint",
+        "engine": engine,
+        "model": model,
+        "data": str(data),
+        "window": window,
         "samples": [c.sample_id for c in setup.convs],
-        "formula": "2 * L * h * d * b", "L": L, "h": h, "d": d, "b": b, "theory_bytes_per_token": theory,
+        "formula": "2 * L * h * d * b",
+        "L": L,
+        "h": h,
+        "d": d,
+        "b": b,
+        "theory_bytes_per_token": theory,
         "kv_bytes_per_token": round(tot_kv / sum(r["fact_tokens"] for r in records), 2),
         "kv_bytes_per_conversation": {r["sample"]: r["kv_bytes"] for r in records},
         "index_bytes": {r["sample"]: r["index_bytes"] for r in records},
         "metadata_bytes": {r["sample"]: r["metadata_sqlite_bytes"] + r["manifest_bytes"] for r in records},
-        "rss_bytes": {"before_load": rss0["rss"], "model_loaded": rss_model["rss"], "serving": rss_serving["rss"],
-                      "peak": rss_serving["peak_rss"]},
+        "rss_bytes": {
+            "before_load": rss0["rss"],
+            "model_loaded": rss_model["rss"],
+            "serving": rss_serving["rss"],
+            "peak": rss_serving["peak_rss"],
+        },
         "rss_note": "RSS of this process (model + embedder + every chosen user's KV, index and metadata loaded, "
-                    "one question answered per user); peak includes ingestion when the store cache was cold",
+        "one question answered per user); peak includes ingestion when the store cache was cold",
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_summary_and_records(out, summary, records)
@@ -86,8 +127,13 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
     a1.legend(fontsize=8)
     a1.set_title("KV bytes per token")
     w = 0.27
-    for i, (key, lab, col) in enumerate((("kv_bytes", "KV", "tab:blue"), ("index_bytes", "index", "tab:orange"),
-                                         ("metadata_sqlite_bytes", "metadata", "tab:green"))):
+    for i, (key, lab, col) in enumerate(
+        (
+            ("kv_bytes", "KV", "tab:blue"),
+            ("index_bytes", "index", "tab:orange"),
+            ("metadata_sqlite_bytes", "metadata", "tab:green"),
+        )
+    ):
         a2.bar([x + (i - 1) * w for x in xs], [r[key] for r in records], w, label=lab, color=col)
     a2.set_yscale("log")
     a2.set_xticks(list(xs), names, rotation=30)
@@ -98,12 +144,25 @@ def run(data: Path, out: Path, window: int, samples: list[str] | None, questions
     fig.savefig(out / "footprint.png", dpi=120)
     plt.close(fig)
     header = ["sample", "facts", "tokens", "kv_MB", "B/token", "theory", "index_KB", "meta_KB"]
-    rows = [[r["sample"], r["num_facts"], r["fact_tokens"], r["kv_bytes"] / 2**20, r["kv_bytes_per_token"],
-             theory, r["index_bytes"] / 1024, r["metadata_sqlite_bytes"] / 1024] for r in records]
+    rows = [
+        [
+            r["sample"],
+            r["num_facts"],
+            r["fact_tokens"],
+            r["kv_bytes"] / 2**20,
+            r["kv_bytes_per_token"],
+            theory,
+            r["index_bytes"] / 1024,
+            r["metadata_sqlite_bytes"] / 1024,
+        ]
+        for r in records
+    ]
     write_csv(out / "summary.csv", [dict(zip(header, r)) for r in rows])
     echo(table(rows, header))
     rs = summary["rss_bytes"]
-    echo(f"RSS: {rs['before_load'] / 2**20:.0f} MiB before load, {rs['model_loaded'] / 2**20:.0f} MiB with model, "
-         f"{rs['serving'] / 2**20:.0f} MiB serving (peak {rs['peak'] / 2**20:.0f} MiB)")
+    echo(
+        f"RSS: {rs['before_load'] / 2**20:.0f} MiB before load, {rs['model_loaded'] / 2**20:.0f} MiB with model, "
+        f"{rs['serving'] / 2**20:.0f} MiB serving (peak {rs['peak'] / 2**20:.0f} MiB)"
+    )
     echo(f"wrote {out}/summary.json, records.json, records.csv, summary.csv, footprint.png")
     return summary

@@ -15,7 +15,7 @@ import torch
 
 from ..encode import length_batches
 from ..rope import is_length_dependent
-from .common import (machine, progress, pyplot, Setup, table, write_csv, write_summary_and_records)
+from .common import Setup, machine, progress, pyplot, table, write_csv, write_summary_and_records
 
 
 def fact_sequences(lm, conv, window: int) -> list[list[int]]:
@@ -41,8 +41,18 @@ def plain_forward(model, sequences: list[list[int]], max_batch_tokens: int = 204
     return time.perf_counter() - t0
 
 
-def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, questions: int | None, model: str,
-        engine: str, batch_tokens: int = 2048, show_progress: bool = True, echo=print) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    windows: list[int],
+    samples: list[str] | None,
+    questions: int | None,
+    model: str,
+    engine: str,
+    batch_tokens: int = 2048,
+    show_progress: bool = True,
+    echo=print,
+) -> dict:
     from ..locomo_ingest import ingest_conversation
 
     setup = Setup.load(data, samples, model, engine, show_progress)
@@ -57,20 +67,37 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
         for c in setup.convs:
             seqs = fact_sequences(lm, c, w)
             with tempfile.TemporaryDirectory(prefix="kvmem-enc-") as tmp:
-                rep = ingest_conversation(lm, setup.embedder, Path(tmp) / "s", c, w, batch_tokens, progress=False,
-                                          source=str(data), neighbours=0)  # the window's cost alone
+                rep = ingest_conversation(
+                    lm,
+                    setup.embedder,
+                    Path(tmp) / "s",
+                    c,
+                    w,
+                    batch_tokens,
+                    progress=False,
+                    source=str(data),
+                    neighbours=0,
+                )  # the window's cost alone
             plain_s = plain_forward(lm.model, seqs, batch_tokens)
             n_tok = sum(len(s) for s in seqs)
             assert n_tok == rep.num_encoded_tokens, (n_tok, rep.num_encoded_tokens)
-            records.append({
-                "sample": c.sample_id, "window": w, "num_facts": rep.num_facts, "fact_tokens": rep.num_fact_tokens,
-                "encoded_tokens": n_tok, "encode_s": round(rep.encode_s, 4), "embed_s": round(rep.embed_s, 4),
-                "ingest_total_s": round(rep.total_s, 4), "plain_forward_s": round(plain_s, 4),
-                "encode_tokens_per_s": round(n_tok / rep.encode_s, 2),
-                "fact_tokens_per_s": round(rep.num_fact_tokens / rep.encode_s, 2),
-                "plain_tokens_per_s": round(n_tok / plain_s, 2),
-                "fraction_of_plain_forward": round(plain_s / rep.encode_s, 4),
-            })
+            records.append(
+                {
+                    "sample": c.sample_id,
+                    "window": w,
+                    "num_facts": rep.num_facts,
+                    "fact_tokens": rep.num_fact_tokens,
+                    "encoded_tokens": n_tok,
+                    "encode_s": round(rep.encode_s, 4),
+                    "embed_s": round(rep.embed_s, 4),
+                    "ingest_total_s": round(rep.total_s, 4),
+                    "plain_forward_s": round(plain_s, 4),
+                    "encode_tokens_per_s": round(n_tok / rep.encode_s, 2),
+                    "fact_tokens_per_s": round(rep.num_fact_tokens / rep.encode_s, 2),
+                    "plain_tokens_per_s": round(n_tok / plain_s, 2),
+                    "fraction_of_plain_forward": round(plain_s / rep.encode_s, 4),
+                }
+            )
             bar.update(1)
     bar.close()
     # The yardstick: this machine's GEMM rate in the model's dtype, and the linear-layer FLOPs per token
@@ -78,8 +105,9 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
     from ..hardware import gemm_gflops
 
     gemm = gemm_gflops(str(lm.dtype).removeprefix("torch."))
-    flop_per_token = 2 * sum(p.numel() for p in getattr(lm.model, "model", lm.model).layers.parameters()
-                             if p.dim() == 2)
+    flop_per_token = 2 * sum(
+        p.numel() for p in getattr(lm.model, "model", lm.model).layers.parameters() if p.dim() == 2
+    )
     per_window = {}
     for w in windows:
         sel = [r for r in records if r["window"] == w]
@@ -88,37 +116,72 @@ def run(data: Path, out: Path, windows: list[int], samples: list[str] | None, qu
         per_window[str(w)] = {
             "seconds_per_conversation": round(sum(r["ingest_total_s"] for r in sel) / len(sel), 3),
             "encode_seconds_per_conversation": round(enc_s / len(sel), 3),
-            "encoded_tokens": toks, "fact_tokens": sum(r["fact_tokens"] for r in sel),
-            "tokens_per_s": round(toks / enc_s, 2), "plain_tokens_per_s": round(toks / pl_s, 2),
+            "encoded_tokens": toks,
+            "fact_tokens": sum(r["fact_tokens"] for r in sel),
+            "tokens_per_s": round(toks / enc_s, 2),
+            "plain_tokens_per_s": round(toks / pl_s, 2),
             "fraction_of_plain_forward": round(pl_s / enc_s, 4),
             "fraction_of_gemm_rate": round(toks / enc_s * flop_per_token / 1e9 / gemm, 4),
         }
     summary = {
-        "dtype": str(lm.dtype).removeprefix("torch."), "gemm_gflops": round(gemm, 2),
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "gemm_gflops": round(gemm, 2),
         "decoder_gflop_per_token": round(flop_per_token / 1e9, 4),
-        "command": "bench encode", "engine": engine, "model": model, "data": str(data), "windows": windows,
-        "samples": [c.sample_id for c in setup.convs], "batch_tokens": batch_tokens, "by_window": per_window,
+        "command": "bench encode",
+        "engine": engine,
+        "model": model,
+        "data": str(data),
+        "windows": windows,
+        "samples": [c.sample_id for c in setup.convs],
+        "batch_tokens": batch_tokens,
+        "by_window": per_window,
         "note": "seconds_per_conversation = full ingest (encode + embed + store write); tokens_per_s counts every "
-                "token run through the model (header + window turns + fact); plain forward = same sequences and "
-                "batches with no taps and nothing kept (hf engine: encoding always uses transformers)",
+        "token run through the model (header + window turns + fact); plain forward = same sequences and "
+        "batches with no taps and nothing kept (hf engine: encoding always uses transformers)",
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_summary_and_records(out, summary, records)
     header = ["window", "s/conv", "encode_s/conv", "tokens", "tok/s", "plain tok/s", "fraction", "of GEMM rate"]
-    rows = [[w, s["seconds_per_conversation"], s["encode_seconds_per_conversation"], s["encoded_tokens"],
-             s["tokens_per_s"], s["plain_tokens_per_s"], s["fraction_of_plain_forward"], s["fraction_of_gemm_rate"]]
-            for w, s in per_window.items()]
+    rows = [
+        [
+            w,
+            s["seconds_per_conversation"],
+            s["encode_seconds_per_conversation"],
+            s["encoded_tokens"],
+            s["tokens_per_s"],
+            s["plain_tokens_per_s"],
+            s["fraction_of_plain_forward"],
+            s["fraction_of_gemm_rate"],
+        ]
+        for w, s in per_window.items()
+    ]
     write_csv(out / "summary.csv", [dict(zip(header, r)) for r in rows])
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     xs = list(range(len(windows)))
-    ax.bar([x - 0.2 for x in xs], [per_window[str(w)]["tokens_per_s"] for w in windows], 0.4,
-           label="kvmem encode (taps + gather)", color="tab:blue")
-    ax.bar([x + 0.2 for x in xs], [per_window[str(w)]["plain_tokens_per_s"] for w in windows], 0.4,
-           label="plain batched forward", color="tab:gray")
+    ax.bar(
+        [x - 0.2 for x in xs],
+        [per_window[str(w)]["tokens_per_s"] for w in windows],
+        0.4,
+        label="kvmem encode (taps + gather)",
+        color="tab:blue",
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [per_window[str(w)]["plain_tokens_per_s"] for w in windows],
+        0.4,
+        label="plain batched forward",
+        color="tab:gray",
+    )
     for x, w in zip(xs, windows):
-        ax.text(x - 0.2, per_window[str(w)]["tokens_per_s"], f"{per_window[str(w)]['fraction_of_plain_forward']:.2f}",
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            x - 0.2,
+            per_window[str(w)]["tokens_per_s"],
+            f"{per_window[str(w)]['fraction_of_plain_forward']:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xticks(xs, [f"w={w}" for w in windows])
     ax.set_ylabel("tokens / s")
     ax.set_title(f"Offline encoding throughput ({model})")

@@ -12,8 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (
-    bare, log_err, log_k_axis, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note,
-    table, write_csv, write_summary_and_records)
+    Setup,
+    bare,
+    log_err,
+    log_k_axis,
+    machine,
+    median,
+    p95,
+    progress,
+    pyplot,
+    ratio,
+    select_questions,
+    store_device_note,
+    table,
+    write_csv,
+    write_summary_and_records,
+)
 
 MODES = ("kv", "prompt")
 METRICS = ("ttft", "q2ft", "q2fa")
@@ -27,23 +41,46 @@ def bare_generate(svc, question: str, max_new_tokens: int) -> dict:
 
 def _record(ans, q, window) -> dict:
     t = ans.timings_ms
-    return {"qid": q.qid, "sample": q.sample, "category": q.category, "window": window, "mode": ans.mode,
-            "k": ans.k, "ttft": t["ttft"], "q2ft": t["total"], "q2fa": t["total"] + t["decode"],
-            "embed": t["embed"], "search": t["search"], "compose": t["compose"], "decode": t["decode"],
-            "prompt_tokens": ans.prompt_tokens, "prefilled_tokens": ans.prefilled_tokens,
-            "generated_tokens": ans.generated_tokens, "answer": ans.answer}
+    return {
+        "qid": q.qid,
+        "sample": q.sample,
+        "category": q.category,
+        "window": window,
+        "mode": ans.mode,
+        "k": ans.k,
+        "ttft": t["ttft"],
+        "q2ft": t["total"],
+        "q2fa": t["total"] + t["decode"],
+        "embed": t["embed"],
+        "search": t["search"],
+        "compose": t["compose"],
+        "decode": t["decode"],
+        "prompt_tokens": ans.prompt_tokens,
+        "prefilled_tokens": ans.prefilled_tokens,
+        "generated_tokens": ans.generated_tokens,
+        "answer": ans.answer,
+    }
 
 
 def summarize(records: list[dict], ks: list[int], window: int, modes=MODES) -> dict:
     recs = [r for r in records if r["window"] == window]
     bare = [r for r in recs if r["mode"] == "bare"]
-    out: dict = {"window": window, "n_questions": len({r["qid"] for r in recs}),
-                 "ttft_ms": {**{m: {} for m in modes}, "bare": round(median(r["ttft"] for r in bare), 3)},
-                 "p95_ms": {}, "median_ms": {}, "stages_ms": {}}
-    out["p95_ms"]["bare"] = {"ttft": round(p95(r["ttft"] for r in bare), 3),
-                             "q2fa": round(p95(r["ttft"] + r["decode"] for r in bare), 3)}
-    out["median_ms"]["bare"] = {"ttft": out["ttft_ms"]["bare"],
-                                "q2fa": round(median(r["ttft"] + r["decode"] for r in bare), 3)}
+    out: dict = {
+        "window": window,
+        "n_questions": len({r["qid"] for r in recs}),
+        "ttft_ms": {**{m: {} for m in modes}, "bare": round(median(r["ttft"] for r in bare), 3)},
+        "p95_ms": {},
+        "median_ms": {},
+        "stages_ms": {},
+    }
+    out["p95_ms"]["bare"] = {
+        "ttft": round(p95(r["ttft"] for r in bare), 3),
+        "q2fa": round(p95(r["ttft"] + r["decode"] for r in bare), 3),
+    }
+    out["median_ms"]["bare"] = {
+        "ttft": out["ttft_ms"]["bare"],
+        "q2fa": round(median(r["ttft"] + r["decode"] for r in bare), 3),
+    }
     for mode in modes:
         out["median_ms"][mode], out["p95_ms"][mode], out["stages_ms"][mode] = {}, {}, {}
         for k in ks:
@@ -61,18 +98,22 @@ def summarize(records: list[dict], ks: list[int], window: int, modes=MODES) -> d
         "prompt_over_kv": {str(k): ratio(pr[str(k)], kv[str(k)]) for k in ks},
         "kv_kmax_over_kmin": ratio(kv[kmax], kv[kmin]),
         "kv_over_bare": ratio(kv[kmax], out["ttft_ms"]["bare"]),
-        "kmin": int(kmin), "kmax": int(kmax),
+        "kmin": int(kmin),
+        "kmax": int(kmax),
         # tail recompute (issue 13): TTFT of each method over plain KV injection, and prompt over the method
-        "method_over_kv": {m: {str(k): ratio(out["ttft_ms"][m][str(k)], kv[str(k)]) for k in ks}
-                           for m in modes if m not in MODES},
-        "prompt_over_method": {m: {str(k): ratio(pr[str(k)], out["ttft_ms"][m][str(k)]) for k in ks}
-                               for m in modes if m not in MODES},
+        "method_over_kv": {
+            m: {str(k): ratio(out["ttft_ms"][m][str(k)], kv[str(k)]) for k in ks} for m in modes if m not in MODES
+        },
+        "prompt_over_method": {
+            m: {str(k): ratio(pr[str(k)], out["ttft_ms"][m][str(k)]) for k in ks} for m in modes if m not in MODES
+        },
     }
     sel = [r for r in recs if r["mode"] == "kv" and r["k_asked"] == int(kmax)]
     over = [(r["embed"] + r["search"] + r["compose"]) / r["q2ft"] for r in sel if r["q2ft"] > 0]
     out["overhead_fraction"] = round(median(over), 4) if over else None
     out["overhead_fraction_of_medians"] = ratio(
-        sum(median(r[s] for r in sel) for s in ("embed", "search", "compose")), median(r["q2ft"] for r in sel))
+        sum(median(r[s] for r in sel) for s in ("embed", "search", "compose")), median(r["q2ft"] for r in sel)
+    )
     return out
 
 
@@ -86,10 +127,21 @@ def plot(path: Path, per_window: dict, ks: list[int]) -> None:
         for mode in MODES:
             for m in METRICS:
                 ys = [s["median_ms"][mode][str(k)][m] for k in ks]
-                ax.plot(ks, ys, styles[m], color=colors[mode], marker=markers[wi % len(markers)],
-                        label=f"{mode} {m}" + (f" w={w}" if len(per_window) > 1 else ""))
-        ax.axhline(s["ttft_ms"]["bare"], color="gray", lw=1, ls="-.",
-                   label="bare query ttft" + (f" w={w}" if len(per_window) > 1 else ""))
+                ax.plot(
+                    ks,
+                    ys,
+                    styles[m],
+                    color=colors[mode],
+                    marker=markers[wi % len(markers)],
+                    label=f"{mode} {m}" + (f" w={w}" if len(per_window) > 1 else ""),
+                )
+        ax.axhline(
+            s["ttft_ms"]["bare"],
+            color="gray",
+            lw=1,
+            ls="-.",
+            label="bare query ttft" + (f" w={w}" if len(per_window) > 1 else ""),
+        )
     log_k_axis(ax, ks, plt)
     ax.set_xlabel("k (retrieved facts)")
     ax.set_ylabel("median latency (ms)")
@@ -101,9 +153,22 @@ def plot(path: Path, per_window: dict, ks: list[int]) -> None:
     plt.close(fig)
 
 
-def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[str] | None, questions: int | None,
-        model: str, engine: str, max_new_tokens: int = 32, store_device: str = "host", show_progress: bool = True,
-        echo=print, tails: list[int] = (), methods: list[str] = ()) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    ks: list[int],
+    windows: list[int],
+    samples: list[str] | None,
+    questions: int | None,
+    model: str,
+    engine: str,
+    max_new_tokens: int = 32,
+    store_device: str = "host",
+    show_progress: bool = True,
+    echo=print,
+    tails: list[int] = (),
+    methods: list[str] = (),
+) -> dict:
     """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
     any further serving methods (``policy.parse_mode``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
     from ..engines.select import check_methods
@@ -137,12 +202,28 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
             for mode, k in units:
                 if mode == "bare":
                     b = bare_generate(svc, q.question, max_new_tokens)
-                    records.append({"qid": q.qid, "sample": q.sample, "category": q.category, "window": w,
-                                    "mode": "bare", "k": 0, "k_asked": 0, "ttft": b["ttft"], "q2ft": b["ttft"],
-                                    "q2fa": b["ttft"] + b["decode"], "embed": 0.0, "search": 0.0, "compose": 0.0,
-                                    "decode": b["decode"], "prompt_tokens": b["prefilled_tokens"],
-                                    "prefilled_tokens": b["prefilled_tokens"],
-                                    "generated_tokens": b["generated_tokens"], "answer": ""})
+                    records.append(
+                        {
+                            "qid": q.qid,
+                            "sample": q.sample,
+                            "category": q.category,
+                            "window": w,
+                            "mode": "bare",
+                            "k": 0,
+                            "k_asked": 0,
+                            "ttft": b["ttft"],
+                            "q2ft": b["ttft"],
+                            "q2fa": b["ttft"] + b["decode"],
+                            "embed": 0.0,
+                            "search": 0.0,
+                            "compose": 0.0,
+                            "decode": b["decode"],
+                            "prompt_tokens": b["prefilled_tokens"],
+                            "prefilled_tokens": b["prefilled_tokens"],
+                            "generated_tokens": b["generated_tokens"],
+                            "answer": "",
+                        }
+                    )
                 else:
                     a = svc.ask(q.sample, q.question, k, mode, max_new_tokens)
                     answers[(mode, k)] = a
@@ -156,13 +237,23 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
     head = per_window[str(windows[0])]
     engine = setup.engine_name
     summary = {
-        "command": "bench latency", "engine": engine, "model": model, "data": str(data),
-        "samples": [c.sample_id for c in setup.convs], "questions": len(qs), "k": ks, "windows": windows,
-        "max_new_tokens": max_new_tokens, "store_device": store_device, "store_device_note": note,
+        "command": "bench latency",
+        "engine": engine,
+        "model": model,
+        "data": str(data),
+        "samples": [c.sample_id for c in setup.convs],
+        "questions": len(qs),
+        "k": ks,
+        "windows": windows,
+        "max_new_tokens": max_new_tokens,
+        "store_device": store_device,
+        "store_device_note": note,
         "engine_note": "" if setup.start().batches else f"{engine} engine: one request at a time, greedy, batch size 1",
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in __import__("os").getloadavg()]},
         "window": windows[0],
-        "ttft_ms": head["ttft_ms"], "ratios": head["ratios"], "overhead_fraction": head["overhead_fraction"],
+        "ttft_ms": head["ttft_ms"],
+        "ratios": head["ratios"],
+        "overhead_fraction": head["overhead_fraction"],
         "by_window": per_window,
     }
     write_summary_and_records(out, summary, records)
@@ -170,21 +261,44 @@ def run(data: Path, out: Path, ks: list[int], windows: list[int], samples: list[
     for w, s in per_window.items():
         for k in ks:
             kk = str(k)
-            rows.append([w, k, s["median_ms"]["kv"][kk]["ttft"], s["median_ms"]["prompt"][kk]["ttft"],
-                         s["ratios"]["prompt_over_kv"][kk], s["median_ms"]["kv"][kk]["q2ft"],
-                         s["median_ms"]["prompt"][kk]["q2ft"], s["p95_ms"]["kv"][kk]["ttft"],
-                         s["p95_ms"]["prompt"][kk]["ttft"], s["median_ms"]["kv"][kk]["q2fa"],
-                         s["median_ms"]["prompt"][kk]["q2fa"]])
-    header = ["w", "k", "kv_ttft", "pr_ttft", "pr/kv", "kv_q2ft", "pr_q2ft", "kv_ttft_p95", "pr_ttft_p95",
-              "kv_q2fa", "pr_q2fa"]
+            rows.append(
+                [
+                    w,
+                    k,
+                    s["median_ms"]["kv"][kk]["ttft"],
+                    s["median_ms"]["prompt"][kk]["ttft"],
+                    s["ratios"]["prompt_over_kv"][kk],
+                    s["median_ms"]["kv"][kk]["q2ft"],
+                    s["median_ms"]["prompt"][kk]["q2ft"],
+                    s["p95_ms"]["kv"][kk]["ttft"],
+                    s["p95_ms"]["prompt"][kk]["ttft"],
+                    s["median_ms"]["kv"][kk]["q2fa"],
+                    s["median_ms"]["prompt"][kk]["q2fa"],
+                ]
+            )
+    header = [
+        "w",
+        "k",
+        "kv_ttft",
+        "pr_ttft",
+        "pr/kv",
+        "kv_q2ft",
+        "pr_q2ft",
+        "kv_ttft_p95",
+        "pr_ttft_p95",
+        "kv_q2fa",
+        "pr_q2fa",
+    ]
     write_csv(out / "summary.csv", [dict(zip(header, r)) for r in rows])
     plot(out / "latency_vs_k.png", per_window, ks)
     echo(table(rows, header))
     for w, s in per_window.items():
         r = s["ratios"]
-        echo(f"w={w}: bare ttft {s['ttft_ms']['bare']:.1f} ms | kv k{r['kmax']}/k{r['kmin']} "
-             f"{r['kv_kmax_over_kmin']} | kv/bare {r['kv_over_bare']} | overhead at k={r['kmax']} "
-             f"{s['overhead_fraction']}")
+        echo(
+            f"w={w}: bare ttft {s['ttft_ms']['bare']:.1f} ms | kv k{r['kmax']}/k{r['kmin']} "
+            f"{r['kv_kmax_over_kmin']} | kv/bare {r['kv_over_bare']} | overhead at k={r['kmax']} "
+            f"{s['overhead_fraction']}"
+        )
         for m, by_k in r["method_over_kv"].items():
             echo(f"w={w}: {m} ttft / kv ttft by k: {by_k}; prompt / {m}: {r['prompt_over_method'][m]}")
     echo(note)

@@ -22,8 +22,18 @@ import torch
 from .common import machine, median, p95, pyplot, table, write_summary_and_records
 
 
-def run(data: Path, out: Path, sample: str, turns: int, facts: int, window: int, model: str, searches: int = 50,
-        deletes: int = 20, echo=print) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    sample: str,
+    turns: int,
+    facts: int,
+    window: int,
+    model: str,
+    searches: int = 50,
+    deletes: int = 20,
+    echo=print,
+) -> dict:
     from ..locomo import get_conversation
     from ..memory import Memory
     from ..models import load
@@ -50,8 +60,14 @@ def run(data: Path, out: Path, sample: str, turns: int, facts: int, window: int,
                 base(input_ids=ids, use_cache=False)
                 plain_ms = (time.perf_counter() - t0) * 1e3
             if i >= 2:  # the first two are warm-up
-                records.append({"op": "add", "ms": round(add_ms, 3), "plain_forward_ms": round(plain_ms, 3),
-                                "tokens": ids.shape[1]})
+                records.append(
+                    {
+                        "op": "add",
+                        "ms": round(add_ms, 3),
+                        "plain_forward_ms": round(plain_ms, 3),
+                        "tokens": ids.shape[1],
+                    }
+                )
         # a user with `facts` memories: filler rows in batches, then real ones to search and delete
         g = torch.Generator().manual_seed(0)
         cfg = lm.config
@@ -61,8 +77,10 @@ def run(data: Path, out: Path, sample: str, turns: int, facts: int, window: int,
         kv = torch.zeros(shape, dtype=lm.dtype)
         for start in range(0, facts, 1000):
             n = min(1000, facts - start)
-            recs = [FactRecord(f"filler-{start + j}", "big", f"filler memory {start + j}", "", "", "", (0,))
-                    for j in range(n)]
+            recs = [
+                FactRecord(f"filler-{start + j}", "big", f"filler memory {start + j}", "", "", "", (0,))
+                for j in range(n)
+            ]
             vecs = torch.nn.functional.normalize(torch.randn(n, emb.dim, generator=g), dim=1)
             mem.store.commit("big", recs, [kv] * n, [kv] * n, vecs, window=window)
         real = mem.add([{"role": "user", "content": t.text} for t in conv.turns[:deletes]], "big", infer=False)
@@ -82,8 +100,12 @@ def run(data: Path, out: Path, sample: str, turns: int, facts: int, window: int,
     by = {op: [r["ms"] for r in records if r["op"] == op] for op in ("add", "search", "delete")}
     plain = [r["plain_forward_ms"] for r in records if r["op"] == "add"]
     summary = {
-        "command": "bench memory", "model": model, "dtype": str(lm.dtype).removeprefix("torch."), "window": window,
-        "sample": sample, "facts_for_search": facts,
+        "command": "bench memory",
+        "model": model,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "window": window,
+        "sample": sample,
+        "facts_for_search": facts,
         "add_ms": {"p50": median(by["add"]), "p95": p95(by["add"])},
         "plain_forward_ms": {"p50": median(plain), "p95": p95(plain)},
         "add_over_plain_forward_p50": round(median(by["add"]) / median(plain), 3),
@@ -96,8 +118,9 @@ def run(data: Path, out: Path, sample: str, turns: int, facts: int, window: int,
     write_summary_and_records(out, summary, records)
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    for ax, (op, vals) in zip(axes, [("add (infer=False)", by["add"]), ("search", by["search"]),
-                                     ("delete", by["delete"])]):
+    for ax, (op, vals) in zip(
+        axes, [("add (infer=False)", by["add"]), ("search", by["search"]), ("delete", by["delete"])]
+    ):
         ax.hist(vals, bins=20, color="tab:blue")
         ax.set_title(f"{op}: p50 {median(vals):.1f} ms")
         ax.set_xlabel("ms")
@@ -107,10 +130,16 @@ def run(data: Path, out: Path, sample: str, turns: int, facts: int, window: int,
     fig.tight_layout()
     fig.savefig(out / "memory.png", dpi=120)
     plt.close(fig)
-    rows = [["add", summary["add_ms"]["p50"], summary["add_ms"]["p95"], f"{summary['add_over_plain_forward_p50']}x plain"],
-            ["search", summary["search_ms"]["p50"], summary["search_ms"]["p95"], f"{facts} memories"],
-            ["delete", summary["delete_ms"]["p50"], summary["delete_ms"]["p95"],
-             f"gone from next search: {gone_from_next_search}"]]
+    rows = [
+        ["add", summary["add_ms"]["p50"], summary["add_ms"]["p95"], f"{summary['add_over_plain_forward_p50']}x plain"],
+        ["search", summary["search_ms"]["p50"], summary["search_ms"]["p95"], f"{facts} memories"],
+        [
+            "delete",
+            summary["delete_ms"]["p50"],
+            summary["delete_ms"]["p95"],
+            f"gone from next search: {gone_from_next_search}",
+        ],
+    ]
     echo(table(rows, ["op", "p50 ms", "p95 ms", "note"]))
     echo(f"wrote {out}/summary.json, records.json, records.csv, memory.png")
     return summary

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .common import answer_batch, log_err, machine, median, p95, pyplot, table, write_json
@@ -29,7 +29,7 @@ BATCH = 32
 def session_timestamp(date: str, fallback: float) -> float:
     """LoCoMo's ``"1:56 pm on 8 May, 2023"`` -> Unix seconds (UTC); ``fallback`` when it does not parse."""
     try:
-        return datetime.strptime(date.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=timezone.utc).timestamp()
+        return datetime.strptime(date.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC).timestamp()
     except ValueError:
         return fallback
 
@@ -71,8 +71,12 @@ def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err
         for i, t in enumerate(conv.turns):
             ts = session_timestamp(t.date, base) + 60 * i  # turns in order within a session
             a = time.perf_counter()
-            mem.add([{"role": "user", "content": f"{t.speaker}: {t.text}"}], conv.sample_id, infer=arm == "infer",
-                    timestamp=ts)
+            mem.add(
+                [{"role": "user", "content": f"{t.speaker}: {t.text}"}],
+                conv.sample_id,
+                infer=arm == "infer",
+                timestamp=ts,
+            )
             add_ms.append((time.perf_counter() - a) * 1e3)
             if (i + 1) % 20 == 0:
                 log(f"  {arm} {conv.sample_id}: {i + 1}/{len(conv.turns)} turns, last add {add_ms[-1]:.0f} ms")
@@ -82,9 +86,17 @@ def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err
     st = Store.open(root)
     facts, stored_bytes = len(st.snapshot(conv.sample_id, kv=False).facts), st.disk_bytes()
     st.close()
-    return {"arm": arm, "sample": conv.sample_id, "turns": len(conv.turns), "facts": facts,
-            "stored_bytes": stored_bytes, "build_s": round(time.perf_counter() - t0, 2),
-            "add_ms_p50": round(median(add_ms), 1), "add_ms_p95": round(p95(add_ms), 1), "add_ms": add_ms}
+    return {
+        "arm": arm,
+        "sample": conv.sample_id,
+        "turns": len(conv.turns),
+        "facts": facts,
+        "stored_bytes": stored_bytes,
+        "build_s": round(time.perf_counter() - t0, 2),
+        "add_ms_p50": round(median(add_ms), 1),
+        "add_ms_p95": round(p95(add_ms), 1),
+        "add_ms": add_ms,
+    }
 
 
 def cut(conv, sessions: int):
@@ -96,14 +108,25 @@ def cut(conv, sessions: int):
     return Conversation(conv.sample_id, turns, facts, conv.questions)
 
 
-def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: int, k: int, window: int,
-        model: str, engine: str, max_new_tokens: int = 32, reuse: bool = False) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    samples: list[str],
+    arms: list[str],
+    sessions: int,
+    k: int,
+    window: int,
+    model: str,
+    engine: str,
+    max_new_tokens: int = 32,
+    reuse: bool = False,
+) -> dict:
     """``reuse``: keep a store already built by an earlier run into ``out`` (its figures are in builds.json) and
     only answer."""
     from ..bench.eval_locomo import CATEGORY_NAMES, locomo_f1
+    from ..engines.select import open_engine
     from ..models import load
     from ..retrieve import Embedder
-    from ..engines.select import open_engine
     from ..service import MemoryService
     from .common import check_engine, load_samples
 
@@ -132,8 +155,10 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
                 continue
             log_err(f"replay {conv.sample_id} ({len(conv.turns)} turns, sessions 1-{sessions}) arm {arm} ...")
             b = build_arm(arm, conv, out / "stores" / arm / conv.sample_id, lm, embedder, window, engine=eng)
-            log_err(f"  -> {b['facts']} facts, {b['stored_bytes'] / 1e6:.1f} MB, add p50 {b['add_ms_p50']} ms "
-                    f"p95 {b['add_ms_p95']} ms ({b['build_s']} s)")
+            log_err(
+                f"  -> {b['facts']} facts, {b['stored_bytes'] / 1e6:.1f} MB, add p50 {b['add_ms_p50']} ms "
+                f"p95 {b['add_ms_p95']} ms ({b['build_s']} s)"
+            )
             builds.append(b)
             write_json(out / "builds.json", builds + [d for d in done if d not in builds])
     records = []  # answer every arm's store through the one engine
@@ -142,24 +167,44 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
         for conv in convs:
             root = out / "stores" / arm / conv.sample_id
             svcs[conv.sample_id] = MemoryService(root, eng, lm, embedder)
-        items = [(c.sample_id, i, q, mode) for c in convs for i, q in replay_questions(c, sessions)
-                 for mode in ("kv", "prompt")]
+        items = [
+            (c.sample_id, i, q, mode)
+            for c in convs
+            for i, q in replay_questions(c, sessions)
+            for mode in ("kv", "prompt")
+        ]
         for s in range(0, len(items), BATCH):
-            chunk = items[s:s + BATCH]
+            chunk = items[s : s + BATCH]
             answers = answer_batch(svcs, [(c, q.question, k, m) for c, _, q, m in chunk], max_new_tokens)
             for (sample, i, q, mode), a in zip(chunk, answers):
-                records.append({"arm": arm, "sample": sample, "qid": f"{sample}#{i}", "category": q.category,
-                                "mode": mode, "question": q.question, "reference": q.answer, "answer": a.answer,
-                                "f1": locomo_f1(a.answer, q.answer, q.category), "k": a.k, "fact_ids": a.fact_ids,
-                                "ttft_ms": a.timings_ms["ttft"]})
+                records.append(
+                    {
+                        "arm": arm,
+                        "sample": sample,
+                        "qid": f"{sample}#{i}",
+                        "category": q.category,
+                        "mode": mode,
+                        "question": q.question,
+                        "reference": q.answer,
+                        "answer": a.answer,
+                        "f1": locomo_f1(a.answer, q.answer, q.category),
+                        "k": a.k,
+                        "fact_ids": a.fact_ids,
+                        "ttft_ms": a.timings_ms["ttft"],
+                    }
+                )
         log_err(f"answered {len(items)} (question, mode) pairs for arm {arm}")
     rows = []
     for arm in arms:
         bs = [b for b in builds if b["arm"] == arm]
-        row = {"arm": arm, "turns": sum(b["turns"] for b in bs), "facts": sum(b["facts"] for b in bs),
-               "stored_bytes": sum(b["stored_bytes"] for b in bs),
-               "add_ms_p50_by_sample": {b["sample"]: b["add_ms_p50"] for b in bs},
-               "add_ms_p95_by_sample": {b["sample"]: b["add_ms_p95"] for b in bs}}
+        row = {
+            "arm": arm,
+            "turns": sum(b["turns"] for b in bs),
+            "facts": sum(b["facts"] for b in bs),
+            "stored_bytes": sum(b["stored_bytes"] for b in bs),
+            "add_ms_p50_by_sample": {b["sample"]: b["add_ms_p50"] for b in bs},
+            "add_ms_p95_by_sample": {b["sample"]: b["add_ms_p95"] for b in bs},
+        }
         for mode in ("kv", "prompt"):
             rs = [r for r in records if r["arm"] == arm and r["mode"] == mode]
             row[f"f1_{mode}"] = round(100 * sum(r["f1"] for r in rs) / max(1, len(rs)), 2)
@@ -169,18 +214,36 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
                 row[f"f1_{mode}_{name}"] = round(100 * sum(rc) / len(rc), 2) if rc else None
                 row[f"n_{name}"] = len(rc)
         rows.append(row)
-    summary = {"machine": machine(), "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."),
-               "engine": engine, "samples": [c.sample_id for c in convs], "sessions": sessions, "k": k,
-               "window": window, "rows": rows, "builds": [{**b, "add_ms": None} for b in builds]}
+    summary = {
+        "machine": machine(),
+        "model": lm.name,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "engine": engine,
+        "samples": [c.sample_id for c in convs],
+        "sessions": sessions,
+        "k": k,
+        "window": window,
+        "rows": rows,
+        "builds": [{**b, "add_ms": None} for b in builds],
+    }
     write_json(out / "replay.json", summary)
     write_json(out / "records.json", records)
-    head = ["arm", "facts", "MB", "add p50 ms (per sample)", "add p95 ms", "F1 kv", "F1 prompt"] + \
-        [f"{n} kv/prompt" for n in CATEGORY_NAMES.values()]
-    body = [[r["arm"], r["facts"], f"{r['stored_bytes'] / 1e6:.1f}",
-             " / ".join(f"{v:.0f}" for v in r["add_ms_p50_by_sample"].values()),
-             " / ".join(f"{v:.0f}" for v in r["add_ms_p95_by_sample"].values()), r["f1_kv"],
-             r["f1_prompt"]] + [f"{r[f'f1_kv_{n}']}/{r[f'f1_prompt_{n}']} (n={r[f'n_{n}']})"
-                                for n in CATEGORY_NAMES.values()] for r in rows]
+    head = ["arm", "facts", "MB", "add p50 ms (per sample)", "add p95 ms", "F1 kv", "F1 prompt"] + [
+        f"{n} kv/prompt" for n in CATEGORY_NAMES.values()
+    ]
+    body = [
+        [
+            r["arm"],
+            r["facts"],
+            f"{r['stored_bytes'] / 1e6:.1f}",
+            " / ".join(f"{v:.0f}" for v in r["add_ms_p50_by_sample"].values()),
+            " / ".join(f"{v:.0f}" for v in r["add_ms_p95_by_sample"].values()),
+            r["f1_kv"],
+            r["f1_prompt"],
+        ]
+        + [f"{r[f'f1_kv_{n}']}/{r[f'f1_prompt_{n}']} (n={r[f'n_{n}']})" for n in CATEGORY_NAMES.values()]
+        for r in rows
+    ]
     (out / "replay.md").write_text(table(body, head) + "\n")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -189,8 +252,9 @@ def run(data: Path, out: Path, samples: list[str], arms: list[str], sessions: in
     ax.bar([x + 0.2 for x in xs], [r["f1_prompt"] for r in rows], 0.4, label="prompt injection")
     ax.set_xticks(list(xs), [f"{r['arm']}\n{r['facts']} facts" for r in rows])
     ax.set_ylabel("token F1 (categories 1-4)")
-    ax.set_title(f"LoCoMo replay ({', '.join(summary['samples'])}, sessions 1-{sessions}, k={k}, w={window})",
-                 fontsize=9)
+    ax.set_title(
+        f"LoCoMo replay ({', '.join(summary['samples'])}, sessions 1-{sessions}, k={k}, w={window})", fontsize=9
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "replay.png", dpi=120)

@@ -30,9 +30,34 @@ from pathlib import Path
 
 from .common import log_err, machine, median, p95, pyplot, table, write_json
 
-WORDS = ["amber", "basalt", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kelp",
-         "lagoon", "marble", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "velvet",
-         "willow", "xenon", "yarrow", "zephyr"]
+WORDS = [
+    "amber",
+    "basalt",
+    "cobalt",
+    "dune",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kelp",
+    "lagoon",
+    "marble",
+    "nectar",
+    "onyx",
+    "pepper",
+    "quartz",
+    "raven",
+    "saffron",
+    "tundra",
+    "umber",
+    "velvet",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+]
 
 
 def _free_port() -> int:
@@ -85,25 +110,49 @@ class User:
 
 
 async def _setup_user(client, u: User) -> None:
-    msgs = [{"role": "user", "content": f} for f in u.facts] + \
-           [{"role": "user", "content": f"{u.name}'s secret code word is {u.canary}."}]
-    r = await client.post("/v1/memories", json={"messages": msgs, "user_id": u.name, "infer": False},
-                          headers={"Authorization": f"Bearer {u.key}"}, timeout=600)
+    msgs = [{"role": "user", "content": f} for f in u.facts] + [
+        {"role": "user", "content": f"{u.name}'s secret code word is {u.canary}."}
+    ]
+    r = await client.post(
+        "/v1/memories",
+        json={"messages": msgs, "user_id": u.name, "infer": False},
+        headers={"Authorization": f"Bearer {u.key}"},
+        timeout=600,
+    )
     r.raise_for_status()
     u.ids |= {e["id"] for e in r.json()["results"]}
 
 
 async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict, canaries: dict) -> None:
-    body = {"model": stats["model"], "user": u.name, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-            "memory": {"top_k": k, "mode": mode},
-            "messages": [{"role": "user", "content": random.choice(
-                ["What is my secret code word?", "What did I do last weekend?", "Who are my friends?",
-                 "What are my hobbies?", "Where did I travel recently?", "What do I like to eat?"])}]}
+    body = {
+        "model": stats["model"],
+        "user": u.name,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "memory": {"top_k": k, "mode": mode},
+        "messages": [
+            {
+                "role": "user",
+                "content": random.choice(
+                    [
+                        "What is my secret code word?",
+                        "What did I do last weekend?",
+                        "Who are my friends?",
+                        "What are my hobbies?",
+                        "Where did I travel recently?",
+                        "What do I like to eat?",
+                    ]
+                ),
+            }
+        ],
+    }
     deleted_before = set(u.deleted)
     t0 = time.perf_counter()
     ttft, text, kv = None, [], None
-    async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {u.key}"}, timeout=600) as r:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {u.key}"}, timeout=600
+    ) as r:
         if r.status_code != 200:
             await r.aread()
             stats["errors"].append(f"chat {r.status_code}: {r.text[:200]}")
@@ -138,9 +187,12 @@ async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict
 
 async def _add(client, u: User, stats: dict) -> None:
     u.n_added += 1
-    r = await client.post("/v1/memories", headers={"Authorization": f"Bearer {u.key}"}, timeout=600,
-                          json={"messages": f"{u.name} noted item {u.n_added} on the shopping list.",
-                                "user_id": u.name, "infer": False})
+    r = await client.post(
+        "/v1/memories",
+        headers={"Authorization": f"Bearer {u.key}"},
+        timeout=600,
+        json={"messages": f"{u.name} noted item {u.n_added} on the shopping list.", "user_id": u.name, "infer": False},
+    )
     if r.status_code != 200:
         stats["errors"].append(f"add {r.status_code}: {r.text[:200]}")
         return
@@ -162,12 +214,30 @@ async def _delete(client, u: User, stats: dict) -> None:
     stats["deletes"] += 1
 
 
-async def _phase(base: str, users: list[User], mode: str, k: int, duration: float, max_tokens: int, model: str,
-                 add_every: int, delete_every: int, tree: Tree) -> dict:
+async def _phase(
+    base: str,
+    users: list[User],
+    mode: str,
+    k: int,
+    duration: float,
+    max_tokens: int,
+    model: str,
+    add_every: int,
+    delete_every: int,
+    tree: Tree,
+) -> dict:
     import httpx
 
-    stats = {"model": model, "ttft": {mode: []}, "done": {mode: 0}, "errors": [], "leaks": [], "stale": [],
-             "adds": 0, "deletes": 0}
+    stats = {
+        "model": model,
+        "ttft": {mode: []},
+        "done": {mode: 0},
+        "errors": [],
+        "leaks": [],
+        "stale": [],
+        "adds": 0,
+        "deletes": 0,
+    }
     canaries = {u.name: u.canary for u in users}
     end = time.perf_counter() + duration
 
@@ -196,24 +266,50 @@ async def _phase(base: str, users: list[User], mode: str, k: int, duration: floa
         await asyncio.gather(sampler(), *(loop(u) for u in users))
         wall = time.perf_counter() - t0
     tt = stats["ttft"][mode]
-    return {"users": len(users), "mode": mode, "wall_s": round(wall, 2), "chats": stats["done"][mode],
-            "qps": round(stats["done"][mode] / wall, 3), "ttft_ms_p50": round(median(tt), 1),
-            "ttft_ms_p95": round(p95(tt), 1), "adds": stats["adds"], "deletes": stats["deletes"],
-            "errors": len(stats["errors"]), "error_samples": stats["errors"][:5], "leaks": len(stats["leaks"]),
-            "leak_samples": stats["leaks"][:5], "stale": len(stats["stale"])}
+    return {
+        "users": len(users),
+        "mode": mode,
+        "wall_s": round(wall, 2),
+        "chats": stats["done"][mode],
+        "qps": round(stats["done"][mode] / wall, 3),
+        "ttft_ms_p50": round(median(tt), 1),
+        "ttft_ms_p95": round(p95(tt), 1),
+        "adds": stats["adds"],
+        "deletes": stats["deletes"],
+        "errors": len(stats["errors"]),
+        "error_samples": stats["errors"][:5],
+        "leaks": len(stats["leaks"]),
+        "leak_samples": stats["leaks"][:5],
+        "stale": len(stats["stale"]),
+    }
 
 
-def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts: int, engine: str, model: str,
-        max_tokens: int = 16, window: int = 2, sweep_duration: float | None = None, add_every: int = 10,
-        delete_every: int = 15, kv_cache_bytes: int = 2 << 30, port: int | None = None) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    users: list[int],
+    duration: float,
+    k: int,
+    facts: int,
+    engine: str,
+    model: str,
+    max_tokens: int = 16,
+    window: int = 2,
+    sweep_duration: float | None = None,
+    add_every: int = 10,
+    delete_every: int = 15,
+    kv_cache_bytes: int = 2 << 30,
+    port: int | None = None,
+) -> dict:
     import httpx
 
     out.mkdir(parents=True, exist_ok=True)
     n_users = max(users)
     pool = _facts_pool(data)
     if len(pool) < n_users * facts:
-        raise ValueError(f"{data} has {len(pool)} distinct facts; {n_users} users x {facts} facts need more "
-                         f"(lower --facts)")
+        raise ValueError(
+            f"{data} has {len(pool)} distinct facts; {n_users} users x {facts} facts need more (lower --facts)"
+        )
     keys = {f"bench-key-{i:03d}-{secrets.token_hex(8)}": f"tenant{i % 4}" for i in range(n_users)}
     (out / "keys.json").write_text(json.dumps(keys))
     store = out / "store"
@@ -223,11 +319,32 @@ def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts:
         shutil.rmtree(store)
     port = port or _free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", str(store), "--model", model, "--engine", engine,
-           "--port", str(port), "--api-keys", str(out / "keys.json"), "--window", str(window),
-           "--max-queue", str(4 * n_users + 16), "--kv-cache-bytes", str(kv_cache_bytes), "--timeout", "600"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmem.cli",
+        "serve",
+        "--store",
+        str(store),
+        "--model",
+        model,
+        "--engine",
+        engine,
+        "--port",
+        str(port),
+        "--api-keys",
+        str(out / "keys.json"),
+        "--window",
+        str(window),
+        "--max-queue",
+        str(4 * n_users + 16),
+        "--kv-cache-bytes",
+        str(kv_cache_bytes),
+        "--timeout",
+        "600",
+    ]
     log_err("bench serve: " + " ".join(cmd))
-    errlog = open(out / "server.log", "w")
+    errlog = open(out / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
     proc = subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         t0 = time.perf_counter()
@@ -247,7 +364,7 @@ def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts:
         startup_s = time.perf_counter() - t0
         log_err(f"bench serve: ready in {startup_s:.0f} s ({ready['engine']} engine)")
         key_list = list(keys)
-        all_users = [User(i, key_list[i], pool[i * facts:(i + 1) * facts]) for i in range(n_users)]
+        all_users = [User(i, key_list[i], pool[i * facts : (i + 1) * facts]) for i in range(n_users)]
 
         async def setup():
             async with httpx.AsyncClient(base_url=base) as client:
@@ -268,11 +385,14 @@ def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts:
         for n in sorted(users):
             d = duration if n == max(users) else (sweep_duration or duration)
             for mode in ("kv", "prompt"):
-                row = asyncio.run(_phase(base, all_users[:n], mode, k, d, max_tokens, ready["model"],
-                                         add_every, delete_every, tree))
-                log_err(f"  users={n} {mode}: {row['chats']} chats, {row['qps']} QPS, ttft p50 {row['ttft_ms_p50']} "
-                        f"p95 {row['ttft_ms_p95']} ms, errors {row['errors']}, leaks {row['leaks']}, "
-                        f"stale {row['stale']}")
+                row = asyncio.run(
+                    _phase(base, all_users[:n], mode, k, d, max_tokens, ready["model"], add_every, delete_every, tree)
+                )
+                log_err(
+                    f"  users={n} {mode}: {row['chats']} chats, {row['qps']} QPS, ttft p50 {row['ttft_ms_p50']} "
+                    f"p95 {row['ttft_ms_p95']} ms, errors {row['errors']}, leaks {row['leaks']}, "
+                    f"stale {row['stale']}"
+                )
                 rows.append(row)
         metrics = httpx.get(f"{base}/metrics").text
     finally:
@@ -287,18 +407,59 @@ def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts:
         if r["mode"] == "kv":
             r["kv_over_prompt_qps"] = round(r["qps"] / other["qps"], 2) if other["qps"] else None
             r["p95_over_p50"] = round(r["ttft_ms_p95"] / r["ttft_ms_p50"], 2) if r["ttft_ms_p50"] else None
-    summary = {"machine": machine(), "engine": ready["engine"], "model": ready["model"], "k": k, "facts_per_user": facts,
-               "max_tokens": max_tokens, "window": window, "duration_s": duration, "startup_s": round(startup_s, 1),
-               "setup_s": round(setup_s, 1), "peak_rss_server_bytes": tree.peak_server,
-               "peak_rss_engine_bytes": tree.peak_engine, "peak_rss_total_bytes": tree.peak_total, "rows": rows,
-               "errors_total": sum(r["errors"] for r in rows), "leaks_total": sum(r["leaks"] for r in rows),
-               "stale_total": sum(r["stale"] for r in rows), "command": " ".join(sys.argv)}
+    summary = {
+        "machine": machine(),
+        "engine": ready["engine"],
+        "model": ready["model"],
+        "k": k,
+        "facts_per_user": facts,
+        "max_tokens": max_tokens,
+        "window": window,
+        "duration_s": duration,
+        "startup_s": round(startup_s, 1),
+        "setup_s": round(setup_s, 1),
+        "peak_rss_server_bytes": tree.peak_server,
+        "peak_rss_engine_bytes": tree.peak_engine,
+        "peak_rss_total_bytes": tree.peak_total,
+        "rows": rows,
+        "errors_total": sum(r["errors"] for r in rows),
+        "leaks_total": sum(r["leaks"] for r in rows),
+        "stale_total": sum(r["stale"] for r in rows),
+        "command": " ".join(sys.argv),
+    }
     write_json(out / "serve.json", summary)
     (out / "metrics.txt").write_text(metrics)
-    head = ["users", "mode", "chats", "QPS", "TTFT p50 ms", "TTFT p95 ms", "adds", "deletes", "errors", "leaks",
-            "stale", "kv/prompt QPS"]
-    body = [[r["users"], r["mode"], r["chats"], r["qps"], r["ttft_ms_p50"], r["ttft_ms_p95"], r["adds"], r["deletes"],
-             r["errors"], r["leaks"], r["stale"], r.get("kv_over_prompt_qps", "")] for r in rows]
+    head = [
+        "users",
+        "mode",
+        "chats",
+        "QPS",
+        "TTFT p50 ms",
+        "TTFT p95 ms",
+        "adds",
+        "deletes",
+        "errors",
+        "leaks",
+        "stale",
+        "kv/prompt QPS",
+    ]
+    body = [
+        [
+            r["users"],
+            r["mode"],
+            r["chats"],
+            r["qps"],
+            r["ttft_ms_p50"],
+            r["ttft_ms_p95"],
+            r["adds"],
+            r["deletes"],
+            r["errors"],
+            r["leaks"],
+            r["stale"],
+            r.get("kv_over_prompt_qps", ""),
+        ]
+        for r in rows
+    ]
     md = table(body, head)
     (out / "serve.md").write_text(md + "\n")
     plt = pyplot()
@@ -313,11 +474,14 @@ def run(data: Path, out: Path, users: list[int], duration: float, k: int, facts:
         ax.set_ylabel(lab)
         ax.legend()
     a2.set_yscale("log")
-    fig.suptitle(f"kvmem serve ({ready['engine']}, {ready['model']}, k={k}), {summary['machine']['cpu'][:40]}",
-                 fontsize=9)
+    fig.suptitle(
+        f"kvmem serve ({ready['engine']}, {ready['model']}, k={k}), {summary['machine']['cpu'][:40]}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(out / "serve.png", dpi=120)
     print(md)
-    print(f"peak RSS: server {tree.peak_server / 2**30:.2f} GiB, engine {tree.peak_engine / 2**30:.2f} GiB; "
-          f"errors {summary['errors_total']}, leaks {summary['leaks_total']}, stale {summary['stale_total']}")
+    print(
+        f"peak RSS: server {tree.peak_server / 2**30:.2f} GiB, engine {tree.peak_engine / 2**30:.2f} GiB; "
+        f"errors {summary['errors_total']}, leaks {summary['leaks_total']}, stale {summary['stale_total']}"
+    )
     return summary

@@ -15,17 +15,34 @@ import time
 from pathlib import Path
 
 from .common import (
-    answer_batch, log_err, machine, median, p95, progress, pyplot, ratio, select_questions, Setup, store_device_note, table,
-    write_csv, write_summary_and_records)
+    Setup,
+    answer_batch,
+    log_err,
+    machine,
+    median,
+    p95,
+    progress,
+    pyplot,
+    ratio,
+    select_questions,
+    store_device_note,
+    table,
+    write_csv,
+    write_summary_and_records,
+)
 
 MODES = ("kv", "prompt")
-SEQUENTIAL_NOTE = ("hf engine: requests are served one at a time in arrival order (batch size 1, no continuous "
-           "batching); the 2·U requests of a round are all queued at t=0 and drained sequentially, so QPS "
-           "here is the single-stream rate including retrieval and composition, not a batched one")
+SEQUENTIAL_NOTE = (
+    "hf engine: requests are served one at a time in arrival order (batch size 1, no continuous "
+    "batching); the 2·U requests of a round are all queued at t=0 and drained sequentially, so QPS "
+    "here is the single-stream rate including retrieval and composition, not a batched one"
+)
 
 
-BATCHED_NOTE = ("vllm engine: each round's 2·U requests are retrieved and composed, then submitted together in one "
-             "generate call (continuous batching, ignore_eos); QPS includes retrieval and composition")
+BATCHED_NOTE = (
+    "vllm engine: each round's 2·U requests are retrieved and composed, then submitted together in one "
+    "generate call (continuous batching, ignore_eos); QPS includes retrieval and composition"
+)
 
 
 def _sequential_round(svcs, reqs, k: int, mode: str, tokens: int, t0: float) -> list[tuple[object, float]]:
@@ -61,9 +78,21 @@ def user_requests(qs, convs, users: int) -> list[tuple[int, object]]:
     return reqs
 
 
-def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: list[str] | None,
-        questions: int | None, model: str, engine: str, tokens: int = 50, store_device: str = "host",
-        show_progress: bool = True, echo=print) -> dict:
+def run(
+    data: Path,
+    out: Path,
+    users: list[int],
+    k: int,
+    window: int,
+    samples: list[str] | None,
+    questions: int | None,
+    model: str,
+    engine: str,
+    tokens: int = 50,
+    store_device: str = "host",
+    show_progress: bool = True,
+    echo=print,
+) -> dict:
     note = store_device_note(store_device)
     setup = Setup.load(data, samples, model, engine, show_progress)
     qs = select_questions(setup.convs, questions)
@@ -86,7 +115,7 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
     bar = progress(sum(2 * u for u in users) * len(MODES), "throughput", show_progress)
     for ui, u in enumerate(users):
         reqs = user_requests(qs, setup.convs, u)
-        for mode in (MODES if ui % 2 == 0 else MODES[::-1]):
+        for mode in MODES if ui % 2 == 0 else MODES[::-1]:
             t0 = time.perf_counter()
             done = []
             served = run_round(svcs, reqs, k, mode, tokens, t0)
@@ -94,32 +123,70 @@ def run(data: Path, out: Path, users: list[int], k: int, window: int, samples: l
                 if a.generated_tokens != tokens:
                     raise AssertionError(f"expected exactly {tokens} output tokens, got {a.generated_tokens}")
                 done.append(t_done)
-                records.append({"users": u, "mode": mode, "user": user, "request": ri, "qid": q.qid,
-                                "sample": q.sample, "k": a.k, "completed_ms": round(t_done, 3),
-                                "service_ms": round(a.timings_ms["total"] + a.timings_ms["decode"], 3),
-                                "ttft": a.timings_ms["ttft"], "embed": a.timings_ms["embed"],
-                                "search": a.timings_ms["search"], "compose": a.timings_ms["compose"],
-                                "decode": a.timings_ms["decode"], "generated_tokens": a.generated_tokens,
-                                "prompt_tokens": a.prompt_tokens, "prefilled_tokens": a.prefilled_tokens})
+                records.append(
+                    {
+                        "users": u,
+                        "mode": mode,
+                        "user": user,
+                        "request": ri,
+                        "qid": q.qid,
+                        "sample": q.sample,
+                        "k": a.k,
+                        "completed_ms": round(t_done, 3),
+                        "service_ms": round(a.timings_ms["total"] + a.timings_ms["decode"], 3),
+                        "ttft": a.timings_ms["ttft"],
+                        "embed": a.timings_ms["embed"],
+                        "search": a.timings_ms["search"],
+                        "compose": a.timings_ms["compose"],
+                        "decode": a.timings_ms["decode"],
+                        "generated_tokens": a.generated_tokens,
+                        "prompt_tokens": a.prompt_tokens,
+                        "prefilled_tokens": a.prefilled_tokens,
+                    }
+                )
                 bar.update(1)
             wall = time.perf_counter() - t0
             qps[mode][str(u)] = round(len(reqs) / wall, 4)
-            lat[mode][str(u)] = {"median_completion_ms": round(median(done), 3), "p95_completion_ms": round(p95(done), 3),
-                                 "wall_s": round(wall, 3), "requests": len(reqs)}
+            lat[mode][str(u)] = {
+                "median_completion_ms": round(median(done), 3),
+                "p95_completion_ms": round(p95(done), 3),
+                "wall_s": round(wall, 3),
+                "requests": len(reqs),
+            }
     bar.close()
     ratios = {"kv_over_prompt": {str(u): ratio(qps["kv"][str(u)], qps["prompt"][str(u)]) for u in users}}
     summary = {
-        "command": "bench throughput", "engine": engine, "model": model, "data": str(data),
-        "samples": [c.sample_id for c in setup.convs], "users": users, "k": k, "window": window,
-        "output_tokens": tokens, "requests_per_user": 2, "qps": qps, "ratios": ratios, "latency": lat,
+        "command": "bench throughput",
+        "engine": engine,
+        "model": model,
+        "data": str(data),
+        "samples": [c.sample_id for c in setup.convs],
+        "users": users,
+        "k": k,
+        "window": window,
+        "output_tokens": tokens,
+        "requests_per_user": 2,
+        "qps": qps,
+        "ratios": ratios,
+        "latency": lat,
         "includes_retrieval_and_composition": True,
         "concurrency_note": BATCHED_NOTE if batches else SEQUENTIAL_NOTE,
-        "store_device": store_device, "store_device_note": note,
+        "store_device": store_device,
+        "store_device_note": note,
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_summary_and_records(out, summary, records)
-    rows = [[u, qps["kv"][str(u)], qps["prompt"][str(u)], ratios["kv_over_prompt"][str(u)],
-             lat["kv"][str(u)]["p95_completion_ms"], lat["prompt"][str(u)]["p95_completion_ms"]] for u in users]
+    rows = [
+        [
+            u,
+            qps["kv"][str(u)],
+            qps["prompt"][str(u)],
+            ratios["kv_over_prompt"][str(u)],
+            lat["kv"][str(u)]["p95_completion_ms"],
+            lat["prompt"][str(u)]["p95_completion_ms"],
+        ]
+        for u in users
+    ]
     header = ["users", "kv_qps", "prompt_qps", "kv/prompt", "kv_p95_ms", "prompt_p95_ms"]
     write_csv(out / "summary.csv", [dict(zip(header, r)) for r in rows])
     plt = pyplot()

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
 from ..hardware import EngineUnavailable
 
@@ -33,8 +34,18 @@ if TYPE_CHECKING:
 
     from ..store import Store, UserKV
 
-__all__ = ["AsyncEngine", "Delta", "Engine", "EngineBusy", "EngineRequest", "EngineUnavailable", "Generation",
-           "MemoryPlan", "Sampling", "check_implements"]
+__all__ = [
+    "AsyncEngine",
+    "Delta",
+    "Engine",
+    "EngineBusy",
+    "EngineRequest",
+    "EngineUnavailable",
+    "Generation",
+    "MemoryPlan",
+    "Sampling",
+    "check_implements",
+]
 
 
 class EngineBusy(RuntimeError):
@@ -93,7 +104,9 @@ class EngineRequest:
     memory: object | None = None
     query_len: int = 0
     sampling: Sampling = field(default_factory=Sampling)
-    prefix_cache: bool = False  # a memory-less prompt may reuse the engine's prefix cache (default: cold, as a baseline)
+    prefix_cache: bool = (
+        False  # a memory-less prompt may reuse the engine's prefix cache (default: cold, as a baseline)
+    )
 
 
 @dataclass
@@ -194,8 +207,9 @@ class _LoopJSON:
     def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         import asyncio
 
-        return asyncio.run_coroutine_threadsafe(self.engine.complete_json(prompt_ids, schema, max_tokens),
-                                                self.loop).result()
+        return asyncio.run_coroutine_threadsafe(
+            self.engine.complete_json(prompt_ids, schema, max_tokens), self.loop
+        ).result()
 
 
 def check_implements(impl: type, role: type) -> list[str]:
@@ -205,10 +219,15 @@ def check_implements(impl: type, role: type) -> list[str]:
     for name, member in inspect.getmembers(role, inspect.isfunction):
         if name.startswith("_"):
             continue
+        if not hasattr(impl, name):
+            problems.append(f"{impl.__name__}.{name} is missing")
+            continue
         want = list(inspect.signature(member).parameters)
         got = list(inspect.signature(getattr(impl, name)).parameters)
-        if got[:len(want)] != want or any(inspect.signature(getattr(impl, name)).parameters[p].default
-                                          is inspect.Parameter.empty for p in got[len(want):]):
+        if got[: len(want)] != want or any(
+            inspect.signature(getattr(impl, name)).parameters[p].default is inspect.Parameter.empty
+            for p in got[len(want) :]
+        ):
             problems.append(f"{impl.__name__}.{name}{tuple(got)} does not match {role.__name__}.{name}{tuple(want)}")
     if not issubclass(impl, role):
         problems.append(f"{impl.__name__} is not a {role.__name__}")

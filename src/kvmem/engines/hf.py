@@ -55,15 +55,24 @@ class AttentionProbe:
         if mask is None:
             mask = torch.ones(t, s, dtype=torch.bool, device=w.device).tril(s - t)
         w = w.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else w + mask.float()
-        mass = torch.softmax(w, dim=-1)[0, :, :, :self.n_keys].sum((0, 1))
+        mass = torch.softmax(w, dim=-1)[0, :, :, : self.n_keys].sum((0, 1))
         self.scores = mass if self.scores is None else self.scores + mass
 
 
 _probe = threading.local()
 
 
-def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                               scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+def gqa_sdpa_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     """transformers' SDPA attention, but grouped-query K/V stay un-expanded (``enable_gqa``) also under a mask.
 
     transformers expands K/V to every query head (``repeat_kv``) whenever a mask is present on CPU, i.e. for every
@@ -76,8 +85,15 @@ def gqa_sdpa_attention_forward(module, query, key, value, attention_mask, dropou
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=key.shape[1] != query.shape[1])
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -117,8 +133,14 @@ def build_cache(model, memory: ComposedMemory) -> DynamicCache:
 
 
 @torch.inference_mode()
-def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fraction: float,
-                        header_len: int = 0, cache: DynamicCache | None = None) -> tuple[DynamicCache, torch.Tensor, int]:
+def selective_recompute(
+    model,
+    memory: ComposedMemory,
+    query_ids: list[int],
+    fraction: float,
+    header_len: int = 0,
+    cache: DynamicCache | None = None,
+) -> tuple[DynamicCache, torch.Tensor, int]:
     """Query-aware selective recompute (issue 13; the idea of CacheBlend, EuroSys'25, with a query-driven choice
     as in ProphetKV, arXiv 2602.02579): inject ``memory``, let the query pick the fact tokens it attends to most,
     and recompute those tokens' K/V in every layer on top of the injected cache.
@@ -139,8 +161,9 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"selective recompute fraction must be in (0, 1], got {fraction}")
-    if model.config._attn_implementation != GQA_SDPA or "sliding_attention" in (getattr(model.config, "layer_types",
-                                                                                         None) or ()):
+    if model.config._attn_implementation != GQA_SDPA or "sliding_attention" in (
+        getattr(model.config, "layer_types", None) or ()
+    ):
         raise ValueError("selective recompute needs plain SDPA attention without sliding-window layers")
     if not query_ids:
         raise ValueError("empty query")
@@ -150,8 +173,13 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     probe = AttentionProbe(m)
     _probe.active = probe
     try:
-        model(input_ids=torch.tensor([query_ids], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1, position_ids=torch.arange(memory.end, memory.end + len(query_ids), device=device)[None])
+        model(
+            input_ids=torch.tensor([query_ids], device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=torch.arange(memory.end, memory.end + len(query_ids), device=device)[None],
+        )
     finally:
         _probe.active = None
     cache.crop(-len(query_ids))  # drop the probe's query K/V
@@ -167,8 +195,14 @@ def selective_recompute(model, memory: ComposedMemory, query_ids: list[int], fra
     ids = torch.tensor(memory.token_ids, device=device)[sel]
     # Positions stop before the query, so length-dependent RoPE (dynamic) would pick shorter-prompt frequencies.
     with served_length(model, memory.end + len(query_ids)):
-        model(input_ids=ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1,
-              position_ids=(memory.start + sel)[None], attention_mask=allowed[None, None])
+        model(
+            input_ids=ids[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=(memory.start + sel)[None],
+            attention_mask=allowed[None, None],
+        )
     for layer in cache.layers:  # clone: source and target are views of one tensor
         layer.keys[:, :, sel] = layer.keys[:, :, m:].clone()
         layer.values[:, :, sel] = layer.values[:, :, m:].clone()
@@ -185,8 +219,7 @@ class HFEngine(Engine):
     selective_recompute = True
     batches = False
 
-    def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None,
-                 tokenizer=None):
+    def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None, tokenizer=None):
         use_gqa_sdpa(model)
         self.model, self.tokenizer = model, tokenizer  # the tokenizer: JSON grammars (complete_json) only
         self.device = next(model.parameters()).device
@@ -201,8 +234,15 @@ class HFEngine(Engine):
         ukv = plan.snapshot
         if not ukv.segments and plan.rows:
             ukv = plan.store.snapshot(ukv.user, version=ukv.version)
-        composed = compose(self.rotary, plan.header_ids, plan.store.header_kv(), ukv, plan.rows, device=self.device,
-                           served_len=plan.served_len)
+        composed = compose(
+            self.rotary,
+            plan.header_ids,
+            plan.store.header_kv(),
+            ukv,
+            plan.rows,
+            device=self.device,
+            served_len=plan.served_len,
+        )
         return HFMemory(composed, plan.recompute, len(plan.header_ids))
 
     def generate(self, requests: list[EngineRequest]) -> list[Generation]:
@@ -212,11 +252,20 @@ class HFEngine(Engine):
         """One ``EngineRequest``: kv mode with an ``HFMemory``, else the whole prompt prefilled from position 0."""
         mem = request.memory
         if mem is None:
-            return self.run(list(request.prompt_ids), None, "prompt", sampling=request.sampling, on_token=on_token,
-                            cancel=cancel)
-        query = list(request.prompt_ids[len(request.prompt_ids) - request.query_len:])
-        return self.run(query, mem.composed, "kv", sampling=request.sampling, on_token=on_token, cancel=cancel,
-                        recompute=mem.recompute, header_len=mem.header_len)
+            return self.run(
+                list(request.prompt_ids), None, "prompt", sampling=request.sampling, on_token=on_token, cancel=cancel
+            )
+        query = list(request.prompt_ids[len(request.prompt_ids) - request.query_len :])
+        return self.run(
+            query,
+            mem.composed,
+            "kv",
+            sampling=request.sampling,
+            on_token=on_token,
+            cancel=cancel,
+            recompute=mem.recompute,
+            header_len=mem.header_len,
+        )
 
     def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy ids under xgrammar's JSON-schema logits processor (transformers ``generate``)."""
@@ -237,9 +286,14 @@ class HFEngine(Engine):
         x = torch.tensor([prompt_ids], device=self.device)
         pad = tok.pad_token_id or tok.eos_token_id
         with torch.inference_mode():
-            out = self.model.generate(x, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
-                                      logits_processor=[LogitsProcessor(compiled)])
-        return out[0, x.shape[1]:].tolist()
+            out = self.model.generate(
+                x,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                logits_processor=[LogitsProcessor(compiled)],
+            )
+        return out[0, x.shape[1] :].tolist()
 
     @functools.cached_property
     def _grammars(self) -> dict:
@@ -250,9 +304,19 @@ class HFEngine(Engine):
             torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run(self, query_ids: list[int], memory: ComposedMemory | None = None, mode: str = "kv",
-            max_new_tokens: int = 32, keep_step_logits: bool = False, sampling: Sampling | None = None,
-            on_token=None, cancel=None, recompute: float = 0.0, header_len: int = 0) -> Generation:
+    def run(
+        self,
+        query_ids: list[int],
+        memory: ComposedMemory | None = None,
+        mode: str = "kv",
+        max_new_tokens: int = 32,
+        keep_step_logits: bool = False,
+        sampling: Sampling | None = None,
+        on_token=None,
+        cancel=None,
+        recompute: float = 0.0,
+        header_len: int = 0,
+    ) -> Generation:
         """Answer ``query_ids`` after ``memory``: the reference call the exactness checks use.
         mode "kv": inject ``memory`` (already rotated) and prefill only ``query_ids`` at positions memory.end...
         mode "prompt": prefill ``memory.token_ids + query_ids`` at positions memory.start...
@@ -272,7 +336,9 @@ class HFEngine(Engine):
         gen = None
         if sampling is not None and sampling.temperature > 0:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+            gen.manual_seed(
+                sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            )
         if mode not in ("kv", "prompt"):
             raise ValueError(f"mode must be 'kv' or 'prompt', not {mode!r}")
         if not query_ids:
@@ -293,8 +359,13 @@ class HFEngine(Engine):
         if recompute and memory is not None and mode == "kv":
             cache, _, extra = selective_recompute(self.model, memory, ids, recompute, header_len, cache)
         x = torch.tensor([ids], device=self.device)
-        out = self.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                         position_ids=torch.arange(pos0, pos0 + len(ids), device=self.device)[None])
+        out = self.model(
+            input_ids=x,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            position_ids=torch.arange(pos0, pos0 + len(ids), device=self.device)[None],
+        )
         logits = out.logits[0, -1].float()
         self._sync()
         ttft_ms = (time.perf_counter() - t0) * 1e3
@@ -310,16 +381,28 @@ class HFEngine(Engine):
                 on_token(nxt)
             if nxt in eos or len(tokens) >= max_new_tokens or (cancel is not None and cancel.is_set()):
                 break
-            out = self.model(input_ids=torch.tensor([[nxt]], device=self.device), past_key_values=cache,
-                             use_cache=True, position_ids=torch.tensor([[pos]], device=self.device))
+            out = self.model(
+                input_ids=torch.tensor([[nxt]], device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.tensor([[pos]], device=self.device),
+            )
             logits = out.logits[0, -1].float()
             if keep_step_logits:
                 steps.append(logits)
             pos += 1
         self._sync()
         stopped = tokens[-1] in eos
-        return Generation(tokens, ttft_ms, (time.perf_counter() - t1) * 1e3, len(ids) + extra, first_logits, steps,
-                          prompt_tokens=len(memory or ()) + len(query_ids), finish_reason="stop" if stopped else "length")
+        return Generation(
+            tokens,
+            ttft_ms,
+            (time.perf_counter() - t1) * 1e3,
+            len(ids) + extra,
+            first_logits,
+            steps,
+            prompt_tokens=len(memory or ()) + len(query_ids),
+            finish_reason="stop" if stopped else "length",
+        )
 
 
 class AsyncHFEngine(AsyncEngine):
@@ -359,7 +442,7 @@ class AsyncHFEngine(AsyncEngine):
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         cancel = threading.Event()
-        put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)  # noqa: E731
+        put = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
 
         def run():
             if cancel.is_set():  # the request was abandoned while it waited
@@ -390,7 +473,8 @@ class AsyncHFEngine(AsyncEngine):
 
     async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.engine.complete_json, prompt_ids, schema, max_tokens)
+            self._pool, self.engine.complete_json, prompt_ids, schema, max_tokens
+        )
 
     async def shutdown(self) -> None:
         if self._own_pool:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..hardware import resolve_engine
-from ..policy import parse_mode
 from ..models import REGISTRY, LoadedModel, load, model_dir, stop_token_ids
+from ..policy import parse_mode
 from .base import AsyncEngine, Engine, EngineUnavailable
 
 VLLM_MAX_MODEL_LEN = 32768  # vLLM's context is capped here (and then to what its KV cache holds)
@@ -29,10 +29,21 @@ class Opened:
     note: str | None = None
 
 
-def open_engine(model: str | LoadedModel, engine: str = "auto", dtype: str | None = None, *, serving: bool = False,
-                stores: list[str | Path] = (), max_model_len: int | None = None, max_queue: int = 64,
-                kv_cache_memory_bytes: int = 1 << 30, metrics_file: str | None = None, pool=None,
-                cache_bytes: int | None = None, vllm_options: dict | None = None) -> Opened:
+def open_engine(
+    model: str | LoadedModel,
+    engine: str = "auto",
+    dtype: str | None = None,
+    *,
+    serving: bool = False,
+    stores: list[str | Path] = (),
+    max_model_len: int | None = None,
+    max_queue: int = 64,
+    kv_cache_memory_bytes: int = 1 << 30,
+    metrics_file: str | None = None,
+    pool=None,
+    cache_bytes: int | None = None,
+    vllm_options: dict | None = None,
+) -> Opened:
     """Start the engine for ``model`` (registry name, folder, or a loaded model).
 
     ``engine``: auto | vllm | hf. ``serving``: the ``AsyncEngine`` role (the HTTP server) instead of ``Engine``.
@@ -50,15 +61,30 @@ def open_engine(model: str | LoadedModel, engine: str = "auto", dtype: str | Non
     if name == "vllm":
         lm = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, weights=False)
         try:
-            return Opened(lm, _vllm(lm, serving, stores, max_model_len, max_queue, kv_cache_memory_bytes,
-                                    metrics_file, {"cache_bytes": cache_bytes, **(vllm_options or {})}), note)
+            return Opened(
+                lm,
+                _vllm(
+                    lm,
+                    serving,
+                    stores,
+                    max_model_len,
+                    max_queue,
+                    kv_cache_memory_bytes,
+                    metrics_file,
+                    {"cache_bytes": cache_bytes, **(vllm_options or {})},
+                ),
+                note,
+            )
         except EngineUnavailable as exc:
             if engine != "auto":
                 raise
             note = f"note: using the transformers engine: {exc}"
             model = lm.name if lm.model.device.type == "meta" else lm
-    lm = model if isinstance(model, LoadedModel) and model.model.device.type != "meta" else load(
-        model.name if isinstance(model, LoadedModel) else model, dtype=dtype)
+    lm = (
+        model
+        if isinstance(model, LoadedModel) and model.model.device.type != "meta"
+        else load(model.name if isinstance(model, LoadedModel) else model, dtype=dtype)
+    )
     return Opened(lm, _hf(lm, serving, max_model_len, max_queue, pool), note)
 
 
@@ -77,18 +103,35 @@ def check_methods(modes, engine: str) -> None:
 def _hf(lm: LoadedModel, serving: bool, max_model_len: int | None, max_queue: int, pool):
     from .hf import AsyncHFEngine, HFEngine
 
-    eng = HFEngine(lm.model, eos_token_ids=stop_token_ids(lm), max_model_len=max_model_len or lm.max_context,
-                   tokenizer=lm.tokenizer)
+    eng = HFEngine(
+        lm.model,
+        eos_token_ids=stop_token_ids(lm),
+        max_model_len=max_model_len or lm.max_context,
+        tokenizer=lm.tokenizer,
+    )
     return AsyncHFEngine(eng, max_queue=max_queue, pool=pool) if serving else eng
 
 
-def _vllm(lm: LoadedModel, serving: bool, stores, max_model_len: int | None, max_queue: int,
-          kv_cache_memory_bytes: int, metrics_file: str | None, options: dict):
+def _vllm(
+    lm: LoadedModel,
+    serving: bool,
+    stores,
+    max_model_len: int | None,
+    max_queue: int,
+    kv_cache_memory_bytes: int,
+    metrics_file: str | None,
+    options: dict,
+):
     # vLLM imports in ~5 s: only where it is the engine
     from .vllm_engine import AsyncVLLMEngine, VLLMEngine
 
     path = model_dir(lm.name) if lm.name in REGISTRY else lm.name
-    opts = {"dtype": str(lm.dtype).removeprefix("torch."), "stores": list(stores),
-            "max_model_len": min(max_model_len or lm.max_context, VLLM_MAX_MODEL_LEN),
-            "kv_cache_memory_bytes": kv_cache_memory_bytes, "metrics_file": metrics_file, **options}
+    opts = {
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "stores": list(stores),
+        "max_model_len": min(max_model_len or lm.max_context, VLLM_MAX_MODEL_LEN),
+        "kv_cache_memory_bytes": kv_cache_memory_bytes,
+        "metrics_file": metrics_file,
+        **options,
+    }
     return AsyncVLLMEngine(path, max_queue=max_queue, **opts) if serving else VLLMEngine(path, **opts)

@@ -44,9 +44,9 @@ import json
 import logging
 import os
 import threading
-from pathlib import Path
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,8 +83,9 @@ def tail_salt(salt: str, memory_tokens: int) -> str:
     return f"{salt}:{memory_tokens}"
 
 
-def kvmem_params(store: str, user: str, version: str, fact_ids: list[str], start: int = 0,
-                 memory_tokens: int | None = None) -> dict:
+def kvmem_params(
+    store: str, user: str, version: str, fact_ids: list[str], start: int = 0, memory_tokens: int | None = None
+) -> dict:
     """``kv_transfer_params`` for a request whose prompt starts with ``[header][facts fact_ids...]``.
     ``memory_tokens``: set for tail recompute (the prompt continues with recomputed facts): the injected length,
     which the cache salt must carry."""
@@ -160,8 +161,13 @@ def engine_identity(vllm_config) -> dict:
     manifest = folder / MANIFEST
     weights = json.loads(manifest.read_text())["weights_sha256"] if manifest.exists() else weights_hash(folder)
     cfg = getattr(mc.hf_config, "text_config", None) or mc.hf_config
-    return {"weights_sha256": weights, "dtype": str(mc.dtype).removeprefix("torch."),
-            "num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim(cfg)}
+    return {
+        "weights_sha256": weights,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "num_layers": cfg.num_hidden_layers,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim(cfg),
+    }
 
 
 def check_engine_config(vllm_config, kv_cache_config=None) -> None:
@@ -173,20 +179,26 @@ def check_engine_config(vllm_config, kv_cache_config=None) -> None:
         raise ValueError("kvmem connector: tensor/pipeline parallelism > 1 is not supported yet")
     cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
     if cache_dtype.startswith("fp8"):
-        raise ValueError(f"kvmem connector: kv_cache_dtype={cache_dtype!r} is not supported yet (its scale would "
-                         f"be skipped); use the model dtype")
+        raise ValueError(
+            f"kvmem connector: kv_cache_dtype={cache_dtype!r} is not supported yet (its scale would "
+            f"be skipped); use the model dtype"
+        )
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) > 1:
-        raise ValueError(f"kvmem connector: {len(groups)} KV-cache groups (hybrid/sliding-window manager) are not "
-                         f"supported yet")
+        raise ValueError(
+            f"kvmem connector: {len(groups)} KV-cache groups (hybrid/sliding-window manager) are not supported yet"
+        )
     cfg = vllm_config.model_config.hf_config
     rt = rope_type(getattr(cfg, "text_config", None) or cfg)
     if any(x in rt for x in LENGTH_DEPENDENT):
-        raise ValueError(f"kvmem connector: RoPE scaling {rt!r} depends on the served length, and injected blocks "
-                         f"enter vLLM's prefix cache keyed by tokens only; use the transformers engine (--engine hf)")
+        raise ValueError(
+            f"kvmem connector: RoPE scaling {rt!r} depends on the served length, and injected blocks "
+            f"enter vLLM's prefix cache keyed by tokens only; use the transformers engine (--engine hf)"
+        )
 
 
 # --- metadata passed scheduler -> worker ---------------------------------------------------------------------
+
 
 @dataclass
 class KvmemLoad:
@@ -209,7 +221,7 @@ class KvmemConnectorMetadata(KVConnectorMetadata):
 class KvmemConnector(KVConnectorBase_V1):
     """kvmem memory injection for stock vLLM (synchronous load, all layers before the forward pass)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine_config(vllm_config, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -258,7 +270,7 @@ class KvmemConnector(KVConnectorBase_V1):
             except OSError as exc:  # a metrics file is never worth the scheduler
                 logger.warning("kvmem: cannot write metrics file %s: %s", self._metrics_file, exc)
 
-    def _check(self, request: "Request") -> tuple[dict, int] | None:
+    def _check(self, request: Request) -> tuple[dict, int] | None:
         """(params, memory length) if ``request`` may take injected memory, else None (counted)."""
         ktp = getattr(request, "kv_transfer_params", None) or {}
         p = ktp.get(PARAMS_KEY) if isinstance(ktp, dict) else None
@@ -276,16 +288,18 @@ class KvmemConnector(KVConnectorBase_V1):
                 logger.warning("kvmem: request %s: %s; normal prefill", request.request_id, why)
                 return None
             mem = memory_token_ids(p)
-            want = kvmem_cache_salt(_store(str(p["store"])).manifest["store_id"], p["user"], p["version"],
-                                    tail="memory_tokens" in p)
+            want = kvmem_cache_salt(
+                _store(str(p["store"])).manifest["store_id"], p["user"], p["version"], tail="memory_tokens" in p
+            )
             if "memory_tokens" in p:
                 if int(p["memory_tokens"]) != len(mem):
                     raise ValueError(f"memory_tokens {p['memory_tokens']} != the composed memory's {len(mem)}")
                 want = tail_salt(want, len(mem))
             if request.cache_salt != want:
                 self._count("unsalted")
-                logger.warning("kvmem: request %s lacks the user/version cache salt; normal prefill",
-                               request.request_id)
+                logger.warning(
+                    "kvmem: request %s lacks the user/version cache salt; normal prefill", request.request_id
+                )
                 return None
         except Exception as exc:  # a store error (locked, missing, corrupt), bad params: never the engine's end
             self._count("store_error")
@@ -293,13 +307,17 @@ class KvmemConnector(KVConnectorBase_V1):
             return None
         if len(prompt) < len(mem) or prompt[: len(mem)] != mem:
             self._count("mismatch")
-            logger.warning("kvmem: request %s prompt does not start with its composed memory (%d tokens); "
-                           "normal prefill (mismatches so far: %d)", request.request_id, len(mem),
-                           self.metrics["mismatch"])
+            logger.warning(
+                "kvmem: request %s prompt does not start with its composed memory (%d tokens); "
+                "normal prefill (mismatches so far: %d)",
+                request.request_id,
+                len(mem),
+                self.metrics["mismatch"],
+            )
             return None
         return p, mem
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matched.pop(request.request_id, None)
         checked = self._check(request)
         if checked is None:
@@ -313,23 +331,24 @@ class KvmemConnector(KVConnectorBase_V1):
         self._matched[request.request_id] = (p, num_computed_tokens, ids_digest(mem))
         return ext, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
         p, first, digest = matched
         block_ids = list(blocks.get_block_ids()[0])
-        self._pending.append(KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens,
-                                       request.num_prompt_tokens, digest))
+        self._pending.append(
+            KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens, request.num_prompt_tokens, digest)
+        )
         self._count("requests_injected")
         self._count("tokens_injected", num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvmemConnectorMetadata(self._pending)
         self._pending = []
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted: drop any state for the request; the blocks are vLLM's to free."""
         self._matched.pop(request.request_id, None)
         self._pending = [ld for ld in self._pending if ld.req_id != request.request_id]
@@ -342,8 +361,10 @@ class KvmemConnector(KVConnectorBase_V1):
 
         have = {extract_layer_index(n) for n in kv_caches}
         if have != set(range(self._num_layers)):
-            raise ValueError(f"kvmem connector: the engine has KV caches for layers {sorted(have)}, not all "
-                             f"{self._num_layers}; partial injection would leave unwritten blocks")
+            raise ValueError(
+                f"kvmem connector: the engine has KV caches for layers {sorted(have)}, not all "
+                f"{self._num_layers}; partial injection would leave unwritten blocks"
+            )
         self._kv_caches = kv_caches
 
     def _rot(self):
@@ -365,16 +386,24 @@ class KvmemConnector(KVConnectorBase_V1):
         st = _store(p["store"])
         ukv = st.snapshot(p["user"], p["version"], kv="mmap")  # raises if gone; reads only the gathered facts' pages
         rows = ukv.row_of()
-        memory = compose(self._rot(), st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in p["fact_ids"]],
-                         start=int(p.get("start", 0)), served_len=ld.served_len)
+        memory = compose(
+            self._rot(),
+            st.header_token_ids,
+            st.header_kv(),
+            ukv,
+            [rows[f] for f in p["fact_ids"]],
+            start=int(p.get("start", 0)),
+            served_len=ld.served_len,
+        )
         if ids_digest(memory.token_ids) != ld.ids_sha256:
             raise LookupError("composed memory ids differ from the ids the scheduler verified")
         return memory
 
     def _block_ids_of(self, ld: KvmemLoad) -> set[int]:
         bs = self._block_size
-        return {ld.block_ids[i] for i in range(ld.first // bs, (ld.first + ld.count - 1) // bs + 1)
-                if i < len(ld.block_ids)}
+        return {
+            ld.block_ids[i] for i in range(ld.first // bs, (ld.first + ld.count - 1) // bs + 1) if i < len(ld.block_ids)
+        }
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed in this step: vLLM recomputes them (or fails only those requests)."""
@@ -382,7 +411,7 @@ class KvmemConnector(KVConnectorBase_V1):
         return bad
 
     @torch.inference_mode()
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvmemConnectorMetadata) or not meta.loads:
             return
@@ -394,8 +423,12 @@ class KvmemConnector(KVConnectorBase_V1):
             if not torch.is_tensor(kv_cache) or kv_cache.numel() == 0:
                 kv_cache = self._kv_caches.get(name)
             impl = getattr(layer, "impl", None)
-            if impl is None or not hasattr(impl, "do_kv_cache_update") or not torch.is_tensor(kv_cache) \
-                    or kv_cache.numel() == 0:
+            if (
+                impl is None
+                or not hasattr(impl, "do_kv_cache_update")
+                or not torch.is_tensor(kv_cache)
+                or kv_cache.numel() == 0
+            ):
                 continue
             layers.append((extract_layer_index(name), layer, kv_cache))
         bs = self._block_size
@@ -403,22 +436,27 @@ class KvmemConnector(KVConnectorBase_V1):
         for ld in meta.loads:
             try:
                 if not complete:
-                    raise RuntimeError(f"only layers {sorted(i for i, _, _ in layers)} of {self._num_layers} "
-                                       f"can be written")
+                    raise RuntimeError(
+                        f"only layers {sorted(i for i, _, _ in layers)} of {self._num_layers} can be written"
+                    )
                 memory = self._compose(ld)
                 pos = torch.arange(ld.first, ld.first + ld.count)
                 blocks = torch.tensor(ld.block_ids, dtype=torch.long)
                 for idx, layer, kv_cache in layers:
                     slots = (blocks[pos // bs] * bs + pos % bs).to(kv_cache.device)
                     # [H, m, D] -> [T, H, D], the layout the attention layer hands to its cache update.
-                    key = memory.keys[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
-                    value = memory.values[idx][:, ld.first:ld.first + ld.count].transpose(0, 1)
+                    key = memory.keys[idx][:, ld.first : ld.first + ld.count].transpose(0, 1)
+                    value = memory.values[idx][:, ld.first : ld.first + ld.count].transpose(0, 1)
                     key = key.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
                     value = value.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
                     layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
             except Exception as exc:  # this request's load fails; vLLM recomputes its blocks, the engine lives on
-                logger.warning("kvmem: load for request %s failed (%s: %s); its memory blocks are recomputed",
-                               ld.req_id, type(exc).__name__, exc)
+                logger.warning(
+                    "kvmem: load for request %s failed (%s: %s); its memory blocks are recomputed",
+                    ld.req_id,
+                    type(exc).__name__,
+                    exc,
+                )
                 self._load_errors |= self._block_ids_of(ld)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -23,9 +23,9 @@ import torch
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-from ..hardware import resolve_dtype  # noqa: E402
-from ..models import head_dim  # noqa: E402
-from .base import (  # noqa: E402
+from ..hardware import resolve_dtype
+from ..models import head_dim
+from .base import (
     AsyncEngine,
     Delta,
     Engine,
@@ -36,7 +36,7 @@ from .base import (  # noqa: E402
     MemoryPlan,
     Sampling,
 )
-from .vllm_connector import kvmem_cache_salt, kvmem_params, tail_salt  # noqa: E402
+from .vllm_connector import kvmem_cache_salt, kvmem_params, tail_salt
 
 CONNECTOR = "KvmemConnector"
 CONNECTOR_MODULE = "kvmem.engines.vllm_connector"
@@ -77,11 +77,19 @@ def memory_ref(plan: MemoryPlan) -> MemoryRef:
     ValueError for selective recompute (vLLM's connector can report an injected prefix, not tokens to recompute
     inside it)."""
     if plan.recompute:
-        raise ValueError("kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
-                         "KV connector can report an injected prefix, not tokens to recompute inside it")
+        raise ValueError(
+            "kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
+            "KV connector can report an injected prefix, not tokens to recompute inside it"
+        )
     store = plan.store
-    return MemoryRef(str(store.root.resolve()), store.manifest["store_id"], plan.snapshot.user, plan.snapshot.version,
-                     plan.fact_ids, memory_tokens=plan.memory_tokens)
+    return MemoryRef(
+        str(store.root.resolve()),
+        store.manifest["store_id"],
+        plan.snapshot.user,
+        plan.snapshot.version,
+        plan.fact_ids,
+        memory_tokens=plan.memory_tokens,
+    )
 
 
 def cold_salt() -> str:
@@ -109,10 +117,17 @@ def sampling_params(sampling: Sampling, memory: MemoryRef | None, schema: dict |
     extra = {"kv_transfer_params": memory.params} if memory is not None else None
     kw = {"output_kind": RequestOutputKind.DELTA} if delta else {}
     return SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, max_tokens=sampling.max_tokens,
-        ignore_eos=sampling.ignore_eos, detokenize=False, extra_args=extra,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        max_tokens=sampling.max_tokens,
+        ignore_eos=sampling.ignore_eos,
+        detokenize=False,
+        extra_args=extra,
         stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
-        structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None, **kw)
+        structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None,
+        **kw,
+    )
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
@@ -133,13 +148,28 @@ def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int,
     per_token = kv_bytes_per_token(cfg, dtype)
     fits = (int(kv_cache_memory_bytes) // per_token) // 256 * 256
     if fits < 256:
-        raise EngineUnavailable(f"a KV cache of {kv_cache_memory_bytes} bytes holds {fits} tokens of this model in "
-                                f"{dtype} ({per_token} bytes/token); give vLLM more KV-cache memory")
+        raise EngineUnavailable(
+            f"a KV cache of {kv_cache_memory_bytes} bytes holds {fits} tokens of this model in "
+            f"{dtype} ({per_token} bytes/token); give vLLM more KV-cache memory"
+        )
     return min(int(wanted), int(getattr(cfg, "max_position_embeddings", wanted) or wanted), fits)
 
 
-def engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process, enforce_eager,
-                  skip_tokenizer_init, metrics_file, seed, stores, cache_bytes=None, **llm_kwargs) -> dict:
+def engine_kwargs(
+    model,
+    dtype,
+    kv_cache_memory_bytes,
+    max_model_len,
+    block_size,
+    in_process,
+    enforce_eager,
+    skip_tokenizer_init,
+    metrics_file,
+    seed,
+    stores,
+    cache_bytes=None,
+    **llm_kwargs,
+) -> dict:
     """vLLM engine arguments with the kvmem connector (shared by ``LLM`` and ``AsyncEngineArgs``); see VLLMEngine."""
     dtype = resolve_dtype(dtype)
     max_model_len = fit_max_model_len(model, dtype, kv_cache_memory_bytes, max_model_len)
@@ -154,12 +184,22 @@ def engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size
     if cache_bytes:
         extra["cache_bytes"] = int(cache_bytes)  # the worker's store caches
     kwargs = dict(
-        model=str(model), dtype=dtype, kv_cache_memory_bytes=int(kv_cache_memory_bytes),
-        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=enforce_eager,
-        disable_log_stats=False, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
-        kv_transfer_config=KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE,
-                                            kv_role="kv_consumer", kv_connector_extra_config=extra,
-                                            kv_load_failure_policy="recompute"),
+        model=str(model),
+        dtype=dtype,
+        kv_cache_memory_bytes=int(kv_cache_memory_bytes),
+        max_model_len=max_model_len,
+        enable_prefix_caching=True,
+        enforce_eager=enforce_eager,
+        disable_log_stats=False,
+        skip_tokenizer_init=skip_tokenizer_init,
+        seed=seed,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_consumer",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="recompute",
+        ),
     )
     if in_process:
         kwargs["distributed_executor_backend"] = "uni"
@@ -197,12 +237,35 @@ class VLLMEngine(Engine):
     selective_recompute = False
     batches = True
 
-    def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
-                 max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
-                 enforce_eager: bool = True, skip_tokenizer_init: bool = False, metrics_file: str | None = None,
-                 seed: int = 0, stores: list[str | Path] = (), **llm_kwargs):
-        kwargs = engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process,
-                               enforce_eager, skip_tokenizer_init, metrics_file, seed, stores, **llm_kwargs)
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_model_len: int = 8192,
+        block_size: int | None = None,
+        in_process: bool | None = None,
+        enforce_eager: bool = True,
+        skip_tokenizer_init: bool = False,
+        metrics_file: str | None = None,
+        seed: int = 0,
+        stores: list[str | Path] = (),
+        **llm_kwargs,
+    ):
+        kwargs = engine_kwargs(
+            model,
+            dtype,
+            kv_cache_memory_bytes,
+            max_model_len,
+            block_size,
+            in_process,
+            enforce_eager,
+            skip_tokenizer_init,
+            metrics_file,
+            seed,
+            stores,
+            **llm_kwargs,
+        )
         self.max_model_len, in_process = kwargs["max_model_len"], kwargs.get("distributed_executor_backend") == "uni"
         from vllm import LLM
 
@@ -217,18 +280,27 @@ class VLLMEngine(Engine):
 
     def generate(self, requests: list[EngineRequest]) -> list[VLLMGeneration]:
         """One ``llm.generate`` call for all ``requests`` (continuous batching)."""
-        outs = self.llm.generate([prompt_of(r) for r in requests],
-                                 [sampling_params(r.sampling, r.memory) for r in requests], use_tqdm=False)
+        outs = self.llm.generate(
+            [prompt_of(r) for r in requests], [sampling_params(r.sampling, r.memory) for r in requests], use_tqdm=False
+        )
         return [self.generation_of(o) for o in outs]
 
-    def generate_many(self, prompts: list[list[int]], memories: list[MemoryRef | None], max_new_tokens: int = 32,
-                      ignore_eos: bool = False, salts: list[str | None] | None = None,
-                      stop_token_ids: list[int] | None = None) -> list[VLLMGeneration]:
+    def generate_many(
+        self,
+        prompts: list[list[int]],
+        memories: list[MemoryRef | None],
+        max_new_tokens: int = 32,
+        ignore_eos: bool = False,
+        salts: list[str | None] | None = None,
+        stop_token_ids: list[int] | None = None,
+    ) -> list[VLLMGeneration]:
         """Greedy answers with explicit cache salts (the connector tests): a prompt with a MemoryRef gets its
         params and salt; one without gets ``salts[i]`` (None: the shared prefix cache)."""
         salts = salts or [None] * len(prompts)
         inputs, params = [], []
-        sampling = Sampling(max_tokens=max_new_tokens, ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids or ()))
+        sampling = Sampling(
+            max_tokens=max_new_tokens, ignore_eos=ignore_eos, stop_token_ids=tuple(stop_token_ids or ())
+        )
         for ids, mem, salt in zip(prompts, memories, salts):
             p = {"prompt_token_ids": list(ids)}
             s = mem.salt if mem is not None else salt
@@ -239,8 +311,14 @@ class VLLMEngine(Engine):
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [self.generation_of(o) for o in outs]
 
-    def generate_ids(self, prompt_ids: list[int], memory: MemoryRef | None = None, max_new_tokens: int = 32,
-                     ignore_eos: bool = False, salt: str | None = None) -> VLLMGeneration:
+    def generate_ids(
+        self,
+        prompt_ids: list[int],
+        memory: MemoryRef | None = None,
+        max_new_tokens: int = 32,
+        ignore_eos: bool = False,
+        salt: str | None = None,
+    ) -> VLLMGeneration:
         """One prompt of ``generate_many``."""
         return self.generate_many([prompt_ids], [memory], max_new_tokens, ignore_eos, [salt])[0]
 
@@ -248,8 +326,7 @@ class VLLMEngine(Engine):
         """Greedy token ids for ``prompt_ids`` under vLLM's guided decoding to the JSON ``schema`` (no memory, a
         fresh cache salt). Used by fact extraction (``extract.LocalExtractor``)."""
         sp = sampling_params(Sampling(max_tokens=max_tokens), None, schema)
-        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()}], sp,
-                                use_tqdm=False)
+        out = self.llm.generate([{"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()}], sp, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)
 
     def close(self) -> None:
@@ -272,10 +349,18 @@ class VLLMEngine(Engine):
                 decode = (m.last_token_ts - m.first_token_ts) * 1e3
             if m.first_token_ts and m.scheduled_ts:
                 prefill = (m.first_token_ts - m.scheduled_ts) * 1e3
-        return VLLMGeneration(list(comp.token_ids), ttft, decode, n_prompt - cached, torch.empty(0),
-                              prompt_tokens=n_prompt, finish_reason=comp.finish_reason,
-                              extra={"num_cached_tokens": cached, "engine_prefill_ms": prefill},
-                              num_cached_tokens=cached, engine_prefill_ms=prefill)
+        return VLLMGeneration(
+            list(comp.token_ids),
+            ttft,
+            decode,
+            n_prompt - cached,
+            torch.empty(0),
+            prompt_tokens=n_prompt,
+            finish_reason=comp.finish_reason,
+            extra={"num_cached_tokens": cached, "engine_prefill_ms": prefill},
+            num_cached_tokens=cached,
+            engine_prefill_ms=prefill,
+        )
 
 
 class AsyncVLLMEngine(AsyncEngine):
@@ -288,12 +373,35 @@ class AsyncVLLMEngine(AsyncEngine):
     selective_recompute = False
     batches = True
 
-    def __init__(self, model: str | Path, dtype: str | None = None, kv_cache_memory_bytes: int = 1 << 30,
-                 max_model_len: int = 8192, block_size: int | None = None, in_process: bool | None = None,
-                 enforce_eager: bool = True, metrics_file: str | None = None, seed: int = 0,
-                 stores: list[str | Path] = (), max_queue: int = 256, **llm_kwargs):
-        kwargs = engine_kwargs(model, dtype, kv_cache_memory_bytes, max_model_len, block_size, in_process,
-                               enforce_eager, False, metrics_file, seed, stores, **llm_kwargs)
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_model_len: int = 8192,
+        block_size: int | None = None,
+        in_process: bool | None = None,
+        enforce_eager: bool = True,
+        metrics_file: str | None = None,
+        seed: int = 0,
+        stores: list[str | Path] = (),
+        max_queue: int = 256,
+        **llm_kwargs,
+    ):
+        kwargs = engine_kwargs(
+            model,
+            dtype,
+            kv_cache_memory_bytes,
+            max_model_len,
+            block_size,
+            in_process,
+            enforce_eager,
+            False,
+            metrics_file,
+            seed,
+            stores,
+            **llm_kwargs,
+        )
         self.max_model_len, self.max_queue, self._pending = kwargs["max_model_len"], max_queue, 0
         self.metrics_file = metrics_file
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -317,8 +425,9 @@ class AsyncVLLMEngine(AsyncEngine):
         self._pending += 1
         n_prompt = len(request.prompt_ids)
         try:
-            async for out in self.llm.generate(prompt_of(request), sampling_params(request.sampling, request.memory,
-                                                                                   delta=True), request_id):
+            async for out in self.llm.generate(
+                prompt_of(request), sampling_params(request.sampling, request.memory, delta=True), request_id
+            ):
                 comp = out.outputs[0]
                 if not out.finished:
                     yield Delta(list(comp.token_ids))
@@ -326,17 +435,26 @@ class AsyncVLLMEngine(AsyncEngine):
                 cached = int(out.num_cached_tokens or 0)
                 m = out.metrics
                 ttft = m.first_token_latency * 1e3 if m is not None else float("nan")
-                yield Delta(list(comp.token_ids), True, comp.finish_reason, n_prompt, n_prompt - cached, ttft,
-                            {"num_cached_tokens": cached})
+                yield Delta(
+                    list(comp.token_ids),
+                    True,
+                    comp.finish_reason,
+                    n_prompt,
+                    n_prompt - cached,
+                    ttft,
+                    {"num_cached_tokens": cached},
+                )
         finally:
             self._pending -= 1
 
     async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy ids under vLLM's guided decoding to ``schema`` (fact extraction)."""
         out: list[int] = []
-        async for out_ in self.llm.generate({"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()},
-                                            sampling_params(Sampling(max_tokens=max_tokens), None, schema, delta=True),
-                                            f"extract-{uuid.uuid4().hex}"):
+        async for out_ in self.llm.generate(
+            {"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()},
+            sampling_params(Sampling(max_tokens=max_tokens), None, schema, delta=True),
+            f"extract-{uuid.uuid4().hex}",
+        ):
             out += list(out_.outputs[0].token_ids)
         return out
 

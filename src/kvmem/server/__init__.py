@@ -28,8 +28,14 @@ from .tenants import Tenants, load_api_keys
 __all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_api_keys", "serve"]
 
 
-def serve(store: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys_file: str | None = None,
-          log=print, **start_kwargs) -> None:
+def serve(
+    store: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_keys_file: str | None = None,
+    log=print,
+    **start_kwargs,
+) -> None:
     """Start the server (blocking). Without an API keys file it binds to loopback only. Raises ValueError for a
     bad keys file or a non-loopback host without keys."""
     import uvicorn
@@ -38,9 +44,11 @@ def serve(store: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"refusing to bind {host} without --api-keys: without keys the server is loopback-only")
     server = KvmemServer.start(store, api_keys=keys, **start_kwargs)
-    log(f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {store}, "
+    log(
+        f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {store}, "
         f"{'tenants: ' + ', '.join(sorted(set(keys.values()))) if keys else 'no API keys: loopback only'}; "
-        f"http://{host}:{port}/v1")
+        f"http://{host}:{port}/v1"
+    )
     import signal
 
     def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
@@ -50,8 +58,9 @@ def serve(store: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit)
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port, log_level="warning",
-                                       timeout_graceful_shutdown=5))
+    uv = uvicorn.Server(
+        uvicorn.Config(create_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
     try:
         uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
     finally:

@@ -62,7 +62,7 @@ def create_app(server: KvmemServer) -> FastAPI:
         else:
             try:
                 resp = await call_next(request)
-            except Exception as exc:  # noqa: BLE001 - errors raised past the handlers
+            except Exception as exc:
                 err = error_of(exc)
                 if err.status >= 500 and err.code == "internal_error":
                     logger.exception("unhandled error on %s", request.url.path)
@@ -93,8 +93,10 @@ def create_app(server: KvmemServer) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         tenant_of(request)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvmem"}]}
+        return {
+            "object": "list",
+            "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "kvmem"}],
+        }
 
     # --- memories ---------------------------------------------------------------------------------------
 
@@ -143,8 +145,9 @@ def create_app(server: KvmemServer) -> FastAPI:
     @app.post("/v1/memories/search")
     async def search_memories(body: SearchRequest, request: Request):
         tenant = tenant_of(request)
-        out = await server.off_loop(server.memory.search, body.query, Tenants.user(tenant, body.user_id),
-                                    body.limit, body.filters)
+        out = await server.off_loop(
+            server.memory.search, body.query, Tenants.user(tenant, body.user_id), body.limit, body.filters
+        )
         return {"results": [public_item(tenant, m) for m in out["results"]]}
 
     @app.get("/v1/memories/{memory_id}/history")
@@ -186,8 +189,12 @@ def create_app(server: KvmemServer) -> FastAPI:
         t_arrive = time.perf_counter()
         tenant = tenant_of(request)
         if body.model and body.model != server.model_name:
-            raise APIError(404, f"model {body.model!r} not found; this server serves {server.model_name!r}",
-                           "model_not_found", "model")
+            raise APIError(
+                404,
+                f"model {body.model!r} not found; this server serves {server.model_name!r}",
+                "model_not_found",
+                "model",
+            )
         if body.messages[-1].role != "user":
             raise APIError(400, "the last message must be from the user", param="messages")
         opts = body.memory or MemoryOptions()
@@ -198,17 +205,25 @@ def create_app(server: KvmemServer) -> FastAPI:
         svc = server.service
         user = Tenants.user(tenant, body.user) if body.user is not None else None
         if user is None and mode != "off":
-            raise APIError(400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')",
-                           param="user")
+            raise APIError(
+                400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')", param="user"
+            )
         sel = server.selective_recompute if opts.selective_recompute is None else opts.selective_recompute
-        prep = await asyncio.wait_for(prepare_chat(server, user, messages, top_k, mode, max_tokens,
-                                                   opts.tail_recompute, sel), limits.request_timeout_s)
+        prep = await asyncio.wait_for(
+            prepare_chat(server, user, messages, top_k, mode, max_tokens, opts.tail_recompute, sel),
+            limits.request_timeout_s,
+        )
 
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop: at most 4 non-empty strings", param="stop")
-        sampling = Sampling(max_tokens=max_tokens, temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
-                            seed=body.seed, stop_token_ids=tuple(svc.stop_ids))
+        sampling = Sampling(
+            max_tokens=max_tokens,
+            temperature=body.temperature or 0.0,
+            top_p=body.top_p or 1.0,
+            seed=body.seed,
+            stop_token_ids=tuple(svc.stop_ids),
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = ChatGeneration(server, rid, prep, sampling, stops, t_arrive)
         if body.stream:
@@ -216,9 +231,16 @@ def create_app(server: KvmemServer) -> FastAPI:
             first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
             return StreamingResponse(sse(gen, first, include_usage), media_type="text/event-stream")
         text = await until_disconnect(request, gen.collect(), limits.request_timeout_s)
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": server.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": gen.finish_reason}],
-                "usage": gen.usage(), "kvmem": gen.kvmem()}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": server.model_name,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": gen.finish_reason}
+            ],
+            "usage": gen.usage(),
+            "kvmem": gen.kvmem(),
+        }
 
     return app

@@ -48,14 +48,25 @@ class Metrics:
 
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvmem_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
-        self.ttft = Histogram("kvmem_ttft_seconds", "Server-side time to first token by memory mode", ["mode"],
-                              buckets=(.025, .05, .1, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 10, 20, 60), registry=r)
-        self.tokens = Counter("kvmem_prompt_tokens", "Prompt tokens: injected (from memory KV) or prefilled",
-                              ["kind"], registry=r)
-        self.fallbacks = Counter("kvmem_connector_fallbacks", "kv-mode requests whose memory was prefilled instead "
-                                 "of injected, by reason", ["reason"], registry=r)
-        Gauge("kvmem_engine_queue_depth", "Requests waiting for or running in the engine", registry=r) \
-            .set_function(lambda: server.engine.queue_depth())
+        self.ttft = Histogram(
+            "kvmem_ttft_seconds",
+            "Server-side time to first token by memory mode",
+            ["mode"],
+            buckets=(0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60),
+            registry=r,
+        )
+        self.tokens = Counter(
+            "kvmem_prompt_tokens", "Prompt tokens: injected (from memory KV) or prefilled", ["kind"], registry=r
+        )
+        self.fallbacks = Counter(
+            "kvmem_connector_fallbacks",
+            "kv-mode requests whose memory was prefilled instead of injected, by reason",
+            ["reason"],
+            registry=r,
+        )
+        Gauge("kvmem_engine_queue_depth", "Requests waiting for or running in the engine", registry=r).set_function(
+            lambda: server.engine.queue_depth()
+        )
         Gauge("kvmem_store_bytes", "Bytes of the store directory", registry=r).set_function(server.store_bytes)
         cached = Gauge("kvmem_cache_bytes", "Bytes held by the server's LRU caches", ["cache"], registry=r)
         indexes = server.service.indexes
@@ -84,8 +95,17 @@ class KvmemServer:
     """What the app holds: the memory service (retrieval + composition), the Memory facade (writes), the
     engine, tenants, limits and metrics. Build with ``KvmemServer.start``; ``service.lm`` names the model."""
 
-    def __init__(self, service: MemoryService, memory: Memory, engine: AsyncEngine, tenants: Tenants,
-                 limits: Limits, model_pool: ThreadPoolExecutor, max_writes: int = 64, selective_recompute: int = 0):
+    def __init__(
+        self,
+        service: MemoryService,
+        memory: Memory,
+        engine: AsyncEngine,
+        tenants: Tenants,
+        limits: Limits,
+        model_pool: ThreadPoolExecutor,
+        max_writes: int = 64,
+        selective_recompute: int = 0,
+    ):
         self.service, self.memory, self.engine, self.tenants, self.limits = service, memory, engine, tenants, limits
         self.model_pool = model_pool  # the one thread that runs the transformers model
         self.model_name = service.lm.name
@@ -96,12 +116,24 @@ class KvmemServer:
         self._store_bytes = (0.0, 0)
 
     @classmethod
-    def start(cls, store: str | Path, model: str | None = None, engine: str = "auto", api_keys: dict | None = None,
-              limits: Limits | None = None, dtype: str | None = None, cache_bytes: int = 512 << 20,
-              kv_cache_memory_bytes: int = 1 << 30, max_queue: int = 64, window: int | None = None,
-              vllm_options: dict | None = None, tail_recompute: int = 0,
-              neighbours: int | None = None, selective_recompute: int = 0,
-              history: bool | None = None) -> KvmemServer:
+    def start(
+        cls,
+        store: str | Path,
+        model: str | None = None,
+        engine: str = "auto",
+        api_keys: dict | None = None,
+        limits: Limits | None = None,
+        dtype: str | None = None,
+        cache_bytes: int = 512 << 20,
+        kv_cache_memory_bytes: int = 1 << 30,
+        max_queue: int = 64,
+        window: int | None = None,
+        vllm_options: dict | None = None,
+        tail_recompute: int = 0,
+        neighbours: int | None = None,
+        selective_recompute: int = 0,
+        history: bool | None = None,
+    ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
         user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of
@@ -122,10 +154,19 @@ class KvmemServer:
             model = st.fingerprint["model"]
             st.close()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-model")
-        opened = open_engine(model, engine, dtype, serving=True, stores=[root], max_queue=max_queue,
-                             kv_cache_memory_bytes=kv_cache_memory_bytes, pool=pool, cache_bytes=cache_bytes,
-                             metrics_file=str(root / f".connector-metrics-{os.getpid()}.json"),
-                             vllm_options=vllm_options)
+        opened = open_engine(
+            model,
+            engine,
+            dtype,
+            serving=True,
+            stores=[root],
+            max_queue=max_queue,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            pool=pool,
+            cache_bytes=cache_bytes,
+            metrics_file=str(root / f".connector-metrics-{os.getpid()}.json"),
+            vllm_options=vllm_options,
+        )
         if opened.note:
             logger.warning(opened.note)
         eng, lm = opened.engine, opened.lm
@@ -133,8 +174,16 @@ class KvmemServer:
         svc = MemoryService(root, eng, lm, embedder, tail_recompute=tail_recompute, store_cache_bytes=cache_bytes)
         svc.indexes = indexes
         # writes: the same model (its weights load on the first write where the engine does not hold them)
-        mem = Memory(root, model=lm if lm.model.device.type != "meta" else lm.name, window=window,
-                     embedder=embedder, dtype=dtype, neighbours=neighbours, history=history, indexes=indexes)
+        mem = Memory(
+            root,
+            model=lm if lm.model.device.type != "meta" else lm.name,
+            window=window,
+            embedder=embedder,
+            dtype=dtype,
+            neighbours=neighbours,
+            history=history,
+            indexes=indexes,
+        )
         return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
 
     def store_bytes(self) -> int:

@@ -20,20 +20,38 @@ MAX_BODY_BYTES = 1 << 20
 class APIError(Exception):
     """An error answered as OpenAI-style JSON with ``status``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-             422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        409: "conflict_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.TYPES.get(self.status, "api_error"),
-                                       "param": self.param, "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.TYPES.get(self.status, "api_error"),
+                    "param": self.param,
+                    "code": self.code,
+                }
+            },
+            status_code=self.status,
+        )
 
 
 # --- request models --------------------------------------------------------------------------------------
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"]
@@ -92,7 +110,7 @@ def error_of(exc: Exception) -> APIError:
     """Library exceptions -> API errors (never a 500 for bad input)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, EngineBusy):
+    if EngineBusy in type(exc).__mro__:
         return APIError(429, f"the engine is busy: {exc}; retry later", "engine_busy")
     if isinstance(exc, ContextOverflow):
         return APIError(400, str(exc), "context_length_exceeded", "messages")
@@ -106,5 +124,3 @@ def error_of(exc: Exception) -> APIError:
     if isinstance(exc, asyncio.TimeoutError):
         return APIError(503, "the request timed out", "timeout")
     return APIError(500, f"internal error ({type(exc).__name__})", "internal_error")
-
-

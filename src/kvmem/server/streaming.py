@@ -20,8 +20,16 @@ if TYPE_CHECKING:
     from .runtime import KvmemServer
 
 
-async def prepare_chat(server: KvmemServer, user: str | None, messages: list[dict], top_k: int, mode: str,
-                       max_tokens: int, tail_recompute: int | None = None, selective_recompute: int = 0) -> Prepared:
+async def prepare_chat(
+    server: KvmemServer,
+    user: str | None,
+    messages: list[dict],
+    top_k: int,
+    mode: str,
+    max_tokens: int,
+    tail_recompute: int | None = None,
+    selective_recompute: int = 0,
+) -> Prepared:
     """Retrieval (off the event loop), then the engine's memory for one chat request. ``mode`` "off", an empty
     last message or a user with no memories yet: the bare chat. ``selective_recompute`` p (kv mode): the
     ``kv-sel<p>`` method (``policy.parse_mode``; ValueError -> HTTP 400 where the engine cannot, or with tail
@@ -63,21 +71,22 @@ async def until_disconnect(request: Request, coro, timeout_s: float):
             if await request.is_disconnected():
                 raise APIError(400, "the client disconnected", "client_disconnected")
             if time.perf_counter() > deadline:
-                raise asyncio.TimeoutError
+                raise TimeoutError
     finally:
         if not task.done():
             task.cancel()
             try:
                 await task
-            except BaseException:  # noqa: BLE001 - cancelled on purpose
+            except BaseException:
                 pass
 
 
 class ChatGeneration:
     """One engine request: deltas -> text (incremental detokenization, stop strings), counts and timings."""
 
-    def __init__(self, server: KvmemServer, rid: str, prep: Prepared, sampling: Sampling, stops: list[str],
-                 t_arrive: float):
+    def __init__(
+        self, server: KvmemServer, rid: str, prep: Prepared, sampling: Sampling, stops: list[str], t_arrive: float
+    ):
         self.server, self.rid, self.prep, self.stops, self.t_arrive = server, rid, prep, stops, t_arrive
         tok = server.service.lm.tokenizer
         self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
@@ -112,8 +121,8 @@ class ChatGeneration:
         if not self.finish_reason and text.endswith("\ufffd"):
             hold = max(hold, 1)  # half a multi-byte character
         self.text = text
-        ready = text[:max(self.sent, len(text) - hold)]
-        new, self.sent = ready[self.sent:], len(ready)
+        ready = text[: max(self.sent, len(text) - hold)]
+        new, self.sent = ready[self.sent :], len(ready)
         return new
 
     async def deltas(self, first=None):
@@ -126,7 +135,7 @@ class ChatGeneration:
             while self.finish_reason is None:
                 remaining = self.deadline - time.perf_counter()
                 if remaining <= 0:
-                    raise asyncio.TimeoutError
+                    raise TimeoutError
                 try:
                     d = await asyncio.wait_for(self._it.__anext__(), remaining)
                 except StopAsyncIteration:
@@ -135,7 +144,7 @@ class ChatGeneration:
                 piece = self._take(d)
                 if piece:
                     yield piece
-            tail = self.text[self.sent:]
+            tail = self.text[self.sent :]
             if tail:
                 self.sent = len(self.text)
                 yield tail
@@ -163,34 +172,61 @@ class ChatGeneration:
     def usage(self) -> dict:
         n_prompt = len(self.prep.prompt_ids)
         cached = (self.final.prompt_tokens - self.final.prefilled_tokens) if self.final else 0
-        return {"prompt_tokens": n_prompt, "completion_tokens": len(self.ids),
-                "total_tokens": n_prompt + len(self.ids), "prompt_tokens_details": {"cached_tokens": max(0, cached)}}
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(self.ids),
+            "total_tokens": n_prompt + len(self.ids),
+            "prompt_tokens_details": {"cached_tokens": max(0, cached)},
+        }
 
     def kvmem(self) -> dict:
         t = dict(self.prep.timings_ms)
         t["ttft"] = self.ttft_ms
-        return {"mode": self.prep.mode, "k": len(self.prep.fact_ids), "fact_ids": self.prep.fact_ids,
-                "engine": self.server.engine.name, "timings_ms": {k: round(v, 3) for k, v in t.items() if v is not None}}
+        return {
+            "mode": self.prep.mode,
+            "k": len(self.prep.fact_ids),
+            "fact_ids": self.prep.fact_ids,
+            "engine": self.server.engine.name,
+            "timings_ms": {k: round(v, 3) for k, v in t.items() if v is not None},
+        }
 
 
 async def sse(gen: ChatGeneration, first, include_usage: bool):
     """OpenAI's chat.completion.chunk stream: a role delta, content deltas, the finish chunk (with ``kvmem``),
     an optional usage chunk, then ``[DONE]``. A mid-stream error ends the stream with an error event."""
-    base = {"id": gen.rid, "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": gen.server.model_name}
+    base = {
+        "id": gen.rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": gen.server.model_name,
+    }
 
     def chunk(delta: dict, finish=None, **extra) -> str:
-        return "data: " + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                                      **extra}) + "\n\n"
+        return (
+            "data: "
+            + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+            + "\n\n"
+        )
 
     yield chunk({"role": "assistant", "content": ""})
     try:
         async for piece in gen.deltas(first):
             yield chunk({"content": piece})
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
+    except Exception as exc:
         err = error_of(exc)
-        yield "data: " + json.dumps({"error": {"message": err.message, "type": APIError.TYPES.get(err.status, "api_error"),
-                                               "code": err.code}}) + "\n\n"
+        yield (
+            "data: "
+            + json.dumps(
+                {
+                    "error": {
+                        "message": err.message,
+                        "type": APIError.TYPES.get(err.status, "api_error"),
+                        "code": err.code,
+                    }
+                }
+            )
+            + "\n\n"
+        )
         return
     yield chunk({}, gen.finish_reason, kvmem=gen.kvmem())
     if include_usage:

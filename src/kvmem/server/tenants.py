@@ -64,8 +64,13 @@ class Tenants:
                 check_user(f"{tenant}:{user_id}")
         except ValueError:
             limit = 256 - (len(tenant) + 1 if tenant is not None else 0)
-            raise APIError(400, f"user_id {str(user_id)[:40]!r} is not allowed: a non-empty string of at most {limit} "
-                           "characters, no path or control characters", "invalid_user", "user") from None
+            raise APIError(
+                400,
+                f"user_id {str(user_id)[:40]!r} is not allowed: a non-empty string of at most {limit} "
+                "characters, no path or control characters",
+                "invalid_user",
+                "user",
+            ) from None
         return user_id if tenant is None else f"{tenant}:{user_id}"
 
     @staticmethod
@@ -74,4 +79,4 @@ class Tenants:
 
     @staticmethod
     def public(tenant: str | None, store_user: str) -> str:
-        return store_user if tenant is None else store_user[len(tenant) + 1:]
+        return store_user if tenant is None else store_user[len(tenant) + 1 :]
