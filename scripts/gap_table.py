@@ -1,4 +1,4 @@
-"""Issue 13's table and plot: every KV method against one prompt-injection reference, on the same questions.
+"""The KV-method table and plot: every KV method against one prompt-injection reference, on the same questions.
 
 Rows are methods, one per (encoding window w, neighbours m, serving mode); columns are F1 and the gap to prompt
 injection by LoCoMo category, the paired bootstrap 95% CI of the overall gap, the ingest cost (tokens run

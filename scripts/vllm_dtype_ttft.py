@@ -28,7 +28,7 @@ def main() -> None:
 
     import torch
 
-    from kvmem.engines.vllm_engine import VLLMEngine
+    from kvmem.engines.vllm_engine import VLLMEngine, cold_salt
     from kvmem.hardware import cpu_facts, plan
     from kvmem.models import model_dir
 
@@ -45,10 +45,10 @@ def main() -> None:
             model_dir(args.model), dtype=args.one, kv_cache_memory_bytes=1 << 30, max_model_len=2048, in_process=True
         )
         ttft, decode = [], []
-        eng.generate(torch.randint(100, 20000, (64,), generator=g).tolist(), None, 2, salt=eng.cold_salt())
+        eng.generate_ids(torch.randint(100, 20000, (64,), generator=g).tolist(), None, 2, salt=cold_salt())
         for _ in range(args.runs):
             ids = torch.randint(100, 20000, (args.tokens,), generator=g).tolist()
-            gen = eng.generate(ids, None, 16, ignore_eos=True, salt=eng.cold_salt())
+            gen = eng.generate_ids(ids, None, 16, ignore_eos=True, salt=cold_salt())
             ttft.append(gen.ttft_ms)
             decode.append(gen.decode_ms / max(1, len(gen.token_ids) - 1))
         print(

@@ -97,7 +97,7 @@ def test_bad_input_is_one_line_exit_2(store, args, needle):
 
 
 def test_budget_reserves_the_answer(store):
-    """Issue 10 (f): a context exactly as long as the composed prompt leaves no room for the answer: refused
+    """A context exactly as long as the composed prompt leaves no room for the answer: refused
     with kvmem's own "at most k" error, not accepted (and decoded past the context)."""
     q = "What did Caroline research?"
     a = json.loads(
@@ -156,7 +156,7 @@ def test_store_in_another_dtype_is_refused_with_how_to_reencode(store):
 
 @pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
 def test_bos_and_eos_follow_the_gguf(name):
-    """Issue 10 (d): the prompt starts with BOS exactly when the GGUF says add_bos (Gemma 3's converted tokenizer
+    """The prompt starts with BOS exactly when the GGUF says add_bos (Gemma 3's converted tokenizer
     had lost it), and the GGUF's EOS is a stop id of the service."""
     require(name)
     from kvmem.compose import PromptFormat
@@ -266,7 +266,7 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
     )
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]
-    # Issue 10 (g): one stop rule for both engines: a completion-style answer ends at the line break in vLLM too.
+    # One stop rule for both engines: a completion-style answer ends at the line break in vLLM too.
     from kvmem.hardware import plan
 
     if plan().engine == "vllm":

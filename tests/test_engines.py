@@ -41,7 +41,7 @@ def test_both_engines_satisfy_both_roles():
             asyn.selective_recompute,
             asyn.batches,
         )
-        assert select._SELECTIVE_RECOMPUTE[sync.name] == sync.selective_recompute  # checked before engines start
+        assert select.SELECTIVE_RECOMPUTE[sync.name] == sync.selective_recompute  # checked before engines start
 
 
 def test_check_implements_finds_what_is_missing():

@@ -15,7 +15,7 @@ from kvmem.exactness import REL_TOL, check_joint, check_relocated_keys, check_wi
 from kvmem.models import ModelError, check_injectable
 
 
-def _rope(kind: str, rotary_half: int = 8) -> dict:
+def rope_parameters(kind: str, rotary_half: int = 8) -> dict:
     base = {"rope_theta": 10000.0}
     return {
         "linear": {"rope_type": "linear", "factor": 2.0},
@@ -39,17 +39,17 @@ def _rope(kind: str, rotary_half: int = 8) -> dict:
 
 CASES = {
     "llama": dict(),
-    "llama-linear": dict(rope_parameters=_rope("linear")),
-    "llama-dynamic": dict(rope_parameters=_rope("dynamic"), common={"max_position_embeddings": 64}),
-    "llama-yarn": dict(rope_parameters=_rope("yarn")),
-    "llama-llama3": dict(rope_parameters=_rope("llama3")),
+    "llama-linear": dict(rope_parameters=rope_parameters("linear")),
+    "llama-dynamic": dict(rope_parameters=rope_parameters("dynamic"), common={"max_position_embeddings": 64}),
+    "llama-yarn": dict(rope_parameters=rope_parameters("yarn")),
+    "llama-llama3": dict(rope_parameters=rope_parameters("llama3")),
     "mistral": dict(),
     "qwen2": dict(),
     "qwen3": dict(),
     "phi3": dict(),
     "phi3-partial-longrope": dict(
         partial_rotary_factor=0.5,
-        rope_parameters=_rope("longrope", rotary_half=4),
+        rope_parameters=rope_parameters("longrope", rotary_half=4),
         common={"max_position_embeddings": 4096},
     ),
     "gemma2": dict(),

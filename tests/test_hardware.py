@@ -192,7 +192,7 @@ def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
 
 
 def test_connector_refuses_what_it_does_not_implement():
-    """Issue 10 items 3 and 5: TP > 1, fp8 KV caches, several KV-cache groups and length-dependent RoPE are
+    """TP > 1, fp8 KV caches, several KV-cache groups and length-dependent RoPE are
     refused at engine start with one clear error, not served wrongly."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     from types import SimpleNamespace as NS
@@ -231,11 +231,10 @@ def test_connector_refuses_what_it_does_not_implement():
 
 
 def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
-    """Issue 10 item 2: whatever the store raises in the scheduler ("database is locked", a missing or corrupt
+    """Whatever the store raises in the scheduler ("database is locked", a missing or corrupt
     store, malformed params) is a counted fallback to a normal prefill, never an exception into vLLM."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     import sqlite3
-    from collections import Counter
     from types import SimpleNamespace as NS
 
     import store_worker as sw
@@ -244,10 +243,7 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
     version = st.commit("u", facts, kv, kv.copy(), emb)
-    conn = object.__new__(vc.KvmemConnector)
-    conn.metrics, conn._metrics_file, conn._trusted, conn._matched = Counter(), None, {}, {}
-    conn._allowed = [st.root.resolve()]
-    conn._identity = {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")}
+    conn = vc.KvmemConnector.scheduler_only([st.root], {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
     params = vc.kvmem_params(str(st.root), "u", version, [f.fact_id for f in facts])
     salt = vc.kvmem_cache_salt(st.manifest["store_id"], "u", version)
     ids = st.header_token_ids + [t for f in facts for t in f.token_ids]

@@ -1,4 +1,4 @@
-"""History encoding (issue 13): each fact is encoded behind every fact of the user written before it, as a prompt
+"""History encoding: each fact is encoded behind every fact of the user written before it, as a prompt
 that lists them all computes it. In fp32: ``encode_chain`` equals a plain prefill of each fact's whole sequence
 (tiny random models, with and without a window of turns), it differs from encoding the fact alone, a long write is
 split into runs that fit the position budget, and ``Memory(history=True)`` stores, for a fact added later, the KV

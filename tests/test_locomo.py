@@ -48,7 +48,7 @@ def test_bad_files(tmp_path, locomo_path):
 
 
 def test_lone_surrogates_are_replaced_in_data_and_refused_in_questions(tmp_path):
-    """Issue 10 (e): "\\ud83d" alone is valid JSON but no tokenizer takes it. Data files get U+FFFD (documented);
+    """ "\\ud83d" alone is valid JSON but no tokenizer takes it. Data files get U+FFFD (documented);
     a question gets a clear ValueError (one error line on the CLI)."""
     from kvmem.compose import PromptFormat, check_text
 

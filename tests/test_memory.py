@@ -1,4 +1,4 @@
-"""Online memory (issue 11): Mem0-shaped round trips, events and history, tombstones never served, updates that
+"""Online memory: Mem0-shaped round trips, events and history, tombstones never served, updates that
 keep the id, exact KV for every write, compaction, bad input that changes nothing, extraction with a stub and
 with the real model (output always parses), and a concurrent writer against readers checking every served id."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sqlite3
 import threading
 
 import pytest
@@ -121,7 +122,8 @@ def test_adds_are_incremental_and_compaction_keeps_what_is_served(mem):
     mem.compact("dan")
     assert mem.store.version("dan") != version and len(list(users.iterdir())) == 1
     assert (mem.get_all("dan"), mem.search("garden fact 3", "dan", limit=3)) == before
-    dead = mem.store._db.execute("SELECT COUNT(*) FROM facts WHERE user='dan' AND deleted IS NOT NULL").fetchone()
+    db = sqlite3.connect(mem.store.root / "meta.sqlite")
+    dead = db.execute("SELECT COUNT(*) FROM facts WHERE user='dan' AND deleted IS NOT NULL").fetchone()
     assert dead == (0,) and [e["event"] for e in mem.history(ids[1])] == ["ADD", "DELETE"]
 
 
@@ -235,7 +237,7 @@ def test_unusable_extractor_output_is_none_not_an_exception(mem):
         def complete(self, prompt, schema):
             return '{"facts": ["cut off'
 
-    mem._extractor = Garbage()
+    mem.extractor = Garbage()
     assert mem.add("I like tea.", "g", infer=True) == {"results": []}
     assert [t["content"] for t in mem.store.turns("g")] == ["I like tea."]  # the turn is kept as context
 
@@ -243,17 +245,17 @@ def test_unusable_extractor_output_is_none_not_an_exception(mem):
 def test_local_extractor_output_always_parses(mem):
     """The real model under xgrammar's JSON-schema grammar: whatever it writes parses (or is cut and counted as
     nothing); events are valid, and every ADD is retrievable."""
-    mem._extractor = None
+    mem.extractor = None
     from kvmem.extract import LocalExtractor
 
-    mem._extractor = LocalExtractor(mem.lm, max_new_tokens=48)
+    mem.extractor = LocalExtractor(mem.lm, max_new_tokens=48)
     out = mem.add("My name is Omar and I was born in Cairo in 1990.", "omar", infer=True)
     assert isinstance(out["results"], list)
     for r in out["results"]:
         assert r["event"] in ("ADD", "UPDATE", "DELETE") and r["memory"]
         if r["event"] == "ADD":
             assert mem.get(r["id"])["memory"] == r["memory"]
-    raw = mem._extractor.complete(
+    raw = mem.extractor.complete(
         "Reply with facts about: I like tea.",
         {
             "type": "object",
@@ -396,7 +398,7 @@ def test_repeated_extracted_facts_are_added_once(mem):
                 return json.dumps({"facts": ["I moved to Porto in April."] * 8 + ["i moved to porto in april"]})
             return ""
 
-    mem._extractor = Repeats()
+    mem.extractor = Repeats()
     out = mem.add("I moved to Porto in April.", "p", infer=True)["results"]
     assert [r["event"] for r in out] == ["ADD"] and len(mem.get_all("p")["results"]) == 1
     out = mem.add("I moved to Porto in April.", "p", infer=True)["results"]  # already known: nothing new

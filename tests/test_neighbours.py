@@ -1,4 +1,4 @@
-"""Neighbour-aware encoding (issue 13; the offline half of FusionRAG): each new fact is encoded behind its m most
+"""Neighbour-aware encoding (the offline half of FusionRAG): each new fact is encoded behind its m most
 similar live facts of the same user. In fp32 on the test model: the stored KV of a fact equals a plain prefill of
 ``[header][neighbours, least similar first][fact]`` (keys compared after rotation to those positions), it differs
 from the m = 0 encoding beyond layer 0, and serving injects exactly the same tokens as before (no serving cost)."""

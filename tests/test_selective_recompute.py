@@ -1,4 +1,4 @@
-"""Query-aware selective recompute (issue 13, transformers engine): the query picks the fact tokens it attends
+"""Query-aware selective recompute (transformers engine): the query picks the fact tokens it attends
 to most and their K/V are recomputed on top of the injected cache. In fp32: recomputing every fact token turns
 per-fact encoded KV into exactly a prefill of the whole memory; a partial recompute changes the selected tokens'
 K/V and nothing else; the selection depends on the query; end to end, kv-sel100 answers with prompt injection's
@@ -113,9 +113,9 @@ def test_dynamic_rope_recompute_uses_the_served_length():
     the recomputed tokens take the served prompt's frequencies, so the cache equals a prefill of memory + query
     (transformers would otherwise reset to the base frequencies for the shorter recompute pass)."""
     from kvmem.rope import reset_rope_state
-    from test_families import _rope
+    from test_families import rope_parameters
 
-    model = tiny_model("llama", rope_parameters=_rope("dynamic"), common={"max_position_embeddings": 64})
+    model = tiny_model("llama", rope_parameters=rope_parameters("dynamic"), common={"max_position_embeddings": 64})
     model.set_attn_implementation("sdpa")
     use_gqa_sdpa(model)
     header, facts, query = random_ids(6, seed=10), [random_ids(n, seed=20 + n) for n in (12, 14, 10)], random_ids(40)

@@ -1,4 +1,4 @@
-"""``kvmem serve`` (issue 12) on the transformers engine: the real ``openai`` client and ``httpx`` against a
+"""``kvmem serve`` on the transformers engine: the real ``openai`` client and ``httpx`` against a
 server on a loopback port. Chat (sync and streaming, memory kv / prompt / off), KV injection equal to prompt
 injection through HTTP, the memories REST API with a write visible to the next chat, tenant isolation (403 /
 401), and bad input that gets the right status and never a 500."""
@@ -435,3 +435,172 @@ def test_health_ready_and_metrics(server, alice):
     text = httpx.get(f"{base}/metrics").text
     assert "no-such-route" not in text and 'route="other"' in text and 'route="/v1/memories/{memory_id}"' in text
     assert "500" not in statuses and "200" in statuses
+
+
+def test_text_parts_developer_role_and_refused_fields(server, alice):
+    """Newer OpenAI clients send content as text parts and a ``developer`` role: the same answer as plain strings.
+    Fields that would change the response and are not implemented are refused with a 400 naming the field."""
+    _, base = server
+    plain = {
+        "model": FAST,
+        "user": "alice",
+        "max_tokens": 8,
+        "memory": {"top_k": 3},
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is Alice's secret code word?"},
+        ],
+    }
+    parts = {
+        **plain,
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "Answer briefly."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is Alice's "},
+                    {"type": "text", "text": "secret code word?"},
+                ],
+            },
+        ],
+    }
+    a = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json=plain, timeout=120)
+    b = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json=parts, timeout=120)
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["choices"][0]["message"]["content"] == b.json()["choices"][0]["message"]["content"]
+    assert a.json()["usage"]["prompt_tokens"] == b.json()["usage"]["prompt_tokens"]
+    refused = {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        "logprobs": True,
+        "response_format": {"type": "json_object"},
+        "top_logprobs": 2,
+    }
+    for field, value in refused.items():
+        r = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json={**plain, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    image = {**plain, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    r = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json=image, timeout=60)
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"]
+    ok = httpx.post(
+        f"{base}/v1/chat/completions",
+        headers=_h(),
+        timeout=120,
+        json={**plain, "response_format": {"type": "text"}, "frequency_penalty": 0.5},
+    )
+    assert ok.status_code == 200
+
+
+def test_concurrent_searches_and_writes_never_duplicate_an_id(server):
+    """Rounds of one add followed by 8 concurrent searches (and a chat): no result list holds an id twice, and
+    afterwards a search returns exactly the live memories."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, base = server
+    user = "concurrent"
+    for i in range(4):
+        httpx.post(
+            f"{base}/v1/memories",
+            headers=_h(),
+            timeout=120,
+            json={"messages": f"Fact number {i} about the garden.", "user_id": user, "infer": False},
+        )
+    lists = []
+
+    def search(_):
+        r = httpx.post(
+            f"{base}/v1/memories/search",
+            headers=_h(),
+            timeout=120,
+            json={"query": "garden", "user_id": user, "limit": 1000},
+        )
+        assert r.status_code == 200, r.text
+        return [m["id"] for m in r.json()["results"]]
+
+    def chat(_):
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers=_h(),
+            timeout=120,
+            json={
+                "user": user,
+                "max_tokens": 2,
+                "memory": {"top_k": 50},
+                "messages": [{"role": "user", "content": "What about the garden?"}],
+            },
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["kvmem"]["fact_ids"]
+
+    with ThreadPoolExecutor(9) as pool:
+        for i in range(6):
+            httpx.post(
+                f"{base}/v1/memories",
+                headers=_h(),
+                timeout=120,
+                json={"messages": f"Garden note {i}.", "user_id": user, "infer": False},
+            )
+            futures = [pool.submit(search, j) for j in range(8)] + [pool.submit(chat, 0)]
+            lists += [f.result() for f in futures]
+    assert lists and all(len(ids) == len(set(ids)) for ids in lists)
+    live = {
+        m["id"]
+        for m in httpx.get(f"{base}/v1/memories", headers=_h(), params={"user_id": user}, timeout=60).json()["results"]
+    }
+    assert sorted(search(0)) == sorted(live) and len(live) == 10
+
+
+def test_a_held_writer_lock_never_blocks_reads(server, alice, tmp_path):
+    """Another process holds the store's writer lock (as compaction or fsck would): health, reads and chats
+    answer within a second, and a write answers 503 "store busy" after the write timeout."""
+    import subprocess
+    import sys
+
+    srv, base = server
+    root = srv.service.store.root
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, sys, time\n"
+                f"f = open({str(root / '.writer.lock')!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                "print('held', flush=True); time.sleep(30)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    old = srv.memory.store.write_timeout_s
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        srv.memory.store.write_timeout_s = 1.0
+        t0 = time.perf_counter()
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{base}/v1/memories/{alice['cat']}", headers=_h(), timeout=5).status_code == 200
+        assert (
+            httpx.post(
+                f"{base}/v1/memories/search", headers=_h(), timeout=5, json={"query": "cat", "user_id": "alice"}
+            ).status_code
+            == 200
+        )
+        assert time.perf_counter() - t0 < 3  # health, a get and a search: no wait for the 30 s holder
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers=_h(),
+            timeout=30,
+            json={"user": "alice", "max_tokens": 2, "messages": [{"role": "user", "content": "Cat?"}]},
+        )
+        assert r.status_code == 200
+        reads_s = time.perf_counter() - t0
+        w = httpx.post(
+            f"{base}/v1/memories",
+            headers=_h(),
+            timeout=30,
+            json={"messages": "Blocked write.", "user_id": "alice", "infer": False},
+        )
+        assert w.status_code == 503 and w.json()["error"]["code"] == "store_busy", w.text
+        assert reads_s < 15  # a chat too (seconds on a 2-core CPU), not the holder's 30 s
+    finally:
+        srv.memory.store.write_timeout_s = old
+        holder.kill()
+        holder.wait()

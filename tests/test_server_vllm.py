@@ -1,4 +1,4 @@
-"""``kvmem serve --engine vllm`` (issue 12): the CLI starts vLLM's AsyncLLM with the kvmem connector; the real
+"""``kvmem serve --engine vllm``: the CLI starts vLLM's AsyncLLM with the kvmem connector; the real
 ``openai`` client chats in kv and prompt mode (fp32: the injected memory gives the same greedy answer as
 prefilling it), streams, and a second tenant's request is never injected with the first tenant's memory."""
 
@@ -23,6 +23,37 @@ FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
 
 
+def serve_cmd(tmp, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "kvmem.cli",
+        "serve",
+        "--store",
+        str(tmp / "store"),
+        "--model",
+        FAST,
+        "--engine",
+        "vllm",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--api-keys",
+        str(tmp / "keys.json"),
+        "--window",
+        "2",
+        "--kv-cache-bytes",
+        str(256 << 20),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     from kvmem.hardware import cpu_facts, vllm_problem
@@ -34,37 +65,9 @@ def base(tmp_path_factory):
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
     tmp = tmp_path_factory.mktemp("serve-vllm")
     (tmp / "keys.json").write_text(json.dumps({KEY_A: "acme", KEY_B: "globex"}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvmem.cli",
-            "serve",
-            "--store",
-            str(tmp / "store"),
-            "--model",
-            FAST,
-            "--engine",
-            "vllm",
-            "--dtype",
-            "float32",
-            "--port",
-            str(port),
-            "--api-keys",
-            str(tmp / "keys.json"),
-            "--window",
-            "2",
-            "--kv-cache-bytes",
-            str(256 << 20),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen(serve_cmd(tmp, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600

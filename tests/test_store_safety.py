@@ -1,4 +1,4 @@
-"""Issue 10, store side: counts checked before anything is written, WAL + busy timeout, no DDL on open, schema
+"""The store under faults: counts checked before anything is written, WAL + busy timeout, no DDL on open, schema
 version, one consistent snapshot per read under a concurrent writer, serialized writers, crash and kill -9 safety
 (every kill leaves the previous or the new generation, checksummed, and fsck leaves no orphan)."""
 
@@ -52,7 +52,7 @@ def test_sqlite_wal_busy_timeout_schema_version(store):
     db = sqlite3.connect(store.root / "meta.sqlite")
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    assert store._db.execute("PRAGMA busy_timeout").fetchone()[0] >= 10_000
+    assert store.busy_timeout_s >= 10
     db.execute("PRAGMA user_version=1")
     db.commit()
     with pytest.raises(StoreError, match="schema version 1 is not 3"):
@@ -113,7 +113,7 @@ def test_exit_after_the_commit_keeps_the_new_segment(store, monkeypatch):
 
 
 def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
-    """Issue 10 (h): one process rewrites U, another writes V, a third reads U. No read may pair one
+    """One process rewrites U, another writes V, a third reads U. No read may pair one
     generation's rows with another's tensors, and none may fail."""
     facts, kv, emb = sw.generation("v", 1)
     store.put_user("v", facts, kv, kv, emb, window=0)
@@ -134,7 +134,7 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
 
 
 def test_kill_dash_9_during_writes(store):
-    """Issue 10 item 9: kill a writer at random points, 20 times. After each kill the store opens, the user is
+    """Kill a writer at random points, 20 times. After each kill the store opens, the user is
     at the last committed generation or the one in flight, its KV passes the checksum, and fsck leaves only
     live files."""
     rng = random.Random(0)
@@ -153,7 +153,7 @@ def test_kill_dash_9_during_writes(store):
         g = sw.check(st.snapshot("u"))  # raises on a checksum failure or a torn pair
         assert g in (last, last + 1), (g, last)
         st.fsck()
-        live = {st._segment_path("u", seg).name for seg in st.snapshot("u").segments}
+        live = {st.segment_path("u", seg).name for seg in st.snapshot("u").segments}
         assert {p.name for p in (Path(root) / "users").iterdir()} == live
         committed = g
         st.close()
@@ -162,7 +162,7 @@ def test_kill_dash_9_during_writes(store):
 
 def test_fsck_reports_a_corrupt_user(store):
     (seg,) = store.snapshot("u").segments
-    kv_file = store._segment_path("u", seg)
+    kv_file = store.segment_path("u", seg)
     data = bytearray(kv_file.read_bytes())
     data[-5] ^= 0xFF  # one flipped byte inside a tensor
     kv_file.write_bytes(bytes(data))
@@ -184,7 +184,7 @@ def test_fsck_command(store):
 
 
 def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path):
-    """Issue 11: one writer makes 2,000 single-fact adds and deletes while this process retrieves and gathers
+    """One writer makes 2,000 single-fact adds and deletes while this process retrieves and gathers
     KV in a loop; every served fact id is checked against the history: added at or before the version read,
     and not deleted by then."""
     from kvmem.retrieve import UserIndex
@@ -205,7 +205,8 @@ def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path):
         served.append((int(ukv.version), [ukv.facts[r].fact_id for r in rows]))
     assert writer.wait() == 0
     added, deleted = {}, {}
-    for fid, event, version in reader._db.execute("SELECT fact_id, event, version FROM history"):
+    history = sqlite3.connect(reader.root / "meta.sqlite").execute("SELECT fact_id, event, version FROM history")
+    for fid, event, version in history:
         (added if event == "ADD" else deleted)[fid] = version
     assert len(added) > 1000 and len(deleted) > 500
     assert len(served) > 50 and len({v for v, _ in served}) > 20  # many versions were read mid-churn
@@ -230,7 +231,7 @@ def test_one_store_object_shared_by_threads(store):
     def read():
         try:
             for _ in range(300):
-                store._user_cache.clear()
+                store.drop_caches()
                 seen.append(sw.check(store.snapshot("u")))
         except Exception as exc:
             errors.append(repr(exc))
@@ -286,7 +287,7 @@ def test_mmap_snapshot_reads_the_same_kv_and_refuses_truncation(tmp_path):
     rows = [5, 0, 11, 7]
     for a, b in zip(mm.gather(rows), full.gather(rows)):
         assert torch.equal(a, b) and a.abs().sum() > 0
-    seg = st._segment_path("u", full.facts[0].segment)
+    seg = st.segment_path("u", full.facts[0].segment)
     assert torch.equal(mmap_segment(seg)[1], full.segments[full.facts[0].segment][1])
     bad = tmp_path / "trunc.kv.safetensors"
     bad.write_bytes(seg.read_bytes()[:-10])

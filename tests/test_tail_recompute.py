@@ -1,4 +1,4 @@
-"""Tail recompute (issue 13): KV injection of all but the last r retrieved facts, the last r prefilled with the
+"""Tail recompute: KV injection of all but the last r retrieved facts, the last r prefilled with the
 query. In fp32 on the transformers engine: the prompt ids never change with r; r = k is exactly prompt injection
 (every fact recomputed on top of the injected header); r = 0 is plain KV injection; in between the logits differ
 from plain injection (the tail now attends to the injected facts), and the engine prefills exactly the tail and
@@ -72,3 +72,16 @@ def test_tail_recompute_cli_and_bad_values(svc):
     assert parse_mode("kv-tail4") == ("kv", 4, 0.0) and parse_mode("prompt") == ("prompt", None, 0.0)
     with pytest.raises(ValueError):
         parse_mode("kv-tailx")
+
+
+def test_caches_smaller_than_one_entry_serve_uncached(svc):
+    """Every cache is a bound, never an error: with 1-byte caches nothing is cached and every request still
+    answers, with the same prompt as a service with room to cache."""
+    from kvmem.service import MemoryService
+
+    tiny = MemoryService(svc.store.root, svc.engine, svc.lm, svc.embedder, index_cache_bytes=1, store_cache_bytes=1)
+    for _ in range(2):
+        a = tiny.ask("maya", "Where does Maya's brother fly to?", 3, "kv", 4)
+    b = svc.ask("maya", "Where does Maya's brother fly to?", 3, "kv", 4)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.answer == b.answer
+    assert tiny.indexes.nbytes == 0 and tiny.store.kv_cache_bytes == 0 and tiny.indexes.misses == 2

@@ -150,7 +150,7 @@ def build(tmp: Path, family: str) -> dict:
         assert mem.token_ids == joint_ids
         refs[user] = engine.run(query, mem, "kv", STEPS).token_ids
     (seg,) = st.snapshot("trunc").segments
-    kv_file = st._segment_path("trunc", seg)
+    kv_file = st.segment_path("trunc", seg)
     kv_file.write_bytes(kv_file.read_bytes()[:-64])
     st.close()
     cfg = model.config
@@ -421,7 +421,7 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
 
 
 def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
-    """Issue 10 (a), (b), item 1-4: a truncated KV file (the worker's load fails: vLLM recomputes those blocks),
+    """A truncated KV file (the worker's load fails: vLLM recomputes those blocks),
     a store built by another model, a store the engine was not started with, and a version replaced after the
     scheduler cached it. Each answers exactly like a plain prefill; then the engine still injects."""
     joint = run["prompt"][0]["tokens"]

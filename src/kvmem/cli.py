@@ -1,4 +1,7 @@
-"""Command line: thin wrappers that parse, call and print. Known errors become one line and exit code 2."""
+"""Command line: thin wrappers that parse, call and print. Known errors become one line and exit code 2.
+
+Each command imports what it runs inside its own body, so ``kvmem --help`` and argument errors answer without
+loading torch, transformers or vLLM."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from .policy import DEFAULT_NEIGHBOURS, DEFAULT_WINDOW, MAX_NEIGHBOURS, MODES_HELP, Encoding
+from .policy import DEFAULT_NEIGHBOURS, DEFAULT_WINDOW, MAX_NEIGHBOURS, MODES_HELP, Encoding, parse_mode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -101,7 +104,7 @@ _LHISTORY = typer.Option(
     "of the conversation before it (1 encoded token per fact token at --window 0, its default; "
     "no serving cost).",
 )
-# How writes encode new memories (serve, memory add); unset: each user's recorded encoding (Memory._encoding).
+# How writes encode new memories (serve, memory add); unset: each user's recorded encoding (Memory keeps it per user).
 _UWINDOW = typer.Option(
     None,
     "--window",
@@ -124,16 +127,6 @@ _UHISTORY = typer.Option(
     "memory of the user written before it (default: as the user's memories were encoded so far, "
     "else off).",
 )
-
-
-def _check_encoding(window: int | None, neighbours: int | None, history: bool | None) -> Encoding:
-    """``policy.Encoding.of``, with the flags' names in its errors (exit 2, before a model loads)."""
-    if history and neighbours:
-        raise ValueError("--history and --neighbours do not combine; use one of them")
-    try:
-        return Encoding.of(window, neighbours, history)
-    except ValueError as exc:
-        raise ValueError(f"--{exc}") from None
 
 
 def _emit(obj, as_json: bool) -> None:
@@ -221,7 +214,7 @@ def ingest_locomo(
     from .models import load
     from .retrieve import Embedder
 
-    enc = _check_encoding(window, neighbours, history)
+    enc = Encoding.of(window, neighbours, history)
     window, neighbours = enc.window, enc.neighbours
     if batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
@@ -278,6 +271,11 @@ def serve_cmd(
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests in the engine at most; more get HTTP 429."),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
+    write_timeout: float = typer.Option(
+        30.0,
+        "--write-timeout",
+        help="How long a write waits for another process's writer lock (compaction, fsck, ingest), s; then HTTP 503.",
+    ),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
     tail_recompute: int = typer.Option(
         0,
@@ -302,16 +300,17 @@ def serve_cmd(
     if (
         min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1
         or timeout <= 0
+        or write_timeout <= 0
         or (window or 0) < 0
         or tail_recompute < 0
         or not 0 < port < 65536
     ):
         raise ValueError(
             "--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
-            "--timeout must be positive, --window >= 0, --port in 1-65535"
+            "--timeout, --write-timeout must be positive, --window >= 0, --port in 1-65535"
         )
     if window is not None or neighbours is not None or history is not None:
-        _check_encoding(window, neighbours, history)
+        Encoding.of(window, neighbours, history)
     serve(
         store,
         host,
@@ -330,6 +329,7 @@ def serve_cmd(
         neighbours=neighbours,
         selective_recompute=selective_recompute,
         history=history,
+        write_timeout_s=write_timeout,
     )
 
 
@@ -486,7 +486,7 @@ def memory_add(
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
     if window is not None or neighbours is not None or history is not None:
-        _check_encoding(window, neighbours, history)
+        Encoding.of(window, neighbours, history)
     if message is not None and file is not None:
         raise ValueError("give a file or --message, not both")
     if message is not None:
@@ -850,7 +850,6 @@ def bench_latency(
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     from .bench import latency
     from .bench.common import int_list, str_list
-    from .policy import parse_mode
 
     extra = [f"kv-tail{r}" for r in (int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else [])]
     for m in str_list(methods):
@@ -947,10 +946,10 @@ def bench_encode(
     show_progress: bool = _PROGRESS,
 ):
     """Offline encoding seconds per conversation and tokens/s, vs the plain batched forward on the same tokens."""
-    from .bench import ingest_cost as encode
+    from .bench import ingest_cost
     from .bench.common import int_list
 
-    encode.run(
+    ingest_cost.run(
         data,
         out,
         int_list(window, "--window"),
@@ -976,11 +975,11 @@ def bench_memory(
     out: Path = typer.Option(Path("runs/bench/memory"), "--out"),
 ):
     """Online memory: add latency vs a plain forward over the same tokens, search at N memories, delete."""
-    from .bench import online_memory as memory
+    from .bench import online_memory
 
     if turns < 1 or facts < 1:
         raise ValueError("--turns and --facts must be >= 1")
-    memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
+    online_memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
 
 
 @bench_app.command("replay")
@@ -1024,13 +1023,13 @@ def bench_serve(
 ):
     """Load test of `kvmem serve` on loopback: concurrent users chat (kv and prompt), add and delete; TTFT, QPS,
     errors, canary leaks, peak RSS."""
-    from .bench import serve_load as bench
+    from .bench import serve_load
     from .bench.common import int_list
 
     points = sorted(set(int_list(sweep, "--sweep", 1) + [users])) if sweep else [users]
     if users < 1 or duration <= 0 or sweep_duration <= 0 or k < 1 or facts < k or max_tokens < 1:
         raise ValueError("--users, --duration, --k, --max-tokens must be positive and --facts >= --k")
-    bench.run(data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration)
+    serve_load.run(data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration)
 
 
 @eval_app.command("locomo")

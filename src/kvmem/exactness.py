@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from .compose import compose_raw
 from .encode import capture_kv, encode_spans
-from .engines.hf import HFEngine
+from .engines.select import reference_engine
 from .rope import Rotary
 
 REL_TOL = 1e-5
@@ -33,7 +33,7 @@ def check_joint(model, memory_ids: list[int], query_ids: list[int], steps: int =
     served_len = start + len(memory_ids) + len(query_ids)
     (kv,) = encode_spans(model, [memory_ids], [(0, len(memory_ids))], served_len=served_len)
     memory = compose_raw(Rotary.for_model(model), memory_ids, kv.keys, kv.values, start=start, served_len=served_len)
-    engine = HFEngine(model, eos_token_ids=[])
+    engine = reference_engine(model, eos_token_ids=[])
     a = engine.run(query_ids, memory, "kv", steps, keep_step_logits=True)
     b = engine.run(query_ids, memory, "prompt", steps, keep_step_logits=True)
     diffs = [_rel(x, y) for x, y in zip(a.step_logits, b.step_logits)]

@@ -17,6 +17,10 @@ import json
 import logging
 from dataclasses import dataclass
 
+import httpx
+
+from .engines.select import reference_engine
+
 logger = logging.getLogger("kvmem.extract")
 
 FACTS_SCHEMA = {
@@ -156,9 +160,7 @@ class LocalExtractor(Extractor):
     def complete(self, prompt: str, schema: dict) -> str:
         ids = chat_prompt_ids(self.lm, prompt)
         if self.engine is None:
-            from .engines.hf import HFEngine
-
-            self.engine = HFEngine(self.lm.model, tokenizer=self.lm.tokenizer)
+            self.engine = reference_engine(self.lm.model, tokenizer=self.lm.tokenizer)
         out = self.engine.complete_json(ids, schema, self.max_new_tokens)
         return self.lm.tokenizer.decode(out, skip_special_tokens=True)
 
@@ -170,7 +172,6 @@ class OpenAIExtractor(Extractor):
         self.base_url, self.model, self.api_key, self.timeout_s = base_url.rstrip("/"), model, api_key, timeout_s
 
     def complete(self, prompt: str, schema: dict) -> str:
-        import httpx
 
         body = {
             "model": self.model,

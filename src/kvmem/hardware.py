@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
+import statistics
+import time
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -100,7 +103,6 @@ def _cpu_name() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or "unknown CPU"
 
@@ -231,8 +233,6 @@ def configure_threads(n: int | None = None) -> int:
 def gemm_gflops(dtype: str = "float32", m: int = 512, k: int = 896, n: int = 4864, repeats: int = 5) -> float:
     """This machine's measured GEMM rate (GFLOP/s, median of ``repeats``) for an ``[m, k] @ [k, n]`` matmul in
     ``dtype`` at torch's current thread count; the yardstick for encode throughput."""
-    import statistics
-    import time
 
     import torch
 

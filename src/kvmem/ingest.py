@@ -28,19 +28,22 @@ from .encode import encode_chain, encode_spans
 from .models import LoadedModel, fingerprint
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import FactRecord, Store, StoreError
+from .store import CACHE_BYTES, FactRecord, Store, StoreError
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
 
 
-def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) -> tuple[Store, PromptFormat]:
-    """Open the store at ``root`` for ``lm`` (refusing another model's store) or create it with the header KV."""
+def open_or_create_store(
+    root: str | Path, lm: LoadedModel, embedder: Embedder, cache_bytes: int = CACHE_BYTES
+) -> tuple[Store, PromptFormat]:
+    """Open the store at ``root`` for ``lm`` (refusing another model's store) or create it with the header KV.
+    ``cache_bytes``: the store's cache bound (``Store``)."""
     fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
     header_ids = fmt.header_ids(lm.tokenizer)
     fp = fingerprint(lm)
     if (Path(root) / "manifest.json").exists():
-        store = Store.open(root, fp)
+        store = Store.open(root, fp, cache_bytes=cache_bytes)
         if store.header_token_ids != header_ids:
             raise StoreError(f"store {root} was built with a different instruction header")
         if store.manifest["embedder"]["name"] != embedder.name:
@@ -51,7 +54,9 @@ def open_or_create_store(root: str | Path, lm: LoadedModel, embedder: Embedder) 
     if Path(root).exists() and not Path(root).is_dir():
         raise StoreError(f"--store {root} is a file, not a directory")
     (hkv,) = encode_spans(lm.model, [header_ids], [(0, len(header_ids))])
-    store = Store.create(root, fp, fmt.header, header_ids, hkv.keys.cpu(), hkv.values.cpu(), embedder.describe())
+    store = Store.create(
+        root, fp, fmt.header, header_ids, hkv.keys.cpu(), hkv.values.cpu(), embedder.describe(), cache_bytes
+    )
     return store, fmt
 
 

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .compose import replace_invalid
+
 _SESSION = re.compile(r"^session_(\d+)$")
 _DIA = re.compile(r"^D(\d+):(\d+)$")
 
@@ -109,7 +111,6 @@ def load_locomo(path: str | Path) -> list[Conversation]:
 def _replace_invalid(x):
     """Every string of the file with lone UTF-16 surrogates replaced by U+FFFD (JSON allows "\\ud83d" alone;
     no tokenizer does)."""
-    from .compose import replace_invalid
 
     if isinstance(x, str):
         return replace_invalid(x)

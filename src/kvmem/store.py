@@ -24,6 +24,7 @@ Opening never writes (no DDL): the schema is made by ``create`` and its version 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import functools
 import hashlib
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sqlite3
 import threading
 import time
@@ -59,8 +61,16 @@ os.umask(_UMASK)
 
 def save_file(tensors: dict, path: Path) -> str:
     """Write, fsync and return the SHA-256 of a safetensors file. safetensors' writer creates files 0600; give them
-    the same umask-derived mode as the manifest and SQLite."""
-    _save_file(tensors, path)
+    the same umask-derived mode as the manifest and SQLite. Raises OSError(ENOSPC) when the disk is full (the
+    partial file removed)."""
+    need = sum(t.nbytes for t in tensors.values())
+    try:
+        _save_file(tensors, path)
+    except Exception as exc:  # safetensors reports a full disk as its own error type
+        path.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno != errno.ENOSPC or shutil.disk_usage(path.parent).free >= need:
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on the store's disk for {need} bytes of KV", str(path)) from None
     os.chmod(path, 0o666 & ~_UMASK)
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -78,6 +88,10 @@ def fsync_dir(path: Path) -> None:
 
 class StoreError(RuntimeError):
     """Missing or unreadable store, unknown user."""
+
+
+class StoreBusy(StoreError):
+    """A write waited longer than the store's ``write_timeout_s`` for another writer's lock."""
 
 
 class UnknownUser(StoreError):
@@ -305,6 +319,9 @@ class Store:
         self._user_cache: LRUCache = LRUCache(maxsize=size, getsizeof=_ukv_bytes)
         self._segments: LRUCache = LRUCache(maxsize=size, getsizeof=lambda kv: kv[0].nbytes + kv[1].nbytes)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.write_timeout_s: float | None = (
+            None  # how long a write waits for another writer (None: as long as it takes)
+        )
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -318,6 +335,7 @@ class Store:
         header_keys: torch.Tensor,
         header_values: torch.Tensor,
         embedder: dict,
+        cache_bytes: int = CACHE_BYTES,
     ) -> Store:
         """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw."""
         root = Path(root)
@@ -346,7 +364,7 @@ class Store:
             os.fsync(f.fileno())
         tmp.rename(root / "manifest.json")
         fsync_dir(root)
-        return cls(root, manifest)
+        return cls(root, manifest, cache_bytes=cache_bytes)
 
     @classmethod
     def open(cls, root: str | Path, fingerprint: dict | None = None, cache_bytes: int = CACHE_BYTES) -> Store:
@@ -413,6 +431,18 @@ class Store:
             t = load_file(self.root / "header.safetensors")
             self._header = (t["keys"], t["values"])
         return self._header
+
+    @property
+    @_locked
+    def busy_timeout_s(self) -> float:
+        """How long this store's SQLite connection waits for another process's write lock, s."""
+        return self._db.execute("PRAGMA busy_timeout").fetchone()[0] / 1e3
+
+    def drop_caches(self) -> None:
+        """Forget cached snapshots and segments: the next read goes to disk (tests of what a cold reader sees)."""
+        with self._lock:
+            self._user_cache.clear()
+            self._segments.clear()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -502,17 +532,18 @@ class Store:
         rows = self._db.execute(q, (user, -1 if last is None else max(last, 0))).fetchall()
         return [dict(zip(("idx", "dia_id", "speaker", "content", "time"), r)) for r in reversed(rows)]
 
-    def _segment_path(self, user: str, segment: str) -> Path:
+    def segment_path(self, user: str, segment: str) -> Path:
+        """The file of ``user``'s KV segment ``segment`` (immutable once committed)."""
         return self.root / "users" / f"{_safe(user)}.{segment}.kv.safetensors"
 
     def _load_segment(self, user: str, segment: str, sha: str, mmap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         key = (user, segment, mmap)
         if mmap and key not in self._segments:
-            kv = mmap_segment(self._segment_path(user, segment))  # FileNotFoundError: the caller retries
+            kv = mmap_segment(self.segment_path(user, segment))  # FileNotFoundError: the caller retries
             _cache_put(self._segments, key, kv)
             return kv
         if key not in self._segments:
-            data = self._segment_path(user, segment).read_bytes()  # FileNotFoundError: the caller retries
+            data = self.segment_path(user, segment).read_bytes()  # FileNotFoundError: the caller retries
             if hashlib.sha256(data).hexdigest() != sha:
                 raise StoreError(
                     f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
@@ -622,11 +653,28 @@ class Store:
 
     @contextmanager
     def writer(self):
-        """The store's single-writer lock (a file lock: concurrent writers, in any process, serialize)."""
+        """The store's single-writer lock (a file lock: concurrent writers, in any process, serialize), then this
+        object's lock. The file lock is waited for first, without this object's lock, so reads never queue behind
+        a writer waiting for another process. Raises StoreBusy after ``write_timeout_s`` (None: wait)."""
         with open(self.root / ".writer.lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
+            if self.write_timeout_s is None:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            else:
+                deadline = time.monotonic() + self.write_timeout_s
+                while True:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise StoreBusy(
+                                f"store {self.root} is busy: another writer (a compaction, fsck or ingest?) held "
+                                f"its lock for {self.write_timeout_s:g} s"
+                            ) from None
+                        time.sleep(0.02)
             try:
-                yield
+                with self._lock:
+                    yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -647,11 +695,9 @@ class Store:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.executemany("DELETE FROM segments WHERE user=? AND segment=?", dead)
         if user is not None:
-            doomed = [self._segment_path(u, seg) for u, seg in dead]
+            doomed = [self.segment_path(u, seg) for u, seg in dead]
         else:
-            live = {
-                self._segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")
-            }
+            live = {self.segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")}
             doomed = [p for p in (self.root / "users").iterdir() if p.name not in live and p.is_file()]
         removed = []
         for p in doomed:
@@ -662,7 +708,6 @@ class Store:
                 logger.warning("store %s: cannot remove %s: %s", self.root, p, exc)
         return removed
 
-    @_locked
     def fsck(self) -> dict:
         """Check every user (rows, files, KV checksums) and remove orphaned files. Returns a report:
         ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names]}``."""
@@ -684,7 +729,6 @@ class Store:
                     bad[user] = str(exc)
         return {"users": len(ok) + len(bad), "ok": ok, "bad": bad, "removed": removed}
 
-    @_locked
     def commit(
         self,
         user: str,
@@ -735,7 +779,7 @@ class Store:
         with self.writer():
             segment, digest, path = uuid.uuid4().hex[:12], "", None
             if add:
-                path = self._segment_path(user, segment)
+                path = self.segment_path(user, segment)
                 digest = save_file(
                     {"keys": torch.cat(keys, dim=2).contiguous(), "values": torch.cat(values, dim=2).contiguous()}, path
                 )
@@ -762,7 +806,7 @@ class Store:
                     path.unlink(missing_ok=True)
                 raise
             self._gc(user)
-        self._user_cache.pop(user, None)
+            self._user_cache.pop(user, None)
         return version
 
     def _segment_committed(self, user: str, segment: str) -> bool:
@@ -926,7 +970,6 @@ class Store:
             history=history,
         )
 
-    @_locked
     def compact(self, user: str) -> str:
         """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
         What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it."""
@@ -934,7 +977,7 @@ class Store:
             ukv = self.snapshot(user)
             segment = uuid.uuid4().hex[:12]
             keys, values = ukv.gather(list(range(len(ukv.facts))))
-            path = self._segment_path(user, segment)
+            path = self.segment_path(user, segment)
             digest = save_file({"keys": keys.contiguous(), "values": values.contiguous()}, path)
             fsync_dir(path.parent)
             db = self._db
@@ -956,16 +999,14 @@ class Store:
                     (version, version, time.time(), user),
                 )
             self._gc(user)
-        self._user_cache.pop(user, None)
+            self._user_cache.pop(user, None)
         return str(version)
 
-    @_locked
     def delete_user(self, user: str) -> str:
         """Tombstone every live fact of ``user``, whatever is live when the commit runs (history records each
         DELETE; the turns stay). Returns the new version; a user with nothing live is a no-op commit."""
         return self.commit(user, delete=ALL)
 
-    @_locked
     def reset(self) -> None:
         """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
         salt is ever reused)."""
@@ -977,5 +1018,5 @@ class Store:
                     self._db.execute(f"DELETE FROM {table}")
                 self._db.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%'")
             self._gc()
-        self._user_cache.clear()
-        self._segments.clear()
+            self._user_cache.clear()
+            self._segments.clear()

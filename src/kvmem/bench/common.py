@@ -16,11 +16,26 @@ import json
 import os
 import platform
 import random
+import resource
+import shutil
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..engines.select import open_engine
+from ..hardware import resolve_engine
+from ..locomo import LocomoError, load_locomo
+from ..locomo_ingest import ingest_conversation
+from ..models import fingerprint, load
+from ..policy import Encoding
+from ..retrieve import Embedder
+from ..service import MemoryService
+from ..store import Store, StoreError
 
 CACHE_ENV = "KVMEM_BENCH_CACHE"
 
@@ -49,7 +64,6 @@ def str_list(text: str | None) -> list[str]:
 def check_engine(engine: str) -> str:
     """The engine a bench command runs: ``hf`` always works; ``vllm`` must run here; ``auto`` is vllm where it
     runs, else hf (with a note on stderr). Raises EngineUnavailable (a ValueError: one line, exit code 2)."""
-    from ..hardware import resolve_engine
 
     engine, note = resolve_engine(engine)
     if note:
@@ -70,7 +84,6 @@ def file_digest(path: Path) -> str:
 
 def load_samples(data: Path, samples: list[str] | None):
     """The chosen LoCoMo conversations, in the order asked (all of the file's when ``samples`` is empty)."""
-    from ..locomo import LocomoError, load_locomo
 
     convs = load_locomo(data)
     if not samples:
@@ -150,10 +163,6 @@ def ensure_store(
 ) -> Path:
     """The cached store for ``conv`` at ``window`` (and ``neighbours``, neighbour-aware encoding, or ``history``,
     history encoding), ingesting it first when missing (or built differently)."""
-    from ..locomo_ingest import ingest_conversation
-    from ..models import fingerprint
-    from ..policy import Encoding
-    from ..store import Store, StoreError
 
     neighbours = Encoding.of(window, neighbours, history).neighbours
     root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours, history)
@@ -170,8 +179,6 @@ def ensure_store(
         ok = False
     if not ok:
         if (root / "manifest.json").exists():
-            import shutil
-
             shutil.rmtree(root)
         rep = ingest_conversation(
             lm,
@@ -297,8 +304,6 @@ def rss_bytes() -> dict:
             elif line.startswith("VmHWM:"):
                 out["peak_rss"] = int(line.split()[1]) * 1024
     except OSError:  # pragma: no cover
-        import resource
-
         out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
@@ -309,7 +314,6 @@ def median(xs) -> float:
 
 
 def p95(xs) -> float:
-    import numpy as np
 
     xs = list(xs)
     return float(np.percentile(xs, 95)) if xs else float("nan")
@@ -406,7 +410,6 @@ def table(rows: list[list], header: list[str]) -> str:
 
 
 def progress(total: int, desc: str, enabled: bool = True):
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
 
@@ -423,33 +426,33 @@ class Setup:
     engine: str  # as asked (auto | vllm | hf); ``engine_name`` once started
     show_progress: bool = True
     opened: object = None  # engines.select.Opened, once started
+    resolved: str = ""  # the engine ``auto`` resolves to here, before it starts
+    note: str | None = None
 
     @classmethod
     def load(cls, data: Path, samples: list[str] | None, model: str, engine: str, show_progress: bool = True) -> Setup:
-        from ..models import load
-        from ..retrieve import Embedder
 
-        check_engine(engine)  # EngineUnavailable before anything loads
+        resolved, note = resolve_engine(engine)  # EngineUnavailable before anything loads
+        if note:
+            log_err(note)
         convs = load_samples(Path(data), samples)
-        return cls(Path(data), convs, load(model), Embedder(), engine, show_progress)
+        return cls(Path(data), convs, load(model), Embedder(), engine, show_progress, resolved=resolved, note=note)
 
     def start(self, stores: list[Path] = ()):
         """The engine (started once; ``stores``: more stores it may inject from besides the bench cache)."""
         if self.opened is None:
-            from ..engines.select import open_engine
-
             self.opened = open_engine(self.lm, self.engine, stores=[cache_root(), *stores])
-            if self.opened.note:
+            if self.opened.note and self.opened.note != self.note:  # a start-up failure, not load's own note
                 log_err(self.opened.note)
         return self.opened.engine
 
     @property
     def engine_name(self) -> str:
-        return self.start().name
+        """The running engine's name (or, before it starts, the one ``engine`` resolves to)."""
+        return self.opened.engine.name if self.opened is not None else self.resolved
 
     def service(self, root: Path):
         """A ``service.MemoryService`` over ``root`` on the shared engine."""
-        from ..service import MemoryService
 
         return MemoryService(root, self.start([root]), self.lm, self.embedder)
 

@@ -31,6 +31,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+from ..engines.select import check_methods
+from ..policy import MODES_HELP, Encoding, parse_mode
 from .common import (
     Setup,
     answer_batch,
@@ -205,8 +207,6 @@ def run(
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
     ``history``). Returns the summary (also written to ``out/summary.json``)."""
-    from ..engines.select import check_methods
-    from ..policy import MODES_HELP, Encoding, parse_mode
 
     neighbours = Encoding.of(None, neighbours, history).neighbours
     try:
@@ -222,6 +222,7 @@ def run(
     if bool(judge_url) != bool(judge_model):
         raise ValueError("--judge-url and --judge-model go together")
     setup = Setup.load(data, samples, model, engine, show_progress)
+    engine = setup.engine_name
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")

@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import faiss
+
+from ..models import head_dim
+from ..retrieve import UserIndex
 from .common import (
     Setup,
     log_err,
@@ -40,7 +44,6 @@ def run(
     rss_model = rss_bytes()
     info = machine()
     cfg = setup.lm.config
-    from ..models import head_dim
 
     L, h, d = cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg)
     b = setup.lm.dtype.itemsize
@@ -53,11 +56,9 @@ def run(
         svc = svcs[c.sample_id]
         st = svc.store
         ukv = st.user_kv(c.sample_id)
-        index = svc.index(c.sample_id)
-        import faiss
-
+        index = UserIndex(ukv.embeddings.shape[1]).sync(st, ukv)
         index_bytes = int(faiss.serialize_index(index.index).nbytes)
-        kv_paths = [st._segment_path(c.sample_id, seg) for seg in ukv.segments]
+        kv_paths = [st.segment_path(c.sample_id, seg) for seg in ukv.segments]
         n_tok = ukv.num_tokens
         kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in ukv.segments.values())
         hk, hv = st.header_kv()

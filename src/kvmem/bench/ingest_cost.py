@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 
+from ..compose import PromptFormat
 from ..encode import length_batches
+from ..hardware import gemm_gflops
+from ..locomo_ingest import context_sequences, ingest_conversation
 from ..rope import is_length_dependent
 from .common import Setup, machine, progress, pyplot, table, write_csv, write_summary_and_records
 
 
 def fact_sequences(lm, conv, window: int) -> list[list[int]]:
     """The sequences ``ingest_conversation`` encodes: header + ``window`` turns before the fact + the fact."""
-    from ..compose import PromptFormat
-    from ..locomo_ingest import context_sequences
 
     tok = lm.tokenizer
     return context_sequences(tok, PromptFormat.for_tokenizer(tok, lm.chat).header_ids(tok), conv, window)[0]
@@ -53,7 +54,6 @@ def run(
     show_progress: bool = True,
     echo=print,
 ) -> dict:
-    from ..locomo_ingest import ingest_conversation
 
     setup = Setup.load(data, samples, model, engine, show_progress)
     engine = "hf"  # encoding runs on the transformers model, whatever serves
@@ -102,7 +102,6 @@ def run(
     bar.close()
     # The yardstick: this machine's GEMM rate in the model's dtype, and the linear-layer FLOPs per token
     # (2 x decoder weights; attention scores are small at these lengths and left out, so the fraction is a floor).
-    from ..hardware import gemm_gflops
 
     gemm = gemm_gflops(str(lm.dtype).removeprefix("torch."))
     flop_per_token = 2 * sum(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..engines.select import check_methods
+from ..service import same_prompt
 from .common import (
     Setup,
     bare,
@@ -100,7 +102,7 @@ def summarize(records: list[dict], ks: list[int], window: int, modes=MODES) -> d
         "kv_over_bare": ratio(kv[kmax], out["ttft_ms"]["bare"]),
         "kmin": int(kmin),
         "kmax": int(kmax),
-        # tail recompute (issue 13): TTFT of each method over plain KV injection, and prompt over the method
+        # tail recompute: TTFT of each method over plain KV injection, and prompt over the method
         "method_over_kv": {
             m: {str(k): ratio(out["ttft_ms"][m][str(k)], kv[str(k)]) for k in ks} for m in modes if m not in MODES
         },
@@ -171,8 +173,6 @@ def run(
 ) -> dict:
     """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
     any further serving methods (``policy.parse_mode``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
-    from ..engines.select import check_methods
-    from ..service import same_prompt
 
     note = store_device_note(store_device)
     modes = MODES + tuple(dict.fromkeys([f"kv-tail{r}" for r in tails if r > 0] + list(methods)))

@@ -1,4 +1,4 @@
-"""``kvmem bench memory``: the online-memory write and read paths against their targets (issue 11).
+"""``kvmem bench memory``: the online-memory write and read paths against their targets.
 
 * ``add`` with ``infer=False``, one LoCoMo turn per call, encoding at window ``w``: latency per call, side by side
   with the model's plain forward over exactly the same ``[header][w turns][fact]`` tokens, in the same run
@@ -19,6 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ..locomo import get_conversation
+from ..memory import Memory
+from ..models import head_dim, load
+from ..retrieve import Embedder
+from ..store import FactRecord
 from .common import machine, median, p95, pyplot, table, write_summary_and_records
 
 
@@ -34,11 +39,6 @@ def run(
     deletes: int = 20,
     echo=print,
 ) -> dict:
-    from ..locomo import get_conversation
-    from ..memory import Memory
-    from ..models import load
-    from ..retrieve import Embedder
-    from ..store import FactRecord
 
     conv = get_conversation(data, sample)
     lm, emb = load(model), Embedder()
@@ -71,8 +71,6 @@ def run(
         # a user with `facts` memories: filler rows in batches, then real ones to search and delete
         g = torch.Generator().manual_seed(0)
         cfg = lm.config
-        from ..models import head_dim
-
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 1, head_dim(cfg))
         kv = torch.zeros(shape, dtype=lm.dtype)
         for start in range(0, facts, 1000):

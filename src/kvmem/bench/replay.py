@@ -15,12 +15,22 @@ total divided by the turns).
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .common import answer_batch, log_err, machine, median, p95, pyplot, table, write_json
+from ..bench.eval_locomo import CATEGORY_NAMES, locomo_f1
+from ..engines.select import open_engine
+from ..locomo import Conversation
+from ..locomo_ingest import ingest_conversation
+from ..memory import Memory
+from ..models import load
+from ..retrieve import Embedder
+from ..service import MemoryService
+from ..store import Store
+from .common import answer_batch, check_engine, load_samples, log_err, machine, median, p95, pyplot, table, write_json
 
 ARMS = ("observations", "infer", "raw")
 BATCH = 32
@@ -55,8 +65,6 @@ def replay_questions(conv, sessions: int) -> list[tuple[int, object]]:
 
 def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err, engine=None) -> dict:
     """Replay ``conv`` (already cut to the replayed sessions) into a fresh store at ``root``; the arm's figures."""
-    from ..locomo_ingest import ingest_conversation
-    from ..memory import Memory
 
     if root.exists():
         shutil.rmtree(root)
@@ -81,7 +89,6 @@ def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err
             if (i + 1) % 20 == 0:
                 log(f"  {arm} {conv.sample_id}: {i + 1}/{len(conv.turns)} turns, last add {add_ms[-1]:.0f} ms")
         mem.store.close()
-    from ..store import Store
 
     st = Store.open(root)
     facts, stored_bytes = len(st.snapshot(conv.sample_id, kv=False).facts), st.disk_bytes()
@@ -101,7 +108,6 @@ def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err
 
 def cut(conv, sessions: int):
     """``conv`` with only its first ``sessions`` sessions' turns and observation facts."""
-    from ..locomo import Conversation
 
     turns = [t for t in conv.turns if t.session <= sessions]
     facts = [f for f in conv.facts if int(f.fact_id.split("/s")[1].split("/")[0]) <= sessions]
@@ -123,12 +129,6 @@ def run(
 ) -> dict:
     """``reuse``: keep a store already built by an earlier run into ``out`` (its figures are in builds.json) and
     only answer."""
-    from ..bench.eval_locomo import CATEGORY_NAMES, locomo_f1
-    from ..engines.select import open_engine
-    from ..models import load
-    from ..retrieve import Embedder
-    from ..service import MemoryService
-    from .common import check_engine, load_samples
 
     check_engine(engine)
     for a in arms:
@@ -137,12 +137,12 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     convs = [cut(c, sessions) for c in load_samples(Path(data), samples)]
     lm, embedder = load(model), Embedder()
-    opened = open_engine(lm, engine, stores=[out / "stores"], max_model_len=8192)  # extraction and answers
+    # one engine for extraction and answers
+    opened = open_engine(lm, engine, stores=[out / "stores"], vllm_options={"max_model_len": 8192})
     if opened.note:
         log_err(opened.note)
     eng = opened.engine
     engine = eng.name
-    import json
 
     done = json.loads((out / "builds.json").read_text()) if reuse and (out / "builds.json").exists() else []
     builds = []

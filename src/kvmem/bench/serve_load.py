@@ -21,6 +21,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+import psutil
+
+from ..locomo import load_locomo
 from .common import log_err, machine, median, p95, pyplot, table, write_json
 
 WORDS = [
@@ -67,7 +72,6 @@ def _free_port() -> int:
 
 
 def _facts_pool(data: Path) -> list[str]:
-    from ..locomo import load_locomo
 
     seen, out = set(), []
     for c in load_locomo(data):
@@ -83,12 +87,10 @@ class Tree:
     """Peak RSS of a process and its children (server + vLLM engine core and worker), sampled."""
 
     def __init__(self, pid: int):
-        import psutil
 
         self.proc, self.peak_total, self.peak_server, self.peak_engine = psutil.Process(pid), 0, 0, 0
 
     def sample(self) -> None:
-        import psutil
 
         try:
             main = self.proc.memory_info().rss
@@ -226,7 +228,6 @@ async def _phase(
     delete_every: int,
     tree: Tree,
 ) -> dict:
-    import httpx
 
     stats = {
         "model": model,
@@ -301,7 +302,6 @@ def run(
     kv_cache_bytes: int = 2 << 30,
     port: int | None = None,
 ) -> dict:
-    import httpx
 
     out.mkdir(parents=True, exist_ok=True)
     n_users = max(users)
@@ -314,8 +314,6 @@ def run(
     (out / "keys.json").write_text(json.dumps(keys))
     store = out / "store"
     if store.exists():
-        import shutil
-
         shutil.rmtree(store)
     port = port or _free_port()
     base = f"http://127.0.0.1:{port}"

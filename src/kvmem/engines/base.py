@@ -21,6 +21,7 @@ Paper §3.3 (serving path).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -148,6 +149,7 @@ class _Capabilities:
     max_model_len: int = 0
     selective_recompute: bool = False
     batches: bool = False
+    metrics_file: str | None = None  # where the engine writes its own counters (JSON), if it does
 
 
 class Engine(_Capabilities, ABC):
@@ -191,6 +193,10 @@ class AsyncEngine(_Capabilities, ABC):
         """Requests waiting for or running in the engine."""
         return 0
 
+    def healthy(self) -> bool:
+        """Whether the engine can still serve (False once its process or thread has died)."""
+        return True
+
     def sync_json(self, loop) -> object:
         """An object with a blocking ``complete_json`` for code on a worker thread (fact extraction during a
         write): by default it runs this engine's coroutine on ``loop`` (the server's event loop) and waits."""
@@ -205,7 +211,6 @@ class _LoopJSON:
         self.engine, self.loop = engine, loop
 
     def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
-        import asyncio
 
         return asyncio.run_coroutine_threadsafe(
             self.engine.complete_json(prompt_ids, schema, max_tokens), self.loop

@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from ..compose import ComposedMemory, compose
 from ..rope import Rotary, reset_rope_state, served_length
@@ -100,9 +101,6 @@ def gqa_sdpa_attention_forward(
 def use_gqa_sdpa(model) -> None:
     """Switch a model on transformers' plain ``sdpa`` attention to ``gqa_sdpa_attention_forward`` (same masks),
     through transformers' own attention registry and ``set_attn_implementation``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
     if model.config._attn_implementation != "sdpa" or getattr(model.config, "attn_logit_softcapping", None):
         return
     if GQA_SDPA not in AttentionInterface._global_mapping:
@@ -141,7 +139,7 @@ def selective_recompute(
     header_len: int = 0,
     cache: DynamicCache | None = None,
 ) -> tuple[DynamicCache, torch.Tensor, int]:
-    """Query-aware selective recompute (issue 13; the idea of CacheBlend, EuroSys'25, with a query-driven choice
+    """Query-aware selective recompute (the idea of CacheBlend, EuroSys'25, with a query-driven choice
     as in ProphetKV, arXiv 2602.02579): inject ``memory``, let the query pick the fact tokens it attends to most,
     and recompute those tokens' K/V in every layer on top of the injected cache.
 
@@ -419,10 +417,13 @@ class AsyncHFEngine(AsyncEngine):
         self.engine, self.max_model_len, self.max_queue = engine, engine.max_model_len, max_queue
         self._own_pool = pool is None
         self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-hf")
-        self._pending = 0
+        self._pending, self._closed = 0, False
 
     def queue_depth(self) -> int:
         return self._pending
+
+    def healthy(self) -> bool:
+        return not self._closed
 
     async def memory(self, plan: MemoryPlan) -> HFMemory:
         """``HFEngine.memory`` on the model thread (composition uses the model's RoPE state)."""
@@ -477,5 +478,6 @@ class AsyncHFEngine(AsyncEngine):
         )
 
     async def shutdown(self) -> None:
+        self._closed = True
         if self._own_pool:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -76,7 +76,7 @@ def open_engine(
                 note,
             )
         except EngineUnavailable as exc:
-            if engine != "auto":
+            if engine not in (None, "auto"):
                 raise
             note = f"note: using the transformers engine: {exc}"
             model = lm.name if lm.model.device.type == "meta" else lm
@@ -88,20 +88,28 @@ def open_engine(
     return Opened(lm, _hf(lm, serving, max_model_len, max_queue, pool), note)
 
 
-_SELECTIVE_RECOMPUTE = {"hf": True, "vllm": False}  # each engine class's ``selective_recompute`` (tested)
+SELECTIVE_RECOMPUTE = {"hf": True, "vllm": False}  # each engine class's ``selective_recompute`` (tested)
 
 
 def check_methods(modes, engine: str) -> None:
     """ValueError, before any engine starts, when a serving method in ``modes`` (``policy.parse_mode``) needs
     what ``engine`` (auto | vllm | hf, as resolved here) cannot do: selective recompute off the transformers
     engine."""
-    name, _ = resolve_engine(engine) if engine == "auto" else (engine, None)
-    if not _SELECTIVE_RECOMPUTE.get(name, False) and any(parse_mode(m)[2] for m in modes):
+    name, _ = resolve_engine(engine) if engine in (None, "auto") else (engine, None)
+    if not SELECTIVE_RECOMPUTE.get(name, False) and any(parse_mode(m)[2] for m in modes):
         raise ValueError("kv-sel (selective recompute) runs on the transformers engine only: add --engine hf")
 
 
+def reference_engine(model, eos_token_ids: list[int] | None = None, tokenizer=None):
+    """The transformers engine on a loaded ``torch`` model, in the ``Engine`` role: the exact reference the
+    exactness checks and local fact extraction run on."""
+    from .hf import HFEngine
+
+    return HFEngine(model, eos_token_ids=eos_token_ids, tokenizer=tokenizer)
+
+
 def _hf(lm: LoadedModel, serving: bool, max_model_len: int | None, max_queue: int, pool):
-    from .hf import AsyncHFEngine, HFEngine
+    from .hf import AsyncHFEngine, HFEngine  # transformers: imported where this engine runs
 
     eng = HFEngine(
         lm.model,
@@ -122,8 +130,10 @@ def _vllm(
     metrics_file: str | None,
     options: dict,
 ):
-    # vLLM imports in ~5 s: only where it is the engine
-    from .vllm_engine import AsyncVLLMEngine, VLLMEngine
+    try:  # vLLM imports in ~5 s: only where it is the engine
+        from .vllm_engine import AsyncVLLMEngine, VLLMEngine
+    except ImportError as exc:
+        raise EngineUnavailable(f"vLLM does not import ({type(exc).__name__}: {exc})") from exc
 
     path = model_dir(lm.name) if lm.name in REGISTRY else lm.name
     opts = {

@@ -56,6 +56,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ..compose import compose
+from ..models import MANIFEST, head_dim, weights_hash
+from ..rope import LENGTH_DEPENDENT, Rotary, rope_type
+from ..store import Store
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -99,20 +104,20 @@ def kvmem_params(
 
 _LOCK = threading.Lock()
 _STORES: dict[str, Any] = {}
+_INODES: dict[str, int] = {}  # root -> its manifest's inode when opened (a re-created store is reopened)
 _CACHE_BYTES = [1 << 30]  # each store's cache bound in this process: kv_connector_extra_config["cache_bytes"]
 _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 
 
 def _store(root: str):
     """This process's handle on the store at ``root``, reopened if the store was re-created there."""
-    from ..store import Store
 
     ino = (Path(root) / "manifest.json").stat().st_ino
     with _LOCK:
         st = _STORES.get(root)
-        if st is None or st._manifest_ino != ino:
+        if st is None or _INODES.get(root) != ino:
             st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0])
-            st._manifest_ino = ino
+            _INODES[root] = ino
             for k in [k for k in _FACT_TOKENS if k[0] == root]:
                 del _FACT_TOKENS[k]
         return st
@@ -154,7 +159,6 @@ def ids_digest(ids) -> str:
 
 def engine_identity(vllm_config) -> dict:
     """The engine model's side of the store fingerprint: weights hash, dtype and KV shapes."""
-    from ..models import MANIFEST, head_dim, weights_hash
 
     mc = vllm_config.model_config
     folder = Path(mc.model)
@@ -172,7 +176,6 @@ def engine_identity(vllm_config) -> dict:
 
 def check_engine_config(vllm_config, kv_cache_config=None) -> None:
     """Refuse, with one clear error at engine start, what the connector does not implement (module docstring)."""
-    from ..rope import LENGTH_DEPENDENT, rope_type
 
     par = vllm_config.parallel_config
     if getattr(par, "tensor_parallel_size", 1) > 1 or getattr(par, "pipeline_parallel_size", 1) > 1:
@@ -242,6 +245,16 @@ class KvmemConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
         self._num_layers = (getattr(self._hf_config, "text_config", None) or self._hf_config).num_hidden_layers
+
+    @classmethod
+    def scheduler_only(cls, stores: list[str | Path], identity: dict) -> KvmemConnector:
+        """The scheduler side alone, without a vLLM config: for tests of its matching rules. ``stores``: the
+        allowed store directories; ``identity``: the engine's ``weights_sha256`` and ``dtype``."""
+        conn = object.__new__(cls)
+        conn.metrics, conn._metrics_file, conn._trusted, conn._matched = Counter(), None, {}, {}
+        conn._allowed = [Path(p).resolve() for p in stores]
+        conn._identity = dict(identity)
+        return conn
 
     def _untrusted(self, root: str) -> str | None:
         """Why the store at ``root`` may not be injected into this engine (not allow-listed at engine start, or
@@ -369,15 +382,12 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def _rot(self):
         if self._rotary is None:
-            from ..rope import Rotary
-
             self._rotary = Rotary.from_config(self._hf_config)
         return self._rotary
 
     def _compose(self, ld: KvmemLoad):
         """The load's composed memory, after the worker's own checks: allowed store, matching fingerprint, the
         exact version (one snapshot), and the ids the scheduler verified. Raises on any mismatch."""
-        from ..compose import compose
 
         p = ld.params
         why = self._untrusted(str(p["store"]))

@@ -156,18 +156,18 @@ def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int,
 
 
 def engine_kwargs(
-    model,
-    dtype,
-    kv_cache_memory_bytes,
-    max_model_len,
-    block_size,
-    in_process,
-    enforce_eager,
-    skip_tokenizer_init,
-    metrics_file,
-    seed,
-    stores,
-    cache_bytes=None,
+    model: str | Path,
+    dtype: str | None = None,
+    kv_cache_memory_bytes: int = 1 << 30,
+    max_model_len: int = 8192,
+    block_size: int | None = None,
+    in_process: bool | None = None,
+    enforce_eager: bool = True,
+    skip_tokenizer_init: bool = False,
+    metrics_file: str | None = None,
+    seed: int = 0,
+    stores: list[str | Path] = (),
+    cache_bytes: int | None = None,
     **llm_kwargs,
 ) -> dict:
     """vLLM engine arguments with the kvmem connector (shared by ``LLM`` and ``AsyncEngineArgs``); see VLLMEngine."""
@@ -217,7 +217,7 @@ def _one_line(exc: Exception) -> str:
 class VLLMEngine(Engine):
     """Stock vLLM (``vllm.LLM``) with the kvmem connector, in the synchronous ``Engine`` role.
 
-    Args:
+    Args (``options``, as ``engine_kwargs`` takes them; others go to vLLM):
         model: a HF safetensors folder (e.g. ``models.model_dir(name)``).
         dtype: None -> this machine's dtype (``hardware.choose_dtype``: bf16 only where native); "float32" for
             exactness tests.
@@ -237,39 +237,12 @@ class VLLMEngine(Engine):
     selective_recompute = False
     batches = True
 
-    def __init__(
-        self,
-        model: str | Path,
-        dtype: str | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
-        max_model_len: int = 8192,
-        block_size: int | None = None,
-        in_process: bool | None = None,
-        enforce_eager: bool = True,
-        skip_tokenizer_init: bool = False,
-        metrics_file: str | None = None,
-        seed: int = 0,
-        stores: list[str | Path] = (),
-        **llm_kwargs,
-    ):
-        kwargs = engine_kwargs(
-            model,
-            dtype,
-            kv_cache_memory_bytes,
-            max_model_len,
-            block_size,
-            in_process,
-            enforce_eager,
-            skip_tokenizer_init,
-            metrics_file,
-            seed,
-            stores,
-            **llm_kwargs,
-        )
+    def __init__(self, model: str | Path, **options):
+        kwargs = engine_kwargs(model, **options)
         self.max_model_len, in_process = kwargs["max_model_len"], kwargs.get("distributed_executor_backend") == "uni"
         from vllm import LLM
 
-        self.in_process, self.metrics_file = in_process, metrics_file
+        self.in_process, self.metrics_file = in_process, options.get("metrics_file")
         try:
             self.llm = LLM(**kwargs)
         except Exception as exc:  # vLLM raises many kinds; the user gets one line, never a traceback box
@@ -373,37 +346,10 @@ class AsyncVLLMEngine(AsyncEngine):
     selective_recompute = False
     batches = True
 
-    def __init__(
-        self,
-        model: str | Path,
-        dtype: str | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
-        max_model_len: int = 8192,
-        block_size: int | None = None,
-        in_process: bool | None = None,
-        enforce_eager: bool = True,
-        metrics_file: str | None = None,
-        seed: int = 0,
-        stores: list[str | Path] = (),
-        max_queue: int = 256,
-        **llm_kwargs,
-    ):
-        kwargs = engine_kwargs(
-            model,
-            dtype,
-            kv_cache_memory_bytes,
-            max_model_len,
-            block_size,
-            in_process,
-            enforce_eager,
-            False,
-            metrics_file,
-            seed,
-            stores,
-            **llm_kwargs,
-        )
+    def __init__(self, model: str | Path, max_queue: int = 256, **options):
+        kwargs = engine_kwargs(model, **{**options, "skip_tokenizer_init": False})
         self.max_model_len, self.max_queue, self._pending = kwargs["max_model_len"], max_queue, 0
-        self.metrics_file = metrics_file
+        self.metrics_file = options.get("metrics_file")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -414,6 +360,10 @@ class AsyncVLLMEngine(AsyncEngine):
 
     def queue_depth(self) -> int:
         return self._pending
+
+    def healthy(self) -> bool:
+        """False once vLLM's engine core has died (its client watches the process)."""
+        return not self.llm.errored
 
     async def memory(self, plan: MemoryPlan) -> MemoryRef:
         return memory_ref(plan)

@@ -18,12 +18,20 @@ unknown key, 403 another tenant's memory, 404 unknown memory id / model / route,
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
+import time
 from pathlib import Path
 
 from .routes import create_app
 from .runtime import KvmemServer, Limits
 from .schemas import APIError
 from .tenants import Tenants, load_api_keys
+
+EXIT_ENGINE_DIED = 3  # `kvmem serve`'s exit status when its engine died: a supervisor restarts it
+
+logger = logging.getLogger("kvmem.server")
 
 __all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_api_keys", "serve"]
 
@@ -49,7 +57,6 @@ def serve(
         f"{'tenants: ' + ', '.join(sorted(set(keys.values()))) if keys else 'no API keys: loopback only'}; "
         f"http://{host}:{port}/v1"
     )
-    import signal
 
     def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
         for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the shutdown itself
@@ -61,8 +68,22 @@ def serve(
     uv = uvicorn.Server(
         uvicorn.Config(create_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     )
+    died = threading.Event()
+
+    def watch():  # a dead engine: 503s at once (routes), then drain and exit non-zero for the supervisor
+        while not uv.should_exit:
+            if not server.engine.healthy():
+                logger.error("the %s engine died; answering 503 and exiting for a restart", server.engine.name)
+                died.set()
+                uv.should_exit = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="kvmem-engine-watch", daemon=True).start()
     try:
         uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
     finally:
         server.close()
-        log("kvmem serve: stopped")
+        log("kvmem serve: stopped" + (" (the engine died)" if died.is_set() else ""))
+    if died.is_set():
+        raise SystemExit(EXIT_ENGINE_DIED)

@@ -12,6 +12,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engines.base import Sampling
@@ -47,6 +48,8 @@ def create_app(server: KvmemServer) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _any(request, exc: Exception):
+        if not server.engine.healthy():  # the engine died under this request
+            return APIError(503, "the engine has died; this server is shutting down", "engine_dead").response()
         err = error_of(exc)
         if err.status >= 500:
             logger.exception("unhandled error on %s", request.url.path)
@@ -59,6 +62,8 @@ def create_app(server: KvmemServer) -> FastAPI:
             resp = APIError(413, f"the body exceeds {limits.max_body_bytes} bytes", "body_too_large").response()
         elif n is None and "chunked" in request.headers.get("transfer-encoding", "").lower():  # unbounded otherwise
             resp = APIError(413, "a body must come with Content-Length", "length_required").response()
+        elif request.url.path.startswith("/v1/") and not server.engine.healthy():
+            resp = APIError(503, "the engine has died; this server is shutting down", "engine_dead").response()
         else:
             try:
                 resp = await call_next(request)
@@ -80,13 +85,14 @@ def create_app(server: KvmemServer) -> FastAPI:
 
     @app.get("/ready")
     async def ready():
+        if not server.engine.healthy():
+            raise APIError(503, "the engine has died; this server is shutting down", "engine_dead")
         if not server.ready:
             raise APIError(503, "the engine is not ready", "not_ready")
         return {"status": "ready", "engine": server.engine.name, "model": server.model_name}
 
     @app.get("/metrics")
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -201,7 +207,8 @@ def create_app(server: KvmemServer) -> FastAPI:
         mode = opts.mode or limits.default_mode
         top_k = opts.top_k or limits.default_top_k
         max_tokens = body.max_completion_tokens or body.max_tokens or limits.default_max_tokens
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        body.check_supported()
+        messages = [{"role": m.chat_role, "content": m.text()} for m in body.messages]
         svc = server.service
         user = Tenants.user(tenant, body.user) if body.user is not None else None
         if user is None and mode != "off":

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from ..engines.base import AsyncEngine
 from ..engines.select import check_methods, open_engine
 from ..ingest import open_or_create_store
@@ -44,7 +46,6 @@ class Metrics:
     """The server's prometheus metrics, in their own registry (several servers per process in tests)."""
 
     def __init__(self, server: KvmemServer):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvmem_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
@@ -76,10 +77,9 @@ class Metrics:
         hits.labels("hit").set_function(lambda: indexes.hits)
         hits.labels("miss").set_function(lambda: indexes.misses)
         self._conn = Gauge("kvmem_connector_events", "The vLLM connector's scheduler counters", ["event"], registry=r)
-        self._metrics_file = getattr(server.engine, "metrics_file", None)
+        self._metrics_file = server.engine.metrics_file
 
     def render(self) -> bytes:
-        from prometheus_client import generate_latest
 
         path = self._metrics_file
         if path and Path(path).exists():
@@ -133,12 +133,14 @@ class KvmemServer:
         neighbours: int | None = None,
         selective_recompute: int = 0,
         history: bool | None = None,
+        write_timeout_s: float | None = 30.0,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
         user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of
         chat requests; ``cache_bytes``: the LRU bound of each cache (indexes, KV segments) here and in the vLLM
-        worker. Raises StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective
+        worker; ``write_timeout_s``: how long a write waits for another process's writer lock (then HTTP 503
+        "store busy"). Raises StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective
         recompute off the transformers engine or with tail recompute."""
         methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
         for m in methods:
@@ -183,7 +185,9 @@ class KvmemServer:
             neighbours=neighbours,
             history=history,
             indexes=indexes,
+            store_cache_bytes=cache_bytes,
         )
+        mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
         return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
 
     def store_bytes(self) -> int:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 from typing import Literal
 
 from fastapi.responses import JSONResponse
@@ -12,9 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..compose import ContextOverflow
 from ..engines.base import EngineBusy
 from ..memory import MemoryInputError
-from ..store import StoreError
+from ..store import StoreBusy, StoreError
 
 MAX_BODY_BYTES = 1 << 20
+logger = logging.getLogger("kvmem.server")
 
 
 class APIError(Exception):
@@ -30,6 +33,7 @@ class APIError(Exception):
         422: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
+        507: "insufficient_storage",
     }
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
@@ -53,10 +57,66 @@ class APIError(Exception):
 # --- request models --------------------------------------------------------------------------------------
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str = Field(max_length=32000)
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=32000)
+    role: Literal["system", "developer", "user", "assistant"]  # developer: newer clients' system role
+    content: str | list[TextPart | dict] = Field(max_length=32000)
     name: str | None = None
+
+    def text(self) -> str:
+        """The message's text: a string, or its text parts joined. Raises APIError 400 for other parts
+        (images, audio, files: this server's models read text only)."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for p in self.content:
+            if not isinstance(p, TextPart):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise APIError(
+                    400,
+                    f"content parts of type {str(kind)[:40]!r} are not supported: text only",
+                    "unsupported_content",
+                    "messages",
+                )
+            parts.append(p.text)
+        text = "".join(parts)
+        if len(text) > 32000:
+            raise APIError(400, "a message's text is over 32000 characters", "invalid_value", "messages")
+        return text
+
+    @property
+    def chat_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
+
+
+# OpenAI fields that change the response and that this server does not implement: refused, never ignored.
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "audio",
+    "modalities",
+    "prediction",
+)
+# Sampling hints that change only the distribution; accepted and ignored (README, "Serving over HTTP").
+IGNORED_FIELDS = (
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "parallel_tool_calls",
+    "store",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+)
 
 
 class MemoryOptions(BaseModel):
@@ -68,7 +128,7 @@ class MemoryOptions(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields kvmem does not use (logprobs, ...)
+    model_config = ConfigDict(extra="allow")  # checked: UNSUPPORTED_FIELDS refused, IGNORED_FIELDS ignored
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     user: str | None = Field(None, max_length=256)
@@ -82,6 +142,19 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=1)
     memory: MemoryOptions | None = None
+
+    def check_supported(self) -> None:
+        """APIError 400 naming the first field set that this server would otherwise silently ignore."""
+        extra = self.model_extra or {}
+        for name in UNSUPPORTED_FIELDS:
+            value = extra.get(name)
+            if value is None or value is False or value in ([], {}):
+                continue
+            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+                continue
+            if name == "tool_choice" and value == "none":
+                continue
+            raise APIError(400, f"'{name}' is not supported by this server", "unsupported_parameter", name)
 
 
 class AddMemoryRequest(BaseModel):
@@ -117,6 +190,11 @@ def error_of(exc: Exception) -> APIError:
     if isinstance(exc, MemoryInputError):
         msg = str(exc)
         return APIError(404 if "not found" in msg else 400, msg, "memory_not_found" if "not found" in msg else None)
+    if isinstance(exc, StoreBusy):
+        return APIError(503, f"store busy: {exc}; retry later", "store_busy")
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        logger.error("no space left on the store's disk: %s", exc)
+        return APIError(507, "no space left on the store's disk; nothing was written", "insufficient_storage")
     if isinstance(exc, StoreError):
         return APIError(409, f"the store changed under this request: {exc}", "write_conflict")
     if isinstance(exc, (ValueError, LookupError)):

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from ..engines.base import Sampling
 from ..service import Prepared
-from ..store import UnknownUser
+from ..store import StoreError, UnknownUser
 from .schemas import APIError, error_of
 
 if TYPE_CHECKING:
@@ -51,9 +51,9 @@ async def prepare_chat(
             p.memory = await server.engine.memory(p.plan)
         except LookupError:  # a write replaced the version between retrieval and the KV read
             if attempt == 2:
-                raise
+                raise StoreError(f"the memory of {user!r} kept changing while being read") from None
             continue
-        p.timings_ms["compose"] = (time.perf_counter() - t) * 1e3
+        p.timings_ms["compose"] += (time.perf_counter() - t) * 1e3
         return p
     raise AssertionError("unreachable")
 

@@ -1,0 +1,76 @@
+"""``kvmem serve --engine vllm`` when its engine dies: visible at once, then the process exits for a restart.
+Its own module, so its server never runs beside ``test_server_vllm``'s."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from test_server_vllm import KEY_A, free_port, serve_cmd
+
+
+def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_path):
+    """kill -9 of vLLM's engine core under a running server: /ready and chats answer 503 at once, one log line
+    says so, and the process exits non-zero (3) after draining, so its supervisor restarts it."""
+    import psutil
+
+    from kvmem.hardware import cpu_facts, vllm_problem
+
+    if vllm_problem(cpu_facts()):
+        pytest.skip("vLLM cannot run here")
+    (tmp_path / "keys.json").write_text(json.dumps({KEY_A: "acme"}))
+    port = free_port()
+    with open(tmp_path / "server.log", "w") as log:
+        proc = subprocess.Popen(serve_cmd(tmp_path, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline
+            time.sleep(1)
+        core = [
+            k
+            for k in psutil.Process(proc.pid).children(recursive=True)
+            if "EngineCore" in k.name() or "EngineCore" in " ".join(k.cmdline())
+        ]
+        assert core
+        for k in core:
+            k.kill()
+        seen = {}
+        t0 = time.time()
+        while time.time() - t0 < 30 and proc.poll() is None:
+            try:
+                r = httpx.get(f"{url}/ready", timeout=2)
+                c = httpx.post(
+                    f"{url}/v1/chat/completions",
+                    timeout=10,
+                    headers={"Authorization": f"Bearer {KEY_A}"},
+                    json={"messages": [{"role": "user", "content": "hi"}], "memory": {"mode": "off"}},
+                )
+                seen.setdefault("ready", r.status_code)
+                seen.setdefault("chat", (c.status_code, c.json()["error"]["code"] if c.status_code != 200 else ""))
+                if r.status_code == 503:
+                    seen["ready"], seen["chat"] = 503, (c.status_code, c.json()["error"]["code"])
+                    break
+            except httpx.HTTPError:
+                break
+            time.sleep(0.2)
+        assert seen.get("ready") == 503 and seen.get("chat") == (503, "engine_dead"), seen
+        assert proc.wait(timeout=120) == 3
+        text = (tmp_path / "server.log").read_text()
+        assert text.count("engine died") == 1, text[-2000:]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
