@@ -68,7 +68,7 @@ def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_p
         assert seen.get("ready") == 503 and seen.get("chat") == (503, "engine_dead"), seen
         assert proc.wait(timeout=120) == 3
         text = (tmp_path / "server.log").read_text()
-        assert text.count("engine died") == 1, text[-2000:]
+        assert text.count("engine died; answering 503") == 1, text[-2000:]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
