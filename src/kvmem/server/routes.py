@@ -24,9 +24,22 @@ from .tenants import Tenants
 
 
 def create_app(server: KvmemServer) -> FastAPI:
-    """The FastAPI app over a started ``KvmemServer``."""
+    """The FastAPI app over a started ``KvmemServer``: errors and limits, then the routes by group."""
     app = FastAPI(title="kvmem", version="0.1", docs_url=None, redoc_url=None)
     app.state.kvmem = server
+    _errors_and_limits(app, server)
+
+    def tenant_of(request: Request) -> str | None:
+        return server.tenants.tenant(request.headers.get("authorization"))
+
+    _service_routes(app, server, tenant_of)
+    _memory_routes(app, server, tenant_of)
+    _chat_route(app, server, tenant_of)
+    return app
+
+
+def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
+    """OpenAI-shaped errors for every exception; body limits, a dead engine and request metrics per request."""
     limits = server.limits
 
     @app.exception_handler(APIError)
@@ -76,8 +89,9 @@ def create_app(server: KvmemServer) -> FastAPI:
         server.metrics.requests.labels(getattr(matched, "path", "other"), str(resp.status_code)).inc()
         return resp
 
-    def tenant_of(request: Request) -> str | None:
-        return server.tenants.tenant(request.headers.get("authorization"))
+
+def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
+    """Health, readiness, metrics and the model list."""
 
     @app.get("/health")
     async def health():
@@ -104,7 +118,9 @@ def create_app(server: KvmemServer) -> FastAPI:
             "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "kvmem"}],
         }
 
-    # --- memories ---------------------------------------------------------------------------------------
+
+def _memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
+    """The memories REST API (Mem0's platform shapes), scoped to the caller's tenant."""
 
     async def owned_fact(tenant, memory_id: str):
         try:
@@ -188,7 +204,10 @@ def create_app(server: KvmemServer) -> FastAPI:
         tenant = tenant_of(request)
         return await write(server.memory.delete_all, Tenants.user(tenant, user_id))
 
-    # --- chat -------------------------------------------------------------------------------------------
+
+def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
+    """OpenAI chat completions with memory: retrieval, the engine's memory, then a streamed or whole answer."""
+    limits = server.limits
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -249,5 +268,3 @@ def create_app(server: KvmemServer) -> FastAPI:
             "usage": gen.usage(),
             "kvmem": gen.kvmem(),
         }
-
-    return app
