@@ -114,6 +114,8 @@ def build(tmp: Path, family: str) -> dict:
     # "trunc": indep's KV, whose file is truncated below: the scheduler (metadata only) accepts it, the worker's
     # checksum refuses it, and only that request's load fails.
     versions["trunc"] = put("trunc", [(s.keys, s.values) for s in ind])
+    # "flipped": the same, with bytes flipped in place (same size): the worker's checksum refuses it too.
+    versions["flipped"] = put("flipped", [(s.keys, s.values) for s in ind])
     put("replaced", [(s.keys, s.values) for s in ind])  # indep's KV; each run replaces it (its version is read live)
     store.close()
     # The same memory in two more stores: one built by another model (same shapes, other weights), and one the
@@ -152,6 +154,11 @@ def build(tmp: Path, family: str) -> dict:
     (seg,) = st.snapshot("trunc").segments
     kv_file = st.segment_path("trunc", seg)
     kv_file.write_bytes(kv_file.read_bytes()[:-64])
+    (seg,) = st.snapshot("flipped").segments
+    kv_file = st.segment_path("flipped", seg)
+    data = bytearray(kv_file.read_bytes())
+    data[-256:] = bytes(b ^ 0x5A for b in data[-256:])
+    kv_file.write_bytes(bytes(data))
     st.close()
     cfg = model.config
     block_bytes = (
@@ -285,6 +292,7 @@ def run_mode(spec_path: str, run: str) -> None:
 
     faults = [
         ("trunc", ref("main", "trunc", "trunc")),
+        ("flipped", ref("main", "flipped", "flipped")),
         ("foreign", ref("foreign", "indep")),
         ("unlisted", ref("unlisted", "indep")),
         ("twin", ref("twin", "indep")),
@@ -421,12 +429,13 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
 
 
 def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
-    """A truncated KV file (the worker's load fails: vLLM recomputes those blocks),
+    """A truncated KV file and one with bytes flipped in place (the worker's checksum fails the load: vLLM
+    recomputes those blocks),
     a store built by another model, a store the engine was not started with, and a version replaced after the
     scheduler cached it. Each answers exactly like a plain prefill; then the engine still injects."""
     joint = run["prompt"][0]["tokens"]
     m, q = len(spec["memory"]), len(spec["query"])
-    for name in ("trunc", "foreign", "unlisted"):
+    for name in ("trunc", "flipped", "foreign", "unlisted"):
         (g,) = run[name]
         assert g["tokens"] == joint, name
     assert run["stale_cached"][0]["tokens"] == run["stale_ref"][0]["tokens"]

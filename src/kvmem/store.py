@@ -236,8 +236,8 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
 def mmap_segment(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """A KV segment's ``keys`` and ``values`` as tensors over a private memory map of the safetensors file: no
     byte is read until a slice of it is used, so gathering k facts reads only their pages. The file's size must
-    match its header (a truncated file is refused); its SHA-256 is checked by full reads and ``store fsck``, not
-    here (that would read the whole file). Raises StoreError for a malformed or truncated file."""
+    match its header (a truncated file is refused); the caller (``Store.snapshot(kv="mmap")``) checks its SHA-256
+    once, when it first maps it. Raises StoreError for a malformed or truncated file."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
@@ -539,7 +539,15 @@ class Store:
     def _load_segment(self, user: str, segment: str, sha: str, mmap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         key = (user, segment, mmap)
         if mmap and key not in self._segments:
-            kv = mmap_segment(self.segment_path(user, segment))  # FileNotFoundError: the caller retries
+            path = self.segment_path(user, segment)
+            with open(path, "rb") as f:  # FileNotFoundError: the caller retries
+                # once per mapped segment: a changed file is refused, never injected
+                if hashlib.file_digest(f, "sha256").hexdigest() != sha:
+                    raise StoreError(
+                        f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
+                        f"(truncated or corrupt file)"
+                    )
+            kv = mmap_segment(path)
             _cache_put(self._segments, key, kv)
             return kv
         if key not in self._segments:
