@@ -228,11 +228,9 @@ def check_implements(impl: type, role: type) -> list[str]:
             problems.append(f"{impl.__name__}.{name} is missing")
             continue
         want = list(inspect.signature(member).parameters)
-        got = list(inspect.signature(getattr(impl, name)).parameters)
-        if got[: len(want)] != want or any(
-            inspect.signature(getattr(impl, name)).parameters[p].default is inspect.Parameter.empty
-            for p in got[len(want) :]
-        ):
+        params = inspect.signature(getattr(impl, name)).parameters
+        got = list(params)
+        if got[: len(want)] != want or any(params[p].default is inspect.Parameter.empty for p in got[len(want) :]):
             problems.append(f"{impl.__name__}.{name}{tuple(got)} does not match {role.__name__}.{name}{tuple(want)}")
     if not issubclass(impl, role):
         problems.append(f"{impl.__name__} is not a {role.__name__}")

@@ -8,7 +8,6 @@ Mem0-style baseline) prefills the whole identical token sequence instead.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 import os
@@ -220,6 +219,7 @@ class HFEngine(Engine):
     def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None, tokenizer=None):
         use_gqa_sdpa(model)
         self.model, self.tokenizer = model, tokenizer  # the tokenizer: JSON grammars (complete_json) only
+        self._grammars: dict = {}  # compiled JSON-schema grammars, bounded (complete_json)
         self.device = next(model.parameters()).device
         self.rotary = Rotary.for_model(model)
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
@@ -292,10 +292,6 @@ class HFEngine(Engine):
                 logits_processor=[LogitsProcessor(compiled)],
             )
         return out[0, x.shape[1] :].tolist()
-
-    @functools.cached_property
-    def _grammars(self) -> dict:
-        return {}
 
     def _sync(self):
         if self.device.type == "cuda":
