@@ -374,6 +374,37 @@ def test_bench_memory(tiny):
     assert [r["op"] for r in recs].count("add") == 3 and all(r["tokens"] > 10 for r in recs if r["op"] == "add")
 
 
+def test_bench_chat_cost(tiny):
+    out = tiny["root"] / "chat-cost"
+    cli(
+        "bench",
+        "chat-cost",
+        "--counts",
+        "8,250",
+        "--chats",
+        4,
+        "--k",
+        5,
+        "--fact-tokens",
+        4,
+        "--cache-bytes",
+        1 << 20,
+        "--data",
+        tiny["data"],
+        "--model",
+        FAST,
+        "--out",
+        out,
+    )
+    s = check_outputs(out, "chat_cost.png")
+    per = s["per_count"]
+    assert set(per) == {"8", "250"} and per["250"]["segments"] == 3 and per["8"]["segments"] == 1
+    for v in per.values():
+        assert 0 < v["chat_ms"]["p50"] <= v["chat_ms"]["p95"] and v["store_cache_bytes"] <= 1 << 20
+    recs = json.loads((out / "records.json").read_text())
+    assert len(recs) == 8 and all(r["compose_ms"] > 0 and r["plan_ms"] > 0 for r in recs)
+
+
 def test_sigterm_stops_the_vllm_engine(tiny):
     """A terminated `kvmem eval` takes vLLM's engine-core process with it (before cli.exit_on_signals it kept
     running, orphaned, holding its KV cache)."""

@@ -202,6 +202,20 @@ def test_missing_store_and_bad_file(tmp_path, store):
     assert "not found" in p.stderr
 
 
+def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small_locomo):
+    """``--store postgresql://…`` used to create a local directory ``postgresql:`` and write the store there."""
+    for args in (
+        ["ingest-locomo", str(small_locomo), "--sample", "conv-26", "--model", FAST],
+        ["memory", "add", "--user", "u", "--no-infer", "-m", "Bob keeps bees."],
+    ):
+        for url in ("postgresql://postgres@127.0.0.1:5432/kvmem", "s3://bucket/kv"):
+            p = subprocess.run(
+                KVMEM + args + ["--store", url], capture_output=True, text=True, cwd=tmp_path, timeout=300
+            )
+            assert p.returncode == 2 and "is a URL" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_store_refuses_other_model(store, small_locomo):
     require(DEFAULT)
     before = (store / "meta.sqlite").read_bytes()
@@ -266,31 +280,30 @@ def test_gemma3_end_to_end(tmp_path, small_locomo):
     )
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]
+    assert kv["answer"] and pr["answer"]  # a leading line break never ends the answer before it starts
     # One stop rule for both engines: a completion-style answer ends at the line break in vLLM too.
     from kvmem.hardware import plan
 
     if plan().engine == "vllm":
         for k in (1, 4):
-            v = json.loads(
-                run(
-                    "ask",
-                    "--engine",
-                    "vllm",
-                    "--store",
-                    root,
-                    "--user",
-                    "conv-26",
-                    "--k",
-                    k,
-                    "--json",
-                    "--max-new-tokens",
-                    16,
-                    q,
-                )
-                .stdout.strip()
-                .splitlines()[-1]
+            p = run(
+                "ask",
+                "--engine",
+                "vllm",
+                "--store",
+                root,
+                "--user",
+                "conv-26",
+                "--k",
+                k,
+                "--json",
+                "--max-new-tokens",
+                16,
+                q,
             )
-            assert v["engine"] == "vllm" and "\n" not in v["answer"] and v["generated_tokens"] >= 1
+            v = json.loads(p.stdout.strip().splitlines()[-1])
+            assert v["engine"] == "vllm" and "\n" not in v["answer"] and v["answer"] and v["generated_tokens"] >= 1
+            assert "force killing" not in p.stderr  # the engine core shut down cleanly
 
 
 def test_undecodable_question_is_one_error_line(store):

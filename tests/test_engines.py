@@ -73,6 +73,29 @@ def test_hf_engine_serves_a_request_from_the_protocol():
     assert gen.finish_reason == "length"
 
 
+def test_one_stop_rule_never_ends_an_answer_on_a_leading_line_break():
+    """Completion-style models end an answer at a line break, but only after some text: a first token that is
+    a line break (Gemma 3 often opens so) is kept and decoding goes on. Both engines apply the same rule."""
+    from conftest import tiny_model
+    from kvmem.engines.base import Sampling, ends_answer
+    from kvmem.engines.vllm_engine import line_stop_at
+
+    lines = frozenset({10, 11})
+    s = Sampling(stop_token_ids=(2,), line_stop_ids=lines)
+    assert not ends_answer([10], s) and not ends_answer([10, 11], s) and ends_answer([10, 5, 11], s)
+    assert ends_answer([2], s) and not ends_answer([5, 10], Sampling(line_stop_ids=lines, json_schema="{}"))
+    assert line_stop_at([10, 11, 5, 7, 10, 5], s) == (5, True) and line_stop_at([10, 11], s) == (None, False)
+    assert line_stop_at([10, 5], s, seen_text=True) == (1, True)
+    eng = HFEngine(tiny_model("llama"), eos_token_ids=[])
+    ids = [5, 9, 13, 2, 7]
+    free = eng.run(ids, None, "prompt", sampling=Sampling(max_tokens=8)).token_ids
+    first = frozenset({free[0]})  # the model's first token, treated as a line break
+    got = eng.run(ids, None, "prompt", sampling=Sampling(max_tokens=8, line_stop_ids=first))
+    cut, _ = line_stop_at(free, Sampling(line_stop_ids=first))
+    assert got.token_ids == free[: cut or 8] and len(got.token_ids) >= 2
+    assert got.finish_reason == ("stop" if cut else "length")
+
+
 def test_only_the_engine_package_names_an_engine():
     pattern = re.compile(r'name == "hf"|name == "vllm"|isinstance\(.*Engine')
     found = [

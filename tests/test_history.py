@@ -187,7 +187,7 @@ def test_ingest_locomo_history_cli(tmp_path, small_locomo):
     hw = ingest(tmp_path / "h1", "--history", "--window", "1")
     plain1 = ingest(tmp_path / "p1", "--neighbours", "0", "--window", "1")
     turn_tokens = plain1["num_encoded_tokens"] - plain["num_encoded_tokens"]  # the window's turns alone
-    last_fact = st.snapshot("conv-26", kv=False).facts[-1].num_tokens
+    last_fact = st.snapshot("conv-26").facts[-1].num_tokens
     # the chain without its last fact, then every fact behind its turns
     assert hw["num_encoded_tokens"] == hist["num_encoded_tokens"] - last_fact + turn_tokens + hist["num_fact_tokens"]
 

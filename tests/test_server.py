@@ -5,6 +5,7 @@ injection through HTTP, the memories REST API with a write visible to the next c
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -437,6 +438,76 @@ def test_health_ready_and_metrics(server, alice):
     assert "500" not in statuses and "200" in statuses
 
 
+def test_logprobs_and_response_format_are_honoured(server, alice):
+    """``logprobs`` / ``top_logprobs`` come back per generated token, the same in the non-streamed and the
+    streamed response; ``response_format`` json_schema / json_object constrain the
+    answer with xgrammar, so it parses and matches the schema."""
+    client = _client(server)
+    msgs = [{"role": "user", "content": "What is Alice's secret code word?"}]
+    got = {}
+    for mode in ("kv", "prompt"):
+        r = client.chat.completions.create(
+            model=FAST,
+            messages=msgs,
+            user="alice",
+            max_tokens=8,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"memory": {"top_k": 3, "mode": mode}},
+        )
+        content = r.choices[0].logprobs.content
+        eos = r.choices[0].finish_reason == "stop"  # the EOS token: counted in usage, no text, no logprob entry
+        assert len(content) == r.usage.completion_tokens - eos >= 1
+        for e in content:
+            tops = [t.logprob for t in e.top_logprobs]
+            assert len(tops) == 3 and tops == sorted(tops, reverse=True) and e.logprob <= 0
+            assert e.logprob == pytest.approx(tops[0], abs=1e-6)  # greedy: the chosen token is the most likely
+            assert e.token == e.top_logprobs[0].token and bytes(e.bytes).decode(errors="replace") == e.token
+        got[mode] = [e.logprob for e in content]
+    streamed = []
+    for ch in client.chat.completions.create(
+        model=FAST, messages=msgs, user="alice", max_tokens=8, logprobs=True, stream=True
+    ):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += [e.logprob for e in ch.choices[0].logprobs.content]
+    assert streamed == pytest.approx(got["kv"], abs=1e-6)
+    schema = {
+        "type": "object",
+        "properties": {"code_word": {"type": "string", "maxLength": 24}},
+        "required": ["code_word"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model=FAST,
+        messages=msgs,
+        user="alice",
+        max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    answer = json.loads(r.choices[0].message.content)
+    assert set(answer) == {"code_word"} and isinstance(answer["code_word"], str)
+    r = client.chat.completions.create(
+        model=FAST, messages=msgs, user="alice", max_tokens=48, response_format={"type": "json_object"}
+    )
+    assert r.choices[0].message.content.lstrip().startswith("{")
+    r = httpx.post(
+        f"{server[1]}/v1/chat/completions",
+        headers=_h(),
+        json={"messages": msgs, "user": "alice", "response_format": {"type": "json_schema"}},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    r = httpx.post(
+        f"{server[1]}/v1/chat/completions",
+        headers=_h(),
+        json={"messages": msgs, "user": "alice", "response_format": bad},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"], r.text
+
+
 def test_text_parts_developer_role_and_refused_fields(server, alice):
     """Newer OpenAI clients send content as text parts and a ``developer`` role: the same answer as plain strings.
     Fields that would change the response and are not implemented are refused with a 400 naming the field."""
@@ -471,9 +542,8 @@ def test_text_parts_developer_role_and_refused_fields(server, alice):
     assert a.json()["usage"]["prompt_tokens"] == b.json()["usage"]["prompt_tokens"]
     refused = {
         "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        "logprobs": True,
-        "response_format": {"type": "json_object"},
-        "top_logprobs": 2,
+        "n": 2,
+        "top_logprobs": 2,  # without logprobs: true
     }
     for field, value in refused.items():
         r = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json={**plain, field: value}, timeout=60)
@@ -604,3 +674,106 @@ def test_a_held_writer_lock_never_blocks_reads(server, alice, tmp_path):
         srv.memory.store.write_timeout_s = old
         holder.kill()
         holder.wait()
+
+
+def test_a_full_disk_answers_507_and_one_log_line(tmp_path, caplog):
+    """A store on an 8 MiB tmpfs, then filled: a write answers 507 "no space left on the store's disk" with one
+    log line and no traceback; nothing partial stays, reads still answer, and once space is freed the same
+    write succeeds."""
+    import shutil
+    import subprocess
+
+    import uvicorn
+
+    from kvmem.server import KvmemServer, Limits, create_app
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        srv = KvmemServer.start(mnt / "store", model=FAST, engine="hf", dtype="float32", window=1, limits=Limits())
+        port = _free_port()
+        uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
+        th = threading.Thread(target=uv.run, daemon=True)
+        th.start()
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        add = {"messages": "Bob keeps three hives of bees on his roof.", "user_id": "bob", "infer": False}
+        assert httpx.post(f"{base}/v1/memories", json=add, timeout=120).status_code == 200
+        filler = mnt / "filler"
+        free = shutil.disk_usage(mnt).free
+        filler.write_bytes(b"\0" * (free - 64 * 1024))  # 64 KiB left: less than one fact's KV
+        segments = set((mnt / "store" / "users").iterdir())
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            r = httpx.post(f"{base}/v1/memories", json={**add, "messages": "Bob sells honey."}, timeout=120)
+        assert r.status_code == 507 and "no space left on the store's disk" in r.json()["error"]["message"], r.text
+        lines = [rec for rec in caplog.records if "no space left" in rec.getMessage()]
+        assert len(lines) == 1 and lines[0].exc_info is None
+        assert set((mnt / "store" / "users").iterdir()) == segments  # no partial segment
+        got = httpx.post(f"{base}/v1/memories/search", json={"query": "bees", "user_id": "bob"}, timeout=60)
+        assert got.status_code == 200 and len(got.json()["results"]) == 1
+        filler.unlink()
+        r = httpx.post(f"{base}/v1/memories", json={**add, "messages": "Bob sells honey."}, timeout=120)
+        assert r.status_code == 200, r.text
+        uv.should_exit = True
+        th.join(timeout=10)
+        srv.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_keys_with_spaces_are_refused_at_start_and_user_ids_are_nfc(server, tmp_path):
+    """A key written with surrounding spaces could never be presented (the header is stripped): refused when the
+    keys file loads. NFC and NFD spellings of one user id are the same user."""
+    from kvmem.server.tenants import load_api_keys
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({" padded-key-0123456789 ": "acme"}))
+    with pytest.raises(ValueError, match="spaces"):
+        load_api_keys(keys)
+    _, base = server
+    c = httpx.Client(base_url=base, headers=_h(), timeout=120)
+    nfc, nfd = "Zo\u00eb", "Zoe\u0308"
+    r = c.post("/v1/memories", json={"messages": "Zoë plays the cello.", "user_id": nfc, "infer": False})
+    assert r.status_code == 200, r.text
+    hits = c.post("/v1/memories/search", json={"query": "cello", "user_id": nfd}).json()["results"]
+    assert [h["memory"] for h in hits] == ["Zoë plays the cello."]
+    assert c.delete("/v1/memories", params={"user_id": nfd}).status_code == 200
+    assert c.post("/v1/memories/search", json={"query": "cello", "user_id": nfc}).json()["results"] == []
+
+
+def test_a_request_that_timed_out_in_the_queue_never_runs(server, alice):
+    """While the model thread is busy, a chat times out waiting (503): it is dropped from the queue, so the
+    engine never prefills it afterwards."""
+    srv, base = server
+    eng = srv.engine.engine  # the transformers engine behind the async role
+    ran, real = [], eng.run_request
+
+    def counting(request, **kw):
+        ran.append(request)
+        return real(request, **kw)
+
+    eng.run_request = counting
+    busy = srv.model_pool.submit(time.sleep, 2.0)  # the one model thread, occupied
+    srv.limits.request_timeout_s = 0.5
+    try:
+        chat = {  # no memory: prepared off the model thread, so the request reaches the engine's queue
+            "memory": {"mode": "off"},
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Where does Alice work?"}],
+        }
+        r = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json=chat, timeout=60)
+        busy.result()
+        time.sleep(0.5)  # the dropped request's turn on the model thread has come and gone
+    finally:
+        srv.limits.request_timeout_s = 120.0
+        eng.run_request = real
+    assert r.status_code == 503 and r.json()["error"]["code"] == "timeout", r.text
+    assert ran == []

@@ -128,4 +128,4 @@ def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
     for p in (root / "users").glob("*.kv.safetensors"):
         p.write_bytes(p.read_bytes()[:1000])
     with pytest.raises(StoreError, match="KV segment .* of user 'u1' fails its checksum"):
-        Store.open(root, FP).user_kv("u1")
+        Store.open(root, FP).user_kv("u1").fact_kv(0)  # KV is read (and verified) when gathered

@@ -271,25 +271,82 @@ def test_delete_all_twice_and_junk_in_the_users_folder(store):
     assert sw.check(store.snapshot("u")) == 5
 
 
-def test_mmap_snapshot_reads_the_same_kv_and_refuses_truncation(tmp_path):
-    """The vLLM worker's reads (``kv="mmap"``) give exactly the stored K/V, and a truncated segment is an
-    error, not garbage."""
-    from kvmem.store import FactRecord, mmap_segment
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_segment_layouts_read_exactly(tmp_path, dtype):
+    """``read_spans`` on token-major segments (one range per fact) and on the older [L, H, n, D] files, whose
+    reads are whole tensors or per-(layer, head) runs: every path gives exactly the stored K/V."""
+    import os as _os
+
+    from safetensors.torch import save_file
+
+    from kvmem import segments
+
+    k = torch.randn(3, 2, 40, 8).to(dtype)
+    v = torch.randn(3, 2, 40, 8).to(dtype)
+    spans = [(0, 3), (7, 1), (39, 1), (10, 0), (12, 20)]
+    tm, legacy = tmp_path / "tm.safetensors", tmp_path / "old.safetensors"
+    tensors, meta = segments.to_file(k, v)
+    save_file(tensors, str(tm), metadata=meta)
+    save_file({"keys": k.contiguous(), "values": v.contiguous()}, str(legacy))
+    for path, whole_bytes in ((tm, None), (legacy, 1 << 20), (legacy, 0)):  # 0: legacy per-run reads
+        old, segments.WHOLE_READ_BYTES = segments.WHOLE_READ_BYTES, whole_bytes or segments.WHOLE_READ_BYTES
+        fd = _os.open(path, _os.O_RDONLY)
+        try:
+            lay = segments.read_layout(fd)
+            assert lay.shape == (3, 2, 40, 8) and lay.token_major == (path == tm) and lay.nbytes == 2 * k.nbytes
+            got = segments.read_spans(fd, lay, spans if whole_bytes != 0 else [(7, 1)])
+        finally:
+            _os.close(fd)
+            segments.WHOLE_READ_BYTES = old
+        for (gk, gv), (o, n) in zip(got, spans if whole_bytes != 0 else [(7, 1)]):
+            assert torch.equal(gk, k[:, :, o : o + n]) and torch.equal(gv, v[:, :, o : o + n]) and gk.is_contiguous()
+    fd = _os.open(tm, _os.O_RDONLY)
+    try:
+        with pytest.raises(segments.SegmentCorrupt, match="outside"):
+            segments.read_spans(fd, segments.read_layout(fd), [(38, 3)])
+    finally:
+        _os.close(fd)
+
+
+def test_reads_by_fact_are_exact_and_a_file_changed_after_its_first_read_is_refused(tmp_path):
+    """Gathers read only the asked facts' spans (pread, no mapping) and give exactly the stored K/V. A segment
+    that shrinks or has bytes flipped after this process verified and read it is refused on the next uncached
+    read (StoreError), never served; the process survives (a memory-mapped reader died of SIGBUS here)."""
+    from safetensors.torch import load_file
+
+    from kvmem.store import FactRecord
 
     st = sw.create(tmp_path / "s")
     for i in range(3):  # three segments of distinct random values
         facts = [FactRecord(f"f{i}{j}", "u", f"fact {i}{j}", "", "", "", tuple(range(3 + j)), 0, 0) for j in range(4)]
         kv = [torch.randn(2, 1, 3 + j, 64) for j in range(4)]
         st.commit("u", facts, kv, [x * 2 for x in kv], torch.nn.functional.normalize(torch.randn(4, 4), dim=1))
-    full = st.snapshot("u")
-    mm = Store.open(st.root).snapshot("u", kv="mmap")
-    assert mm.mmap and not full.mmap and [f.fact_id for f in mm.facts] == [f.fact_id for f in full.facts]
+    ukv = Store.open(st.root).snapshot("u")
     rows = [5, 0, 11, 7]
-    for a, b in zip(mm.gather(rows), full.gather(rows)):
-        assert torch.equal(a, b) and a.abs().sum() > 0
-    seg = st.segment_path("u", full.facts[0].segment)
-    assert torch.equal(mmap_segment(seg)[1], full.segments[full.facts[0].segment][1])
-    bad = tmp_path / "trunc.kv.safetensors"
-    bad.write_bytes(seg.read_bytes()[:-10])
-    with pytest.raises(StoreError, match="truncated"):
-        mmap_segment(bad)
+    keys, values = ukv.gather(rows)
+    at = 0
+    for r in rows:  # against the whole files, loaded independently
+        f = ukv.facts[r]
+        t = load_file(st.segment_path("u", f.segment))  # token-major [n, L, H, D] on disk
+        span = slice(f.token_offset, f.token_offset + f.num_tokens)
+        assert torch.equal(keys[:, :, at : at + f.num_tokens], t["keys"].permute(1, 2, 0, 3)[:, :, span])
+        assert torch.equal(values[:, :, at : at + f.num_tokens], t["values"].permute(1, 2, 0, 3)[:, :, span])
+        at += f.num_tokens
+    assert keys.shape[2] == sum(ukv.facts[r].num_tokens for r in rows) and values.abs().sum() > 0
+    # read once (verified), then changed in place: the next uncached read is refused, the cached one stands
+    reader = Store.open(st.root, cache_bytes=1)  # 1 byte: nothing is cached, every gather reads the files
+    r = reader.snapshot("u")
+    first = r.fact_kv(0)
+    seg0 = st.segment_path("u", r.facts[0].segment)
+    seg0.write_bytes(seg0.read_bytes()[:-64])  # truncated after this process read it
+    with pytest.raises(StoreError, match="truncated|checksum"):
+        r.fact_kv(0)
+    seg1 = st.segment_path("u", r.facts[4].segment)
+    r.fact_kv(4)
+    data = bytearray(seg1.read_bytes())
+    data[-40:] = bytes(b ^ 0x5A for b in data[-40:])  # same size
+    seg1.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="checksum"):
+        r.fact_kv(4)
+    assert torch.equal(r.fact_kv(8)[0], ukv.fact_kv(8)[0])  # the untouched segment still reads
+    assert first[0].shape == (2, 1, 3, 64)

@@ -48,7 +48,7 @@ def _logits(svc, r: int, mode: str = "kv"):
 def test_tail_recompute_spans_plain_injection_to_prompt_injection(svc):
     pr, g_pr = _logits(svc, 0, "prompt")
     runs = {r: _logits(svc, r) for r in (0, 1, 2, 4)}
-    ukv = svc.store.snapshot("maya", kv=False)
+    ukv = svc.store.snapshot("maya")
     row = ukv.row_of()
     for r, (p, g) in runs.items():
         assert p.prompt_ids == pr.prompt_ids and p.fact_ids == pr.fact_ids  # same prompt for every r
@@ -85,3 +85,25 @@ def test_caches_smaller_than_one_entry_serve_uncached(svc):
     b = svc.ask("maya", "Where does Maya's brother fly to?", 3, "kv", 4)
     assert a.prompt_token_ids == b.prompt_token_ids and a.answer == b.answer
     assert tiny.indexes.nbytes == 0 and tiny.store.kv_cache_bytes == 0 and tiny.indexes.misses == 2
+
+
+def test_a_segment_truncated_after_it_was_read_costs_one_prefill(svc, tmp_path):
+    """The transformers engine reads only the retrieved facts' spans (pread, no mapping). A segment truncated
+    after this process verified and read it is refused on its next read: that chat is prefilled whole (the same
+    answer as prompt mode), the process lives, and the other users' chats inject as before."""
+    import shutil
+
+    from kvmem.service import MemoryService
+
+    root = tmp_path / "copy"
+    shutil.copytree(svc.store.root, root)
+    cold = MemoryService(root, svc.engine, svc.lm, svc.embedder, store_cache_bytes=1)  # nothing cached
+    q = "Where does Maya's brother fly to?"
+    before = cold.ask("maya", q, 4)
+    assert before.prefilled_tokens < before.prompt_tokens  # injected
+    for seg in cold.store.snapshot("maya").segments:
+        path = cold.store.segment_path("maya", seg)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    after, prompt = cold.ask("maya", q, 4), cold.ask("maya", q, 4, mode="prompt")
+    assert after.prefilled_tokens == after.prompt_tokens == prompt.prompt_tokens  # all of it prefilled
+    assert after.answer == prompt.answer and after.mode == "kv"  # (windowed KV answers otherwise: not compared)

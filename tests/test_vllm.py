@@ -226,6 +226,7 @@ def run_mode(spec_path: str, run: str) -> None:
         skip_tokenizer_init=True,
         metrics_file=str(out_dir / f"metrics-{run}.json"),
         stores=[spec["store"], spec["foreign"], spec["twin"]],
+        cache_bytes=1,  # no fact KV cached in the worker: every load reads (and verifies) its segment
     )
     outputs = []
     gen_many = eng.llm.generate
@@ -299,9 +300,22 @@ def run_mode(spec_path: str, run: str) -> None:
     ]
     for name, ref in faults:
         results[name] = [_row(eng.generate_ids(mem_ids, ref, STEPS, ignore_eos=True), None)]
+    # a segment truncated after the worker read it: the next load of it fails, and only that request prefills
+    st = Store.open(spec["store"])
+    src, late_user = st.snapshot("indep"), f"late-{run}"  # this run's own copy of indep's memory
+    kvs = [src.fact_kv(i) for i in range(len(src.facts))]
+    late_v = st.put_user(late_user, src.facts, [k for k, _ in kvs], [v for _, v in kvs], src.embeddings, 0)
+    late = MemoryRef(spec["store"], sid[spec["store"]], late_user, late_v, fact_ids)
+    results["late_before"] = [_row(eng.generate_ids(mem_ids, late, STEPS, ignore_eos=True), None)]
+    (seg,) = st.snapshot(late_user).segments
+    path = st.segment_path(late_user, seg)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated after the worker read it
+    st.close()
+    late_rev = MemoryRef(spec["store"], sid[spec["store"]], late_user, late_v, list(reversed(fact_ids)))
+    results["late_after"] = [
+        _row(eng.generate_ids(spec["memory_rev"] + spec["query"], late_rev, STEPS, ignore_eos=True), None)
+    ]
     # (a) re-ingest while a version is cached on the scheduler side, then a request still naming the old one.
-    from kvmem.store import Store
-
     st = Store.open(spec["store"])
     old = st.snapshot("replaced")
     main = (spec["store"], sid[spec["store"]])
@@ -429,8 +443,8 @@ def test_foreign_salt_or_stale_version_is_refused(run, spec):
 
 
 def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
-    """A truncated KV file and one with bytes flipped in place (the worker's checksum fails the load: vLLM
-    recomputes those blocks),
+    """A truncated KV file, one truncated after the worker read it, and one with bytes flipped in place (the
+    worker's checksum fails the load: vLLM recomputes those blocks),
     a store built by another model, a store the engine was not started with, and a version replaced after the
     scheduler cached it. Each answers exactly like a plain prefill; then the engine still injects."""
     joint = run["prompt"][0]["tokens"]
@@ -439,6 +453,9 @@ def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
         (g,) = run[name]
         assert g["tokens"] == joint, name
     assert run["stale_cached"][0]["tokens"] == run["stale_ref"][0]["tokens"]
+    # read once, then truncated: injected before, prefilled after (the reversed order: no prefix-cache hit)
+    assert (run["late_before"][0]["cached"], run["late_before"][0]["tokens"]) == (m, spec["hf"]["indep"])
+    assert run["late_after"][0]["tokens"] == run["stale_ref"][0]["tokens"]
     for name in ("foreign", "unlisted", "stale_cached"):  # refused by the scheduler: nothing reported as cached
         assert run[name][0]["cached"] == 0, name
     assert run["_metrics"].get("untrusted_store", 0) >= 2

@@ -320,7 +320,7 @@ def serve_cmd(
         model=model,
         engine=engine,
         dtype=resolve_dtype(None if dtype == "auto" else dtype),
-        limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens),
+        limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens, max_tokens=max(4096, max_tokens)),
         cache_bytes=cache_bytes,
         kv_cache_memory_bytes=kv_cache_bytes,
         max_queue=max_queue,
@@ -980,6 +980,29 @@ def bench_memory(
     if turns < 1 or facts < 1:
         raise ValueError("--turns and --facts must be >= 1")
     online_memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
+
+
+@bench_app.command("chat-cost")
+@friendly
+def bench_chat_cost(
+    counts: str = typer.Option("64,1000,10000", "--counts", help="Comma-separated memory counts of one user."),
+    fact_tokens: int = typer.Option(16, "--fact-tokens"),
+    chats: int = typer.Option(60, "--chats", help="Chats timed per count (after one first chat)."),
+    k: int = typer.Option(20, "--k"),
+    cache_bytes: int = typer.Option(256 << 20, "--cache-bytes", help="The store's cache bound, bytes."),
+    data: Path = _DATA,
+    model: str = _MODEL,
+    out: Path = typer.Option(Path("runs/bench/chat-cost"), "--out"),
+):
+    """kv-mode embed + search + compose per chat at growing memory counts (transformers engine)."""
+    from .bench import chat_cost
+    from .bench.common import int_list
+
+    if fact_tokens < 1 or chats < 1 or k < 1 or cache_bytes < 1:
+        raise ValueError("--fact-tokens, --chats, --k and --cache-bytes must be >= 1")
+    chat_cost.run(
+        data, out, model, int_list(counts, "--counts", 1), fact_tokens, chats, k, cache_bytes, echo=typer.echo
+    )
 
 
 @bench_app.command("replay")

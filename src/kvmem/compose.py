@@ -151,7 +151,7 @@ def compose(
     Args:
         rotary: the model's rotary (``Rotary.for_model(model)`` or ``Rotary.from_config(config)``).
         header_kv: header pre-RoPE keys, raw values, [L, H, h, D].
-        user_kv: ``store.UserKV`` (one version of a user's facts; pre-RoPE keys / raw values by segment).
+        user_kv: ``store.UserKV`` (one version of a user's facts; ``gather`` reads their pre-RoPE keys / raw values).
         rows: fact rows of ``user_kv.facts``, in injected order (see ``retrieve.order_reverse_proximity``).
         start: virtual position of the first header token (0 in serving; d > 0 in the relocation check).
         device: where the composed tensors go (the engine's device); gathering happens on the store's side.

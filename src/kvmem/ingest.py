@@ -28,7 +28,7 @@ from .encode import encode_chain, encode_spans
 from .models import LoadedModel, fingerprint
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import CACHE_BYTES, FactRecord, Store, StoreError
+from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_store_path
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
@@ -39,10 +39,11 @@ def open_or_create_store(
 ) -> tuple[Store, PromptFormat]:
     """Open the store at ``root`` for ``lm`` (refusing another model's store) or create it with the header KV.
     ``cache_bytes``: the store's cache bound (``Store``)."""
+    root = check_store_path(root)
     fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
     header_ids = fmt.header_ids(lm.tokenizer)
     fp = fingerprint(lm)
-    if (Path(root) / "manifest.json").exists():
+    if (root / "manifest.json").exists():
         store = Store.open(root, fp, cache_bytes=cache_bytes)
         if store.header_token_ids != header_ids:
             raise StoreError(f"store {root} was built with a different instruction header")
@@ -246,7 +247,7 @@ def write_facts(
         if not replace and store.version(user) is not None:
             gone = set(delete)
             try:
-                ukv = store.snapshot(user, kv=False)  # rows and embeddings only, in write order
+                ukv = store.snapshot(user)  # rows and embeddings, in write order
             except StoreError:  # a user whose every fact was deleted
                 ukv = None
             if ukv is not None:

@@ -107,7 +107,7 @@ def ingest_conversation(
     )
     if bar:
         bar.close()
-    n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id, kv=False).facts)  # rows only: no KV read
+    n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id).facts)
     store.close()
     return IngestReport(
         conv.sample_id,

@@ -254,7 +254,7 @@ class Memory:
         if not self.store.version(user):
             return None
         try:
-            return self.store.snapshot(user, kv=False)
+            return self.store.snapshot(user)
         except StoreError:  # every fact deleted
             return None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .hardware import configure_threads, resolve_dtype
+from .hardware import configure_threads, resolve_dtype, tune_malloc
 
 CHUNK = 1 << 24  # 16 MiB reads when hashing / joining
 
@@ -288,18 +288,24 @@ class LoadedModel:
 
 
 def stop_token_ids(lm: LoadedModel) -> list[int]:
-    """Where an answer ends, the one rule for both engines: the model's EOS ids, and for completion-style models
-    (no chat template) every token that holds a line break."""
+    """Where an answer ends: the model's EOS ids (with ``line_stop_ids``, the one stop rule of both engines:
+    ``engines.base.ends_answer``)."""
     eos = lm.model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if not lm.chat:  # completion-style prompts: the answer ends at the line break
-        tok = lm.tokenizer
-        eos += [
-            i
-            for i, t in enumerate(tok.convert_ids_to_tokens(range(len(tok))))
-            if t is not None and "\n" in tok.convert_tokens_to_string([t])
-        ]
-    return eos
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def line_stop_ids(lm: LoadedModel) -> frozenset[int]:
+    """For completion-style models (no chat template) every token that holds a line break: the answer ends at
+    the first one after some text (a leading line break is skipped, never an empty answer). Empty for chat
+    models."""
+    if lm.chat:
+        return frozenset()
+    tok = lm.tokenizer
+    return frozenset(
+        i
+        for i, t in enumerate(tok.convert_ids_to_tokens(range(len(tok))))
+        if t is not None and "\n" in tok.convert_tokens_to_string([t])
+    )
 
 
 def load(
@@ -332,6 +338,7 @@ def load(
         raise ModelError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or a local HF folder)")
 
     configure_threads()
+    tune_malloc()
     dtype = getattr(torch, resolve_dtype(str(dtype) if dtype is not None else None))
     device = torch.device(device) if device else pick_device()
     tok = AutoTokenizer.from_pretrained(path)

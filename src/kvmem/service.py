@@ -14,7 +14,7 @@ from pathlib import Path
 from .compose import ContextOverflow, PromptFormat, check_text, max_facts_that_fit
 from .engines.base import AsyncEngine, Engine, EngineRequest, Generation, MemoryPlan, Sampling
 from .engines.select import open_engine
-from .models import LoadedModel, fingerprint, stop_token_ids
+from .models import LoadedModel, fingerprint, line_stop_ids, stop_token_ids
 from .policy import parse_mode
 from .retrieve import Embedder, IndexCache, Retrieved, order_reverse_proximity
 from .store import Store, StoreError
@@ -72,7 +72,7 @@ class MemoryService:
         self.store = Store.open(store_root, fingerprint(lm), **cache)
         self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
         self.fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
-        self.stop_ids = stop_token_ids(lm)  # one stop rule for both engines
+        self.stop_ids, self.line_stop_ids = stop_token_ids(lm), line_stop_ids(lm)  # one stop rule (ends_answer)
         self.max_context = min(max_context or lm.max_context, engine.max_model_len)
         self.indexes = IndexCache(index_cache_bytes)
         self.tail_recompute = tail_recompute
@@ -144,7 +144,7 @@ class MemoryService:
         if r < 0:
             raise ValueError(f"tail_recompute must be >= 0, got {r}")
         t0 = time.perf_counter()
-        ukv = self.store.snapshot(user, kv=False)  # the engine reads the KV it injects (Engine.memory)
+        ukv = self.store.snapshot(user)  # rows only: the engine reads the KV it injects (Engine.memory)
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
         scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k)
@@ -232,7 +232,8 @@ class MemoryService:
             req = self.plan(user, question, top_k, mode, max_new_tokens, messages, tail_recompute)
             t = time.perf_counter()
             try:
-                req.memory = self.engine.memory(req.plan) if req.plan is not None else None
+                if req.plan is not None:
+                    req.attach(self.engine.memory(req.plan))
             except LookupError:  # a write replaced the version between retrieval and the KV read: again
                 if attempt == 2:
                     raise StoreError(f"the memory of {user!r} kept changing while being read") from None
@@ -241,9 +242,16 @@ class MemoryService:
             return req
         raise AssertionError("unreachable")
 
-    def sampling(self, max_new_tokens: int, ignore_eos: bool = False) -> Sampling:
-        """Greedy decoding to ``max_new_tokens`` with this service's stop rule."""
-        return Sampling(max_tokens=max_new_tokens, stop_token_ids=tuple(self.stop_ids), ignore_eos=ignore_eos)
+    def sampling(self, max_new_tokens: int, ignore_eos: bool = False, **options) -> Sampling:
+        """Decoding to ``max_new_tokens`` with this service's stop rule; ``options``: other ``Sampling`` fields
+        (default greedy)."""
+        return Sampling(
+            max_tokens=max_new_tokens,
+            stop_token_ids=tuple(self.stop_ids),
+            line_stop_ids=self.line_stop_ids,
+            ignore_eos=ignore_eos,
+            **options,
+        )
 
     def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
@@ -290,6 +298,13 @@ class Prepared:
     plan: MemoryPlan | None
     timings_ms: dict[str, float]
     memory: object | None = None
+
+    def attach(self, memory: object | None) -> None:
+        """Set the engine's memory for ``plan``; None (its KV failed the store's checks: ``Engine.memory``) makes
+        this a plain prefill of the same prompt."""
+        self.memory = memory
+        if memory is None:
+            self.plan = None
 
     def request(self, sampling: Sampling) -> EngineRequest:
         """The engine request: kv mode injects ``memory`` and prefills ``query_ids``; otherwise all is prefilled."""

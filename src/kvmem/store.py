@@ -7,7 +7,8 @@ Layout of a store directory::
     meta.sqlite              meta (the version counter; per-user encoding neighbours, history), users, segments
                              (sha256), facts (rows, embeddings, added/deleted versions), history (events),
                              turns (the raw conversation)
-    users/<user>.<segment>.kv.safetensors    keys / values [L, H, n, D] of the facts one commit added
+    users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
+                                             (token-major: a fact is one byte range; ``segments``)
 
 Writes (``commit``, the one write path) append: a new segment file, fsynced with its directory, then one SQLite
 transaction that inserts the new fact rows, tombstones deleted ones (``deleted`` = the commit's version),
@@ -16,8 +17,10 @@ repeat, even after ``reset``). A crash or power loss at any point leaves the pre
 row points at are orphans that ``fsck`` removes. ``compact`` rewrites a user's live facts into one segment and
 drops dead rows. Writers serialize on a file lock (``.writer.lock``); SQLite runs in WAL mode with a busy
 timeout; one ``Store`` object may be shared by threads (a lock guards its connection). Readers take rows from
-one read transaction (one snapshot) and load the segments they name, each checked against its SHA-256,
-retrying cleanly if a concurrent writer removed one in between.
+one read transaction (one snapshot), then read only the facts they gather from the segments it names
+(``segments.read_spans``: pread, never a mapping), each file verified against its SHA-256 once per process. A
+segment that a commit replaces stays on disk for ``retire_after_s`` (60 s), so a reader still working from the
+snapshot before that commit reads its KV; past that, it gets LookupError and takes a new snapshot.
 Stored KV carries the model fingerprint; opening a store with another model is refused (``StoreMismatch``).
 Opening never writes (no DDL): the schema is made by ``create`` and its version checked on open.
 """
@@ -37,35 +40,38 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from cachetools import LRUCache
-from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
+from . import segments as seg_files
 from .policy import check_user
 
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version
 BUSY_TIMEOUT_S = 30.0
 CACHE_BYTES = 1 << 30  # default LRU bound of each of a Store's caches (snapshots, KV segments), bytes
+VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
+RETIRE_AFTER_S = 60.0  # a replaced segment's file is removed this long after its last live fact, s
 ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
 logger = logging.getLogger("kvmem.store")
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def save_file(tensors: dict, path: Path) -> str:
+def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> str:
     """Write, fsync and return the SHA-256 of a safetensors file. safetensors' writer creates files 0600; give them
     the same umask-derived mode as the manifest and SQLite. Raises OSError(ENOSPC) when the disk is full (the
     partial file removed)."""
     need = sum(t.nbytes for t in tensors.values())
     try:
-        _save_file(tensors, path)
+        _save_file(tensors, path, metadata=metadata)
     except Exception as exc:  # safetensors reports a full disk as its own error type
         path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno != errno.ENOSPC or shutil.disk_usage(path.parent).free >= need:
@@ -133,17 +139,20 @@ class FactRecord:
 
 @dataclass
 class UserKV:
-    """One version of a user's memory: its live facts (row order), their KV by segment, their embeddings.
+    """One version of a user's memory: its live facts (row order), their embeddings, and its KV segments.
 
-    ``segments[s]`` = (keys, values), each [L, H, n_s, D]; fact ``i`` owns tokens ``token_offset .. +num_tokens``
-    of its segment. ``embeddings``: [F, E] float32, L2-normalised, row ``i`` = ``facts[i]``."""
+    ``segments``: segment name -> SHA-256 of the file; fact ``i`` owns tokens ``token_offset .. +num_tokens`` of
+    its segment. ``embeddings``: [F, E] float32, L2-normalised, row ``i`` = ``facts[i]``. KV is read lazily, by
+    fact (``gather``), through the store that took the snapshot."""
 
     user: str
     version: str
     facts: list[FactRecord]
-    segments: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    segments: dict[str, str]
     embeddings: torch.Tensor
-    mmap: bool = False  # segments are memory maps (``Store.mmap_segment``)
+    reader: Callable[[UserKV, list[FactRecord]], tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, repr=False
+    )
 
     def row_of(self) -> dict[str, int]:
         """fact_id -> position in ``facts`` (and in ``embeddings``)."""
@@ -155,21 +164,18 @@ class UserKV:
         return {f.row: i for i, f in enumerate(self.facts)}
 
     def fact_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each (views)."""
-        f = self.facts[i]
-        k, v = self.segments[f.segment]
-        return k[:, :, f.token_offset : f.token_offset + f.num_tokens], v[
-            :, :, f.token_offset : f.token_offset + f.num_tokens
-        ]
+        """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each."""
+        return self.gather([i])
 
     def gather(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each."""
-        kvs = [self.fact_kv(r) for r in rows]
-        if not kvs:
-            k, _ = next(iter(self.segments.values()))
-            empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
-            return empty, empty.clone()
-        return torch.cat([k for k, _ in kvs], dim=2), torch.cat([v for _, v in kvs], dim=2)
+        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each. Reads only
+        those facts' bytes (``segments.read_spans``), each segment verified once per process.
+
+        Raises LookupError if this version was replaced and its files removed meanwhile, StoreError if a
+        segment is missing, truncated or corrupt."""
+        if self.reader is None:
+            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
+        return self.reader(self, [self.facts[r] for r in rows])
 
     @property
     def num_tokens(self) -> int:
@@ -230,39 +236,6 @@ def _fact(r) -> FactRecord:
     )
 
 
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-def mmap_segment(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """A KV segment's ``keys`` and ``values`` as tensors over a private memory map of the safetensors file: no
-    byte is read until a slice of it is used, so gathering k facts reads only their pages. The file's size must
-    match its header (a truncated file is refused); the caller (``Store.snapshot(kv="mmap")``) checks its SHA-256
-    once, when it first maps it. Raises StoreError for a malformed or truncated file."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        try:
-            header = json.loads(f.read(n)) if 0 < n < size else None
-        except ValueError:
-            header = None
-    try:
-        ends = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-        if 8 + n + ends != size:
-            raise ValueError("size")
-        storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-        out = []
-        for name in ("keys", "values"):
-            info = header[name]
-            dtype = _ST_DTYPES[info["dtype"]]
-            item = torch.empty(0, dtype=dtype).element_size()
-            t = torch.empty(0, dtype=dtype)
-            t.set_(storage, (8 + n + info["data_offsets"][0]) // item, info["shape"])
-            out.append(t)
-    except (TypeError, KeyError, ValueError, AttributeError, RuntimeError):
-        raise StoreError(f"KV segment {path} is malformed or truncated") from None
-    return out[0], out[1]
-
-
 def _cache_put(cache: LRUCache, key, value) -> None:
     try:
         cache[key] = value
@@ -271,7 +244,7 @@ def _cache_put(cache: LRUCache, key, value) -> None:
 
 
 def _ukv_bytes(ukv: UserKV) -> int:
-    return max(1, ukv.embeddings.nbytes + sum(k.nbytes + v.nbytes for k, v in ukv.segments.values()))
+    return ukv.embeddings.nbytes + 256 * (len(ukv.facts) + len(ukv.segments))
 
 
 def _safe(user: str) -> str:
@@ -287,6 +260,20 @@ def _locked(method):
             return method(self, *args, **kwargs)
 
     return wrapper
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
+
+
+def check_store_path(root: str | Path) -> Path:
+    """``root`` as a directory path. Raises StoreError for a URL (``postgresql://…``, ``s3://…``): this store is a
+    local directory, and a URL would otherwise become a directory named after its scheme."""
+    if _URL.match(str(root)):
+        raise StoreError(
+            f"--store {str(root).split(':', 1)[0]}://… is a URL; a kvmem store here is a local directory (a shared "
+            f"store on PostgreSQL and object storage is not in this version)"
+        )
+    return Path(root)
 
 
 def fingerprint_diff(a: dict, b: dict) -> list[str]:
@@ -314,11 +301,15 @@ class Store:
         if got != SCHEMA_VERSION:
             raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
         self._lock = threading.RLock()  # one connection, shared by threads: one transaction at a time
-        # caches, LRU-bounded by bytes: snapshots (rows, embeddings, KV) and immutable KV segment files
+        # caches, LRU-bounded by bytes: snapshots (rows, embeddings); facts' KV and verified segment layouts
         size = max(1, int(cache_bytes))
         self._user_cache: LRUCache = LRUCache(maxsize=size, getsizeof=_ukv_bytes)
-        self._segments: LRUCache = LRUCache(maxsize=size, getsizeof=lambda kv: kv[0].nbytes + kv[1].nbytes)
+        self._kv: LRUCache = LRUCache(maxsize=size, getsizeof=lambda kv: kv[0].nbytes + kv[1].nbytes)
+        # segments verified against their SHA-256 (identity -> layout), outside the byte budget: evicting one
+        # would cost a whole-file re-hash on the next miss
+        self._verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.retire_after_s = RETIRE_AFTER_S  # how long a replaced segment's file outlives its last row, s
         self.write_timeout_s: float | None = (
             None  # how long a write waits for another writer (None: as long as it takes)
         )
@@ -338,7 +329,7 @@ class Store:
         cache_bytes: int = CACHE_BYTES,
     ) -> Store:
         """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw."""
-        root = Path(root)
+        root = check_store_path(root)
         if (root / "manifest.json").exists():
             raise StoreError(f"{root} already holds a store")
         if root.exists() and not root.is_dir():
@@ -374,7 +365,7 @@ class Store:
             StoreError: no store at ``root``.
             StoreMismatch: the store was produced by another model/tokenizer/dtype/RoPE config.
         """
-        root = Path(root)
+        root = check_store_path(root)
         path = root / "manifest.json"
         if not path.exists():
             raise StoreError(
@@ -442,12 +433,13 @@ class Store:
         """Forget cached snapshots and segments: the next read goes to disk (tests of what a cold reader sees)."""
         with self._lock:
             self._user_cache.clear()
-            self._segments.clear()
+            self._kv.clear()
+            self._verified.clear()
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of KV segments this Store object holds in its LRU cache."""
-        return int(self._segments.currsize)
+        """Bytes of fact KV (and verified segment layouts) this Store object holds in its LRU cache."""
+        return int(self._kv.currsize)
 
     def disk_bytes(self) -> int:
         """Bytes of every file in the store directory (segments, SQLite with its WAL, header, manifest). A file a
@@ -536,99 +528,130 @@ class Store:
         """The file of ``user``'s KV segment ``segment`` (immutable once committed)."""
         return self.root / "users" / f"{_safe(user)}.{segment}.kv.safetensors"
 
-    def _load_segment(self, user: str, segment: str, sha: str, mmap: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (user, segment, mmap)
-        if mmap and key not in self._segments:
-            path = self.segment_path(user, segment)
-            with open(path, "rb") as f:  # FileNotFoundError: the caller retries
-                # once per mapped segment: a changed file is refused, never injected
-                if hashlib.file_digest(f, "sha256").hexdigest() != sha:
-                    raise StoreError(
-                        f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
-                        f"(truncated or corrupt file)"
-                    )
-            kv = mmap_segment(path)
-            _cache_put(self._segments, key, kv)
-            return kv
-        if key not in self._segments:
-            data = self.segment_path(user, segment).read_bytes()  # FileNotFoundError: the caller retries
-            if hashlib.sha256(data).hexdigest() != sha:
-                raise StoreError(
-                    f"store {self.root}: KV segment {segment} of user {user!r} fails its checksum "
-                    f"(truncated or corrupt file)"
-                )
+    def _segment_layout(self, user: str, segment: str, sha: str, fd: int) -> seg_files.SegmentLayout:
+        """The layout of an open segment file, verified against ``sha`` the first time this process reads that
+        file (and again whenever its identity changed since). Raises SegmentCorrupt."""
+        ident = seg_files.file_identity(fd)
+        key = (user, segment)
+        with self._lock:
+            known = self._verified.get(key)
+        if known is not None and known[0] == (sha, ident):
+            return known[1]
+        seg_files.verify(fd, sha)
+        layout = seg_files.read_layout(fd)
+        with self._lock:
+            self._verified[key] = ((sha, ident), layout)
+        return layout
+
+    def verify(self, user: str) -> int:
+        """Verify every KV segment of ``user``'s current version against its checksum now (a reader otherwise
+        verifies each on its first read); returns how many. Raises StoreError, UnknownUser."""
+        ukv = self.snapshot(user)
+        self._check_segments(ukv)
+        return len(ukv.segments)
+
+    def _check_segments(self, ukv: UserKV) -> None:
+        """Verify every segment of ``ukv`` against its checksum, and that each fact's span lies inside it (fsck:
+        no KV is loaded). Raises StoreError."""
+        for segment, sha in ukv.segments.items():
             try:
-                t = load_bytes(data)
-            except Exception as exc:  # corrupt despite a matching checksum: report, never a traceback
-                raise StoreError(f"store {self.root}: cannot read user {user!r} ({exc})") from None
-            kv = (t["keys"], t["values"])
-            _cache_put(self._segments, key, kv)
-            return kv
-        return self._segments[key]
+                fd = os.open(self.segment_path(ukv.user, segment), os.O_RDONLY)
+            except OSError as exc:
+                raise StoreError(f"KV segment {segment} is missing or unreadable ({exc.strerror})") from None
+            try:
+                layout = self._segment_layout(ukv.user, segment, sha, fd)
+            except (seg_files.SegmentCorrupt, OSError) as exc:
+                raise StoreError(f"KV segment {segment} {exc}") from None
+            finally:
+                os.close(fd)
+            if any(f.token_offset + f.num_tokens > layout.num_tokens for f in ukv.facts if f.segment == segment):
+                raise StoreError(f"KV segment {segment} is shorter than its fact rows say")
+
+    def _read_facts(self, ukv: UserKV, facts: list[FactRecord]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``UserKV.gather``'s reader: cached facts from the LRU, the rest by span from their segment files."""
+        parts: list = [None] * len(facts)
+        missing: dict[str, list[int]] = {}
+        with self._lock:
+            for i, f in enumerate(facts):
+                parts[i] = self._kv.get(("fact", ukv.user, f.segment, f.token_offset, f.num_tokens))
+                if parts[i] is None:
+                    missing.setdefault(f.segment, []).append(i)
+        for segment, idx in missing.items():
+            where = f"store {self.root}: KV segment {segment} of user {ukv.user!r}"
+            try:
+                fd = os.open(self.segment_path(ukv.user, segment), os.O_RDONLY)
+            except FileNotFoundError:
+                if self.version(ukv.user) != ukv.version:
+                    raise LookupError(f"memory version {ukv.version} of {ukv.user!r} is no longer current") from None
+                raise StoreError(f"{where} is missing (run `kvmem store fsck --store {self.root}`)") from None
+            except OSError as exc:
+                raise StoreError(f"{where} cannot be opened ({exc})") from None
+            try:
+                layout = self._segment_layout(ukv.user, segment, ukv.segments[segment], fd)
+                kvs = seg_files.read_spans(fd, layout, [(facts[i].token_offset, facts[i].num_tokens) for i in idx])
+            except seg_files.SegmentCorrupt as exc:
+                raise StoreError(f"{where} {exc}") from None
+            except OSError as exc:  # EIO and the like: that read fails, the reader prefills instead
+                raise StoreError(f"{where} cannot be read ({exc})") from None
+            finally:
+                os.close(fd)
+            with self._lock:
+                for i, kv in zip(idx, kvs):
+                    parts[i] = kv
+                    f = facts[i]
+                    _cache_put(self._kv, ("fact", ukv.user, f.segment, f.token_offset, f.num_tokens), kv)
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            k, _ = self.header_kv()
+            empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
+            return empty, empty.clone()
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
     @_locked
-    def snapshot(self, user: str, version: str | None = None, retries: int = 5, kv: bool | str = True) -> UserKV:
-        """One consistent version of ``user``'s memory: rows, embeddings and KV segments of the same version, each
-        segment checksummed.
+    def snapshot(self, user: str, version: str | None = None) -> UserKV:
+        """One consistent version of ``user``'s memory: rows, embeddings and segment checksums from one read
+        transaction. KV is not read here: ``UserKV.gather`` reads the facts it is asked for.
 
-        ``version``: that exact version or LookupError (it was replaced); None: the current one, retried
-        cleanly when a concurrent writer removes a segment between the row read and the file read. Cached per
-        version; a new version loads only its new segments. ``kv=False``: rows and embeddings only (search,
-        listing), ``segments`` left empty. ``kv="mmap"``: segments memory-mapped (``mmap_segment``), so a reader
-        that gathers k facts reads only their pages (the vLLM worker). Raises StoreError for an unknown user
-        (UnknownUser) or missing/corrupt files of a current version.
+        ``version``: that exact version or LookupError (it was replaced); None: the current one. Cached per
+        version. Raises UnknownUser for a user with no live memories.
         """
-        for attempt in range(retries + 1):
+        current = self.version(user)
+        if version is not None and current != version:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
+        cached = self._user_cache.get(user)
+        if cached is not None and cached.version == current:
+            return cached
+        self._db.execute("BEGIN")
+        try:
             current = self.version(user)
-            if version is not None and current != version:
-                raise LookupError(f"memory version {version} of {user!r} is no longer current")
-            cached = self._user_cache.get(user)
-            if (
-                cached is not None
-                and cached.version == current
-                and (not kv or (cached.segments and cached.mmap == (kv == "mmap")))
-            ):
-                return cached
-            self._db.execute("BEGIN")
-            try:
-                current = self.version(user)
-                facts = [
-                    _fact(r)
-                    for r in self._db.execute(
-                        f"SELECT {_FACT_COLS} FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
-                    )
-                ]
-                emb = [
-                    r[0]
-                    for r in self._db.execute(
-                        "SELECT embedding FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
-                    )
-                ]
-                shas = dict(self._db.execute("SELECT segment, kv_sha256 FROM segments WHERE user=?", (user,)))
-            finally:
-                self._db.execute("COMMIT")
-            if not facts:
-                raise UnknownUser(f"unknown user {user!r} in store {self.root} (no live memories)")
-            if version is not None and current != version:
-                raise LookupError(f"memory version {version} of {user!r} is no longer current")
-            try:
-                segments = (
-                    {s: self._load_segment(user, s, shas[s], mmap=kv == "mmap") for s in {f.segment for f in facts}}
-                    if kv
-                    else {}
+            facts = [
+                _fact(r)
+                for r in self._db.execute(
+                    f"SELECT {_FACT_COLS} FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
                 )
-            except FileNotFoundError:
-                if attempt < retries and self.version(user) != current:
-                    continue  # compacted or replaced under us: read the new version
-                raise StoreError(
-                    f"store {self.root}: KV files of user {user!r} version {current} are missing "
-                    f"(run `kvmem store fsck --store {self.root}`)"
-                ) from None
-            embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
-            ukv = UserKV(user, current, facts, segments, embeddings, kv == "mmap")
-            _cache_put(self._user_cache, user, ukv)
-            return ukv
-        raise StoreError(f"store {self.root}: user {user!r} kept changing while being read")
+            ]
+            emb = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT embedding FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
+                )
+            ]
+            shas = dict(self._db.execute("SELECT segment, kv_sha256 FROM segments WHERE user=?", (user,)))
+        finally:
+            self._db.execute("COMMIT")
+        if not facts:
+            raise UnknownUser(f"unknown user {user!r} in store {self.root} (no live memories)")
+        if version is not None and current != version:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
+        try:
+            segments = {s: shas[s] for s in {f.segment for f in facts}}
+        except KeyError:
+            raise StoreError(f"store {self.root}: user {user!r} names a segment with no checksum row") from None
+        embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
+        ukv = UserKV(user, current, facts, segments, embeddings, self._read_facts)
+        _cache_put(self._user_cache, user, ukv)
+        return ukv
 
     def user_kv(self, user: str) -> UserKV:
         """A user's current memory (``snapshot(user)``)."""
@@ -687,9 +710,11 @@ class Store:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def _gc(self, user: str | None = None) -> list[str]:
-        """Under ``writer()``: drop segments no live fact uses (of ``user``, after its commit: a few indexed
-        queries), and with ``user=None`` also every file no segment row names (a killed writer's leftovers; a
-        directory listing, for ``fsck``). Returns the removed file names."""
+        """Under ``writer()``: retire segments no live fact uses (of ``user``, after its commit: a few indexed
+        queries) and remove the files of those retired more than ``retire_after_s`` ago, so a reader still
+        gathering from the snapshot it took before the commit finds its files. With ``user=None`` (``fsck``,
+        ``reset``) remove at once every file no segment row names: retired ones and a killed writer's leftovers
+        (a directory listing). Returns the removed file names that were never retired (leftovers)."""
         scope, args = ("s.user=? AND ", (user,)) if user is not None else ("", ())
         dead = list(
             self._db.execute(
@@ -698,20 +723,35 @@ class Store:
                 args,
             )
         )
-        if dead:
+        now = time.time()
+        retiring = ["retired:" + self.segment_path(u, seg).name for u, seg in dead]
+        due = [
+            k
+            for k, t in self._db.execute("SELECT key, value FROM meta WHERE key >= 'retired:' AND key < 'retired;'")
+            if user is None or t <= now - self.retire_after_s
+        ]
+        if user is None or self.retire_after_s <= 0:
+            due, retiring = due + retiring, []
+        if dead or due:
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.executemany("DELETE FROM segments WHERE user=? AND segment=?", dead)
+                self._db.executemany(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [(k, now) for k in retiring]
+                )
+                self._db.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in due])
         if user is not None:
-            doomed = [self.segment_path(u, seg) for u, seg in dead]
+            doomed = [self.root / "users" / k.removeprefix("retired:") for k in due]
         else:
             live = {self.segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")}
             doomed = [p for p in (self.root / "users").iterdir() if p.name not in live and p.is_file()]
+        retired = {k.removeprefix("retired:") for k in due}
         removed = []
         for p in doomed:
             try:
                 p.unlink(missing_ok=True)
-                removed.append(p.name)
+                if p.name not in retired:
+                    removed.append(p.name)
             except OSError as exc:  # the commit before this stands; a leftover file only costs space
                 logger.warning("store %s: cannot remove %s: %s", self.root, p, exc)
         return removed
@@ -724,14 +764,14 @@ class Store:
             ok, bad = [], {}
             for user in self.users():
                 self._user_cache.pop(user, None)
-                for k in [k for k in self._segments if k[0] == user]:
-                    self._segments.pop(k, None)
+                with self._lock:
+                    for k in [k for k in self._kv if k[1] == user]:
+                        self._kv.pop(k, None)
                 try:
                     ukv = self.snapshot(user)
-                    if ukv.embeddings.shape[0] != len(ukv.facts) or any(
-                        f.token_offset + f.num_tokens > ukv.segments[f.segment][0].shape[2] for f in ukv.facts
-                    ):
-                        raise StoreError("tensor sizes do not match the fact rows")
+                    if ukv.embeddings.shape[0] != len(ukv.facts):
+                        raise StoreError("embedding rows do not match the fact rows")
+                    self._check_segments(ukv)
                     ok.append(user)
                 except (StoreError, LookupError) as exc:
                     bad[user] = str(exc)
@@ -788,9 +828,8 @@ class Store:
             segment, digest, path = uuid.uuid4().hex[:12], "", None
             if add:
                 path = self.segment_path(user, segment)
-                digest = save_file(
-                    {"keys": torch.cat(keys, dim=2).contiguous(), "values": torch.cat(values, dim=2).contiguous()}, path
-                )
+                tensors, meta = seg_files.to_file(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+                digest = save_file(tensors, path, meta)
                 fsync_dir(path.parent)  # durable before the commit that points at it
             try:
                 version = self._commit_rows(
@@ -986,7 +1025,8 @@ class Store:
             segment = uuid.uuid4().hex[:12]
             keys, values = ukv.gather(list(range(len(ukv.facts))))
             path = self.segment_path(user, segment)
-            digest = save_file({"keys": keys.contiguous(), "values": values.contiguous()}, path)
+            tensors, meta = seg_files.to_file(keys, values)
+            digest = save_file(tensors, path, meta)
             fsync_dir(path.parent)
             db = self._db
             with db:
@@ -1027,4 +1067,5 @@ class Store:
                 self._db.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%'")
             self._gc()
             self._user_cache.clear()
-            self._segments.clear()
+            self._kv.clear()
+            self._verified.clear()

@@ -10,6 +10,7 @@ import faiss
 
 from ..models import head_dim
 from ..retrieve import UserIndex
+from ..segments import layout_of
 from .common import (
     Setup,
     log_err,
@@ -60,7 +61,7 @@ def run(
         index_bytes = int(faiss.serialize_index(index.index).nbytes)
         kv_paths = [st.segment_path(c.sample_id, seg) for seg in ukv.segments]
         n_tok = ukv.num_tokens
-        kv_bytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in ukv.segments.values())
+        kv_bytes = sum(layout_of(p).nbytes for p in kv_paths)
         hk, hv = st.header_kv()
         records.append(
             {

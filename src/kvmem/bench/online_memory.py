@@ -52,7 +52,7 @@ def run(
             t0 = time.perf_counter()
             mem.add(msg, "u", infer=False)
             add_ms = (time.perf_counter() - t0) * 1e3
-            fact = mem.store.snapshot("u", kv=False).facts[-1]
+            fact = mem.store.snapshot("u").facts[-1]
             ctx_ids = lm.tokenizer(context, add_special_tokens=False)["input_ids"] if context else []
             ids = torch.tensor([mem.store.header_token_ids + ctx_ids + list(fact.token_ids)])
             with torch.inference_mode():

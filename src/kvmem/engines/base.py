@@ -45,7 +45,9 @@ __all__ = [
     "Generation",
     "MemoryPlan",
     "Sampling",
+    "TokenLogprob",
     "check_implements",
+    "ends_answer",
 ]
 
 
@@ -56,7 +58,11 @@ class EngineBusy(RuntimeError):
 @dataclass(frozen=True)
 class Sampling:
     """What a request asks of decoding. temperature 0 -> greedy (then top_p and seed do not matter);
-    ``max_tokens``: new tokens at most; ``stop_token_ids``: end of answer (EOS and the service's own rule)."""
+    ``max_tokens``: new tokens at most; ``stop_token_ids``: end of answer (EOS); ``line_stop_ids``: tokens that
+    end it only once it holds another token (completion-style models answer on one line, and may open with a
+    line break: ``ends_answer``); ``logprobs``: None, or return each chosen token's log-probability and the
+    ``logprobs`` most likely alternatives; ``json_schema``: JSON text of a schema the answer must match (guided
+    decoding; line stops then do not apply)."""
 
     max_tokens: int = 32
     temperature: float = 0.0
@@ -64,6 +70,31 @@ class Sampling:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    line_stop_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    json_schema: str | None = None
+
+
+def ends_answer(tokens: list[int], sampling: Sampling | None) -> bool:
+    """Whether the last of the generated ``tokens`` ends the answer: an EOS id, or a line stop after at least
+    one other token (so a leading line break never gives an empty answer). The one stop rule of both engines."""
+    if sampling is None or sampling.ignore_eos or not tokens:
+        return False
+    last = tokens[-1]
+    if last in sampling.stop_token_ids:
+        return True
+    lines = () if sampling.json_schema is not None else sampling.line_stop_ids
+    return last in lines and any(t not in lines for t in tokens[:-1])
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (raw logits, before sampling or grammar masks), and
+    the ``top`` most likely tokens at that step as (token id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -127,6 +158,7 @@ class Generation:
     prompt_tokens: int = 0
     finish_reason: str | None = None
     extra: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -142,6 +174,7 @@ class Delta:
     prefilled_tokens: int = 0
     ttft_ms: float = float("nan")
     extra: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class _Capabilities:
@@ -157,8 +190,10 @@ class Engine(_Capabilities, ABC):
 
     @abstractmethod
     def memory(self, plan: MemoryPlan) -> object:
-        """The injectable memory for ``plan`` (goes in ``EngineRequest.memory``). Raises ValueError for what this
-        engine cannot do (e.g. ``plan.recompute`` without ``selective_recompute``); StoreError for unreadable KV."""
+        """The injectable memory for ``plan`` (goes in ``EngineRequest.memory``), or None when its stored KV fails
+        its checks (missing, truncated, corrupt segment): the request is then prefilled whole, never served wrong
+        KV. Raises ValueError for what this engine cannot do (e.g. ``plan.recompute`` without
+        ``selective_recompute``), LookupError if the plan's version was replaced meanwhile."""
 
     @abstractmethod
     def generate(self, requests: list[EngineRequest]) -> list[Generation]:

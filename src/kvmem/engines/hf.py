@@ -9,20 +9,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+from cachetools import LRUCache
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from ..compose import ComposedMemory, compose
 from ..rope import Rotary, reset_rope_state, served_length
-from .base import AsyncEngine, Delta, Engine, EngineBusy, EngineRequest, Generation, MemoryPlan, Sampling
+from ..store import StoreError
+from .base import (
+    AsyncEngine,
+    Delta,
+    Engine,
+    EngineBusy,
+    EngineRequest,
+    Generation,
+    MemoryPlan,
+    Sampling,
+    TokenLogprob,
+    ends_answer,
+)
+
+logger = logging.getLogger("kvmem.engines.hf")
 
 
 @dataclass
@@ -219,28 +235,32 @@ class HFEngine(Engine):
     def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None, tokenizer=None):
         use_gqa_sdpa(model)
         self.model, self.tokenizer = model, tokenizer  # the tokenizer: JSON grammars (complete_json) only
-        self._grammars: dict = {}  # compiled JSON-schema grammars, bounded (complete_json)
+        self._grammars = LRUCache(maxsize=64)  # compiled JSON-schema grammars (complete_json, response_format)
+        self._compiler = None  # xgrammar's GrammarCompiler over this model's vocabulary
         self.device = next(model.parameters()).device
         self.rotary = Rotary.for_model(model)
         self.max_model_len = int(max_model_len or model.config.max_position_embeddings)
         eos = eos_token_ids if eos_token_ids is not None else model.generation_config.eos_token_id
         self.eos = set([eos] if isinstance(eos, int) else (eos or []))
 
-    def memory(self, plan: MemoryPlan) -> HFMemory:
-        """Compose ``[header][facts]`` with chunked RoPE on this engine's device (paper §3.3). Reads the rows' KV
-        from the store when ``plan.snapshot`` holds none (LookupError if that version was replaced meanwhile)."""
-        ukv = plan.snapshot
-        if not ukv.segments and plan.rows:
-            ukv = plan.store.snapshot(ukv.user, version=ukv.version)
-        composed = compose(
-            self.rotary,
-            plan.header_ids,
-            plan.store.header_kv(),
-            ukv,
-            plan.rows,
-            device=self.device,
-            served_len=plan.served_len,
-        )
+    def memory(self, plan: MemoryPlan) -> HFMemory | None:
+        """Compose ``[header][facts]`` with chunked RoPE on this engine's device (paper §3.3), reading only the
+        rows' KV. LookupError if that version was replaced meanwhile (the caller plans again). None if a segment
+        fails its checks (missing, truncated, corrupt): the request is then prefilled whole, as vLLM's worker
+        recomputes blocks whose load failed."""
+        try:
+            composed = compose(
+                self.rotary,
+                plan.header_ids,
+                plan.store.header_kv(),
+                plan.snapshot,
+                plan.rows,
+                device=self.device,
+                served_len=plan.served_len,
+            )
+        except StoreError as exc:
+            logger.warning("memory of %r not injected, prefilled instead: %s", plan.snapshot.user, exc)
+            return None
         return HFMemory(composed, plan.recompute, len(plan.header_ids))
 
     def generate(self, requests: list[EngineRequest]) -> list[Generation]:
@@ -265,22 +285,31 @@ class HFEngine(Engine):
             header_len=mem.header_len,
         )
 
+    def _grammar(self, schema_json: str):
+        """xgrammar's compiled grammar for a JSON schema (JSON text), cached per schema (LRU, bounded). Raises
+        ValueError for a schema xgrammar cannot compile (HTTP 400)."""
+        import xgrammar as xgr
+
+        compiled = self._grammars.get(schema_json)
+        if compiled is None:
+            if self.tokenizer is None:
+                raise ValueError("JSON-constrained decoding needs the engine's tokenizer (HFEngine(..., tokenizer=))")
+            if self._compiler is None:  # the vocabulary is read once per engine, not per schema
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.model.config.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info)
+            try:
+                compiled = self._compiler.compile_json_schema(schema_json)
+            except RuntimeError as exc:
+                raise ValueError(f"response_format: this JSON schema cannot be used ({str(exc)[:200]})") from None
+            self._grammars[schema_json] = compiled
+        return compiled
+
     def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy ids under xgrammar's JSON-schema logits processor (transformers ``generate``)."""
-        import xgrammar as xgr
         from xgrammar.contrib.hf import LogitsProcessor
 
-        key = json.dumps(schema, sort_keys=True)
-        compiled = self._grammars.get(key)
+        compiled = self._grammar(json.dumps(schema, sort_keys=True))
         tok = self.tokenizer
-        if tok is None:
-            raise ValueError("complete_json needs the engine's tokenizer (HFEngine(..., tokenizer=...))")
-        if compiled is None:
-            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.model.config.vocab_size)
-            compiled = xgr.GrammarCompiler(info).compile_json_schema(key)
-            if len(self._grammars) >= 64:  # per-call schemas: keep the compile cache bounded
-                self._grammars.clear()
-            self._grammars[key] = compiled
         x = torch.tensor([prompt_ids], device=self.device)
         pad = tok.pad_token_id or tok.eos_token_id
         with torch.inference_mode():
@@ -322,13 +351,15 @@ class HFEngine(Engine):
         then counts the probe, the recomputed tokens and the query.
         Raises ValueError for an unknown mode or an empty query.
         """
-        if sampling is not None:
+        if sampling is None:
+            sampling = Sampling(max_tokens=max_new_tokens, stop_token_ids=tuple(self.eos))
+        else:
             max_new_tokens = sampling.max_tokens
-        eos = self.eos | set(sampling.stop_token_ids if sampling else ())
-        if sampling is not None and sampling.ignore_eos:
-            eos = set()
+            if not sampling.ignore_eos:
+                sampling = replace(sampling, stop_token_ids=tuple(self.eos | set(sampling.stop_token_ids)))
+        grammar = _Grammar(self._grammar(sampling.json_schema)) if sampling.json_schema is not None else None
         gen = None
-        if sampling is not None and sampling.temperature > 0:
+        if sampling.temperature > 0:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(
                 sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -366,14 +397,27 @@ class HFEngine(Engine):
         first_logits = logits
         steps = [logits] if keep_step_logits else []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if sampling.logprobs is not None else None
         pos = pos0 + len(ids)
         t1 = time.perf_counter()
         while True:
+            raw = logits
+            if grammar is not None:
+                logits = grammar.mask(logits)
             nxt = int(logits.argmax()) if gen is None else sample(logits, sampling.temperature, sampling.top_p, gen)
             tokens.append(nxt)
+            entry = token_logprob(raw, nxt, sampling.logprobs) if logprobs is not None else None
+            if entry is not None:
+                logprobs.append(entry)
             if on_token is not None:
-                on_token(nxt)
-            if nxt in eos or len(tokens) >= max_new_tokens or (cancel is not None and cancel.is_set()):
+                on_token(nxt, entry)
+            done = grammar is not None and grammar.accept(nxt)
+            if (
+                done
+                or ends_answer(tokens, sampling)
+                or len(tokens) >= max_new_tokens
+                or (cancel is not None and cancel.is_set())
+            ):
                 break
             out = self.model(
                 input_ids=torch.tensor([[nxt]], device=self.device),
@@ -386,7 +430,7 @@ class HFEngine(Engine):
                 steps.append(logits)
             pos += 1
         self._sync()
-        stopped = tokens[-1] in eos
+        stopped = done or ends_answer(tokens, sampling)
         return Generation(
             tokens,
             ttft_ms,
@@ -396,7 +440,38 @@ class HFEngine(Engine):
             steps,
             prompt_tokens=len(memory or ()) + len(query_ids),
             finish_reason="stop" if stopped else "length",
+            logprobs=logprobs,
         )
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
+    """The log-probability of ``token_id`` under ``logits`` [vocab] and the ``top`` most likely tokens."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best = lp.topk(top) if top > 0 else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token_id, float(lp[token_id]), pairs)
+
+
+class _Grammar:
+    """One request's xgrammar matcher over a compiled JSON-schema grammar: masks logits to what may follow."""
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+
+        self.xgr, self.matcher = xgr, xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [vocab] with every token the grammar forbids next set to -inf (a copy)."""
+        out = logits.clone()[None]
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self.xgr.apply_token_bitmask_inplace(out, self.bitmask.to(out.device))
+        return out[0]
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past ``token_id``; True once the JSON is complete (the grammar accepted its stop token), or if
+        the grammar refuses the token (only sampling around the mask could pick one): the answer ends there."""
+        return not self.matcher.accept_token(token_id) or self.matcher.is_terminated()
 
 
 class AsyncHFEngine(AsyncEngine):
@@ -446,7 +521,8 @@ class AsyncHFEngine(AsyncEngine):
                 put(("err", asyncio.CancelledError()))
                 return
             try:
-                put(("done", self.engine.run_request(request, on_token=lambda t: put(("tok", t)), cancel=cancel)))
+                gen = self.engine.run_request(request, on_token=lambda t, lp: put(("tok", (t, lp))), cancel=cancel)
+                put(("done", gen))
             except BaseException as exc:  # reaches the request, not the worker thread
                 put(("err", exc))
 
@@ -455,7 +531,7 @@ class AsyncHFEngine(AsyncEngine):
             while True:
                 kind, x = await q.get()
                 if kind == "tok":
-                    yield Delta([x])
+                    yield Delta([x[0]], logprobs=None if x[1] is None else [x[1]])
                 elif kind == "err":
                     raise x
                 else:

@@ -132,7 +132,7 @@ def _fact_tokens(root: str, user: str, version: str) -> dict[str, tuple[int, ...
         raise LookupError(f"memory version {version} of {user!r} is no longer current")
     got = _FACT_TOKENS.get(key)
     if got is None:
-        got = {f.fact_id: f.token_ids for f in st.snapshot(user, version, kv=False).facts}  # rows only
+        got = {f.fact_id: f.token_ids for f in st.snapshot(user, version).facts}  # rows only
         with _LOCK:
             for k in [k for k in _FACT_TOKENS if k[:2] == (root, user)]:
                 del _FACT_TOKENS[k]
@@ -394,7 +394,7 @@ class KvmemConnector(KVConnectorBase_V1):
         if why:
             raise PermissionError(why)
         st = _store(p["store"])
-        ukv = st.snapshot(p["user"], p["version"], kv="mmap")  # raises if gone; reads only the gathered facts' pages
+        ukv = st.snapshot(p["user"], p["version"])  # raises if replaced; compose reads only the gathered facts
         rows = ukv.row_of()
         memory = compose(
             self._rot(),

@@ -12,6 +12,7 @@ In-process mode (``in_process=True``) sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` 
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from .base import (
     Generation,
     MemoryPlan,
     Sampling,
+    TokenLogprob,
 )
 from .vllm_connector import kvmem_cache_salt, kvmem_params, tail_salt
 
@@ -108,6 +110,9 @@ def prompt_of(request: EngineRequest) -> dict:
     return prompt
 
 
+SHUTDOWN_TIMEOUT_S = 60.0  # how long close() waits for the engine core to exit before vLLM kills it
+
+
 def sampling_params(sampling: Sampling, memory: MemoryRef | None, schema: dict | None = None, delta: bool = False):
     """vLLM ``SamplingParams`` for kvmem's ``Sampling``, the memory's kvmem params, an optional JSON schema
     (guided decoding) and, for streaming, delta outputs."""
@@ -116,6 +121,8 @@ def sampling_params(sampling: Sampling, memory: MemoryRef | None, schema: dict |
 
     extra = {"kv_transfer_params": memory.params} if memory is not None else None
     kw = {"output_kind": RequestOutputKind.DELTA} if delta else {}
+    if schema is None and sampling.json_schema is not None:
+        schema = json.loads(sampling.json_schema)
     return SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -126,8 +133,39 @@ def sampling_params(sampling: Sampling, memory: MemoryRef | None, schema: dict |
         extra_args=extra,
         stop_token_ids=None if sampling.ignore_eos else list(sampling.stop_token_ids) or None,
         structured_outputs=StructuredOutputsParams(json=schema) if schema is not None else None,
+        logprobs=sampling.logprobs,
         **kw,
     )
+
+
+def logprobs_of(token_ids, logprobs, top: int | None) -> list[TokenLogprob] | None:
+    """kvmem's ``TokenLogprob`` list from vLLM's per-token ``{token id: Logprob}`` dicts (None if not asked)."""
+    if top is None or logprobs is None:
+        return None
+    out = []
+    for t, d in zip(token_ids, logprobs):
+        best = sorted(
+            ((i, lp) for i, lp in d.items() if lp.rank is not None and lp.rank <= top), key=lambda x: x[1].rank
+        )
+        out.append(
+            TokenLogprob(int(t), float(d[t].logprob), tuple((int(i), float(lp.logprob)) for i, lp in best[:top]))
+        )
+    return out
+
+
+def line_stop_at(token_ids: list[int], sampling: Sampling, seen_text: bool = False) -> tuple[int | None, bool]:
+    """Where ``sampling``'s line-stop rule (``ends_answer``) ends the answer inside ``token_ids``, which follow
+    tokens that held text iff ``seen_text``: (tokens to keep, or None; whether text was seen). vLLM is not given
+    the line stops: it would end an answer on its leading line break."""
+    lines = sampling.line_stop_ids
+    if sampling.ignore_eos or sampling.json_schema is not None or not lines:
+        return None, True
+    for i, t in enumerate(token_ids):
+        if t not in lines:
+            seen_text = True
+        elif seen_text:
+            return i + 1, True
+    return None, seen_text
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
@@ -256,7 +294,7 @@ class VLLMEngine(Engine):
         outs = self.llm.generate(
             [prompt_of(r) for r in requests], [sampling_params(r.sampling, r.memory) for r in requests], use_tqdm=False
         )
-        return [self.generation_of(o) for o in outs]
+        return [self.generation_of(o, r.sampling) for o, r in zip(outs, requests)]
 
     def generate_many(
         self,
@@ -303,15 +341,22 @@ class VLLMEngine(Engine):
         return list(out[0].outputs[0].token_ids)
 
     def close(self) -> None:
+        """Stop vLLM's engine core and its workers, waiting for them to exit (vLLM's own 5 s default is shorter
+        than a CPU worker's exit: the core was then force-killed, with a warning, on every ``kvmem ask``)."""
         core = getattr(getattr(self, "llm", None), "llm_engine", None)
         client = getattr(core, "engine_core", None)
         if client is not None and hasattr(client, "shutdown"):
-            client.shutdown()
+            client.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
     @staticmethod
-    def generation_of(out) -> VLLMGeneration:
-        """A ``VLLMGeneration`` from one of vLLM's finished ``RequestOutput``s (its own timings and counts)."""
+    def generation_of(out, sampling: Sampling | None = None) -> VLLMGeneration:
+        """A ``VLLMGeneration`` from one of vLLM's finished ``RequestOutput``s (its own timings and counts), cut
+        where ``sampling``'s line-stop rule ends the answer."""
         comp = out.outputs[0]
+        token_ids, finish = list(comp.token_ids), comp.finish_reason
+        cut = line_stop_at(token_ids, sampling)[0] if sampling is not None else None
+        if cut is not None:
+            token_ids, finish = token_ids[:cut], "stop"
         n_prompt = len(out.prompt_token_ids)
         cached = int(out.num_cached_tokens or 0)
         m = out.metrics
@@ -323,14 +368,15 @@ class VLLMEngine(Engine):
             if m.first_token_ts and m.scheduled_ts:
                 prefill = (m.first_token_ts - m.scheduled_ts) * 1e3
         return VLLMGeneration(
-            list(comp.token_ids),
+            token_ids,
             ttft,
             decode,
             n_prompt - cached,
             torch.empty(0),
             prompt_tokens=n_prompt,
-            finish_reason=comp.finish_reason,
+            finish_reason=finish,
             extra={"num_cached_tokens": cached, "engine_prefill_ms": prefill},
+            logprobs=logprobs_of(token_ids, comp.logprobs, sampling.logprobs if sampling else None),
             num_cached_tokens=cached,
             engine_prefill_ms=prefill,
         )
@@ -373,29 +419,32 @@ class AsyncVLLMEngine(AsyncEngine):
         if self._pending >= self.max_queue:
             raise EngineBusy(f"{self._pending} requests are in the engine (limit {self.max_queue})")
         self._pending += 1
-        n_prompt = len(request.prompt_ids)
+        n_prompt, sampling, seen_text = len(request.prompt_ids), request.sampling, False
+        agen = None
         try:
-            async for out in self.llm.generate(
-                prompt_of(request), sampling_params(request.sampling, request.memory, delta=True), request_id
-            ):
+            agen = self.llm.generate(
+                prompt_of(request), sampling_params(sampling, request.memory, delta=True), request_id
+            )
+            async for out in agen:
                 comp = out.outputs[0]
-                if not out.finished:
-                    yield Delta(list(comp.token_ids))
+                new = list(comp.token_ids)
+                cut, seen_text = line_stop_at(new, sampling, seen_text)
+                if cut is not None:  # the answer ended on a line break: keep it, abort the rest
+                    new = new[:cut]
+                lps = logprobs_of(new, comp.logprobs, sampling.logprobs)
+                if not out.finished and cut is None:
+                    yield Delta(new, logprobs=lps)
                     continue
                 cached = int(out.num_cached_tokens or 0)
                 m = out.metrics
                 ttft = m.first_token_latency * 1e3 if m is not None else float("nan")
-                yield Delta(
-                    list(comp.token_ids),
-                    True,
-                    comp.finish_reason,
-                    n_prompt,
-                    n_prompt - cached,
-                    ttft,
-                    {"num_cached_tokens": cached},
-                )
+                reason = "stop" if cut is not None else comp.finish_reason
+                yield Delta(new, True, reason, n_prompt, n_prompt - cached, ttft, {"num_cached_tokens": cached}, lps)
+                return
         finally:
             self._pending -= 1
+            if agen is not None:
+                await agen.aclose()  # aborts the request in vLLM if it is still running
 
     async def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy ids under vLLM's guided decoding to ``schema`` (fact extraction)."""

@@ -15,7 +15,6 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engines.base import Sampling
 from ..memory import MemoryInputError
 from .runtime import KvmemServer, logger
 from .schemas import AddMemoryRequest, APIError, ChatRequest, MemoryOptions, SearchRequest, UpdateRequest, error_of
@@ -105,9 +104,9 @@ def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             raise APIError(503, "the engine is not ready", "not_ready")
         return {"status": "ready", "engine": server.engine.name, "model": server.model_name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics():
-
+        """Prometheus text exposition format."""
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -226,6 +225,8 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         mode = opts.mode or limits.default_mode
         top_k = opts.top_k or limits.default_top_k
         max_tokens = body.max_completion_tokens or body.max_tokens or limits.default_max_tokens
+        if max_tokens > limits.max_tokens:
+            raise APIError(400, f"max_tokens: at most {limits.max_tokens} on this server", param="max_tokens")
         body.check_supported()
         messages = [{"role": m.chat_role, "content": m.text()} for m in body.messages]
         svc = server.service
@@ -243,12 +244,13 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop: at most 4 non-empty strings", param="stop")
-        sampling = Sampling(
-            max_tokens=max_tokens,
+        sampling = svc.sampling(
+            max_tokens,
             temperature=body.temperature or 0.0,
             top_p=body.top_p or 1.0,
             seed=body.seed,
-            stop_token_ids=tuple(svc.stop_ids),
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            json_schema=body.response_format.schema_json() if body.response_format is not None else None,
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = ChatGeneration(server, rid, prep, sampling, stops, t_arrive)
@@ -263,7 +265,12 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             "created": int(time.time()),
             "model": server.model_name,
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": gen.finish_reason}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": gen.logprobs_json(),
+                    "finish_reason": gen.finish_reason,
+                }
             ],
             "usage": gen.usage(),
             "kvmem": gen.kvmem(),

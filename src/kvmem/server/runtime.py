@@ -40,6 +40,7 @@ class Limits:
     default_top_k: int = 10
     default_mode: str = "kv"
     default_max_tokens: int = 64
+    max_tokens: int = 4096  # a request asking for more new tokens gets a 400
 
 
 class Metrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 from typing import Literal
 
@@ -99,9 +100,6 @@ UNSUPPORTED_FIELDS = (
     "tool_choice",
     "functions",
     "function_call",
-    "logprobs",
-    "top_logprobs",
-    "response_format",
     "audio",
     "modalities",
     "prediction",
@@ -127,6 +125,32 @@ class MemoryOptions(BaseModel):
     selective_recompute: int | None = Field(None, ge=0, le=100)  # % of fact tokens; transformers engine only
 
 
+class JSONSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON matching ``json_schema.schema``
+    (guided decoding: vLLM's structured outputs, xgrammar on the transformers engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def schema_json(self) -> str | None:
+        """The schema to decode under, as JSON text; None for plain text. Raises APIError 400."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.json_schema is None:
+            raise APIError(400, "response_format: type 'json_schema' needs 'json_schema'", param="response_format")
+        return json.dumps(self.json_schema.schema_, sort_keys=True)
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # checked: UNSUPPORTED_FIELDS refused, IGNORED_FIELDS ignored
     model: str | None = None
@@ -140,7 +164,10 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
     memory: MemoryOptions | None = None
 
     def check_supported(self) -> None:
@@ -150,11 +177,13 @@ class ChatRequest(BaseModel):
             value = extra.get(name)
             if value is None or value is False or value in ([], {}):
                 continue
-            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-                continue
             if name == "tool_choice" and value == "none":
                 continue
             raise APIError(400, f"'{name}' is not supported by this server", "unsupported_parameter", name)
+        if self.n > 1:
+            raise APIError(400, "'n' > 1 is not supported by this server: one choice per request", param="n")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
 class AddMemoryRequest(BaseModel):

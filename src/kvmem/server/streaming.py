@@ -48,7 +48,7 @@ async def prepare_chat(
             return p
         t = time.perf_counter()
         try:
-            p.memory = await server.engine.memory(p.plan)
+            p.attach(await server.engine.memory(p.plan))
         except LookupError:  # a write replaced the version between retrieval and the KV read
             if attempt == 2:
                 raise StoreError(f"the memory of {user!r} kept changing while being read") from None
@@ -92,6 +92,8 @@ class ChatGeneration:
         self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
         self._it = server.engine.stream(rid, prep.request(sampling))
         self.ids: list[int] = []
+        self.logprobs = [] if sampling.logprobs is not None else None  # TokenLogprob per generated token
+        self._lp_sent = 0
         self.text, self.sent = "", 0
         self.finish_reason, self.final, self.ttft_ms = None, None, None
         self.deadline = t_arrive + server.limits.request_timeout_s
@@ -109,6 +111,8 @@ class ChatGeneration:
             self.ttft_ms = (time.perf_counter() - self.t_arrive) * 1e3
             self.server.metrics.ttft.labels(self.prep.mode).observe(self.ttft_ms / 1e3)
         self.ids += delta.token_ids
+        if self.logprobs is not None:
+            self.logprobs += delta.logprobs or []
         text = self._decode(self.ids)
         if delta.finished:
             self.final, self.finish_reason = delta, ("length" if delta.finish_reason == "length" else "stop")
@@ -169,6 +173,42 @@ class ChatGeneration:
         if self.prep.mode == "kv" and self.prep.fact_ids and self.final.prefilled_tokens > len(self.prep.query_ids):
             m.fallbacks.labels("prefilled_memory").inc()
 
+    def _tokens_for(self, chars: int) -> int:
+        """The fewest leading generated tokens whose text holds ``chars`` characters of the answer: logprobs
+        cover the tokens of the text sent, never those cut by a stop string, held back, or special (EOS)."""
+        if chars <= 0:
+            return 0
+        lo, hi = 1, len(self.ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self._decode(self.ids[:mid])) >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def logprobs_json(self, new_only: bool = False) -> dict | None:
+        """OpenAI's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for the
+        tokens of the text sent; None when not asked. ``new_only``: those not in an earlier chunk (streaming)."""
+        if self.logprobs is None:
+            return None
+        tok = self.server.service.lm.tokenizer
+        end = min(self._tokens_for(self.sent), len(self.logprobs))
+        start = self._lp_sent if new_only else 0
+        if new_only:
+            self._lp_sent = max(self._lp_sent, end)
+
+        def one(token_id: int, logprob: float) -> dict:
+            text = tok.decode([token_id])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**one(e.token_id, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]}
+                for e in self.logprobs[start:end]
+            ]
+        }
+
     def usage(self) -> dict:
         n_prompt = len(self.prep.prompt_ids)
         cached = (self.final.prompt_tokens - self.final.prefilled_tokens) if self.final else 0
@@ -202,11 +242,10 @@ async def sse(gen: ChatGeneration, first, include_usage: bool):
     }
 
     def chunk(delta: dict, finish=None, **extra) -> str:
-        return (
-            "data: "
-            + json.dumps({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
-            + "\n\n"
-        )
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        if gen.logprobs is not None:
+            choice["logprobs"] = gen.logprobs_json(new_only=True)
+        return "data: " + json.dumps({**base, "choices": [choice], **extra}) + "\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
     try:
