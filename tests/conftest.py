@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -107,3 +111,32 @@ def assert_is_prefill(model, seq: list[int], keys, values, atol: float = 1e-4) -
     for layer in range(keys.shape[0]):
         torch.testing.assert_close(values[layer], cache.layers[layer].values[0, :, -n:], rtol=atol, atol=atol)
         torch.testing.assert_close(rotated[layer], cache.layers[layer].keys[0, :, -n:], rtol=atol, atol=atol)
+
+
+@contextmanager
+def http_server(srv):
+    """``kvmem serve``'s app for the ``KvmemServer`` ``srv`` on a free loopback port (uvicorn in a thread), until
+    the block ends; yields its base URL once ``/health`` answers."""
+    import httpx
+    import uvicorn
+
+    from kvmem.server import create_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=uv.run, daemon=True)
+    th.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield base
+    finally:
+        uv.should_exit = True
+        th.join(timeout=10)

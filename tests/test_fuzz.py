@@ -5,13 +5,12 @@ by the server's limit, so a generated 4,096-token request is a 400, not minutes 
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
+from conftest import http_server
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
@@ -21,9 +20,7 @@ EXAMPLES = 40  # per operation: the whole run stays well under 3 minutes on 2 co
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    import uvicorn
-
-    from kvmem.server import KvmemServer, Limits, create_app
+    from kvmem.server import KvmemServer, Limits
 
     if not (model_dir(FAST) / MANIFEST).exists():
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
@@ -36,29 +33,15 @@ def base(tmp_path_factory):
         api_keys={KEY: "acme"},
         limits=Limits(max_body_bytes=16 << 10, default_max_tokens=4, max_tokens=4, request_timeout_s=60),
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    r = httpx.post(
-        f"{url}/v1/memories",
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={"messages": "Alice keeps bees.", "user_id": "alice", "infer": False},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    yield url
-    uv.should_exit = True
-    th.join(timeout=10)
+    with http_server(srv) as url:
+        r = httpx.post(
+            f"{url}/v1/memories",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"messages": "Alice keeps bees.", "user_id": "alice", "infer": False},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        yield url
 
 
 def test_no_operation_answers_a_5xx_or_breaks_its_schema(base):

@@ -6,30 +6,21 @@ injection through HTTP, the memories REST API with a write visible to the next c
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
+from conftest import http_server
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
-    from kvmem.server import KvmemServer, Limits, create_app
+    from kvmem.server import KvmemServer, Limits
 
     if not (model_dir(FAST) / MANIFEST).exists():
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
@@ -43,20 +34,8 @@ def server(tmp_path_factory):
         api_keys={KEY_A: "acme", KEY_B: "globex"},
         limits=Limits(max_body_bytes=64 << 10, default_max_tokens=12),
     )
-    port = _free_port()
-    uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield srv, base
-    uv.should_exit = True
-    th.join(timeout=10)
+    with http_server(srv) as base:
+        yield srv, base
 
 
 def _h(key=KEY_A):
@@ -683,49 +662,38 @@ def test_a_full_disk_answers_507_and_one_log_line(tmp_path, caplog):
     import shutil
     import subprocess
 
-    import uvicorn
-
-    from kvmem.server import KvmemServer, Limits, create_app
+    from kvmem.server import KvmemServer, Limits
 
     mnt = tmp_path / "small"
     mnt.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(mnt)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here (needs root)")
+    srv = None
     try:
         srv = KvmemServer.start(mnt / "store", model=FAST, engine="hf", dtype="float32", window=1, limits=Limits())
-        port = _free_port()
-        uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-        th = threading.Thread(target=uv.run, daemon=True)
-        th.start()
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        add = {"messages": "Bob keeps three hives of bees on his roof.", "user_id": "bob", "infer": False}
-        assert httpx.post(f"{base}/v1/memories", json=add, timeout=120).status_code == 200
-        filler = mnt / "filler"
-        free = shutil.disk_usage(mnt).free
-        filler.write_bytes(b"\0" * (free - 64 * 1024))  # 64 KiB left: less than one fact's KV
-        segments = set((mnt / "store" / "users").iterdir())
-        caplog.clear()
-        with caplog.at_level("WARNING"):
-            r = httpx.post(f"{base}/v1/memories", json={**add, "messages": "Bob sells honey."}, timeout=120)
-        assert r.status_code == 507 and "no space left on the store's disk" in r.json()["error"]["message"], r.text
-        lines = [rec for rec in caplog.records if "no space left" in rec.getMessage()]
-        assert len(lines) == 1 and lines[0].exc_info is None
-        assert set((mnt / "store" / "users").iterdir()) == segments  # no partial segment
-        got = httpx.post(f"{base}/v1/memories/search", json={"query": "bees", "user_id": "bob"}, timeout=60)
-        assert got.status_code == 200 and len(got.json()["results"]) == 1
-        filler.unlink()
-        r = httpx.post(f"{base}/v1/memories", json={**add, "messages": "Bob sells honey."}, timeout=120)
-        assert r.status_code == 200, r.text
-        uv.should_exit = True
-        th.join(timeout=10)
-        srv.close()
+        with http_server(srv) as base:
+            add = {"messages": "Bob keeps three hives of bees on his roof.", "user_id": "bob", "infer": False}
+            assert httpx.post(f"{base}/v1/memories", json=add, timeout=120).status_code == 200
+            filler = mnt / "filler"
+            free = shutil.disk_usage(mnt).free
+            filler.write_bytes(b"\0" * (free - 64 * 1024))  # 64 KiB left: less than one fact's KV
+            segments = set((mnt / "store" / "users").iterdir())
+            caplog.clear()
+            honey = {**add, "messages": "Bob sells honey."}
+            with caplog.at_level("WARNING"):
+                r = httpx.post(f"{base}/v1/memories", json=honey, timeout=120)
+            assert r.status_code == 507 and "no space left on the store's disk" in r.json()["error"]["message"], r.text
+            lines = [rec for rec in caplog.records if "no space left" in rec.getMessage()]
+            assert len(lines) == 1 and lines[0].exc_info is None
+            assert set((mnt / "store" / "users").iterdir()) == segments  # no partial segment
+            got = httpx.post(f"{base}/v1/memories/search", json={"query": "bees", "user_id": "bob"}, timeout=60)
+            assert got.status_code == 200 and len(got.json()["results"]) == 1
+            filler.unlink()
+            r = httpx.post(f"{base}/v1/memories", json=honey, timeout=120)
+            assert r.status_code == 200, r.text
     finally:
+        if srv is not None:
+            srv.close()
         subprocess.run(["umount", "-l", str(mnt)])
 
 
