@@ -11,8 +11,10 @@ that pairs rows of one generation with tensors of another is seen at once.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,9 +34,19 @@ def generation(user: str, g: int, big: bool = False):
     return facts, kv, torch.full((N_FACTS, 4), float(g))
 
 
+def segments_url(root) -> str | None:
+    """Where a test store keeps its segments: its own directory, or (``KVMEM_TEST_SEGMENTS=object``) an object
+    store beside it, reached through obstore by a ``file://`` URL: the code path ``s3://`` takes."""
+    if os.environ.get("KVMEM_TEST_SEGMENTS") == "object":
+        return Path(str(root) + "-objects").resolve().as_uri()
+    return None
+
+
 def create(root) -> Store:
     header = torch.zeros(2, 1, 3, 64)
-    return Store.create(root, FP, "hdr", [1, 2, 3], header, header.clone(), {"name": "e", "dim": 4})
+    return Store.create(
+        root, FP, "hdr", [1, 2, 3], header, header.clone(), {"name": "e", "dim": 4}, segments_url=segments_url(root)
+    )
 
 
 def check(ukv) -> int:

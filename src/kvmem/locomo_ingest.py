@@ -56,13 +56,15 @@ def ingest_conversation(
     source: str = "",
     neighbours: int | None = None,
     history: bool = False,
+    segments_url: str | None = None,
 ) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
     context, and the conversation's turns become the user's stored turns. ``neighbours=m``: neighbour-aware
     encoding, each fact also behind its m most similar other facts of the conversation (default 4).
     ``history``: history encoding, each fact behind all the conversation's facts before it (default
-    neighbours 0). Defaults and checks: ``policy.Encoding``.
+    neighbours 0). Defaults and checks: ``policy.Encoding``. ``segments_url``: for a new store, the object store
+    its KV segments go to.
 
     Raises StoreError if the store belongs to another model or the conversation has no facts; ValueError for a
     negative window, neighbours outside 0..MAX_NEIGHBOURS, or history with neighbours.
@@ -72,7 +74,7 @@ def ingest_conversation(
     if not conv.facts:
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()
-    store, fmt = open_or_create_store(store_root, lm, embedder)
+    store, fmt = open_or_create_store(store_root, lm, embedder, segments_url=segments_url)
     contexts, rendered = conversation_inputs(conv, window)
     records = [
         FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)

@@ -26,7 +26,7 @@ from .ingest import open_or_create_store, write_facts
 from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from .policy import Encoding, check_user
 from .retrieve import Embedder, IndexCache
-from .store import CACHE_BYTES, FactRecord, Store, StoreError
+from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_segments_url
 
 logger = logging.getLogger("kvmem.memory")
 
@@ -159,7 +159,8 @@ class Memory:
         engine: a running engine with ``complete_json`` (an ``Engine``, or a synchronous view of an
             ``AsyncEngine``) that the local extractor decodes on; None: the transformers model under xgrammar.
         index_cache_bytes: LRU bound of the per-user search indexes; ``indexes``: an ``retrieve.IndexCache`` to
-            share (the server's), instead of an own one; ``store_cache_bytes``: the store's cache bound.
+            share (the server's), instead of an own one; ``store_cache_bytes``: the store's cache bound;
+            ``segments_url``: for a new store, the object store its KV segments go to (``Store.create``).
     """
 
     def __init__(
@@ -176,6 +177,7 @@ class Memory:
         index_cache_bytes: int = 64 << 20,
         indexes: IndexCache | None = None,
         store_cache_bytes: int = CACHE_BYTES,
+        segments_url: str | None = None,
     ):
 
         try:  # a new user's encoding; checked here, before any model loads
@@ -188,12 +190,13 @@ class Memory:
         self._embedder = embedder
         if (root / "manifest.json").exists():  # reads need no model: it loads on the first write
             self.store = Store.open(root, cache_bytes=store_cache_bytes)
+            check_segments_url(self.store, segments_url)
             self._model_name = model if isinstance(model, str) else self.store.fingerprint["model"]
         else:
             self._model_name = model if isinstance(model, str) else DEFAULT_MODEL
             if self._lm is None:
                 self._lm = load(self._model_name, dtype=dtype)
-            self.store, _ = open_or_create_store(root, self._lm, self.embedder, store_cache_bytes)
+            self.store, _ = open_or_create_store(root, self._lm, self.embedder, store_cache_bytes, segments_url)
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
 

@@ -15,10 +15,13 @@ verified, so a file rewritten, flipped or truncated since is verified again and 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
+import shutil
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -68,32 +71,125 @@ def to_file(keys: torch.Tensor, values: torch.Tensor) -> tuple[dict[str, torch.T
     }, TOKEN_MAJOR
 
 
-def file_identity(fd: int) -> tuple[int, int, int, int]:
-    """(device, inode, size, mtime ns) of an open file: what must not change after ``verify``."""
-    st = os.fstat(fd)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+class SegmentHandle(ABC):
+    """One open segment: its identity, its size, and byte ranges of it. Use as a context manager."""
+
+    @abstractmethod
+    def identity(self) -> tuple:
+        """What must not change after ``verify`` (a file's inode, size and mtime; an object's size and ETag)."""
+
+    @abstractmethod
+    def size(self) -> int:
+        """Bytes of the segment."""
+
+    @abstractmethod
+    def read_into(self, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from byte ``offset``. Raises SegmentCorrupt if the segment ends first."""
+
+    def read(self, offset: int, length: int) -> bytes:
+        buf = bytearray(length)
+        self.read_into(memoryview(buf), offset)
+        return bytes(buf)
+
+    def chunks(self, size: int = 1 << 22):
+        """The whole segment, in order, as byte chunks (``verify``)."""
+        at, total = 0, self.size()
+        while at < total:
+            n = min(size, total - at)
+            yield self.read(at, n)
+            at += n
+
+    def close(self) -> None:  # noqa: B027 (a no-op default, as vLLM's connector ABCs have)
+        """Release what the handle holds (default: nothing)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def verify(fd: int, sha256: str) -> None:
-    """Hash the whole open file; raises SegmentCorrupt unless it matches ``sha256`` (hex)."""
-    h, at = hashlib.sha256(), 0
-    while chunk := os.pread(fd, 1 << 22, at):
+class FileHandle(SegmentHandle):
+    """A segment file opened read-only: ``pread`` of byte ranges, never a memory map."""
+
+    def __init__(self, path):
+        self.fd = os.open(path, os.O_RDONLY)  # FileNotFoundError, PermissionError: the caller's
+
+    def identity(self) -> tuple:
+        st = os.fstat(self.fd)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        while len(view):  # one call moves at most ~2 GiB on Linux
+            n = os.preadv(self.fd, [view], offset)
+            if n == 0:
+                raise SegmentCorrupt("is truncated (it shrank while being read)")
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ObjectHandle(SegmentHandle):
+    """A segment object in an object store (obstore: ``file://``, ``s3://``, ``gs://``, ``az://``): byte ranges by
+    range request; identity is the object's size and ETag."""
+
+    def __init__(self, store, path: str):
+        import obstore
+
+        self._obs, self.store, self.path = obstore, store, path
+        try:
+            meta = obstore.head(store, path)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # obstore's NotFoundError subclasses FileNotFoundError; others: unreadable
+            raise OSError(f"{path}: {exc}") from None
+        self._size, self._etag = int(meta["size"]), meta.get("e_tag")
+
+    def identity(self) -> tuple:
+        return self._size, self._etag
+
+    def size(self) -> int:
+        return self._size
+
+    def read_into(self, view: memoryview, offset: int) -> None:
+        if offset + len(view) > self._size:
+            raise SegmentCorrupt("is truncated (shorter than its layout)")
+        if not len(view):
+            return
+        try:
+            data = self._obs.get_range(self.store, self.path, start=offset, length=len(view))
+        except Exception as exc:
+            raise SegmentCorrupt(f"cannot be read ({exc})") from None
+        if len(data) != len(view):
+            raise SegmentCorrupt("is truncated (it shrank while being read)")
+        view[:] = memoryview(data)
+
+
+def verify(handle: SegmentHandle, sha256: str) -> None:
+    """Hash the whole segment; raises SegmentCorrupt unless it matches ``sha256`` (hex)."""
+    h = hashlib.sha256()
+    for chunk in handle.chunks():
         h.update(chunk)
-        at += len(chunk)
     if h.hexdigest() != sha256:
         raise SegmentCorrupt("fails its checksum (truncated or corrupt file)")
 
 
-def read_layout(fd: int) -> SegmentLayout:
+def read_layout(handle: SegmentHandle) -> SegmentLayout:
     """Parse the safetensors header of an open segment file. Raises SegmentCorrupt if it is malformed, names
     tensors other than equal-shaped [L, H, n, D] ``keys`` / ``values``, or the file is not exactly as long as the
     header says."""
-    size = os.fstat(fd).st_size
+    size = handle.size()
     try:
-        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        n = int.from_bytes(handle.read(0, 8), "little") if size >= 8 else 0
         if not 0 < n < size:
             raise ValueError("header length")
-        header = json.loads(os.pread(fd, n, 8))
+        header = json.loads(handle.read(8, n))
         k, v = header["keys"], header["values"]
         dtype = DTYPES[k["dtype"]]
         shape = tuple(int(x) for x in k["shape"])
@@ -111,30 +207,13 @@ def read_layout(fd: int) -> SegmentLayout:
     return SegmentLayout(size, dtype, shape, base + k["data_offsets"][0], base + v["data_offsets"][0], token_major)
 
 
-def layout_of(path) -> SegmentLayout:
-    """``read_layout`` of the segment file at ``path``."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return read_layout(fd)
-    finally:
-        os.close(fd)
-
-
 def _tensor(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape) if buf else torch.empty(shape, dtype=dtype)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
-    """Fill ``view`` from ``offset`` (one call moves at most ~2 GiB on Linux: loop); a read of 0 bytes before it
-    is full means the file ended early."""
-    while len(view):
-        n = os.preadv(fd, [view], offset)
-        if n == 0:
-            raise SegmentCorrupt("is truncated (it shrank while being read)")
-        view, offset = view[n:], offset + n
-
-
-def read_spans(fd: int, layout: SegmentLayout, spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def read_spans(
+    handle: SegmentHandle, layout: SegmentLayout, spans: list[tuple[int, int]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Keys and values of token spans ``(token_offset, n)`` of an open segment: [(keys, values)], each
     [L, H, n, D] in the segment's dtype, in fresh contiguous memory. Token-major segments: one pread per span
     and tensor. Older [L, H, n, D] segments: each tensor read whole when that costs at most 4x the spans' bytes
@@ -151,7 +230,7 @@ def read_spans(fd: int, layout: SegmentLayout, spans: list[tuple[int, int]]) -> 
             kv = []
             for at in (layout.keys_at, layout.values_at):
                 buf = bytearray(n * token)
-                _pread_into(fd, memoryview(buf), at + o * token)
+                handle.read_into(memoryview(buf), at + o * token)
                 kv.append(_tensor(buf, layout.dtype, (n, L, H, D)).permute(1, 2, 0, 3).contiguous())
             out.append((kv[0], kv[1]))
         return out
@@ -161,7 +240,7 @@ def read_spans(fd: int, layout: SegmentLayout, spans: list[tuple[int, int]]) -> 
     for at in (layout.keys_at, layout.values_at):
         if whole:
             buf = bytearray(L * H * N * row)
-            _pread_into(fd, memoryview(buf), at)
+            handle.read_into(memoryview(buf), at)
             t = _tensor(buf, layout.dtype, (L, H, N, D))
             per_tensor.append([t if (o, n) == (0, N) else t[:, :, o : o + n].clone() for o, n in spans])
             continue
@@ -170,7 +249,159 @@ def read_spans(fd: int, layout: SegmentLayout, spans: list[tuple[int, int]]) -> 
             buf = bytearray(L * H * n * row)
             view, run = memoryview(buf), n * row
             for i in range(L * H):
-                _pread_into(fd, view[i * run : (i + 1) * run], at + (i * N + o) * row)
+                handle.read_into(view[i * run : (i + 1) * run], at + (i * N + o) * row)
             parts.append(_tensor(buf, layout.dtype, (L, H, n, D)))
         per_tensor.append(parts)
     return list(zip(*per_tensor))
+
+
+class SegmentStore(ABC):
+    """Where a store's KV segments live: immutable objects named by the store (``<user>.<segment>.kv.safetensors``).
+    ``LocalSegments``: a directory (the default). ``ObjectSegments``: an object store by URL. Writes are whole
+    objects, durable before ``put`` returns; readers open a handle per read."""
+
+    url: str
+
+    @abstractmethod
+    def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+        """Write a segment whole; returns its SHA-256 (hex). Raises OSError (ENOSPC: out of space)."""
+
+    @abstractmethod
+    def open(self, name: str) -> SegmentHandle:
+        """A handle on a segment. Raises FileNotFoundError if there is none, OSError if it cannot be read."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove a segment (no error if it is gone)."""
+
+    @abstractmethod
+    def names(self) -> set[str]:
+        """Every segment name present."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every segment present."""
+
+    def local_path(self, name: str):
+        """The segment's file on this machine, where there is one (tests and tools), else None."""
+        return None
+
+
+class LocalSegments(SegmentStore):
+    """Segments as files in one directory (a store's ``users/``): written, chmod-ed to the umask's mode, fsynced with
+    their directory before ``put`` returns; read by ``pread``."""
+
+    def __init__(self, root):
+        from pathlib import Path
+
+        self.root = Path(root)
+        self.url = self.root.resolve().as_uri()
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+        from safetensors.torch import save_file
+
+        path = self.root / name
+        need = sum(t.nbytes for t in tensors.values())
+        try:
+            save_file(tensors, path, metadata=metadata)
+        except Exception as exc:  # safetensors reports a full disk as its own error type
+            path.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and exc.errno != errno.ENOSPC or shutil.disk_usage(self.root).free >= need:
+                raise
+            msg = f"no space left on the store's disk for {need} bytes of KV"
+            raise OSError(errno.ENOSPC, msg, str(path)) from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)  # safetensors creates files 0600; the store's other files follow the umask
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            os.fsync(f.fileno())
+        _fsync(self.root)  # the directory entry is durable too
+        return digest
+
+    def open(self, name: str) -> SegmentHandle:
+        return FileHandle(self.root / name)
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+    def names(self) -> set[str]:
+        return {p.name for p in self.root.iterdir() if p.is_file()}
+
+    def nbytes(self) -> int:
+        total = 0
+        for p in self.root.iterdir():
+            try:
+                total += p.stat().st_size if p.is_file() else 0
+            except FileNotFoundError:  # removed by a concurrent writer during the walk
+                pass
+        return total
+
+    def local_path(self, name: str):
+        return self.root / name
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_segments(root, url: str | None, store_id: str = "") -> SegmentStore:
+    """A store's segments: under ``url``/``store_id`` in an object store (so stores sharing one URL never see, or
+    fsck, each other's objects), or, for no URL, the store's own ``users/`` directory ``root``."""
+    return ObjectSegments(f"{url.rstrip('/')}/{store_id}" if store_id else url) if url else LocalSegments(root)
+
+
+class ObjectSegments(SegmentStore):
+    """Segments as objects under ``url`` (``file:///mnt/shared/kv``, ``s3://bucket/prefix``, ...), through obstore.
+    Credentials come from the environment, as obstore reads them; the URL is never logged with them."""
+
+    def __init__(self, url: str):
+        import obstore
+        from obstore.store import from_url
+
+        self.url, self._obs = url, obstore
+        try:
+            self.store = from_url(url, mkdir=True) if url.startswith("file://") else from_url(url)
+        except Exception as exc:
+            raise ValueError(f"segments URL {url.split('?', 1)[0]!r} cannot be used ({exc})") from None
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+        from safetensors.torch import save
+
+        data = save(tensors, metadata=metadata)
+        self._obs.put(self.store, name, data)  # an object store's put is durable when it returns
+        path = self.local_path(name)
+        if path is not None:  # a file:// store is a directory: make the file and its entry durable too
+            _fsync(path)
+            _fsync(path.parent)
+        return hashlib.sha256(data).hexdigest()
+
+    def open(self, name: str) -> SegmentHandle:
+        return ObjectHandle(self.store, name)
+
+    def delete(self, name: str) -> None:
+        try:
+            self._obs.delete(self.store, name)
+        except FileNotFoundError:
+            pass
+
+    def _objects(self):
+        for batch in self._obs.list(self.store):
+            yield from batch
+
+    def names(self) -> set[str]:
+        return {m["path"] for m in self._objects()}
+
+    def nbytes(self) -> int:
+        return sum(int(m["size"]) for m in self._objects())
+
+    def local_path(self, name: str):
+        if self.url.startswith("file://"):
+            from pathlib import Path
+
+            return Path(self.url.removeprefix("file://")) / name
+        return None

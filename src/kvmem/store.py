@@ -8,7 +8,9 @@ Layout of a store directory::
                              (sha256), facts (rows, embeddings, added/deleted versions), history (events),
                              turns (the raw conversation)
     users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
-                                             (token-major: a fact is one byte range; ``segments``)
+                                             (token-major: a fact is one byte range; ``segments``). With
+                                             ``segments_url`` in the manifest the segments are objects there
+                                             instead (obstore: file://, s3://, gs://), under the same names
 
 Writes (``commit``, the one write path) append: a new segment file, fsynced with its directory, then one SQLite
 transaction that inserts the new fact rows, tombstones deleted ones (``deleted`` = the commit's version),
@@ -276,6 +278,16 @@ def check_store_path(root: str | Path) -> Path:
     return Path(root)
 
 
+def check_segments_url(store: Store, url: str | None) -> None:
+    """``--segments URL`` given for an existing store must be where its segments are. Raises StoreError."""
+    have = store.manifest.get("segments_url")
+    if url is not None and url != have:
+        raise StoreError(
+            f"store {store.root} keeps its KV segments {'at ' + repr(have) if have else 'in its own directory'}; "
+            f"--segments applies only when a store is created"
+        )
+
+
 def fingerprint_diff(a: dict, b: dict) -> list[str]:
     return [
         f"{k}: store has {a.get(k)!r}, model has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
@@ -309,6 +321,9 @@ class Store:
         # would cost a whole-file re-hash on the next miss
         self._verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.segments = seg_files.open_segments(
+            root / "users", manifest.get("segments_url"), manifest.get("store_id", "")
+        )
         self.retire_after_s = RETIRE_AFTER_S  # how long a replaced segment's file outlives its last row, s
         self.write_timeout_s: float | None = (
             None  # how long a write waits for another writer (None: as long as it takes)
@@ -327,8 +342,11 @@ class Store:
         header_values: torch.Tensor,
         embedder: dict,
         cache_bytes: int = CACHE_BYTES,
+        segments_url: str | None = None,
     ) -> Store:
-        """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw."""
+        """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw.
+        ``segments_url``: keep the KV segments in that object store (``file://…``, ``s3://…``; obstore) instead
+        of the store's ``users/`` directory."""
         root = check_store_path(root)
         if (root / "manifest.json").exists():
             raise StoreError(f"{root} already holds a store")
@@ -347,6 +365,7 @@ class Store:
             "fingerprint": fingerprint,
             "header": {"text": header_text, "token_ids": list(header_token_ids)},
             "embedder": embedder,
+            "segments_url": segments_url,
         }
         tmp = root / "manifest.json.tmp"
         with open(tmp, "w") as f:
@@ -442,8 +461,8 @@ class Store:
         return int(self._kv.currsize)
 
     def disk_bytes(self) -> int:
-        """Bytes of every file in the store directory (segments, SQLite with its WAL, header, manifest). A file a
-        concurrent writer removes during the walk counts 0."""
+        """Bytes of the store: its directory (SQLite with its WAL, header, manifest) and its segments, wherever
+        they live. A file a concurrent writer removes during the walk counts 0."""
 
         def size(p: Path) -> int:
             try:
@@ -451,7 +470,8 @@ class Store:
             except FileNotFoundError:
                 return 0
 
-        return sum(size(p) for p in self.root.rglob("*"))
+        local = sum(size(p) for p in self.root.rglob("*") if p.parent != self.root / "users")
+        return local + self.segments.nbytes()
 
     @_locked
     def users(self) -> list[str]:
@@ -524,21 +544,25 @@ class Store:
         rows = self._db.execute(q, (user, -1 if last is None else max(last, 0))).fetchall()
         return [dict(zip(("idx", "dia_id", "speaker", "content", "time"), r)) for r in reversed(rows)]
 
-    def segment_path(self, user: str, segment: str) -> Path:
-        """The file of ``user``'s KV segment ``segment`` (immutable once committed)."""
-        return self.root / "users" / f"{_safe(user)}.{segment}.kv.safetensors"
+    def segment_name(self, user: str, segment: str) -> str:
+        """The object name of ``user``'s KV segment ``segment`` in ``self.segments`` (immutable once committed)."""
+        return f"{_safe(user)}.{segment}.kv.safetensors"
 
-    def _segment_layout(self, user: str, segment: str, sha: str, fd: int) -> seg_files.SegmentLayout:
-        """The layout of an open segment file, verified against ``sha`` the first time this process reads that
-        file (and again whenever its identity changed since). Raises SegmentCorrupt."""
-        ident = seg_files.file_identity(fd)
+    def segment_path(self, user: str, segment: str) -> Path | None:
+        """The file of ``user``'s KV segment on this machine (tools, tests), or None in an object store."""
+        return self.segments.local_path(self.segment_name(user, segment))
+
+    def _segment_layout(self, user: str, segment: str, sha: str, handle) -> seg_files.SegmentLayout:
+        """The layout of an open segment, verified against ``sha`` the first time this process reads it (and
+        again whenever its identity changed since). Raises SegmentCorrupt."""
+        ident = handle.identity()
         key = (user, segment)
         with self._lock:
             known = self._verified.get(key)
         if known is not None and known[0] == (sha, ident):
             return known[1]
-        seg_files.verify(fd, sha)
-        layout = seg_files.read_layout(fd)
+        seg_files.verify(handle, sha)
+        layout = seg_files.read_layout(handle)
         with self._lock:
             self._verified[key] = ((sha, ident), layout)
         return layout
@@ -555,15 +579,15 @@ class Store:
         no KV is loaded). Raises StoreError."""
         for segment, sha in ukv.segments.items():
             try:
-                fd = os.open(self.segment_path(ukv.user, segment), os.O_RDONLY)
+                handle = self.segments.open(self.segment_name(ukv.user, segment))
             except OSError as exc:
-                raise StoreError(f"KV segment {segment} is missing or unreadable ({exc.strerror})") from None
+                raise StoreError(f"KV segment {segment} is missing or unreadable ({exc.strerror or exc})") from None
             try:
-                layout = self._segment_layout(ukv.user, segment, sha, fd)
+                layout = self._segment_layout(ukv.user, segment, sha, handle)
             except (seg_files.SegmentCorrupt, OSError) as exc:
                 raise StoreError(f"KV segment {segment} {exc}") from None
             finally:
-                os.close(fd)
+                handle.close()
             if any(f.token_offset + f.num_tokens > layout.num_tokens for f in ukv.facts if f.segment == segment):
                 raise StoreError(f"KV segment {segment} is shorter than its fact rows say")
 
@@ -579,7 +603,7 @@ class Store:
         for segment, idx in missing.items():
             where = f"store {self.root}: KV segment {segment} of user {ukv.user!r}"
             try:
-                fd = os.open(self.segment_path(ukv.user, segment), os.O_RDONLY)
+                handle = self.segments.open(self.segment_name(ukv.user, segment))
             except FileNotFoundError:
                 if self.version(ukv.user) != ukv.version:
                     raise LookupError(f"memory version {ukv.version} of {ukv.user!r} is no longer current") from None
@@ -587,14 +611,14 @@ class Store:
             except OSError as exc:
                 raise StoreError(f"{where} cannot be opened ({exc})") from None
             try:
-                layout = self._segment_layout(ukv.user, segment, ukv.segments[segment], fd)
-                kvs = seg_files.read_spans(fd, layout, [(facts[i].token_offset, facts[i].num_tokens) for i in idx])
+                layout = self._segment_layout(ukv.user, segment, ukv.segments[segment], handle)
+                kvs = seg_files.read_spans(handle, layout, [(facts[i].token_offset, facts[i].num_tokens) for i in idx])
             except seg_files.SegmentCorrupt as exc:
                 raise StoreError(f"{where} {exc}") from None
             except OSError as exc:  # EIO and the like: that read fails, the reader prefills instead
                 raise StoreError(f"{where} cannot be read ({exc})") from None
             finally:
-                os.close(fd)
+                handle.close()
             with self._lock:
                 for i, kv in zip(idx, kvs):
                     parts[i] = kv
@@ -724,7 +748,7 @@ class Store:
             )
         )
         now = time.time()
-        retiring = ["retired:" + self.segment_path(u, seg).name for u, seg in dead]
+        retiring = ["retired:" + self.segment_name(u, seg) for u, seg in dead]
         due = [
             k
             for k, t in self._db.execute("SELECT key, value FROM meta WHERE key >= 'retired:' AND key < 'retired;'")
@@ -741,19 +765,19 @@ class Store:
                 )
                 self._db.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in due])
         if user is not None:
-            doomed = [self.root / "users" / k.removeprefix("retired:") for k in due]
+            doomed = [k.removeprefix("retired:") for k in due]
         else:
-            live = {self.segment_path(u, seg).name for u, seg in self._db.execute("SELECT user, segment FROM segments")}
-            doomed = [p for p in (self.root / "users").iterdir() if p.name not in live and p.is_file()]
+            live = {self.segment_name(u, seg) for u, seg in self._db.execute("SELECT user, segment FROM segments")}
+            doomed = sorted(self.segments.names() - live)
         retired = {k.removeprefix("retired:") for k in due}
         removed = []
-        for p in doomed:
+        for name in doomed:
             try:
-                p.unlink(missing_ok=True)
-                if p.name not in retired:
-                    removed.append(p.name)
-            except OSError as exc:  # the commit before this stands; a leftover file only costs space
-                logger.warning("store %s: cannot remove %s: %s", self.root, p, exc)
+                self.segments.delete(name)
+                if name not in retired:
+                    removed.append(name)
+            except OSError as exc:  # the commit before this stands; a leftover object only costs space
+                logger.warning("store %s: cannot remove %s: %s", self.root, name, exc)
         return removed
 
     def fsck(self) -> dict:
@@ -825,12 +849,11 @@ class Store:
                     )
         now = time.time() if now is None else now
         with self.writer():
-            segment, digest, path = uuid.uuid4().hex[:12], "", None
+            segment, digest, name = uuid.uuid4().hex[:12], "", None
             if add:
-                path = self.segment_path(user, segment)
+                name = self.segment_name(user, segment)
                 tensors, meta = seg_files.to_file(torch.cat(keys, dim=2), torch.cat(values, dim=2))
-                digest = save_file(tensors, path, meta)
-                fsync_dir(path.parent)  # durable before the commit that points at it
+                digest = self.segments.put(name, tensors, meta)  # durable before the commit that points at it
             try:
                 version = self._commit_rows(
                     user,
@@ -849,8 +872,8 @@ class Store:
                     history,
                 )
             except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
-                if path is not None and not self._segment_committed(user, segment):
-                    path.unlink(missing_ok=True)
+                if name is not None and not self._segment_committed(user, segment):
+                    self.segments.delete(name)
                 raise
             self._gc(user)
             self._user_cache.pop(user, None)
@@ -1024,10 +1047,8 @@ class Store:
             ukv = self.snapshot(user)
             segment = uuid.uuid4().hex[:12]
             keys, values = ukv.gather(list(range(len(ukv.facts))))
-            path = self.segment_path(user, segment)
             tensors, meta = seg_files.to_file(keys, values)
-            digest = save_file(tensors, path, meta)
-            fsync_dir(path.parent)
+            digest = self.segments.put(self.segment_name(user, segment), tensors, meta)
             db = self._db
             with db:
                 db.execute("BEGIN IMMEDIATE")

@@ -10,7 +10,7 @@ import faiss
 
 from ..models import head_dim
 from ..retrieve import UserIndex
-from ..segments import layout_of
+from ..segments import read_layout
 from .common import (
     Setup,
     log_err,
@@ -59,9 +59,12 @@ def run(
         ukv = st.user_kv(c.sample_id)
         index = UserIndex(ukv.embeddings.shape[1]).sync(st, ukv)
         index_bytes = int(faiss.serialize_index(index.index).nbytes)
-        kv_paths = [st.segment_path(c.sample_id, seg) for seg in ukv.segments]
+        layouts = []
+        for seg in ukv.segments:  # wherever the segments live (a directory or an object store)
+            with st.segments.open(st.segment_name(c.sample_id, seg)) as h:
+                layouts.append(read_layout(h))
         n_tok = ukv.num_tokens
-        kv_bytes = sum(layout_of(p).nbytes for p in kv_paths)
+        kv_bytes, file_bytes = sum(x.nbytes for x in layouts), sum(x.size for x in layouts)
         hk, hv = st.header_kv()
         records.append(
             {
@@ -71,11 +74,11 @@ def run(
                 "fact_tokens": n_tok,
                 "tokens_per_fact": round(n_tok / max(1, len(ukv.facts)), 2),
                 "kv_bytes": kv_bytes,
-                "kv_file_bytes": sum(map(_size, kv_paths)),
+                "kv_file_bytes": file_bytes,
                 "kv_bytes_per_token": round(kv_bytes / n_tok, 2),
                 "theory_bytes_per_token": theory,
                 "measured_over_theory": round(kv_bytes / n_tok / theory, 4),
-                "kv_file_bytes_per_token": round(sum(map(_size, kv_paths)) / n_tok, 2),
+                "kv_file_bytes_per_token": round(file_bytes / n_tok, 2),
                 "header_tokens": int(hk.shape[2]),
                 "header_kv_bytes": hk.nbytes + hv.nbytes,
                 "embeddings_bytes": ukv.embeddings.numel() * 4,

@@ -26,7 +26,7 @@ from ..models import DEFAULT_MODEL, load
 from ..policy import parse_mode
 from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService
-from ..store import Store
+from ..store import Store, check_segments_url
 from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
 
@@ -135,14 +135,16 @@ class KvmemServer:
         selective_recompute: int = 0,
         history: bool | None = None,
         write_timeout_s: float | None = 30.0,
+        segments_url: str | None = None,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
         user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of
         chat requests; ``cache_bytes``: the LRU bound of each cache (indexes, KV segments) here and in the vLLM
         worker; ``write_timeout_s``: how long a write waits for another process's writer lock (then HTTP 503
-        "store busy"). Raises StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective
-        recompute off the transformers engine or with tail recompute."""
+        "store busy"); ``segments_url``: for a new store, the object store its KV segments go to. Raises
+        StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
+        transformers engine or with tail recompute."""
         methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
         for m in methods:
             parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
@@ -151,11 +153,11 @@ class KvmemServer:
         embedder = Embedder()
         if not (root / "manifest.json").exists():  # a new, empty store for the model
             lm = load(model or DEFAULT_MODEL, dtype=dtype)
-            open_or_create_store(root, lm, embedder)[0].close()
-        if model is None:
-            st = Store.open(root)
-            model = st.fingerprint["model"]
-            st.close()
+            open_or_create_store(root, lm, embedder, segments_url=segments_url)[0].close()
+        st = Store.open(root)
+        check_segments_url(st, segments_url)
+        model = model or st.fingerprint["model"]
+        st.close()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-model")
         opened = open_engine(
             model,
