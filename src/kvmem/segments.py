@@ -71,6 +71,39 @@ def to_file(keys: torch.Tensor, values: torch.Tensor) -> tuple[dict[str, torch.T
     }, TOKEN_MAJOR
 
 
+_UMASK = os.umask(0)  # read once at import: setting it later would race with other threads' file creation
+os.umask(_UMASK)
+
+
+def save_file(tensors: dict[str, torch.Tensor], path, metadata: dict[str, str] | None = None) -> str:
+    """Write, fsync and return the SHA-256 of a safetensors file. safetensors' writer creates files 0600; give them
+    the same umask-derived mode as the manifest and SQLite. Raises OSError(ENOSPC) when the disk is full (the
+    partial file removed)."""
+    from safetensors.torch import save_file as _save_file
+
+    need = sum(t.nbytes for t in tensors.values())
+    try:
+        _save_file(tensors, path, metadata=metadata)
+    except Exception as exc:  # safetensors reports a full disk as its own error type
+        path.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno != errno.ENOSPC or shutil.disk_usage(path.parent).free >= need:
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on the store's disk for {need} bytes of KV", str(path)) from None
+    os.chmod(path, 0o666 & ~_UMASK)
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        os.fsync(f.fileno())
+    return digest
+
+
+def fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SegmentHandle(ABC):
     """One open segment: its identity, its size, and byte ranges of it. Use as a context manager."""
 
@@ -298,25 +331,8 @@ class LocalSegments(SegmentStore):
         self.url = self.root.resolve().as_uri()
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-        from safetensors.torch import save_file
-
-        path = self.root / name
-        need = sum(t.nbytes for t in tensors.values())
-        try:
-            save_file(tensors, path, metadata=metadata)
-        except Exception as exc:  # safetensors reports a full disk as its own error type
-            path.unlink(missing_ok=True)
-            if isinstance(exc, OSError) and exc.errno != errno.ENOSPC or shutil.disk_usage(self.root).free >= need:
-                raise
-            msg = f"no space left on the store's disk for {need} bytes of KV"
-            raise OSError(errno.ENOSPC, msg, str(path)) from None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(path, 0o666 & ~umask)  # safetensors creates files 0600; the store's other files follow the umask
-        with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-            os.fsync(f.fileno())
-        _fsync(self.root)  # the directory entry is durable too
+        digest = save_file(tensors, self.root / name, metadata)
+        fsync_dir(self.root)  # the directory entry is durable too
         return digest
 
     def open(self, name: str) -> SegmentHandle:
@@ -339,14 +355,6 @@ class LocalSegments(SegmentStore):
 
     def local_path(self, name: str):
         return self.root / name
-
-
-def _fsync(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_segments(root, url: str | None, store_id: str = "") -> SegmentStore:
@@ -376,8 +384,8 @@ class ObjectSegments(SegmentStore):
         self._obs.put(self.store, name, data)  # an object store's put is durable when it returns
         path = self.local_path(name)
         if path is not None:  # a file:// store is a directory: make the file and its entry durable too
-            _fsync(path)
-            _fsync(path.parent)
+            fsync_dir(path)  # (any path: open read-only, fsync)
+            fsync_dir(path.parent)
         return hashlib.sha256(data).hexdigest()
 
     def open(self, name: str) -> SegmentHandle:

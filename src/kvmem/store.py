@@ -29,7 +29,6 @@ Opening never writes (no DDL): the schema is made by ``create`` and its version 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import hashlib
@@ -37,7 +36,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sqlite3
 import threading
 import time
@@ -50,10 +48,10 @@ from pathlib import Path
 import torch
 from cachetools import LRUCache
 from safetensors.torch import load_file
-from safetensors.torch import save_file as _save_file
 
 from . import segments as seg_files
 from .policy import check_user
+from .segments import fsync_dir, save_file
 
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version
@@ -63,35 +61,6 @@ VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having 
 RETIRE_AFTER_S = 60.0  # a replaced segment's file is removed this long after its last live fact, s
 ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
 logger = logging.getLogger("kvmem.store")
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def save_file(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> str:
-    """Write, fsync and return the SHA-256 of a safetensors file. safetensors' writer creates files 0600; give them
-    the same umask-derived mode as the manifest and SQLite. Raises OSError(ENOSPC) when the disk is full (the
-    partial file removed)."""
-    need = sum(t.nbytes for t in tensors.values())
-    try:
-        _save_file(tensors, path, metadata=metadata)
-    except Exception as exc:  # safetensors reports a full disk as its own error type
-        path.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno != errno.ENOSPC or shutil.disk_usage(path.parent).free >= need:
-            raise
-        raise OSError(errno.ENOSPC, f"no space left on the store's disk for {need} bytes of KV", str(path)) from None
-    os.chmod(path, 0o666 & ~_UMASK)
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-        os.fsync(f.fileno())
-    return digest
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class StoreError(RuntimeError):
