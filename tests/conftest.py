@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -71,6 +74,30 @@ def tiny_model(family: str, **overrides):
 def random_ids(n: int, vocab: int = 320, seed: int = 1) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> str:
+    """A throwaway PostgreSQL cluster for this test session (``scripts/postgres.sh``: Debian's PostgreSQL, run as the
+    ``postgres`` OS user under root, on a unix socket in a temp dir); its URL, also in ``KVMEM_TEST_POSTGRES``."""
+    where = tempfile.mkdtemp(prefix="kvmem-pg-")
+    script = str(ROOT / "scripts" / "postgres.sh")
+    env = {**os.environ, "PG_FSYNC": "off"}
+    url = subprocess.run(["bash", script, "start", where], env=env, capture_output=True, text=True, check=True)
+    os.environ["KVMEM_TEST_POSTGRES"] = url.stdout.strip()
+    yield os.environ["KVMEM_TEST_POSTGRES"]
+    subprocess.run(["bash", script, "stop", where], capture_output=True)
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def postgres_schema(base: str, name: str) -> str:
+    """A fresh PostgreSQL schema ``name`` in the cluster at ``base``; the URL whose connections use it."""
+    import psycopg
+
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        conn.execute(f'CREATE SCHEMA "{name}"')
+    return f"{base}&options=-csearch_path%3D{name}"
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@
     python store_worker.py write ROOT USER FIRST N [--big]   put_user generations FIRST.. FIRST+N-1 of USER
     python store_worker.py read ROOT USER SECONDS        snapshot USER in a loop; count torn / failed reads
     python store_worker.py churn ROOT USER N             N single-fact adds and deletes (ids c0, c1, ...)
+    python store_worker.py adds ROOT USER PREFIX N       N single-fact adds (ids PREFIX0, ...); prints each id
+                                                         once its commit returned (acknowledged)
 
 Generation g of a user: facts "<user>-g<g>-<i>" whose keys and values are filled with the float g, so any read
 that pairs rows of one generation with tensors of another is seen at once.
@@ -35,17 +37,37 @@ def generation(user: str, g: int, big: bool = False):
 
 
 def segments_url(root) -> str | None:
-    """Where a test store keeps its segments: its own directory, or (``KVMEM_TEST_SEGMENTS=object``) an object
-    store beside it, reached through obstore by a ``file://`` URL: the code path ``s3://`` takes."""
-    if os.environ.get("KVMEM_TEST_SEGMENTS") == "object":
+    """Where a test store keeps its segments: its own directory, or (``KVMEM_TEST_SEGMENTS=object`` or
+    ``postgres``) an object store beside it, reached through obstore by a ``file://`` URL: the code path ``s3://``
+    takes."""
+    if os.environ.get("KVMEM_TEST_SEGMENTS") in ("object", "postgres"):
         return Path(str(root) + "-objects").resolve().as_uri()
     return None
+
+
+def location(root) -> str | Path:
+    """Where a test store at ``root`` lives: that directory, or (``KVMEM_TEST_SEGMENTS=postgres``) a fresh schema
+    of the session's PostgreSQL cluster (``conftest.postgres``), named after ``root``."""
+    if os.environ.get("KVMEM_TEST_SEGMENTS") != "postgres":
+        return root
+    import hashlib
+
+    from conftest import postgres_schema
+
+    return postgres_schema(os.environ["KVMEM_TEST_POSTGRES"], "t" + hashlib.sha256(str(root).encode()).hexdigest()[:16])
 
 
 def create(root) -> Store:
     header = torch.zeros(2, 1, 3, 64)
     return Store.create(
-        root, FP, "hdr", [1, 2, 3], header, header.clone(), {"name": "e", "dim": 4}, segments_url=segments_url(root)
+        location(root),
+        FP,
+        "hdr",
+        [1, 2, 3],
+        header,
+        header.clone(),
+        {"name": "e", "dim": 4},
+        segments_url=segments_url(root),
     )
 
 
@@ -84,6 +106,14 @@ def main(argv):
                 live.append(fid)
             else:
                 st.commit(user, delete=[live.pop(rng.randrange(len(live)))])
+        return
+    if role == "adds":
+        st, prefix = Store.open(root), argv[3]
+        for i in range(int(argv[4])):
+            f = FactRecord(f"{prefix}{i}", user, f"{prefix}{i}", "", "", "", (1, 2), 0, 0)
+            k = torch.full((2, 1, 2, 64), float(i))
+            st.commit(user, [f], [k], [k.clone()], torch.ones(1, 4) / 2)
+            print(f.fact_id, flush=True)
         return
     seconds = float(argv[3])
     st = Store.open(root)

@@ -21,12 +21,22 @@ import store_worker as sw
 from kvmem.store import SCHEMA_VERSION, Store, StoreError
 
 
-@pytest.fixture(autouse=True, params=["local", "object"])
+@pytest.fixture(autouse=True, params=["local", "object", "postgres"])
 def backend(request, monkeypatch):
-    """Every store test runs on both segment backends: the store's own directory, and an object store reached
-    through obstore (a ``file://`` URL: the same code path as ``s3://``)."""
+    """Every store test runs on three backends: the local directory (SQLite rows, segment files beside them); the
+    same with its segments in an object store reached through obstore (a ``file://`` URL: the code path of
+    ``s3://``); and the shared store: rows in PostgreSQL (a real cluster, ``conftest.postgres``), segments in
+    that object store."""
+    if request.param == "postgres":
+        request.getfixturevalue("postgres")
     monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
     return request.param
+
+
+@pytest.fixture
+def sqlite_only(backend):
+    if backend == "postgres":
+        pytest.skip("SQLite's own behaviour (WAL, PRAGMA user_version); PostgreSQL's is checked by its own tests")
 
 
 WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
@@ -57,7 +67,7 @@ def test_put_user_refuses_mismatched_counts_and_writes_nothing(store):
     assert sw.check(store.snapshot("u")) == 1
 
 
-def test_sqlite_wal_busy_timeout_schema_version(store):
+def test_sqlite_wal_busy_timeout_schema_version(store, sqlite_only):
     db = sqlite3.connect(store.root / "meta.sqlite")
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
@@ -68,7 +78,7 @@ def test_sqlite_wal_busy_timeout_schema_version(store):
         Store.open(store.root)
 
 
-def test_open_never_writes(store):
+def test_open_never_writes(store, sqlite_only):
     """Opening runs no DDL: a table dropped from outside is not silently re-created (the old open did)."""
     store.close()
     db = sqlite3.connect(store.root / "meta.sqlite")
@@ -190,7 +200,7 @@ def test_fsck_command(store):
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root), "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output) == {"users": 1, "ok": ["u"], "bad": {}, "removed": ["u.deadbeef0000.kv.safetensors"]}
-    res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root / "nope")])
+    res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.segment_path("u", "x").parent / "nope")])
     assert res.exit_code == 2 and "no kvmem store" in res.output
 
 
@@ -216,7 +226,7 @@ def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path):
         served.append((int(ukv.version), [ukv.facts[r].fact_id for r in rows]))
     assert writer.wait() == 0
     added, deleted = {}, {}
-    history = sqlite3.connect(reader.root / "meta.sqlite").execute("SELECT fact_id, event, version FROM history")
+    history = reader.rows.execute("SELECT fact_id, event, version FROM history").fetchall()
     for fid, event, version in history:
         (added if event == "ADD" else deleted)[fid] = version
     assert len(added) > 1000 and len(deleted) > 500

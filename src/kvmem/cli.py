@@ -193,11 +193,16 @@ def models_install(name: str, force: bool = typer.Option(False, help="Convert ag
     install(name, force=force, log=lambda m: typer.echo(m, err=True))
 
 
+_STORE_HELP = (
+    "The store: a directory, or a shared store's PostgreSQL URL (postgresql://user@host:5432/db; the password "
+    "from PGPASSWORD or ~/.pgpass)."
+)
 _SEGMENTS = typer.Option(
     None,
     "--segments",
     help="For a new store: keep its KV segments in this object store (file:///mnt/shared/kv, s3://bucket/prefix, "
-    "gs://...; credentials from the environment) instead of the store's own directory.",
+    "gs://...; credentials from the environment) instead of the store's own directory. Required with a "
+    "postgresql:// --store.",
 )
 
 
@@ -206,7 +211,7 @@ _SEGMENTS = typer.Option(
 def ingest_locomo(
     file: Path,
     sample: str = typer.Option(..., help="LoCoMo sample_id, e.g. conv-26; becomes the store user."),
-    store: Path = typer.Option(..., help="Store directory (created if missing)."),
+    store: str = typer.Option(..., help=_STORE_HELP + " Created if missing."),
     window: int | None = typer.Option(None, "--window", help=_WINDOW_HELP),
     neighbours: int | None = _LNEIGHBOURS,
     history: bool = _LHISTORY,
@@ -256,7 +261,7 @@ def ingest_locomo(
 @app.command("serve")
 @friendly
 def serve_cmd(
-    store: Path = typer.Option(..., "--store", help="Store directory (created for --model if missing)."),
+    store: str = typer.Option(..., "--store", help=_STORE_HELP + " Created for --model if missing."),
     model: str | None = typer.Option(None, "--model", help="Registry name (default: the store's model)."),
     engine: str = typer.Option(
         "auto", "--engine", help="auto (vLLM where it runs here, else transformers), vllm or hf."
@@ -349,7 +354,7 @@ def serve_cmd(
 @friendly
 def ask(
     question: str = typer.Argument(..., help="The question."),
-    store: Path = typer.Option(..., help="Store directory."),
+    store: str = typer.Option(..., help=_STORE_HELP),
     user: str = typer.Option(..., help="User id (LoCoMo sample_id for ingest-locomo stores)."),
     k: int = typer.Option(10, "--k", help="Facts to retrieve (top_k)."),
     mode: str = typer.Option("kv", help="kv (KV injection) or prompt (prompt injection baseline)."),
@@ -433,13 +438,13 @@ def ask(
         )
 
 
-_MSTORE = typer.Option(..., "--store", help="Store directory (created on the first add).")
+_MSTORE = typer.Option(..., "--store", help=_STORE_HELP + " Created on the first add.")
 _MUSER = typer.Option(..., "--user", help="User id.")
 _MJSON = typer.Option(False, "--json")
 
 
 def _memory(
-    store: Path,
+    store: str,
     model: str | None = None,
     window: int | None = None,
     dtype: str = "auto",
@@ -490,7 +495,7 @@ def memory_add(
         help="A file of messages: a JSON list of {role, content}, or plain text; '-' or nothing reads standard input.",
     ),
     message: str | None = typer.Option(None, "--message", "-m", help="The message text itself, instead of a file."),
-    store: Path = _MSTORE,
+    store: str = _MSTORE,
     user: str = _MUSER,
     infer: bool = typer.Option(
         True,
@@ -559,7 +564,7 @@ def memory_add(
 @memory_app.command("search")
 @friendly
 def memory_search(
-    query: str, store: Path = _MSTORE, user: str = _MUSER, limit: int = typer.Option(10), as_json: bool = _MJSON
+    query: str, store: str = _MSTORE, user: str = _MUSER, limit: int = typer.Option(10), as_json: bool = _MJSON
 ):
     """The memories most similar to QUERY, best first."""
     _print_memories(_memory(store).search(query, user, limit=limit)["results"], as_json)
@@ -567,14 +572,14 @@ def memory_search(
 
 @memory_app.command("list")
 @friendly
-def memory_list(store: Path = _MSTORE, user: str = _MUSER, limit: int = typer.Option(100), as_json: bool = _MJSON):
+def memory_list(store: str = _MSTORE, user: str = _MUSER, limit: int = typer.Option(100), as_json: bool = _MJSON):
     """A user's live memories, oldest first."""
     _print_memories(_memory(store).get_all(user, limit=limit)["results"], as_json)
 
 
 @memory_app.command("get")
 @friendly
-def memory_get(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+def memory_get(memory_id: str, store: str = _MSTORE, as_json: bool = _MJSON):
     """One memory by id."""
     m = _memory(store).get(memory_id)
     if m is None:
@@ -587,28 +592,28 @@ def memory_get(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
 
 @memory_app.command("update")
 @friendly
-def memory_update(memory_id: str, text: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+def memory_update(memory_id: str, text: str, store: str = _MSTORE, as_json: bool = _MJSON):
     """Replace a memory's text (re-encoded; the id stays)."""
     _message(_memory(store).update(memory_id, text), as_json)
 
 
 @memory_app.command("delete")
 @friendly
-def memory_delete(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+def memory_delete(memory_id: str, store: str = _MSTORE, as_json: bool = _MJSON):
     """Delete one memory (it is never retrieved or injected again)."""
     _message(_memory(store).delete(memory_id), as_json)
 
 
 @memory_app.command("delete-all")
 @friendly
-def memory_delete_all(store: Path = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
+def memory_delete_all(store: str = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
     """Delete every memory of a user."""
     _message(_memory(store).delete_all(user), as_json)
 
 
 @memory_app.command("history")
 @friendly
-def memory_history(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON):
+def memory_history(memory_id: str, store: str = _MSTORE, as_json: bool = _MJSON):
     """Every event of a memory: ADD, UPDATE (old and new text), DELETE, with times."""
     events = _memory(store).history(memory_id)
     if as_json:
@@ -620,14 +625,14 @@ def memory_history(memory_id: str, store: Path = _MSTORE, as_json: bool = _MJSON
 
 @memory_app.command("compact")
 @friendly
-def memory_compact(store: Path = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
+def memory_compact(store: str = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
     """Rewrite a user's KV segments without deleted rows."""
     _message(_memory(store).compact(user), as_json)
 
 
 @store_app.command("fsck")
 @friendly
-def store_fsck(store: Path = typer.Option(..., help="Store directory."), as_json: bool = typer.Option(False, "--json")):
+def store_fsck(store: str = typer.Option(..., help=_STORE_HELP), as_json: bool = typer.Option(False, "--json")):
     """Check every user's rows, files and KV checksum; remove files left by a killed writer. Exit 1 if a user
     is bad."""
     from .store import Store
@@ -644,6 +649,29 @@ def store_fsck(store: Path = typer.Option(..., help="Store directory."), as_json
             typer.echo(f"  {user}: {why}")
     if report["bad"]:
         raise typer.Exit(1)
+
+
+@store_app.command("copy")
+@friendly
+def store_copy(
+    src: str = typer.Argument(..., help="The store to copy: a directory or a postgresql:// URL."),
+    dst: str = typer.Argument(..., help="Where to: a new directory or a postgresql:// URL (a database or schema)."),
+    segments: str | None = _SEGMENTS,
+    force: bool = typer.Option(False, "--force", help="Copy into a non-empty store of the same model."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Copy a store (local to shared, shared to local): every user's facts, KV, turns and history, each segment
+    verified against its checksum and the counts compared."""
+    from .store import copy_store
+
+    report = copy_store(src, dst, segments_url=segments, force=force)
+    if as_json:
+        _emit(report, True)
+    else:
+        typer.echo(
+            f"copied {report['users']} users: {report['facts']} facts ({report['kv_bytes'] / 2**20:.1f} MiB of KV), "
+            f"{report['turns']} turns, {report['events']} history events; every segment verified"
+        )
 
 
 @app.command("check-exactness")

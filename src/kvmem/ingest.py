@@ -28,7 +28,7 @@ from .encode import encode_chain, encode_spans
 from .models import LoadedModel, fingerprint
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_segments_url, check_store_path
+from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_segments_url
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
@@ -44,22 +44,19 @@ def open_or_create_store(
     """Open the store at ``root`` for ``lm`` (refusing another model's store) or create it with the header KV.
     ``cache_bytes``: the store's cache bound (``Store``); ``segments_url``: for a new store, the object store its
     KV segments go to (``Store.create``); an existing store must have been created with the same one."""
-    root = check_store_path(root)
     fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
     header_ids = fmt.header_ids(lm.tokenizer)
     fp = fingerprint(lm)
-    if (root / "manifest.json").exists():
+    if Store.exists(root):
         store = Store.open(root, fp, cache_bytes=cache_bytes)
         if store.header_token_ids != header_ids:
-            raise StoreError(f"store {root} was built with a different instruction header")
+            raise StoreError(f"store {store.name} was built with a different instruction header")
         if store.manifest["embedder"]["name"] != embedder.name:
             raise StoreError(
-                f"store {root} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}"
+                f"store {store.name} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}"
             )
         check_segments_url(store, segments_url)
         return store, fmt
-    if Path(root).exists() and not Path(root).is_dir():
-        raise StoreError(f"--store {root} is a file, not a directory")
     (hkv,) = encode_spans(lm.model, [header_ids], [(0, len(header_ids))])
     store = Store.create(
         root,

@@ -185,10 +185,10 @@ class Memory:
         except ValueError as exc:
             raise MemoryInputError(str(exc)) from None
         self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
-        root = Path(store)
+        root = store
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
-        if (root / "manifest.json").exists():  # reads need no model: it loads on the first write
+        if Store.exists(root):  # reads need no model: it loads on the first write
             self.store = Store.open(root, cache_bytes=store_cache_bytes)
             check_segments_url(self.store, segments_url)
             self._model_name = model if isinstance(model, str) else self.store.fingerprint["model"]

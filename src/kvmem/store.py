@@ -29,14 +29,11 @@ Opening never writes (no DDL): the schema is made by ``create`` and its version 
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import json
 import logging
-import os
 import re
-import sqlite3
 import threading
 import time
 import uuid
@@ -47,28 +44,19 @@ from pathlib import Path
 
 import torch
 from cachetools import LRUCache
-from safetensors.torch import load_file
+from safetensors.torch import load, save
 
+from . import rows as rows_db
 from . import segments as seg_files
 from .policy import check_user
-from .segments import fsync_dir, save_file
+from .rows import SCHEMA_VERSION, Rows, StoreBusy, StoreError, is_url, redact  # noqa: F401 -- re-exported
 
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
-SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version
-BUSY_TIMEOUT_S = 30.0
 CACHE_BYTES = 1 << 30  # default LRU bound of each of a Store's caches (snapshots, KV segments), bytes
 VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
 RETIRE_AFTER_S = 60.0  # a replaced segment's file is removed this long after its last live fact, s
 ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
 logger = logging.getLogger("kvmem.store")
-
-
-class StoreError(RuntimeError):
-    """Missing or unreadable store, unknown user."""
-
-
-class StoreBusy(StoreError):
-    """A write waited longer than the store's ``write_timeout_s`` for another writer's lock."""
 
 
 class UnknownUser(StoreError):
@@ -153,37 +141,8 @@ class UserKV:
         return sum(f.num_tokens for f in self.facts)
 
 
-_SCHEMA = f"""
-PRAGMA journal_mode=WAL;
-PRAGMA user_version={SCHEMA_VERSION};
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
-CREATE TABLE IF NOT EXISTS users (
-    user TEXT PRIMARY KEY, version INTEGER NOT NULL, window INTEGER NOT NULL, source TEXT,
-    compacted INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS segments (
-    user TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
-    PRIMARY KEY (user, segment));
-CREATE TABLE IF NOT EXISTS facts (
-    row INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL,
-    speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{{}}', token_ids TEXT NOT NULL,
-    segment TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL, embedding BLOB NOT NULL,
-    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL);
-CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
-CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
-CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
-CREATE INDEX IF NOT EXISTS facts_segment ON facts (user, segment) WHERE deleted IS NULL;
-CREATE TABLE IF NOT EXISTS history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, event TEXT NOT NULL,
-    old_memory TEXT, new_memory TEXT, time REAL NOT NULL, version INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id);
-CREATE TABLE IF NOT EXISTS turns (
-    user TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL, time REAL,
-    PRIMARY KEY (user, idx));
-"""
-
 _FACT_COLS = (
-    "fact_id, user, text, speaker, source_turn, date, token_ids, token_offset, window, segment, row, "
+    'fact_id, "user", text, speaker, source_turn, date, token_ids, token_offset, "window", segment, "row", '
     "metadata, created_at, updated_at"
 )
 
@@ -233,26 +192,12 @@ def _locked(method):
     return wrapper
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
-
-
-def check_store_path(root: str | Path) -> Path:
-    """``root`` as a directory path. Raises StoreError for a URL (``postgresql://…``, ``s3://…``): this store is a
-    local directory, and a URL would otherwise become a directory named after its scheme."""
-    if _URL.match(str(root)):
-        raise StoreError(
-            f"--store {str(root).split(':', 1)[0]}://… is a URL; a kvmem store here is a local directory (a shared "
-            f"store on PostgreSQL and object storage is not in this version)"
-        )
-    return Path(root)
-
-
 def check_segments_url(store: Store, url: str | None) -> None:
     """``--segments URL`` given for an existing store must be where its segments are. Raises StoreError."""
     have = store.manifest.get("segments_url")
     if url is not None and url != have:
         raise StoreError(
-            f"store {store.root} keeps its KV segments {'at ' + repr(have) if have else 'in its own directory'}; "
+            f"store {store.name} keeps its KV segments {'at ' + repr(have) if have else 'in its own directory'}; "
             f"--segments applies only when a store is created"
         )
 
@@ -264,23 +209,18 @@ def fingerprint_diff(a: dict, b: dict) -> list[str]:
 
 
 class Store:
-    """A directory of users' memory. Use ``Store.create`` / ``Store.open``."""
+    """One store of users' memory: its rows (``rows.Rows``: a local directory's SQLite, or PostgreSQL) and its KV
+    segments (``segments.SegmentStore``: the directory's ``users/``, or an object store by URL). Use
+    ``Store.create`` / ``Store.open``; callers never know which backends they hold.
 
-    def __init__(self, root: Path, manifest: dict, schema: str | None = None, cache_bytes: int = CACHE_BYTES):
-        self.root = root
+    ``root``: the location it was opened at (a ``Path``, or the ``postgresql://`` URL) and reopens it; ``name``:
+    the same without credentials, for messages."""
+
+    def __init__(self, rows: Rows, manifest: dict, cache_bytes: int = CACHE_BYTES):
+        self.rows = rows
+        self.root = rows.location
+        self.name = rows.name
         self.manifest = manifest
-        db = root / "meta.sqlite"
-        if schema is None and not db.exists():
-            raise StoreError(f"store {root} has no meta.sqlite (corrupt)")
-        try:
-            self._db = sqlite3.connect(db, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S)
-            if schema is not None:  # Store.create only: opening never writes
-                self._db.executescript(schema)
-            got = self._db.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.DatabaseError as exc:
-            raise StoreError(f"{db} is corrupt: {exc}") from None
-        if got != SCHEMA_VERSION:
-            raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
         self._lock = threading.RLock()  # one connection, shared by threads: one transaction at a time
         # caches, LRU-bounded by bytes: snapshots (rows, embeddings); facts' KV and verified segment layouts
         size = max(1, int(cache_bytes))
@@ -290,15 +230,27 @@ class Store:
         # would cost a whole-file re-hash on the next miss
         self._verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.segments = seg_files.open_segments(
-            root / "users", manifest.get("segments_url"), manifest.get("store_id", "")
-        )
+        local = None if is_url(self.root) else Path(self.root) / "users"
+        try:
+            self.segments = seg_files.open_segments(local, manifest.get("segments_url"), manifest.get("store_id", ""))
+        except ValueError as exc:
+            raise StoreError(str(exc)) from None
         self.retire_after_s = RETIRE_AFTER_S  # how long a replaced segment's file outlives its last row, s
         self.write_timeout_s: float | None = (
             None  # how long a write waits for another writer (None: as long as it takes)
         )
 
     # --- lifecycle -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def exists(root: str | Path) -> bool:
+        """Whether a store is at ``root`` (a directory or a ``postgresql://`` URL). Raises StoreError for a URL
+        of another kind, or a database that cannot be reached."""
+        rows = rows_db.open_rows(root)
+        try:
+            return rows.exists()
+        finally:
+            rows.close()
 
     @classmethod
     def create(
@@ -313,20 +265,17 @@ class Store:
         cache_bytes: int = CACHE_BYTES,
         segments_url: str | None = None,
     ) -> Store:
-        """Create a new store (the directory must not hold one). Header K/V: [L, H, h, D] pre-RoPE / raw.
-        ``segments_url``: keep the KV segments in that object store (``file://…``, ``s3://…``; obstore) instead
-        of the store's ``users/`` directory."""
-        root = check_store_path(root)
-        if (root / "manifest.json").exists():
-            raise StoreError(f"{root} already holds a store")
-        if root.exists() and not root.is_dir():
-            raise StoreError(f"--store {root} is a file, not a directory")
-        if (root / "meta.sqlite").exists() or any((root / "users").glob("*.safetensors")):
-            raise StoreError(f"store {root} has data but no manifest.json (corrupt); refusing to overwrite it")
-        (root / "users").mkdir(parents=True, exist_ok=True)
-        save_file({"keys": header_keys.contiguous(), "values": header_values.contiguous()}, root / "header.safetensors")
-        store = cls(root, {}, schema=_SCHEMA)  # the schema exists before the manifest that makes it a store
-        store.close()
+        """Create a new store at ``root``: a directory that must not hold one, or a ``postgresql://`` URL of a
+        database (or schema) without one. Header K/V: [L, H, h, D] pre-RoPE / raw. ``segments_url``: keep the KV
+        segments in that object store (``file://…``, ``s3://…``; obstore) instead of the directory's ``users/``;
+        required for a PostgreSQL store. Raises StoreError."""
+        rows = rows_db.open_rows(root)
+        if segments_url is None and is_url(root):
+            rows.close()
+            raise StoreError(
+                f"a store on {rows.name} is shared, so its KV segments must be too: give --segments URL "
+                f"(s3://bucket/prefix, gs://…, or file:///mnt/shared/kv on a mounted volume)"
+            )
         manifest = {
             "format": FORMAT_VERSION,
             "store_id": uuid.uuid4().hex,  # in the vLLM cache salt: no two stores share prefix-cache blocks
@@ -336,49 +285,55 @@ class Store:
             "embedder": embedder,
             "segments_url": segments_url,
         }
-        tmp = root / "manifest.json.tmp"
-        with open(tmp, "w") as f:
-            f.write(json.dumps(manifest, indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.rename(root / "manifest.json")
-        fsync_dir(root)
-        return cls(root, manifest, cache_bytes=cache_bytes)
+        try:
+            rows.check_new()
+            if segments_url is not None:  # reachable before anything is written
+                try:
+                    seg_files.open_segments(None, segments_url, manifest["store_id"]).names()
+                except Exception as exc:  # obstore's errors: a bad URL, a missing bucket, no credentials, no network
+                    why = " ".join(str(exc).split())[:300]
+                    raise StoreError(f"--segments {redact(segments_url)} cannot be used: {why}") from None
+            rows.create(manifest, save({"keys": header_keys.contiguous(), "values": header_values.contiguous()}))
+        except BaseException:
+            rows.close()
+            raise
+        return cls(rows, manifest, cache_bytes=cache_bytes)
 
     @classmethod
     def open(cls, root: str | Path, fingerprint: dict | None = None, cache_bytes: int = CACHE_BYTES) -> Store:
-        """Open an existing store. If ``fingerprint`` is given it must equal the store's.
+        """Open an existing store (a directory or a ``postgresql://`` URL). If ``fingerprint`` is given it must
+        equal the store's.
 
         Raises:
-            StoreError: no store at ``root``.
+            StoreError: no store at ``root``, or a database that cannot be reached.
             StoreMismatch: the store was produced by another model/tokenizer/dtype/RoPE config.
         """
-        root = check_store_path(root)
-        path = root / "manifest.json"
-        if not path.exists():
-            raise StoreError(
-                f"no kvmem store at {root} (check the path; `kvmem memory add`, `kvmem serve` or "
-                f"`kvmem ingest-locomo` with --store {root} create one)"
-            )
+        rows = rows_db.open_rows(root)
         try:
-            manifest = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise StoreError(f"{path} is corrupt: {exc}") from None
+            manifest = rows.manifest()
+            cls._check_manifest(rows.name, manifest, fingerprint)
+            return cls(rows, manifest, cache_bytes=cache_bytes)
+        except BaseException:
+            rows.close()
+            raise
+
+    @staticmethod
+    def _check_manifest(name: str, manifest, fingerprint: dict | None) -> None:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-            raise StoreError(f"{root}: store format {got} is not {FORMAT_VERSION}; re-ingest it into a new store")
+            raise StoreError(f"{name}: store format {got} is not {FORMAT_VERSION}; re-ingest it into a new store")
         if (
             not isinstance(manifest.get("fingerprint"), dict)
             or not isinstance(manifest.get("header"), dict)
             or not isinstance(manifest.get("embedder"), dict)
             or not isinstance(manifest.get("store_id"), str)
         ):
-            raise StoreError(f"{path} is corrupt: fingerprint, header, embedder or store_id missing")
+            raise StoreError(f"{name}: the manifest is corrupt: fingerprint, header, embedder or store_id missing")
         if fingerprint is not None and manifest["fingerprint"] != fingerprint:
             theirs, ours = manifest["fingerprint"], fingerprint
             if {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)} == {"dtype"}:
                 raise StoreDtypeMismatch(
-                    f"store {root} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
+                    f"store {name} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
                     f"KV is never served in another dtype than it was computed in. Either pass "
                     f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode the memories "
                     f"into a new store: `kvmem ingest-locomo` or `kvmem memory add` again, with --store NEW_DIR "
@@ -386,13 +341,17 @@ class Store:
                 )
             diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
             raise StoreMismatch(
-                f"store {root} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
+                f"store {name} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
                 f"the loaded model {fingerprint.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
             )
-        return cls(root, manifest, cache_bytes=cache_bytes)
 
     def close(self) -> None:
-        self._db.close()
+        self.rows.close()
+
+    def replaced(self) -> bool:
+        """Whether the store at ``root`` was deleted or created anew since this object opened it."""
+        with self._lock:
+            return self.rows.replaced()
 
     # --- reads ----------------------------------------------------------------------------------------
 
@@ -407,15 +366,16 @@ class Store:
     def header_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Header pre-RoPE keys and raw values, [L, H, h, D] each."""
         if self._header is None:
-            t = load_file(self.root / "header.safetensors")
+            with self._lock:
+                t = load(self.rows.header())
             self._header = (t["keys"], t["values"])
         return self._header
 
     @property
     @_locked
     def busy_timeout_s(self) -> float:
-        """How long this store's SQLite connection waits for another process's write lock, s."""
-        return self._db.execute("PRAGMA busy_timeout").fetchone()[0] / 1e3
+        """How long this store's SQLite connection waits for another process's write lock, s (local stores)."""
+        return self.rows.busy_timeout_s
 
     def drop_caches(self) -> None:
         """Forget cached snapshots and segments: the next read goes to disk (tests of what a cold reader sees)."""
@@ -430,51 +390,46 @@ class Store:
         return int(self._kv.currsize)
 
     def disk_bytes(self) -> int:
-        """Bytes of the store: its directory (SQLite with its WAL, header, manifest) and its segments, wherever
-        they live. A file a concurrent writer removes during the walk counts 0."""
-
-        def size(p: Path) -> int:
-            try:
-                return p.stat().st_size if p.is_file() else 0
-            except FileNotFoundError:
-                return 0
-
-        local = sum(size(p) for p in self.root.rglob("*") if p.parent != self.root / "users")
-        return local + self.segments.nbytes()
+        """Bytes of the store: its rows (the directory, or the PostgreSQL tables) and its segments, wherever they
+        live. A file a concurrent writer removes during the walk counts 0."""
+        with self._lock:
+            rows = self.rows.nbytes()
+        return rows + self.segments.nbytes()
 
     @_locked
     def users(self) -> list[str]:
         """Users with at least one live fact."""
-        return [r[0] for r in self._db.execute("SELECT DISTINCT user FROM facts WHERE deleted IS NULL ORDER BY user")]
+        return [
+            r[0] for r in self.rows.execute('SELECT DISTINCT "user" FROM facts WHERE deleted IS NULL ORDER BY "user"')
+        ]
 
     @_locked
     def version(self, user: str) -> str | None:
         """The user's current memory version (changes on every committed write), or None if never written."""
-        row = self._db.execute("SELECT version FROM users WHERE user=?", (user,)).fetchone()
+        row = self.rows.execute('SELECT version FROM users WHERE "user"=?', (user,)).fetchone()
         return None if row is None else str(row[0])
 
     @_locked
     def user_info(self, user: str) -> dict:
         """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
         StoreError for an unknown user."""
-        row = self._db.execute("SELECT version, window, source FROM users WHERE user=?", (user,)).fetchone()
-        n = self._db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(json_array_length(token_ids)), 0) FROM facts "
-            "WHERE user=? AND deleted IS NULL",
+        row = self.rows.execute('SELECT version, "window", source FROM users WHERE "user"=?', (user,)).fetchone()
+        n = self.rows.execute(
+            f'SELECT COUNT(*), COALESCE(SUM({self.rows.tokens_sql}), 0) FROM facts WHERE "user"=? AND deleted IS NULL',
             (user,),
         ).fetchone()
         if row is None or n[0] == 0:
             known = ", ".join(self.users()[:20]) or "none"
-            raise UnknownUser(f"unknown user {user!r} in store {self.root} (users: {known})")
-        m = self._db.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
-        h = self._db.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
+            raise UnknownUser(f"unknown user {user!r} in store {self.name} (users: {known})")
+        m = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
+        h = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
         return {
             "version": str(row[0]),
             "window": row[1],
-            "neighbours": m[0] if m else 0,
+            "neighbours": int(m[0]) if m else 0,
             "history": bool(h[0]) if h else False,
-            "num_facts": n[0],
-            "num_tokens": n[1],
+            "num_facts": int(n[0]),
+            "num_tokens": int(n[1]),
             "source": row[2],
         }
 
@@ -485,32 +440,38 @@ class Store:
     def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
         """The live fact with this id (of ``user``, if given), or None. Ids are unique per user (``Memory`` ids
         are UUIDs); an id live for several users without ``user`` raises LookupError."""
-        rows = self._db.execute(
+        rows = self.rows.execute(
             f"SELECT {_FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL "
-            f"{'AND user=? ' if user is not None else ''}ORDER BY row",
+            + ('AND "user"=? ' if user is not None else "")
+            + 'ORDER BY "row"',
             (fact_id, user) if user is not None else (fact_id,),
         ).fetchall()
         if len(rows) > 1:
             raise LookupError(f"memory id {fact_id!r} belongs to several users; name the user")
         return _fact(rows[0]) if rows else None
 
-    @_locked
     def history(self, fact_id: str) -> list[dict]:
         """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
-        rows = self._db.execute(
-            "SELECT id, fact_id, user, event, old_memory, new_memory, time FROM history WHERE fact_id=? ORDER BY id",
-            (fact_id,),
-        )
+        return self._events("fact_id", fact_id)
+
+    def events(self, user: str) -> list[dict]:
+        """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""
+        return self._events('"user"', user)
+
+    @_locked
+    def _events(self, column: str, value: str) -> list[dict]:
+        q = 'SELECT id, fact_id, "user", event, old_memory, new_memory, time FROM history WHERE '
+        q += f"{column}=? ORDER BY id"
         return [
             dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
-            for r in rows
+            for r in self.rows.execute(q, (value,))
         ]
 
     @_locked
     def turns(self, user: str, last: int | None = None) -> list[dict]:
         """The user's stored conversation turns (oldest first; the ``last`` n): idx, dia_id, speaker, content, time."""
-        q = "SELECT idx, dia_id, speaker, content, time FROM turns WHERE user=? ORDER BY idx DESC LIMIT ?"
-        rows = self._db.execute(q, (user, -1 if last is None else max(last, 0))).fetchall()
+        q = 'SELECT idx, dia_id, speaker, content, time FROM turns WHERE "user"=? ORDER BY idx DESC LIMIT ?'
+        rows = self.rows.execute(q, (user, 1 << 62 if last is None else max(last, 0))).fetchall()
         return [dict(zip(("idx", "dia_id", "speaker", "content", "time"), r)) for r in reversed(rows)]
 
     def segment_name(self, user: str, segment: str) -> str:
@@ -570,13 +531,13 @@ class Store:
                 if parts[i] is None:
                     missing.setdefault(f.segment, []).append(i)
         for segment, idx in missing.items():
-            where = f"store {self.root}: KV segment {segment} of user {ukv.user!r}"
+            where = f"store {self.name}: KV segment {segment} of user {ukv.user!r}"
             try:
                 handle = self.segments.open(self.segment_name(ukv.user, segment))
             except FileNotFoundError:
                 if self.version(ukv.user) != ukv.version:
                     raise LookupError(f"memory version {ukv.version} of {ukv.user!r} is no longer current") from None
-                raise StoreError(f"{where} is missing (run `kvmem store fsck --store {self.root}`)") from None
+                raise StoreError(f"{where} is missing (run `kvmem store fsck --store {self.name}`)") from None
             except OSError as exc:
                 raise StoreError(f"{where} cannot be opened ({exc})") from None
             try:
@@ -615,32 +576,24 @@ class Store:
         cached = self._user_cache.get(user)
         if cached is not None and cached.version == current:
             return cached
-        self._db.execute("BEGIN")
-        try:
+        with self.rows.snapshot():
             current = self.version(user)
-            facts = [
-                _fact(r)
-                for r in self._db.execute(
-                    f"SELECT {_FACT_COLS} FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
-                )
-            ]
-            emb = [
-                r[0]
-                for r in self._db.execute(
-                    "SELECT embedding FROM facts WHERE user=? AND deleted IS NULL ORDER BY row", (user,)
-                )
-            ]
-            shas = dict(self._db.execute("SELECT segment, kv_sha256 FROM segments WHERE user=?", (user,)))
-        finally:
-            self._db.execute("COMMIT")
+            facts, emb = [], []
+            for r in self.rows.execute(
+                f'SELECT {_FACT_COLS}, embedding FROM facts WHERE "user"=? AND deleted IS NULL ORDER BY "row"',
+                (user,),
+            ):
+                facts.append(_fact(r))
+                emb.append(r[-1])
+            shas = dict(self.rows.execute('SELECT segment, kv_sha256 FROM segments WHERE "user"=?', (user,)))
         if not facts:
-            raise UnknownUser(f"unknown user {user!r} in store {self.root} (no live memories)")
+            raise UnknownUser(f"unknown user {user!r} in store {self.name} (no live memories)")
         if version is not None and current != version:
             raise LookupError(f"memory version {version} of {user!r} is no longer current")
         try:
             segments = {s: shas[s] for s in {f.segment for f in facts}}
         except KeyError:
-            raise StoreError(f"store {self.root}: user {user!r} names a segment with no checksum row") from None
+            raise StoreError(f"store {self.name}: user {user!r} names a segment with no checksum row") from None
         embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
         ukv = UserKV(user, current, facts, segments, embeddings, self._read_facts)
         _cache_put(self._user_cache, user, ukv)
@@ -655,20 +608,20 @@ class Store:
         """What changed in ``user``'s live facts after version ``since``: (added [(row, embedding [E])], removed
         rows), for incremental index updates; None if a compaction since then requires a full rebuild."""
         since_v = int(since)
-        row = self._db.execute("SELECT compacted FROM users WHERE user=?", (user,)).fetchone()
+        row = self.rows.execute('SELECT compacted FROM users WHERE "user"=?', (user,)).fetchone()
         if row is None or row[0] > since_v:
             return None
         added = [
             (r[0], torch.frombuffer(bytearray(r[1]), dtype=torch.float32))
-            for r in self._db.execute(
-                "SELECT row, embedding FROM facts WHERE user=? AND added>? AND deleted IS NULL ORDER BY row",
+            for r in self.rows.execute(
+                'SELECT "row", embedding FROM facts WHERE "user"=? AND added>? AND deleted IS NULL ORDER BY "row"',
                 (user, since_v),
             )
         ]
         removed = [
             r[0]
-            for r in self._db.execute(
-                "SELECT row FROM facts WHERE user=? AND added<=? AND deleted>?", (user, since_v, since_v)
+            for r in self.rows.execute(
+                'SELECT "row" FROM facts WHERE "user"=? AND added<=? AND deleted>?', (user, since_v, since_v)
             )
         ]
         return added, removed
@@ -676,31 +629,14 @@ class Store:
     # --- writes ---------------------------------------------------------------------------------------
 
     @contextmanager
-    def writer(self):
-        """The store's single-writer lock (a file lock: concurrent writers, in any process, serialize), then this
-        object's lock. The file lock is waited for first, without this object's lock, so reads never queue behind
-        a writer waiting for another process. Raises StoreBusy after ``write_timeout_s`` (None: wait)."""
-        with open(self.root / ".writer.lock", "a") as f:
-            if self.write_timeout_s is None:
-                fcntl.flock(f, fcntl.LOCK_EX)
-            else:
-                deadline = time.monotonic() + self.write_timeout_s
-                while True:
-                    try:
-                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() >= deadline:
-                            raise StoreBusy(
-                                f"store {self.root} is busy: another writer (a compaction, fsck or ingest?) held "
-                                f"its lock for {self.write_timeout_s:g} s"
-                            ) from None
-                        time.sleep(0.02)
-            try:
-                with self._lock:
-                    yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    def writer(self, user: str | None = None):
+        """The writer lock for ``user`` (None: the whole store, for ``fsck`` and ``reset``), then this object's
+        lock. Writers of one user, in any process on any machine, serialize (``Rows.locked``: a file lock for a
+        local store, which serializes every writer; advisory locks on PostgreSQL, where different users' writes
+        proceed at once). The writer lock is waited for first, without this object's lock, so reads never queue
+        behind a writer waiting for another process. Raises StoreBusy after ``write_timeout_s`` (None: wait)."""
+        with self.rows.locked(user, self.write_timeout_s), self._lock:
+            yield
 
     def _gc(self, user: str | None = None) -> list[str]:
         """Under ``writer()``: retire segments no live fact uses (of ``user``, after its commit: a few indexed
@@ -708,35 +644,37 @@ class Store:
         gathering from the snapshot it took before the commit finds its files. With ``user=None`` (``fsck``,
         ``reset``) remove at once every file no segment row names: retired ones and a killed writer's leftovers
         (a directory listing). Returns the removed file names that were never retired (leftovers)."""
-        scope, args = ("s.user=? AND ", (user,)) if user is not None else ("", ())
-        dead = list(
-            self._db.execute(
-                f"SELECT user, segment FROM segments s WHERE {scope}NOT EXISTS (SELECT 1 FROM facts f WHERE "
-                f"f.user=s.user AND f.segment=s.segment AND f.deleted IS NULL)",
+        scope, args = ('s."user"=? AND ', (user,)) if user is not None else ("", ())
+        dead = [
+            tuple(r)
+            for r in self.rows.execute(
+                f'SELECT "user", segment FROM segments s WHERE {scope}NOT EXISTS (SELECT 1 FROM facts f WHERE '
+                f'f."user"=s."user" AND f.segment=s.segment AND f.deleted IS NULL)',
                 args,
             )
-        )
+        ]
         now = time.time()
         retiring = ["retired:" + self.segment_name(u, seg) for u, seg in dead]
+        mine = "retired:" + (f"{_safe(user)}." if user is not None else "")  # another user's are its writer's
         due = [
             k
-            for k, t in self._db.execute("SELECT key, value FROM meta WHERE key >= 'retired:' AND key < 'retired;'")
-            if user is None or t <= now - self.retire_after_s
+            for k, t in self.rows.execute("SELECT key, value FROM meta WHERE key LIKE 'retired:%'")
+            if k.startswith(mine) and (user is None or t <= now - self.retire_after_s)
         ]
         if user is None or self.retire_after_s <= 0:
             due, retiring = due + retiring, []
         if dead or due:
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.executemany("DELETE FROM segments WHERE user=? AND segment=?", dead)
-                self._db.executemany(
-                    "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [(k, now) for k in retiring]
+            with self.rows.transaction():
+                self.rows.executemany('DELETE FROM segments WHERE "user"=? AND segment=?', dead)
+                self.rows.executemany(
+                    "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                    [(k, now) for k in retiring],
                 )
-                self._db.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in due])
+                self.rows.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in due])
         if user is not None:
             doomed = [k.removeprefix("retired:") for k in due]
         else:
-            live = {self.segment_name(u, seg) for u, seg in self._db.execute("SELECT user, segment FROM segments")}
+            live = {self.segment_name(u, seg) for u, seg in self.rows.execute('SELECT "user", segment FROM segments')}
             doomed = sorted(self.segments.names() - live)
         retired = {k.removeprefix("retired:") for k in due}
         removed = []
@@ -746,7 +684,7 @@ class Store:
                 if name not in retired:
                     removed.append(name)
             except OSError as exc:  # the commit before this stands; a leftover object only costs space
-                logger.warning("store %s: cannot remove %s: %s", self.root, name, exc)
+                logger.warning("store %s: cannot remove %s: %s", self.name, name, exc)
         return removed
 
     def fsck(self) -> dict:
@@ -817,7 +755,7 @@ class Store:
                         f"{f.num_tokens} token ids"
                     )
         now = time.time() if now is None else now
-        with self.writer():
+        with self.writer(user):
             segment, digest, name = uuid.uuid4().hex[:12], "", None
             if add:
                 name = self.segment_name(user, segment)
@@ -853,7 +791,7 @@ class Store:
         unreferenced file is only disk space, a referenced file that is gone is a lost memory."""
         try:
             return (
-                self._db.execute("SELECT 1 FROM segments WHERE user=? AND segment=?", (user, segment)).fetchone()
+                self.rows.execute('SELECT 1 FROM segments WHERE "user"=? AND segment=?', (user, segment)).fetchone()
                 is not None
             )
         except Exception:
@@ -876,20 +814,19 @@ class Store:
         neighbours=None,
         history=None,
     ) -> str:
-        db = self._db
-        with db:
-            db.execute("BEGIN IMMEDIATE")
-            version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
+        db = self.rows
+        with db.transaction():
+            version = db.next_version()
             everything = replace or delete == [ALL]
             if everything:
-                live = dict(db.execute("SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL", (user,)))
+                live = dict(db.execute('SELECT fact_id, text FROM facts WHERE "user"=? AND deleted IS NULL', (user,)))
             else:  # only the ids this commit touches: a delete costs O(1) rows, not O(user's memory)
                 wanted, live = sorted(set(delete) | {f.fact_id for f in add}), {}
                 for i in range(0, len(wanted), 500):
                     chunk = wanted[i : i + 500]
                     live.update(
                         db.execute(
-                            f"SELECT fact_id, text FROM facts WHERE user=? AND deleted IS NULL AND "
+                            f'SELECT fact_id, text FROM facts WHERE "user"=? AND deleted IS NULL AND '
                             f"fact_id IN ({','.join('?' * len(chunk))})",
                             (user, *chunk),
                         )
@@ -899,7 +836,7 @@ class Store:
                 if fid not in live:
                     raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
             db.executemany(
-                "UPDATE facts SET deleted=?, updated_at=? WHERE user=? AND fact_id=? AND deleted IS NULL",
+                'UPDATE facts SET deleted=?, updated_at=? WHERE "user"=? AND fact_id=? AND deleted IS NULL',
                 [(version, now, user, fid) for fid in gone],
             )
             if not replace:
@@ -911,7 +848,7 @@ class Store:
                 if taken:
                     raise StoreError(f"memory id {taken[0]!r} is already in use")
                 db.execute(
-                    "INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
+                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
                     (user, segment, digest, sum(f.num_tokens for f in add)),
                 )
                 offset, rows = 0, []
@@ -938,8 +875,8 @@ class Store:
                     )
                     offset += f.num_tokens
                 db.executemany(
-                    "INSERT INTO facts (user, fact_id, text, speaker, source_turn, date, metadata, token_ids, segment,"
-                    " token_offset, window, embedding, added, created_at, updated_at) "
+                    'INSERT INTO facts ("user", fact_id, text, speaker, source_turn, date, metadata, token_ids, '
+                    'segment, token_offset, "window", embedding, added, created_at, updated_at) '
                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     rows,
                 )
@@ -947,24 +884,24 @@ class Store:
                     (f.fact_id, "ADD", None, f.text) for f in add if not any(e[0] == f.fact_id for e in events)
                 ]
             if replace:
-                db.execute("DELETE FROM turns WHERE user=?", (user,))
+                db.execute('DELETE FROM turns WHERE "user"=?', (user,))
             if turns:
-                first = db.execute("SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE user=?", (user,)).fetchone()[0]
+                first = db.execute('SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE "user"=?', (user,)).fetchone()[0]
                 db.executemany(
-                    "INSERT INTO turns (user, idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)",
+                    'INSERT INTO turns ("user", idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)',
                     [
                         (user, first + i, t.get("dia_id"), t.get("speaker"), t["content"], t.get("time"))
                         for i, t in enumerate(turns)
                     ],
                 )
             db.executemany(
-                "INSERT INTO history (user, fact_id, event, old_memory, new_memory, time, version) "
+                'INSERT INTO history ("user", fact_id, event, old_memory, new_memory, time, version) '
                 "VALUES (?,?,?,?,?,?,?)",
                 [(user, *e, now, version) for e in events],
             )
             db.execute(
-                "INSERT INTO users (user, version, window, source, updated) VALUES (?,?,?,?,?) ON CONFLICT(user) DO "
-                "UPDATE SET version=excluded.version, window=excluded.window, "
+                'INSERT INTO users ("user", version, "window", source, updated) VALUES (?,?,?,?,?) ON CONFLICT("user") '
+                'DO UPDATE SET version=excluded.version, "window"=excluded."window", '
                 "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
                 (user, version, window, source, now),
             )
@@ -1012,28 +949,27 @@ class Store:
     def compact(self, user: str) -> str:
         """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
         What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it."""
-        with self.writer():
+        with self.writer(user):
             ukv = self.snapshot(user)
             segment = uuid.uuid4().hex[:12]
             keys, values = ukv.gather(list(range(len(ukv.facts))))
             tensors, meta = seg_files.to_file(keys, values)
             digest = self.segments.put(self.segment_name(user, segment), tensors, meta)
-            db = self._db
-            with db:
-                db.execute("BEGIN IMMEDIATE")
-                version = db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
+            db = self.rows
+            with db.transaction():
+                version = db.next_version()
                 db.execute(
-                    "INSERT INTO segments (user, segment, kv_sha256, num_tokens) VALUES (?,?,?,?)",
+                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
                     (user, segment, digest, keys.shape[2]),
                 )
                 offset, moves = 0, []
                 for f in ukv.facts:
                     moves.append((segment, offset, f.row))
                     offset += f.num_tokens
-                db.executemany("UPDATE facts SET segment=?, token_offset=? WHERE row=?", moves)
-                db.execute("DELETE FROM facts WHERE user=? AND deleted IS NOT NULL", (user,))
+                db.executemany('UPDATE facts SET segment=?, token_offset=? WHERE "row"=?', moves)
+                db.execute('DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL', (user,))
                 db.execute(
-                    "UPDATE users SET version=?, compacted=?, updated=? WHERE user=?",
+                    'UPDATE users SET version=?, compacted=?, updated=? WHERE "user"=?',
                     (version, version, time.time(), user),
                 )
             self._gc(user)
@@ -1049,13 +985,81 @@ class Store:
         """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
         salt is ever reused)."""
         with self.writer():
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("UPDATE meta SET value=value+1 WHERE key='version'")
+            with self.rows.transaction():
+                self.rows.next_version()
                 for table in ("facts", "history", "turns", "users"):
-                    self._db.execute(f"DELETE FROM {table}")
-                self._db.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%'")
+                    self.rows.execute(f"DELETE FROM {table}")
+                self.rows.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%'")
             self._gc()
             self._user_cache.clear()
             self._kv.clear()
             self._verified.clear()
+
+
+def copy_store(src: str | Path, dst: str | Path, segments_url: str | None = None, force: bool = False) -> dict:
+    """Copy the store at ``src`` to ``dst`` (either a directory or a ``postgresql://`` URL; ``segments_url`` as in
+    ``Store.create``, required for a PostgreSQL ``dst``): every user's live facts with their KV (each source
+    segment verified against its checksum first), embeddings, turns, history events and encoding, one commit per
+    user. The copy is a new store (its own ``store_id``) for the same model. Afterwards every user's fact, turn
+    and event counts are compared and every new segment is verified. History keeps each fact's events in order;
+    their times become the copy's.
+
+    ``force``: copy into a store already at ``dst`` (same model), replacing the users it copies; without it a
+    non-empty ``dst`` is refused. Returns ``{"users", "facts", "turns", "events", "kv_bytes"}``. Raises
+    StoreError, StoreMismatch."""
+    source = Store.open(src)
+    try:
+        if Store.exists(dst):
+            target = Store.open(dst, source.fingerprint)
+            if target.users() and not force:
+                target.close()
+                raise StoreError(f"{target.name} already holds a store with users; pass --force to copy into it")
+            check_segments_url(target, segments_url)
+        else:
+            hk, hv = source.header_kv()
+            m = source.manifest
+            target = Store.create(
+                dst, m["fingerprint"], m["header"]["text"], m["header"]["token_ids"], hk, hv, m["embedder"],
+                segments_url=segments_url,
+            )  # fmt: skip
+        report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0}
+        try:
+            for user in source.users():
+                ukv = source.snapshot(user)
+                source._check_segments(ukv)
+                info, turns, events = source.user_info(user), source.turns(user), source.events(user)
+                parts = [ukv.gather([i]) for i in range(len(ukv.facts))]
+                had = len(target.events(user))
+                facts = [FactRecord(**{**f.__dict__, "row": 0, "segment": "", "token_offset": 0}) for f in ukv.facts]
+                target.commit(
+                    user,
+                    facts,
+                    [k for k, _ in parts],
+                    [v for _, v in parts],
+                    ukv.embeddings,
+                    replace=True,
+                    turns=turns,
+                    events=[(e["memory_id"], e["event"], e["old_memory"], e["new_memory"]) for e in events],
+                    window=info["window"],
+                    source=info["source"],
+                    neighbours=info["neighbours"],
+                    history=info["history"],
+                )
+                copied = target.snapshot(user)
+                target._check_segments(copied)
+                got = (len(copied.facts), len(target.turns(user)), len(target.events(user)) - had)
+                if got != (len(ukv.facts), len(turns), len(events)):
+                    raise StoreError(
+                        f"copy of user {user!r} has {got} facts/turns/events, the source "
+                        f"{(len(ukv.facts), len(turns), len(events))}"
+                    )
+                report["users"] += 1
+                report["facts"] += got[0]
+                report["turns"] += got[1]
+                report["events"] += got[2]
+                report["kv_bytes"] += sum(k.nbytes + v.nbytes for k, v in parts)
+        finally:
+            target.close()
+        return report
+    finally:
+        source.close()

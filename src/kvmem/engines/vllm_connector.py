@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..compose import compose
 from ..models import MANIFEST, head_dim, weights_hash
 from ..rope import LENGTH_DEPENDENT, Rotary, rope_type
+from ..rows import canonical, within
 from ..store import Store
 
 if TYPE_CHECKING:
@@ -104,7 +105,6 @@ def kvmem_params(
 
 _LOCK = threading.Lock()
 _STORES: dict[str, Any] = {}
-_INODES: dict[str, int] = {}  # root -> its manifest's inode when opened (a re-created store is reopened)
 _CACHE_BYTES = [1 << 30]  # each store's cache bound in this process: kv_connector_extra_config["cache_bytes"]
 _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 
@@ -112,12 +112,12 @@ _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 def _store(root: str):
     """This process's handle on the store at ``root``, reopened if the store was re-created there."""
 
-    ino = (Path(root) / "manifest.json").stat().st_ino
     with _LOCK:
         st = _STORES.get(root)
-        if st is None or _INODES.get(root) != ino:
+        if st is None or st.replaced():
+            if st is not None:
+                st.close()
             st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0])
-            _INODES[root] = ino
             for k in [k for k in _FACT_TOKENS if k[0] == root]:
                 del _FACT_TOKENS[k]
         return st
@@ -233,7 +233,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._metrics_file = extra.get("metrics_file")
         if extra.get("cache_bytes"):
             _CACHE_BYTES[0] = int(extra["cache_bytes"])
-        self._allowed = [Path(p).resolve() for p in extra.get("stores") or []]
+        self._allowed = [canonical(p) for p in extra.get("stores") or []]
         self._identity = engine_identity(vllm_config)
         self._trusted: dict[tuple[str, str], str | None] = {}  # (root, store_id) -> None if it matches, else why
         # scheduler side
@@ -252,7 +252,7 @@ class KvmemConnector(KVConnectorBase_V1):
         allowed store directories; ``identity``: the engine's ``weights_sha256`` and ``dtype``."""
         conn = object.__new__(cls)
         conn.metrics, conn._metrics_file, conn._trusted, conn._matched = Counter(), None, {}, {}
-        conn._allowed = [Path(p).resolve() for p in stores]
+        conn._allowed = [canonical(p) for p in stores]
         conn._identity = dict(identity)
         return conn
 
@@ -260,8 +260,7 @@ class KvmemConnector(KVConnectorBase_V1):
         """Why the store at ``root`` may not be injected into this engine (not allow-listed at engine start, or
         built by another model/dtype), or None. Judged once per store instance (a store re-created at the same
         path is judged again)."""
-        path = Path(root).resolve()
-        if not any(path == a or a in path.parents for a in self._allowed):
+        if not within(root, self._allowed):
             return f"store {root} is not among the engine's allowed stores"
         st = _store(root)
         key = (root, st.manifest["store_id"])

@@ -26,6 +26,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from ..hardware import resolve_dtype
 from ..models import head_dim
+from ..rows import canonical
 from .base import (
     AsyncEngine,
     Delta,
@@ -85,7 +86,7 @@ def memory_ref(plan: MemoryPlan) -> MemoryRef:
         )
     store = plan.store
     return MemoryRef(
-        str(store.root.resolve()),
+        canonical(store.root),
         store.manifest["store_id"],
         plan.snapshot.user,
         plan.snapshot.version,
@@ -216,7 +217,7 @@ def engine_kwargs(
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     from vllm.config import KVTransferConfig
 
-    extra = {"stores": [str(Path(p).resolve()) for p in stores]}
+    extra = {"stores": [canonical(p) for p in stores]}
     if metrics_file:
         extra["metrics_file"] = metrics_file
     if cache_bytes:

@@ -149,9 +149,9 @@ class KvmemServer:
         for m in methods:
             parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
         check_methods(methods, engine)  # refused before any engine starts
-        root = Path(store)
+        root = store
         embedder = Embedder()
-        if not (root / "manifest.json").exists():  # a new, empty store for the model
+        if not Store.exists(root):  # a new, empty store for the model
             lm = load(model or DEFAULT_MODEL, dtype=dtype)
             open_or_create_store(root, lm, embedder, segments_url=segments_url)[0].close()
         st = Store.open(root)

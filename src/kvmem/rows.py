@@ -1,0 +1,547 @@
+"""Where a store's rows live: its manifest, header KV, facts, tombstones, versions, history, turns and segment
+checksums. ``Store`` (``store.py``) runs one set of SQL statements on either backend; this module holds what differs.
+
+- ``SQLiteRows``: a local directory (``manifest.json``, ``header.safetensors``, ``meta.sqlite`` in WAL mode, a
+  ``.writer.lock`` file lock). The embedded default; its format is unchanged.
+- ``PostgresRows``: a PostgreSQL database (psycopg 3) that many processes on many machines share. The manifest
+  and header are one row of ``kvmem_manifest``; versions come from the sequence ``kvmem_version`` (they never
+  repeat); a reader's snapshot is one REPEATABLE READ READ ONLY transaction; writers serialize per user on session
+  advisory locks (a store-wide one, shared by every commit and taken exclusively by ``fsck``/``reset``), so
+  writes for different users proceed at once from different processes. Give the database by URL
+  (``postgresql://user@host:5432/db``; a PostgreSQL schema by ``?options=-csearch_path%3Dname``); credentials
+  come from the URL or libpq's environment (``PGPASSWORD``, ``~/.pgpass``) and never appear in a message.
+
+Statements are written once, for both: ``?`` placeholders, ``"user"``/``"window"``/``"row"`` quoted (reserved
+words in PostgreSQL), ``ON CONFLICT`` upserts, ``Rows.tokens_sql`` for a fact's token count.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
+BUSY_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 10
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
+
+
+class StoreError(RuntimeError):
+    """Missing or unreadable store, unknown user, unreachable database."""
+
+
+class StoreBusy(StoreError):
+    """A write waited longer than the store's ``write_timeout_s`` for another writer's lock."""
+
+
+def is_url(location: str | Path) -> bool:
+    return bool(_URL.match(str(location)))
+
+
+def canonical(location: str | Path) -> str:
+    """One spelling per store: a URL as given, a directory as its absolute resolved path."""
+    return str(location) if is_url(location) else str(Path(location).resolve())
+
+
+def within(location: str | Path, allowed: list[str]) -> bool:
+    """Whether ``location`` is one of the ``allowed`` (canonical) locations, or a directory below one."""
+    loc = canonical(location)
+    if is_url(loc):
+        return loc in allowed
+    return any(loc == a or Path(a) in Path(loc).parents for a in allowed if not is_url(a))
+
+
+def redact(url: str) -> str:
+    """``url`` without its password (and query), for messages: ``postgresql://kv@db:5432/kvmem``."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class Rows(ABC):
+    """One store's rows, on one connection that the owning ``Store`` guards with its lock.
+
+    ``location``: what reopens it (a directory, or the full URL); ``name``: the same for messages (no
+    credentials). Cursors returned by ``execute`` support ``fetchone``, ``fetchall`` and iteration."""
+
+    location: str | Path
+    name: str
+    tokens_sql: str  # SQL expression: the token count of a facts row
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """Whether a store (its manifest) is here."""
+
+    @abstractmethod
+    def check_new(self) -> None:
+        """Raises StoreError unless a new store can be created here (nothing of a store is here yet)."""
+
+    @abstractmethod
+    def create(self, manifest: dict, header: bytes) -> None:
+        """``check_new``, then make the schema, then the header, then the manifest (last: it is what makes a store)."""
+
+    @abstractmethod
+    def manifest(self) -> dict:
+        """The manifest as stored (any JSON value; ``Store.open`` checks it). Raises StoreError."""
+
+    @abstractmethod
+    def header(self) -> bytes:
+        """The header KV, a safetensors file's bytes."""
+
+    @abstractmethod
+    def execute(self, sql: str, args=()):
+        """Run one statement (``?`` placeholders); returns its cursor."""
+
+    @abstractmethod
+    def executemany(self, sql: str, rows) -> None: ...
+
+    @abstractmethod
+    def snapshot(self):
+        """Context: one read transaction; every statement inside sees one committed state."""
+
+    @abstractmethod
+    def transaction(self):
+        """Context: one write transaction, committed on exit, rolled back on an exception."""
+
+    @abstractmethod
+    def next_version(self) -> int:
+        """Inside ``transaction``: a new store-wide version, larger than every one before (never reused)."""
+
+    @abstractmethod
+    def locked(self, user: str | None, timeout_s: float | None):
+        """Context: the writer lock for ``user`` (None: the whole store). Raises StoreBusy after ``timeout_s``
+        (None: wait as long as it takes)."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the rows take (files or tables)."""
+
+    def replaced(self) -> bool:
+        """Whether the store here was deleted or created again since this object opened it."""
+        return False
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def _poll(try_lock, timeout_s: float | None, busy: str) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not try_lock():
+        if deadline is not None and time.monotonic() >= deadline:
+            raise StoreBusy(busy)
+        time.sleep(0.02)
+
+
+class SQLiteRows(Rows):
+    """A store directory: ``manifest.json``, ``header.safetensors``, ``meta.sqlite`` (WAL, busy timeout)."""
+
+    tokens_sql = "json_array_length(token_ids)"
+
+    def __init__(self, root: str | Path):
+        self.location = self.root = Path(root)
+        self.name = str(root)
+        self._db: sqlite3.Connection | None = None
+        self._ino = self._manifest_ino()
+
+    def _manifest_ino(self) -> int | None:
+        try:
+            return (self.root / "manifest.json").stat().st_ino
+        except OSError:
+            return None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            db = self.root / "meta.sqlite"
+            if not db.exists():
+                raise StoreError(f"store {self.root} has no meta.sqlite (corrupt)")
+            self._db = self._connect()
+            try:
+                got = self._db.execute("PRAGMA user_version").fetchone()[0]
+            except sqlite3.DatabaseError as exc:
+                raise StoreError(f"{db} is corrupt: {exc}") from None
+            if got != SCHEMA_VERSION:
+                raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
+        return self._db
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(
+            self.root / "meta.sqlite", isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
+        )
+
+    def exists(self) -> bool:
+        return (self.root / "manifest.json").exists()
+
+    def check_new(self) -> None:
+        if self.exists():
+            raise StoreError(f"{self.root} already holds a store")
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"--store {self.root} is a file, not a directory")
+        if (self.root / "meta.sqlite").exists() or any((self.root / "users").glob("*.safetensors")):
+            raise StoreError(f"store {self.root} has data but no manifest.json (corrupt); refusing to overwrite it")
+
+    def create(self, manifest: dict, header: bytes) -> None:
+        from .segments import fsync_dir
+
+        self.check_new()
+        (self.root / "users").mkdir(parents=True, exist_ok=True)
+        _write_durably(self.root / "header.safetensors", header)
+        db = self._connect()
+        try:
+            db.executescript(SQLITE_SCHEMA)
+        finally:
+            db.close()
+        _write_durably(self.root / "manifest.json", json.dumps(manifest, indent=2).encode())
+        fsync_dir(self.root)
+        self._ino = self._manifest_ino()
+
+    def manifest(self) -> dict:
+        path = self.root / "manifest.json"
+        if not path.exists():
+            raise StoreError(
+                f"no kvmem store at {self.root} (check the path; `kvmem memory add`, `kvmem serve` or "
+                f"`kvmem ingest-locomo` with --store {self.root} create one)"
+            )
+        try:
+            manifest = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{path} is corrupt: {exc}") from None
+        self.db  # noqa: B018 -- opens meta.sqlite and checks its schema version
+        return manifest
+
+    def header(self) -> bytes:
+        return (self.root / "header.safetensors").read_bytes()
+
+    def execute(self, sql: str, args=()):
+        return self.db.execute(sql, args)
+
+    def executemany(self, sql: str, rows) -> None:
+        self.db.executemany(sql, rows)
+
+    @contextmanager
+    def snapshot(self):
+        self.db.execute("BEGIN")  # WAL: the first read fixes the snapshot until COMMIT
+        try:
+            yield
+        finally:
+            self.db.execute("COMMIT")
+
+    @contextmanager
+    def transaction(self):
+        with self.db:
+            self.db.execute("BEGIN IMMEDIATE")
+            yield
+
+    def next_version(self) -> int:
+        return self.db.execute("UPDATE meta SET value=value+1 WHERE key='version' RETURNING value").fetchone()[0]
+
+    @contextmanager
+    def locked(self, user: str | None, timeout_s: float | None):
+        # one lock for the whole store: a file lock, so writers in any process (and thread) serialize
+        with open(self.root / ".writer.lock", "a") as f:
+            busy = (
+                f"store {self.root} is busy: another writer (a compaction, fsck or ingest?) held its lock for "
+                f"{timeout_s:g} s"
+                if timeout_s is not None
+                else ""
+            )
+            if timeout_s is None:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            else:
+                _poll(lambda: _try_flock(f), timeout_s, busy)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    @property
+    def busy_timeout_s(self) -> float:
+        """How long the SQLite connection waits for another process's write lock, s."""
+        return self.db.execute("PRAGMA busy_timeout").fetchone()[0] / 1e3
+
+    def nbytes(self) -> int:
+        def size(p: Path) -> int:
+            try:
+                return p.stat().st_size if p.is_file() else 0
+            except FileNotFoundError:  # removed by a concurrent writer during the walk
+                return 0
+
+        return sum(size(p) for p in self.root.rglob("*") if p.parent != self.root / "users")
+
+    def replaced(self) -> bool:
+        return self._manifest_ino() != self._ino
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+
+def _try_flock(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+
+
+SQLITE_SCHEMA = f"""
+PRAGMA journal_mode=WAL;
+PRAGMA user_version={SCHEMA_VERSION};
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
+CREATE TABLE IF NOT EXISTS users (
+    user TEXT PRIMARY KEY, version INTEGER NOT NULL, window INTEGER NOT NULL, source TEXT,
+    compacted INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS segments (
+    user TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
+    PRIMARY KEY (user, segment));
+CREATE TABLE IF NOT EXISTS facts (
+    row INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL,
+    speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{{}}', token_ids TEXT NOT NULL,
+    segment TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL, embedding BLOB NOT NULL,
+    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
+CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
+CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
+CREATE INDEX IF NOT EXISTS facts_segment ON facts (user, segment) WHERE deleted IS NULL;
+CREATE TABLE IF NOT EXISTS history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, event TEXT NOT NULL,
+    old_memory TEXT, new_memory TEXT, time REAL NOT NULL, version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id);
+CREATE TABLE IF NOT EXISTS turns (
+    user TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL, time REAL,
+    PRIMARY KEY (user, idx));
+"""
+POSTGRES_SCHEMA = """
+CREATE TABLE kvmem_manifest (
+    id INTEGER PRIMARY KEY CHECK (id = 1), schema_version INTEGER NOT NULL, manifest TEXT, header BYTEA);
+CREATE SEQUENCE kvmem_version;
+CREATE TABLE meta (key TEXT PRIMARY KEY, value DOUBLE PRECISION NOT NULL);
+CREATE TABLE users (
+    "user" TEXT PRIMARY KEY, version BIGINT NOT NULL, "window" INTEGER NOT NULL, source TEXT,
+    compacted BIGINT NOT NULL DEFAULT 0, updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE segments (
+    "user" TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
+    PRIMARY KEY ("user", segment));
+CREATE TABLE facts (
+    "row" BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "user" TEXT NOT NULL, fact_id TEXT NOT NULL,
+    text TEXT NOT NULL, speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{}',
+    token_ids TEXT NOT NULL, segment TEXT NOT NULL, token_offset INTEGER NOT NULL, "window" INTEGER NOT NULL,
+    embedding BYTEA NOT NULL, added BIGINT NOT NULL, deleted BIGINT, created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL);
+CREATE UNIQUE INDEX live_fact ON facts ("user", fact_id) WHERE deleted IS NULL;
+CREATE INDEX facts_id ON facts (fact_id);
+CREATE INDEX facts_user ON facts ("user", deleted);
+CREATE INDEX facts_segment ON facts ("user", segment) WHERE deleted IS NULL;
+CREATE TABLE history (
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "user" TEXT NOT NULL, fact_id TEXT NOT NULL,
+    event TEXT NOT NULL, old_memory TEXT, new_memory TEXT, time DOUBLE PRECISION NOT NULL, version BIGINT NOT NULL);
+CREATE INDEX history_fact ON history (fact_id);
+CREATE TABLE turns (
+    "user" TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL,
+    time DOUBLE PRECISION, PRIMARY KEY ("user", idx));
+"""
+_STORE_LOCK = 0x6B766D656D  # the store-wide advisory lock key ("kvmem"); a user's key is a hash of its name
+
+
+def _user_lock(user: str) -> int:
+    return int.from_bytes(hashlib.sha256(b"kvmem-user:" + user.encode()).digest()[:8], "big", signed=True)
+
+
+def _pg_sql(sql: str) -> str:
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class PostgresRows(Rows):
+    """A store's rows in a PostgreSQL database (psycopg 3, autocommit connections; transactions explicit).
+
+    One connection runs the statements; a second holds this process's writer advisory locks, so a writer waiting
+    for another machine's lock never blocks this process's reads."""
+
+    tokens_sql = "json_array_length(token_ids::json)"
+
+    def __init__(self, url: str):
+        self.location, self.name = url, redact(url)
+        self._conn = self._connect()
+        self._locks = None  # the advisory-lock connection, opened by the first write
+        self._lock_mutex = threading.Lock()  # one writer at a time in this process holds the lock connection
+        self._store_id = self._read_store_id()
+
+    def _connect(self):
+        import psycopg
+
+        try:
+            return psycopg.connect(self.location, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        except psycopg.Error as exc:
+            why = " ".join(str(exc).split())
+            if self.location.split("@")[0].count(":") > 1:  # a password in the URL: keep it out of the message
+                why = why.replace(urlsplit(self.location).password or "\x00", "***")
+            raise StoreError(f"cannot connect to PostgreSQL at {self.name}: {why}") from None
+        except Exception as exc:  # a malformed URL (psycopg.ProgrammingError is a psycopg.Error; others are not)
+            raise StoreError(f"--store {self.name}: not a usable PostgreSQL URL ({type(exc).__name__})") from None
+
+    def _read_store_id(self) -> str | None:
+        try:
+            m = self._row_of_manifest()
+        except StoreError:
+            return None
+        return json.loads(m[1]).get("store_id") if m and m[1] else None
+
+    def _row_of_manifest(self):
+        import psycopg
+
+        try:
+            return self._conn.execute("SELECT schema_version, manifest FROM kvmem_manifest WHERE id=1").fetchone()
+        except psycopg.errors.UndefinedTable:
+            return None
+        except psycopg.Error as exc:
+            raise StoreError(f"PostgreSQL at {self.name}: {' '.join(str(exc).split())}") from None
+
+    def exists(self) -> bool:
+        m = self._row_of_manifest()
+        return m is not None and m[1] is not None
+
+    def check_new(self) -> None:
+        if self._row_of_manifest() is not None:
+            raise StoreError(f"{self.name} already holds a kvmem store (or a half-created one: drop its tables)")
+
+    def create(self, manifest: dict, header: bytes) -> None:
+        import psycopg
+
+        self.check_new()
+        try:
+            with self._conn.transaction():  # DDL is transactional here: all of it, or none
+                self._conn.execute(POSTGRES_SCHEMA)
+                self._conn.execute(
+                    "INSERT INTO kvmem_manifest (id, schema_version, manifest, header) VALUES (1, %s, %s, %s)",
+                    (SCHEMA_VERSION, json.dumps(manifest), header),
+                )
+        except psycopg.errors.DuplicateTable:
+            raise StoreError(
+                f"{self.name} already has tables named like a kvmem store's; use another database or schema"
+            ) from None
+        self._store_id = manifest.get("store_id")
+
+    def manifest(self) -> dict:
+        m = self._row_of_manifest()
+        if m is None or m[1] is None:
+            raise StoreError(
+                f"no kvmem store at {self.name} (the database is reachable but holds no store; `kvmem memory add`, "
+                f"`kvmem serve` or `kvmem ingest-locomo` with --store {self.name} --segments URL create one)"
+            )
+        if m[0] != SCHEMA_VERSION:
+            raise StoreError(f"{self.name}: schema version {m[0]} is not {SCHEMA_VERSION}; re-ingest into a new store")
+        try:
+            return json.loads(m[1])
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{self.name}: the manifest is corrupt: {exc}") from None
+
+    def header(self) -> bytes:
+        return bytes(self._conn.execute("SELECT header FROM kvmem_manifest WHERE id=1").fetchone()[0])
+
+    def execute(self, sql: str, args=()):
+        if not args:
+            return self._conn.execute(sql)
+        return self._conn.execute(_pg_sql(sql), tuple(args))
+
+    def executemany(self, sql: str, rows) -> None:
+        rows = [tuple(r) for r in rows]
+        if rows:
+            with self._conn.cursor() as cur:
+                cur.executemany(_pg_sql(sql), rows)
+
+    @contextmanager
+    def snapshot(self):
+        with self._conn.transaction():
+            self._conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            yield
+
+    @contextmanager
+    def transaction(self):
+        with self._conn.transaction():
+            yield
+
+    def next_version(self) -> int:
+        return self._conn.execute("SELECT nextval('kvmem_version')").fetchone()[0]
+
+    @contextmanager
+    def locked(self, user: str | None, timeout_s: float | None):
+        busy = f"store {self.name} is busy: another writer held the lock of {user or 'the store'!r} for {timeout_s} s"
+        if not self._lock_mutex.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise StoreBusy(busy)
+        taken: list[tuple[int, bool]] = []
+        try:
+            if self._locks is None or self._locks.closed:
+                self._locks = self._connect()
+            wanted = [(_STORE_LOCK, user is None)] + ([(_user_lock(user), True)] if user is not None else [])
+            for key, exclusive in wanted:
+                q = f"SELECT pg_try_advisory_lock{'' if exclusive else '_shared'}(%s)"
+                _poll(lambda q=q, key=key: self._locks.execute(q, (key,)).fetchone()[0], timeout_s, busy)
+                taken.append((key, exclusive))
+            yield
+        finally:
+            try:
+                for key, exclusive in reversed(taken):
+                    fn = "pg_advisory_unlock" if exclusive else "pg_advisory_unlock_shared"
+                    self._locks.execute(f"SELECT {fn}(%s)", (key,))
+            except Exception:  # a lost connection has released its locks already
+                self._locks = None
+            self._lock_mutex.release()
+
+    def nbytes(self) -> int:
+        q = (
+            "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN pg_namespace n ON "
+            "n.oid = c.relnamespace WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname IN "
+            "('kvmem_manifest', 'meta', 'users', 'segments', 'facts', 'history', 'turns')"
+        )
+        return int(self._conn.execute(q).fetchone()[0])
+
+    def replaced(self) -> bool:
+        return self._read_store_id() != self._store_id
+
+    def close(self) -> None:
+        for conn in (self._conn, self._locks):
+            if conn is not None:
+                conn.close()
+
+
+def open_rows(location: str | Path) -> Rows:
+    """The rows at ``location``: ``postgresql://…`` (``PostgresRows``) or a directory (``SQLiteRows``). Raises
+    StoreError for any other URL (it would otherwise become a directory named after its scheme)."""
+    text = str(location)
+    if is_url(text):
+        scheme = text.split(":", 1)[0].lower()
+        if scheme in POSTGRES_SCHEMES:
+            return PostgresRows(text)
+        hint = (
+            " (KV segments go by --segments URL; their rows by --store postgresql://…)"
+            if scheme in ("s3", "gs", "az", "file", "http", "https")
+            else ""
+        )
+        raise StoreError(
+            f"--store {scheme}://… is not a store location: give a directory, or a PostgreSQL URL "
+            f"postgresql://user@host:5432/db{hint}"
+        )
+    return SQLiteRows(location)

@@ -1,0 +1,139 @@
+"""The shared store (rows in PostgreSQL, KV segments in an object store) beyond the behaviour suite that
+tests/test_store_safety.py runs on every backend: writers on many processes, PostgreSQL's own refusals, bad
+locations as one-line errors, ``kvmem store copy`` and ``Memory`` on a shared store. PostgreSQL is a real
+throwaway cluster (``conftest.postgres``); the object store is a ``file://`` URL through obstore."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import store_worker as sw
+from conftest import postgres_schema
+from kvmem.cli import app
+from kvmem.store import Store, StoreError, StoreMismatch
+
+WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
+
+
+@pytest.fixture(params=["local", "postgres"])
+def backend(request, monkeypatch):
+    if request.param == "postgres":
+        request.getfixturevalue("postgres")
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
+    return request.param
+
+
+def test_concurrent_writers_lose_nothing(tmp_path, backend):
+    """Two writer processes for one user and one each for two others: every acknowledged write is live and has
+    exactly one ADD event, no version repeats, and each user's versions grow with its history."""
+    st = sw.create(tmp_path / "s")
+    root = str(st.root)
+    plan = [("u", "a"), ("u", "b"), ("v", "c"), ("w", "d")]
+    procs = [subprocess.Popen(WORKER + ["adds", root, u, p, "25"], stdout=subprocess.PIPE, text=True) for u, p in plan]
+    acked = {p: proc.communicate(timeout=300)[0].split() for (_, p), proc in zip(plan, procs)}
+    assert all(proc.returncode == 0 for proc in procs)
+    assert all(len(ids) == 25 for ids in acked.values())
+    versions = []
+    for user, prefixes in (("u", "ab"), ("v", "c"), ("w", "d")):
+        live = {f.fact_id for f in st.snapshot(user).facts}
+        assert live == {i for p in prefixes for i in acked[p]}
+        events = st.events(user)
+        assert sorted(e["memory_id"] for e in events if e["event"] == "ADD") == sorted(live)
+        vs = [v for (v,) in st.rows.execute('SELECT version FROM history WHERE "user"=? ORDER BY id', (user,))]
+        assert vs == sorted(vs) and int(st.version(user)) == vs[-1]
+        versions += vs
+    assert len(versions) == len(set(versions)) == 100
+
+
+def test_writes_for_different_users_do_not_wait_for_each_other(tmp_path, postgres, monkeypatch):
+    """On PostgreSQL a writer holds only its user's lock: while this process holds user u's, a writer of v
+    commits, and a writer of u waits until u's lock is released (then commits)."""
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
+    st = sw.create(tmp_path / "s")
+    root = str(st.root)
+    with st.writer("u"):
+        other = subprocess.run(WORKER + ["adds", root, "v", "x", "2"], capture_output=True, text=True, timeout=60)
+        assert other.returncode == 0 and other.stdout.split() == ["x0", "x1"]
+        same = subprocess.Popen(WORKER + ["adds", root, "u", "y", "1"], stdout=subprocess.PIPE, text=True)
+        time.sleep(3)
+        assert same.poll() is None  # waiting for u's lock
+    assert same.communicate(timeout=60)[0].split() == ["y0"]
+    assert [f.fact_id for f in st.snapshot("u").facts] == ["y0"]
+    with st.writer(None):  # fsck and reset take the store-wide lock: every writer waits
+        blocked = subprocess.Popen(WORKER + ["adds", root, "v", "z", "1"], stdout=subprocess.PIPE, text=True)
+        time.sleep(2)
+        assert blocked.poll() is None
+    assert blocked.communicate(timeout=60)[0].split() == ["z0"]
+
+
+def test_postgres_store_opens_without_writing_and_checks_its_schema(tmp_path, postgres, monkeypatch):
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
+    st = sw.create(tmp_path / "s")
+    facts, kv, emb = sw.generation("u", 1)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    url = str(st.root)
+    with pytest.raises(StoreError, match="already holds a kvmem store"):
+        Store.create(url, sw.FP, "h", [1], kv[0], kv[0].clone(), {"name": "e"}, segments_url=(tmp_path / "kv").as_uri())
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("DROP TABLE turns")
+        opened = Store.open(url)
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            opened.turns("u")
+        assert conn.execute("SELECT to_regclass('turns')").fetchone()[0] is None  # not re-created
+        conn.execute("UPDATE kvmem_manifest SET schema_version = 1")
+    with pytest.raises(StoreError, match="schema version 1 is not 3"):
+        Store.open(url)
+
+
+def test_bad_locations_are_one_line_errors_exit_2(tmp_path, postgres):
+    """Unreachable database, wrong user (credentials), a typo in the scheme, a missing database, an empty one, a
+    shared store without --segments, a bad segments URL, another model's shared store: one line, exit 2, and no
+    password in it."""
+    sock = postgres.split("host=", 1)[1]
+    empty = postgres_schema(postgres, "empty_one")
+    cases = [
+        (f"postgresql://postgres@/postgres?host={tmp_path}/nowhere", "cannot connect to PostgreSQL"),
+        (f"postgresql://nobody:s3cret-pw@/postgres?host={sock}", 'role "nobody" does not exist'),
+        (f"postgressql://postgres@/postgres?host={sock}", "is not a store location"),
+        ("s3://bucket/prefix", "KV segments go by --segments URL"),
+        (f"postgresql://postgres@/no_such_db?host={sock}", 'database "no_such_db" does not exist'),
+        (empty, "no kvmem store at postgresql://postgres@/postgres"),
+    ]
+    for url, why in cases:
+        res = CliRunner().invoke(app, ["memory", "list", "--store", url, "--user", "u"])
+        assert res.exit_code == 2 and why in res.output, (url, res.output)
+        assert "s3cret" not in res.output and "Traceback" not in res.output and res.output.count("\n") == 1
+    add = [
+        "memory",
+        "add",
+        "--store",
+        empty,
+        "--user",
+        "u",
+        "--no-infer",
+        "-m",
+        "x",
+        "--model",
+        "smollm2-135m-instruct",
+    ]
+    res = CliRunner().invoke(app, add)
+    assert res.exit_code == 2 and "give --segments URL" in res.output, res.output
+    res = CliRunner().invoke(app, [*add, "--segments", "s4://bucket/kv"])
+    assert res.exit_code == 2 and "s4://bucket/kv" in res.output and "Traceback" not in res.output, res.output
+    st = Store.create(
+        empty, {**sw.FP, "model": "other"}, "h", [1], torch.zeros(2, 1, 1, 64), torch.zeros(2, 1, 1, 64),
+        {"name": "e", "dim": 4}, segments_url=(tmp_path / "kv").as_uri(),
+    )  # fmt: skip
+    st.close()
+    with pytest.raises(StoreMismatch, match="does not match"):
+        Store.open(empty, sw.FP)
+    res = CliRunner().invoke(app, ["ask", "q", "--store", empty, "--user", "u", "--engine", "hf"])
+    assert res.exit_code == 2 and "unknown user 'u'" in res.output, res.output
