@@ -9,6 +9,15 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# PostgreSQL (Debian's package) for the shared store's tests and benchmark; scripts/postgres.sh runs a cluster.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q postgresql >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q postgresql; }) \
+      >/dev/null
+  else
+    echo "warning: PostgreSQL is not installed (sudo apt-get install postgresql); the shared-store tests need it" >&2
+  fi
+fi
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ]; then

@@ -477,5 +477,55 @@ def test_preempted_requests_resume_exactly(run, spec):
     assert a["tokens"] == spec["hf"]["indep"] and b["tokens"] == spec["hf"]["other"]
 
 
+def shared_mode(spec_path: str, url: str) -> None:
+    """Subprocess entry: one engine whose only store is the shared one at ``url``; prompt and joint injection."""
+    from kvmem.engines.vllm_engine import MemoryRef, VLLMEngine
+    from kvmem.store import Store
+
+    spec = json.loads(Path(spec_path).read_text())
+    eng = VLLMEngine(
+        spec["model"], dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, block_size=BLOCK,
+        in_process=True, skip_tokenizer_init=True, stores=[url], cache_bytes=1,
+    )  # fmt: skip
+    st = Store.open(url)
+    ids = spec["memory"] + spec["query"]
+    ref = MemoryRef(url, st.manifest["store_id"], "joint", st.version("joint"), ORDER)
+    rows = {
+        "prompt": _row(eng.generate_ids(ids, None, STEPS, ignore_eos=True, salt="cold-shared"), None),
+        "joint": _row(eng.generate_ids(ids, ref, STEPS, ignore_eos=True), None),
+    }
+    (Path(spec_path).parent / "result-shared.json").write_text(json.dumps(rows))
+
+
+def test_injects_from_a_shared_store(tmp_path, postgres):
+    """The connector's scheduler and worker sides read a shared store (rows in PostgreSQL, segments through
+    obstore) exactly as a local one: a copy of the jointly encoded memory is injected (vLLM's own cached-token
+    count covers it) and the answer equals vLLM's prompt prefill."""
+    from conftest import postgres_schema
+    from kvmem.store import copy_store
+
+    spec = build(tmp_path, "llama")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    url = postgres_schema(postgres, "vllm_shared")
+    copy_store(spec["store"], url, segments_url=(tmp_path / "kv").as_uri(), users=["joint"])
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="2", VLLM_LOGGING_LEVEL="WARNING")
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tmp_path / "spec.json"), "--shared", url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((tmp_path / "result-shared.json").read_text())
+    m, q = len(spec["memory"]), len(spec["query"])
+    assert (res["prompt"]["cached"], res["prompt"]["prefilled"]) == (0, m + q)
+    assert (res["joint"]["cached"], res["joint"]["prefilled"]) == (m, q)
+    assert res["joint"]["tokens"] == res["prompt"]["tokens"] and len(set(res["joint"]["tokens"])) > 5
+
+
 if __name__ == "__main__":
-    run_mode(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "--shared":
+        shared_mode(sys.argv[1], sys.argv[3])
+    else:
+        run_mode(sys.argv[1], sys.argv[2])

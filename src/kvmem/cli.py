@@ -658,13 +658,14 @@ def store_copy(
     dst: str = typer.Argument(..., help="Where to: a new directory or a postgresql:// URL (a database or schema)."),
     segments: str | None = _SEGMENTS,
     force: bool = typer.Option(False, "--force", help="Copy into a non-empty store of the same model."),
+    users: list[str] | None = typer.Option(None, "--user", help="Copy only this user (repeatable)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Copy a store (local to shared, shared to local): every user's facts, KV, turns and history, each segment
     verified against its checksum and the counts compared."""
     from .store import copy_store
 
-    report = copy_store(src, dst, segments_url=segments, force=force)
+    report = copy_store(src, dst, segments_url=segments, force=force, users=users or None)
     if as_json:
         _emit(report, True)
     else:

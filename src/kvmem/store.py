@@ -996,7 +996,13 @@ class Store:
             self._verified.clear()
 
 
-def copy_store(src: str | Path, dst: str | Path, segments_url: str | None = None, force: bool = False) -> dict:
+def copy_store(
+    src: str | Path,
+    dst: str | Path,
+    segments_url: str | None = None,
+    force: bool = False,
+    users: list[str] | None = None,
+) -> dict:
     """Copy the store at ``src`` to ``dst`` (either a directory or a ``postgresql://`` URL; ``segments_url`` as in
     ``Store.create``, required for a PostgreSQL ``dst``): every user's live facts with their KV (each source
     segment verified against its checksum first), embeddings, turns, history events and encoding, one commit per
@@ -1005,8 +1011,8 @@ def copy_store(src: str | Path, dst: str | Path, segments_url: str | None = None
     their times become the copy's.
 
     ``force``: copy into a store already at ``dst`` (same model), replacing the users it copies; without it a
-    non-empty ``dst`` is refused. Returns ``{"users", "facts", "turns", "events", "kv_bytes"}``. Raises
-    StoreError, StoreMismatch."""
+    non-empty ``dst`` is refused. ``users``: only these (default: every user with live facts). Returns
+    ``{"users", "facts", "turns", "events", "kv_bytes"}``. Raises StoreError, StoreMismatch."""
     source = Store.open(src)
     try:
         if Store.exists(dst):
@@ -1024,7 +1030,7 @@ def copy_store(src: str | Path, dst: str | Path, segments_url: str | None = None
             )  # fmt: skip
         report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0}
         try:
-            for user in source.users():
+            for user in source.users() if users is None else users:
                 ukv = source.snapshot(user)
                 source._check_segments(ukv)
                 info, turns, events = source.user_info(user), source.turns(user), source.events(user)
