@@ -51,6 +51,33 @@ def store(tmp_path_factory, small_locomo) -> Path:
     return root
 
 
+def test_store_copy_round_trips_through_a_shared_store(store, tmp_path, postgres):
+    """``kvmem store copy`` local -> shared (PostgreSQL + object store) -> local: every fact, turn and event, each
+    segment verified; ``ask`` gives the same facts and answer from all three, in both modes. A non-empty
+    destination is refused unless --force."""
+    from conftest import postgres_schema
+
+    url = postgres_schema(postgres, "copy_round_trip")
+    there = json.loads(run("store", "copy", store, url, "--segments", (tmp_path / "kv").as_uri(), "--json").stdout)
+    back = json.loads(run("store", "copy", url, tmp_path / "back", "--json").stdout)
+    assert there == back and there["users"] == 1 and there["facts"] > 10 and there["turns"] > 10
+    assert there["events"] == there["facts"] and there["kv_bytes"] > 0
+    q = "What did Caroline research?"
+    for mode in ("kv", "prompt"):
+        answers = [
+            json.loads(
+                run(
+                    "ask", "--engine", "hf", "--store", s, "--user", "conv-26", "--k", 5, "--mode", mode, "--json", q
+                ).stdout
+            )
+            for s in (store, url, tmp_path / "back")
+        ]
+        assert len({(tuple(a["fact_ids"]), a["answer"], a["prompt_tokens"]) for a in answers}) == 1, answers
+    p = run("store", "copy", store, tmp_path / "back", check_rc=2)
+    assert "pass --force" in p.stderr and "Traceback" not in p.stderr
+    assert json.loads(run("store", "copy", store, tmp_path / "back", "--force", "--json").stdout) == there
+
+
 def test_ask_both_modes_same_prompt(store):
     from kvmem.store import Store
 

@@ -404,6 +404,13 @@ def test_health_ready_and_metrics(server, alice):
     ):
         assert name in text, name
     assert 'mode="kv"' in text and 'kind="injected"' in text
+    reads = {
+        line.split('counter="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmem_store_reads{")
+    }
+    assert reads["kv_hits"] + reads["kv_misses"] > 0 and reads["kv_read_bytes"] > 0
+    assert reads["disk_hits"] == reads["disk_misses"] == 0  # a local store, no --cache-dir
     statuses = {
         line.split('status="')[1].split('"')[0]
         for line in text.splitlines()

@@ -137,3 +137,35 @@ def test_bad_locations_are_one_line_errors_exit_2(tmp_path, postgres):
         Store.open(empty, sw.FP)
     res = CliRunner().invoke(app, ["ask", "q", "--store", empty, "--user", "u", "--engine", "hf"])
     assert res.exit_code == 2 and "unknown user 'u'" in res.output, res.output
+
+
+def test_readers_cache_segments_on_local_disk(tmp_path, postgres, monkeypatch):
+    """``cache_dir``: the first read of a shared segment fetches it into a byte-bounded local disk cache; later
+    reads (other Store objects too) read that copy, exactly; a corrupt copy is refused once, then fetched again;
+    a cache too small for a segment still serves it. The counters say which happened."""
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
+    st = sw.create(tmp_path / "s")
+    facts, kv, emb = sw.generation("u", 7, big=True)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    cache = tmp_path / "cache"
+    reader = Store.open(st.root, cache_dir=cache)
+    assert sw.check(reader.snapshot("u")) == 7
+    s = reader.cache_stats()
+    assert (s["disk_misses"], s["disk_hits"], s["kv_misses"]) == (1, 0, 3) and s["disk_fetched_bytes"] > 3 * 2**20
+    assert s["disk_cache_bytes"] >= s["disk_fetched_bytes"]
+    reader.drop_caches()  # memory only: the disk copy stays
+    assert sw.check(reader.snapshot("u")) == 7 and reader.cache_stats()["disk_hits"] == 1
+    assert sw.check(reader.snapshot("u")) == 7 and reader.cache_stats()["kv_hits"] == 3  # from memory now
+    other = Store.open(st.root, cache_dir=cache)
+    assert sw.check(other.snapshot("u")) == 7
+    assert (other.cache_stats()["disk_hits"], other.cache_stats()["disk_misses"]) == (1, 0)
+    (copy,) = list(cache.rglob("*.val"))
+    data = bytearray(copy.read_bytes())
+    data[-7] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    third = Store.open(st.root, cache_dir=cache)
+    with pytest.raises(StoreError, match="fails its checksum"):
+        third.snapshot("u").gather([0])
+    assert sw.check(third.snapshot("u")) == 7  # the bad copy was dropped and fetched again
+    tiny = Store.open(st.root, cache_dir=tmp_path / "tiny", cache_dir_bytes=1)
+    assert sw.check(tiny.snapshot("u")) == 7

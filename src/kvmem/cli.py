@@ -306,6 +306,12 @@ def serve_cmd(
         "mode recomputes the p% of fact tokens the query attends to most.",
     ),
     segments: str | None = _SEGMENTS,
+    cache_dir: str | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="A local disk cache of a shared store's KV segments (byte-bounded, least recently used first), in the "
+        "server and the vLLM worker. Segments are immutable and checksummed: a cached copy is never stale.",
+    ),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -347,6 +353,7 @@ def serve_cmd(
         history=history,
         write_timeout_s=write_timeout,
         segments_url=segments,
+        cache_dir=cache_dir,
     )
 
 

@@ -145,8 +145,8 @@ class SegmentHandle(ABC):
 class FileHandle(SegmentHandle):
     """A segment file opened read-only: ``pread`` of byte ranges, never a memory map."""
 
-    def __init__(self, path):
-        self.fd = os.open(path, os.O_RDONLY)  # FileNotFoundError, PermissionError: the caller's
+    def __init__(self, path=None, fd: int | None = None):
+        self.fd = os.open(path, os.O_RDONLY) if fd is None else fd  # FileNotFoundError, PermissionError: the caller's
 
     def identity(self) -> tuple:
         st = os.fstat(self.fd)
@@ -319,6 +319,84 @@ class SegmentStore(ABC):
         """The segment's file on this machine, where there is one (tests and tools), else None."""
         return None
 
+    def read(self, name: str) -> bytes:
+        """A whole segment. Raises FileNotFoundError, OSError, SegmentCorrupt (it shrank while being read)."""
+        handle = self.open(name)
+        try:
+            buf = bytearray(handle.size())
+            handle.read_into(memoryview(buf), 0)
+            return bytes(buf)
+        finally:
+            handle.close()
+
+    def stats(self) -> dict[str, int]:
+        """Counters of a cache in front of the segments (``CachedSegments``); none here."""
+        return {}
+
+    def discard(self, name: str) -> None:  # noqa: B027 -- a no-op default: only a cache has copies
+        """Forget any local copy of a segment (one that failed its checksum): the next ``open`` fetches it again."""
+
+
+class CachedSegments(SegmentStore):
+    """``inner``'s segments with a byte-bounded local disk cache in front (diskcache, least recently used first):
+    the first ``open`` of a segment fetches it whole into ``cache_dir``, later ones read the local copy by
+    ``pread``. Segments are immutable and each is verified against its checksum by the store that reads it, so a
+    cached copy is never stale (a corrupt one is refused like any other copy). For segments in a remote object
+    store; ``key_prefix`` keeps stores that share one cache directory apart."""
+
+    def __init__(self, inner: SegmentStore, cache_dir, max_bytes: int, key_prefix: str = ""):
+        import diskcache
+
+        self.inner, self.url, self._prefix = inner, inner.url, key_prefix
+        self.cache = diskcache.Cache(
+            str(cache_dir), size_limit=int(max_bytes), eviction_policy="least-recently-used", disk_min_file_size=0
+        )
+        self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0}
+
+    def _cached(self, key: str) -> FileHandle | None:
+        f = self.cache.get(key, read=True)
+        if f is None:
+            return None
+        try:
+            return FileHandle(fd=os.dup(f.fileno()))
+        finally:
+            f.close()
+
+    def open(self, name: str) -> SegmentHandle:
+        key = self._prefix + name
+        handle = self._cached(key)
+        if handle is not None:
+            self._stats["disk_hits"] += 1
+            return handle
+        self._stats["disk_misses"] += 1
+        data = self.inner.read(name)
+        self._stats["disk_fetched_bytes"] += len(data)
+        self.cache.set(key, data)
+        # evicted at once (larger than the whole cache) or by another process: serve it from the object store
+        return self._cached(key) or self.inner.open(name)
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+        return self.inner.put(name, tensors, metadata)
+
+    def delete(self, name: str) -> None:
+        self.cache.delete(self._prefix + name)
+        self.inner.delete(name)
+
+    def names(self) -> set[str]:
+        return self.inner.names()
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def local_path(self, name: str):
+        return self.inner.local_path(name)
+
+    def stats(self) -> dict[str, int]:
+        return {**self._stats, "disk_cache_bytes": int(self.cache.volume())}
+
+    def discard(self, name: str) -> None:
+        self.cache.delete(self._prefix + name)
+
 
 class LocalSegments(SegmentStore):
     """Segments as files in one directory (a store's ``users/``): written, chmod-ed to the umask's mode, fsynced with
@@ -357,10 +435,16 @@ class LocalSegments(SegmentStore):
         return self.root / name
 
 
-def open_segments(root, url: str | None, store_id: str = "") -> SegmentStore:
+def open_segments(root, url: str | None, store_id: str = "", cache_dir=None, cache_dir_bytes: int = 0) -> SegmentStore:
     """A store's segments: under ``url``/``store_id`` in an object store (so stores sharing one URL never see, or
-    fsck, each other's objects), or, for no URL, the store's own ``users/`` directory ``root``."""
-    return ObjectSegments(f"{url.rstrip('/')}/{store_id}" if store_id else url) if url else LocalSegments(root)
+    fsck, each other's objects), or, for no URL, the store's own ``users/`` directory ``root``. ``cache_dir``:
+    with a URL, a local disk cache of ``cache_dir_bytes`` in front (``CachedSegments``)."""
+    if not url:
+        return LocalSegments(root)
+    objects = ObjectSegments(f"{url.rstrip('/')}/{store_id}" if store_id else url)
+    if cache_dir is None or cache_dir_bytes <= 0:
+        return objects
+    return CachedSegments(objects, cache_dir, cache_dir_bytes, key_prefix=f"{store_id}/")
 
 
 class ObjectSegments(SegmentStore):

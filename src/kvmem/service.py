@@ -66,10 +66,11 @@ class MemoryService:
         index_cache_bytes: int = 256 << 20,
         tail_recompute: int = 0,
         store_cache_bytes: int | None = None,
+        store_cache_dir: str | Path | None = None,
     ):
         self.engine, self.lm = engine, lm
         cache = {} if store_cache_bytes is None else {"cache_bytes": store_cache_bytes}
-        self.store = Store.open(store_root, fingerprint(lm), **cache)
+        self.store = Store.open(store_root, fingerprint(lm), cache_dir=store_cache_dir, **cache)
         self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
         self.fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
         self.stop_ids, self.line_stop_ids = stop_token_ids(lm), line_stop_ids(lm)  # one stop rule (ends_answer)

@@ -52,6 +52,7 @@ from .policy import check_user
 from .rows import SCHEMA_VERSION, Rows, StoreBusy, StoreError, is_url, redact  # noqa: F401 -- re-exported
 
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
+DISK_CACHE_BYTES = 16 << 30  # default bound of a reader's local disk cache of remote segments (--cache-dir), bytes
 CACHE_BYTES = 1 << 30  # default LRU bound of each of a Store's caches (snapshots, KV segments), bytes
 VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
 RETIRE_AFTER_S = 60.0  # a replaced segment's file is removed this long after its last live fact, s
@@ -216,7 +217,14 @@ class Store:
     ``root``: the location it was opened at (a ``Path``, or the ``postgresql://`` URL) and reopens it; ``name``:
     the same without credentials, for messages."""
 
-    def __init__(self, rows: Rows, manifest: dict, cache_bytes: int = CACHE_BYTES):
+    def __init__(
+        self,
+        rows: Rows,
+        manifest: dict,
+        cache_bytes: int = CACHE_BYTES,
+        cache_dir: str | Path | None = None,
+        cache_dir_bytes: int = DISK_CACHE_BYTES,
+    ):
         self.rows = rows
         self.root = rows.location
         self.name = rows.name
@@ -230,10 +238,13 @@ class Store:
         # would cost a whole-file re-hash on the next miss
         self._verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
         local = None if is_url(self.root) else Path(self.root) / "users"
         try:
-            self.segments = seg_files.open_segments(local, manifest.get("segments_url"), manifest.get("store_id", ""))
-        except ValueError as exc:
+            self.segments = seg_files.open_segments(
+                local, manifest.get("segments_url"), manifest.get("store_id", ""), cache_dir, cache_dir_bytes
+            )
+        except (ValueError, OSError) as exc:
             raise StoreError(str(exc)) from None
         self.retire_after_s = RETIRE_AFTER_S  # how long a replaced segment's file outlives its last row, s
         self.write_timeout_s: float | None = (
@@ -300,9 +311,17 @@ class Store:
         return cls(rows, manifest, cache_bytes=cache_bytes)
 
     @classmethod
-    def open(cls, root: str | Path, fingerprint: dict | None = None, cache_bytes: int = CACHE_BYTES) -> Store:
+    def open(
+        cls,
+        root: str | Path,
+        fingerprint: dict | None = None,
+        cache_bytes: int = CACHE_BYTES,
+        cache_dir: str | Path | None = None,
+        cache_dir_bytes: int = DISK_CACHE_BYTES,
+    ) -> Store:
         """Open an existing store (a directory or a ``postgresql://`` URL). If ``fingerprint`` is given it must
-        equal the store's.
+        equal the store's. ``cache_bytes``: this object's in-memory caches (snapshots, facts' KV), each;
+        ``cache_dir``: a local disk cache of up to ``cache_dir_bytes`` for segments in an object store.
 
         Raises:
             StoreError: no store at ``root``, or a database that cannot be reached.
@@ -312,7 +331,7 @@ class Store:
         try:
             manifest = rows.manifest()
             cls._check_manifest(rows.name, manifest, fingerprint)
-            return cls(rows, manifest, cache_bytes=cache_bytes)
+            return cls(rows, manifest, cache_bytes, cache_dir, cache_dir_bytes)
         except BaseException:
             rows.close()
             raise
@@ -383,6 +402,13 @@ class Store:
             self._user_cache.clear()
             self._kv.clear()
             self._verified.clear()
+
+    def cache_stats(self) -> dict[str, int]:
+        """This object's read counters: facts' KV served from its memory cache (``kv_hits``) or read from segments
+        (``kv_misses``, ``kv_read_bytes``), the cache's size (``kv_cache_bytes``), and the disk cache's, if any
+        (``disk_hits``, ``disk_misses``, ``disk_fetched_bytes``, ``disk_cache_bytes``)."""
+        with self._lock:
+            return {**self._stats, "kv_cache_bytes": int(self._kv.currsize), **self.segments.stats()}
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -515,6 +541,7 @@ class Store:
             try:
                 layout = self._segment_layout(ukv.user, segment, sha, handle)
             except (seg_files.SegmentCorrupt, OSError) as exc:
+                self.segments.discard(self.segment_name(ukv.user, segment))
                 raise StoreError(f"KV segment {segment} {exc}") from None
             finally:
                 handle.close()
@@ -530,6 +557,9 @@ class Store:
                 parts[i] = self._kv.get(("fact", ukv.user, f.segment, f.token_offset, f.num_tokens))
                 if parts[i] is None:
                     missing.setdefault(f.segment, []).append(i)
+            n_missing = sum(map(len, missing.values()))
+            self._stats["kv_misses"] += n_missing
+            self._stats["kv_hits"] += len(facts) - n_missing
         for segment, idx in missing.items():
             where = f"store {self.name}: KV segment {segment} of user {ukv.user!r}"
             try:
@@ -544,12 +574,14 @@ class Store:
                 layout = self._segment_layout(ukv.user, segment, ukv.segments[segment], handle)
                 kvs = seg_files.read_spans(handle, layout, [(facts[i].token_offset, facts[i].num_tokens) for i in idx])
             except seg_files.SegmentCorrupt as exc:
+                self.segments.discard(self.segment_name(ukv.user, segment))  # a cached copy: fetched again next time
                 raise StoreError(f"{where} {exc}") from None
             except OSError as exc:  # EIO and the like: that read fails, the reader prefills instead
                 raise StoreError(f"{where} cannot be read ({exc})") from None
             finally:
                 handle.close()
             with self._lock:
+                self._stats["kv_read_bytes"] += sum(k.nbytes + v.nbytes for k, v in kvs)
                 for i, kv in zip(idx, kvs):
                     parts[i] = kv
                     f = facts[i]

@@ -42,6 +42,7 @@ def open_engine(
     metrics_file: str | None = None,
     pool=None,
     cache_bytes: int | None = None,
+    cache_dir: str | None = None,
     vllm_options: dict | None = None,
 ) -> Opened:
     """Start the engine for ``model`` (registry name, folder, or a loaded model).
@@ -52,7 +53,8 @@ def open_engine(
     ``max_queue``: requests waiting at most (serving). ``kv_cache_memory_bytes``, ``metrics_file`` and
     ``vllm_options``: vLLM's KV cache, the connector's counters file, other ``VLLMEngine`` arguments. ``pool``:
     the one-thread executor the transformers engine shares with other work on its model (serving).
-    ``cache_bytes``: the LRU bound of the vLLM worker's store caches (its own process).
+    ``cache_bytes``: the LRU bound of the vLLM worker's store caches (its own process); ``cache_dir``: its disk
+    cache of segments in an object store.
 
     Raises EngineUnavailable (``engine="vllm"`` where it cannot run or start), ModelError (not installed),
     ValueError (unknown engine or dtype).
@@ -71,7 +73,7 @@ def open_engine(
                     max_queue,
                     kv_cache_memory_bytes,
                     metrics_file,
-                    {"cache_bytes": cache_bytes, **(vllm_options or {})},
+                    {"cache_bytes": cache_bytes, "cache_dir": cache_dir, **(vllm_options or {})},
                 ),
                 note,
             )

@@ -106,6 +106,7 @@ def kvmem_params(
 _LOCK = threading.Lock()
 _STORES: dict[str, Any] = {}
 _CACHE_BYTES = [1 << 30]  # each store's cache bound in this process: kv_connector_extra_config["cache_bytes"]
+_CACHE_DIR: list[str | None] = [None]  # this process's disk cache of remote segments: ...["cache_dir"]
 _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 
 
@@ -117,7 +118,7 @@ def _store(root: str):
         if st is None or st.replaced():
             if st is not None:
                 st.close()
-            st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0])
+            st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0], cache_dir=_CACHE_DIR[0])
             for k in [k for k in _FACT_TOKENS if k[0] == root]:
                 del _FACT_TOKENS[k]
         return st
@@ -233,6 +234,8 @@ class KvmemConnector(KVConnectorBase_V1):
         self._metrics_file = extra.get("metrics_file")
         if extra.get("cache_bytes"):
             _CACHE_BYTES[0] = int(extra["cache_bytes"])
+        if extra.get("cache_dir"):
+            _CACHE_DIR[0] = str(extra["cache_dir"])
         self._allowed = [canonical(p) for p in extra.get("stores") or []]
         self._identity = engine_identity(vllm_config)
         self._trusted: dict[tuple[str, str], str | None] = {}  # (root, store_id) -> None if it matches, else why

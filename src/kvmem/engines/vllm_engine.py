@@ -207,6 +207,7 @@ def engine_kwargs(
     seed: int = 0,
     stores: list[str | Path] = (),
     cache_bytes: int | None = None,
+    cache_dir: str | None = None,
     **llm_kwargs,
 ) -> dict:
     """vLLM engine arguments with the kvmem connector (shared by ``LLM`` and ``AsyncEngineArgs``); see VLLMEngine."""
@@ -222,6 +223,8 @@ def engine_kwargs(
         extra["metrics_file"] = metrics_file
     if cache_bytes:
         extra["cache_bytes"] = int(cache_bytes)  # the worker's store caches
+    if cache_dir:
+        extra["cache_dir"] = str(cache_dir)  # the worker's disk cache of remote segments
     kwargs = dict(
         model=str(model),
         dtype=dtype,

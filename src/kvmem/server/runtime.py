@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +75,17 @@ class Metrics:
         indexes = server.service.indexes
         cached.labels("index").set_function(lambda: indexes.nbytes)
         cached.labels("store_kv").set_function(lambda: server.service.store.kv_cache_bytes)
+        store_reads = Gauge(
+            "kvmem_store_reads",
+            "The server's reads of memory KV: facts served from its memory cache (kv_hits) or read from segments "
+            "(kv_misses, kv_read_bytes); with --cache-dir, segments from the disk cache (disk_hits) or fetched "
+            "from the object store (disk_misses, disk_fetched_bytes, disk_cache_bytes)",
+            ["counter"],
+            registry=r,
+        )
+        for name in ("kv_hits", "kv_misses", "kv_read_bytes", "disk_hits", "disk_misses", "disk_fetched_bytes",
+                     "disk_cache_bytes"):  # fmt: skip
+            store_reads.labels(name).set_function(lambda n=name: server.service.store.cache_stats().get(n, 0))
         hits = Gauge("kvmem_index_cache_events", "Per-user index cache hits and misses", ["event"], registry=r)
         hits.labels("hit").set_function(lambda: indexes.hits)
         hits.labels("miss").set_function(lambda: indexes.misses)
@@ -136,13 +148,15 @@ class KvmemServer:
         history: bool | None = None,
         write_timeout_s: float | None = 30.0,
         segments_url: str | None = None,
+        cache_dir: str | None = None,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
         user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of
         chat requests; ``cache_bytes``: the LRU bound of each cache (indexes, KV segments) here and in the vLLM
         worker; ``write_timeout_s``: how long a write waits for another process's writer lock (then HTTP 503
-        "store busy"); ``segments_url``: for a new store, the object store its KV segments go to. Raises
+        "store busy"); ``segments_url``: for a new store, the object store its KV segments go to; ``cache_dir``: a
+        local disk cache of those segments here and in the vLLM worker (for a shared store's readers). Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
@@ -169,14 +183,23 @@ class KvmemServer:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             pool=pool,
             cache_bytes=cache_bytes,
-            metrics_file=str(root / f".connector-metrics-{os.getpid()}.json"),
+            cache_dir=cache_dir,
+            metrics_file=str(Path(tempfile.gettempdir()) / f"kvmem-connector-metrics-{os.getpid()}.json"),
             vllm_options=vllm_options,
         )
         if opened.note:
             logger.warning(opened.note)
         eng, lm = opened.engine, opened.lm
         indexes = IndexCache(cache_bytes)
-        svc = MemoryService(root, eng, lm, embedder, tail_recompute=tail_recompute, store_cache_bytes=cache_bytes)
+        svc = MemoryService(
+            root,
+            eng,
+            lm,
+            embedder,
+            tail_recompute=tail_recompute,
+            store_cache_bytes=cache_bytes,
+            store_cache_dir=cache_dir,
+        )
         svc.indexes = indexes
         # writes: the same model (its weights load on the first write where the engine does not hold them)
         mem = Memory(
