@@ -230,16 +230,21 @@ def test_missing_store_and_bad_file(tmp_path, store):
 
 
 def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small_locomo):
-    """``--store postgresql://…`` used to create a local directory ``postgresql:`` and write the store there."""
+    """``--store postgresql://…`` used to create a local directory ``postgresql:`` and write the store there. Now
+    it is a shared store's database (here, nothing listens on that port), and another URL is refused."""
     for args in (
         ["ingest-locomo", str(small_locomo), "--sample", "conv-26", "--model", FAST],
         ["memory", "add", "--user", "u", "--no-infer", "-m", "Bob keeps bees."],
     ):
-        for url in ("postgresql://postgres@127.0.0.1:5432/kvmem", "s3://bucket/kv"):
+        for url, why in (
+            ("postgresql://postgres:pw@127.0.0.1:1/kvmem", "cannot connect to PostgreSQL at postgresql://postgres@"),
+            ("s3://bucket/kv", "is not a store location"),
+        ):
             p = subprocess.run(
                 KVMEM + args + ["--store", url], capture_output=True, text=True, cwd=tmp_path, timeout=300
             )
-            assert p.returncode == 2 and "is a URL" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+            assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+            assert ":pw@" not in p.stderr
     assert list(tmp_path.iterdir()) == []
 
 

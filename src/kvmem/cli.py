@@ -1073,6 +1073,30 @@ def bench_chat_cost(
     )
 
 
+@bench_app.command("store")
+@friendly
+def bench_store(
+    postgres: str = typer.Option(
+        ..., "--postgres", help="A PostgreSQL database for the shared store (scripts/postgres.sh start DIR runs one)."
+    ),
+    segments: str | None = typer.Option(None, "--segments", help="The object store (default: a file:// temp dir)."),
+    adds: int = typer.Option(40, "--adds"),
+    deletes: int = typer.Option(10, "--deletes"),
+    memories: int = typer.Option(10_000, "--memories", help="Memories of the user that search and gather read."),
+    chats: int = typer.Option(20, "--chats", help="kv-mode chats timed per TTFT arm."),
+    k: int = typer.Option(20, "--k"),
+    data: Path = _DATA,
+    model: str = _MODEL,
+    out: Path = typer.Option(Path("runs/bench/store"), "--out"),
+):
+    """The local and the shared store side by side: add, delete, search, gather (cold / warm), TTFT via serve."""
+    from .bench import store_backends
+
+    if min(adds, memories, chats, k) < 1 or not 0 <= deletes <= adds:
+        raise ValueError("--adds, --memories, --chats and --k must be >= 1, --deletes in 0..--adds")
+    store_backends.run(data, out, model, postgres, segments, adds, deletes, memories, chats=chats, k=k, echo=typer.echo)
+
+
 @bench_app.command("replay")
 @friendly
 def bench_replay(

@@ -1,6 +1,8 @@
-"""The on-disk memory store: fact rows, tombstones, history and turns (SQLite), KV segments (safetensors).
+"""A memory store: fact rows, tombstones, history and turns (``rows``), KV segments (``segments``), one interface.
 
-Layout of a store directory::
+Two backends, chosen by location; callers never know which they hold:
+
+* a local directory (the embedded default)::
 
     manifest.json            format, store_id, model fingerprint, header text + token ids, embedder
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
@@ -8,23 +10,27 @@ Layout of a store directory::
                              (sha256), facts (rows, embeddings, added/deleted versions), history (events),
                              turns (the raw conversation)
     users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
-                                             (token-major: a fact is one byte range; ``segments``). With
-                                             ``segments_url`` in the manifest the segments are objects there
-                                             instead (obstore: file://, s3://, gs://), under the same names
+                                             (token-major: a fact is one byte range; ``segments``)
 
-Writes (``commit``, the one write path) append: a new segment file, fsynced with its directory, then one SQLite
-transaction that inserts the new fact rows, tombstones deleted ones (``deleted`` = the commit's version),
-appends turns and history, and moves the user to a new version taken from a store-wide counter (versions never
-repeat, even after ``reset``). A crash or power loss at any point leaves the previous version readable; files no
-row points at are orphans that ``fsck`` removes. ``compact`` rewrites a user's live facts into one segment and
-drops dead rows. Writers serialize on a file lock (``.writer.lock``); SQLite runs in WAL mode with a busy
-timeout; one ``Store`` object may be shared by threads (a lock guards its connection). Readers take rows from
-one read transaction (one snapshot), then read only the facts they gather from the segments it names
-(``segments.read_spans``: pread, never a mapping), each file verified against its SHA-256 once per process. A
-segment that a commit replaces stays on disk for ``retire_after_s`` (60 s), so a reader still working from the
-snapshot before that commit reads its KV; past that, it gets LookupError and takes a new snapshot.
-Stored KV carries the model fingerprint; opening a store with another model is refused (``StoreMismatch``).
-Opening never writes (no DDL): the schema is made by ``create`` and its version checked on open.
+* a shared store: the same rows in PostgreSQL (``postgresql://…``; ``rows.PostgresRows``, the manifest and header
+  in ``kvmem_manifest``), and the segments as objects in an object store. With ``segments_url`` in the manifest
+  (required for PostgreSQL) the segments are objects there (obstore: file://, s3://, gs://), under the same names.
+
+Writes (``commit``, the one write path) append: a new segment, durable (fsynced with its directory, or an object
+store's completed put), then one transaction that inserts the new fact rows, tombstones deleted ones (``deleted``
+= the commit's version), appends turns and history, and moves the user to a new version taken from a store-wide
+counter (a sequence on PostgreSQL; versions never repeat, even after ``reset``). A crash or power loss at any
+point leaves the previous version readable; segments no row points at are orphans that ``fsck`` removes.
+``compact`` rewrites a user's live facts into one segment and drops dead rows. Writers serialize per user
+(``Rows.locked``: the directory's file lock, which serializes all writers; PostgreSQL advisory locks, so writes
+for different users proceed at once); one ``Store`` object may be shared by threads (a lock guards its
+connection). Readers take rows from one read transaction (one snapshot), then read only the facts they gather
+from the segments it names (``segments.read_spans``: pread or range requests, never a mapping), each segment
+verified against its SHA-256 once per process. A segment that a commit replaces stays for ``retire_after_s``
+(60 s), so a reader still working from the snapshot before that commit reads its KV; past that, it gets
+LookupError and takes a new snapshot. Stored KV carries the model fingerprint; opening a store with another model
+is refused (``StoreMismatch``). Opening never writes (no DDL): the schema is made by ``create`` and its version
+checked on open.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -475,3 +476,47 @@ class Setup:
 
 def log_err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def served(cmd: list[str], base: str, log: Path, ready_timeout_s: float = 600):
+    """Run ``kvmem serve`` (``cmd``, in its own process group, output to ``log``) until ``base``/ready answers
+    200; yields ``base``; stops the server (SIGTERM, then SIGKILL after 30 s). Raises RuntimeError if it exits
+    or is not ready in time."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as errlog:
+        proc = subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            t0 = time.perf_counter()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
+                try:
+                    if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.perf_counter() - t0 > ready_timeout_s:
+                    raise RuntimeError(f"the server did not become ready in {ready_timeout_s:g} s; see {log}")
+                time.sleep(1)
+            yield base
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -23,7 +23,6 @@ import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ import httpx
 import psutil
 
 from ..locomo import load_locomo
-from .common import log_err, machine, median, p95, pyplot, table, write_json
+from .common import free_port, log_err, machine, median, p95, pyplot, table, write_json
 
 WORDS = [
     "amber",
@@ -63,12 +62,6 @@ WORDS = [
     "yarrow",
     "zephyr",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _facts_pool(data: Path) -> list[str]:
@@ -315,7 +308,7 @@ def run(
     store = out / "store"
     if store.exists():
         shutil.rmtree(store)
-    port = port or _free_port()
+    port = port or free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [
         sys.executable,
