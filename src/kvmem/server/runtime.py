@@ -70,7 +70,9 @@ class Metrics:
         Gauge("kvmem_engine_queue_depth", "Requests waiting for or running in the engine", registry=r).set_function(
             lambda: server.engine.queue_depth()
         )
-        Gauge("kvmem_store_bytes", "Bytes of the store: its rows and KV segments", registry=r).set_function(server.store_bytes)
+        Gauge("kvmem_store_bytes", "Bytes of the store: its rows and KV segments", registry=r).set_function(
+            server.store_bytes
+        )
         cached = Gauge("kvmem_cache_bytes", "Bytes held by the server's LRU caches", ["cache"], registry=r)
         indexes = server.service.indexes
         cached.labels("index").set_function(lambda: indexes.nbytes)
