@@ -169,3 +169,24 @@ def test_readers_cache_segments_on_local_disk(tmp_path, postgres, monkeypatch):
     assert sw.check(third.snapshot("u")) == 7  # the bad copy was dropped and fetched again
     tiny = Store.open(st.root, cache_dir=tmp_path / "tiny", cache_dir_bytes=1)
     assert sw.check(tiny.snapshot("u")) == 7
+
+
+def test_a_lost_database_connection_fails_one_call_then_reconnects(tmp_path, postgres, monkeypatch):
+    """PostgreSQL restarted or a network cut (here: the backend terminated): the call that meets it is one
+    StoreError, not a psycopg traceback; the next call connects again and reads the same memory."""
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
+    st = sw.create(tmp_path / "s")
+    facts, kv, emb = sw.generation("u", 3)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    pid = st.rows.conn.info.backend_pid
+    with psycopg.connect(postgres, autocommit=True) as conn:
+        assert conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] is True
+    time.sleep(0.2)
+    with pytest.raises(StoreError, match="PostgreSQL at postgresql://postgres@"):
+        st.version("u")
+    assert st.rows.conn.info.backend_pid != pid
+    st.drop_caches()
+    assert sw.check(st.snapshot("u")) == 3
+    facts, kv, emb = sw.generation("u", 4)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(Store.open(st.root).snapshot("u")) == 4

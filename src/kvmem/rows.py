@@ -413,7 +413,7 @@ class PostgresRows(Rows):
         import psycopg
 
         try:
-            return self._conn.execute("SELECT schema_version, manifest FROM kvmem_manifest WHERE id=1").fetchone()
+            return self.conn.execute("SELECT schema_version, manifest FROM kvmem_manifest WHERE id=1").fetchone()
         except psycopg.errors.UndefinedTable:
             return None
         except psycopg.Error as exc:
@@ -432,7 +432,7 @@ class PostgresRows(Rows):
 
         self.check_new()
         try:
-            with self._conn.transaction():  # DDL is transactional here: all of it, or none
+            with self.conn.transaction():  # DDL is transactional here: all of it, or none
                 self._conn.execute(POSTGRES_SCHEMA)
                 self._conn.execute(
                     "INSERT INTO kvmem_manifest (id, schema_version, manifest, header) VALUES (1, %s, %s, %s)",
@@ -458,33 +458,52 @@ class PostgresRows(Rows):
         except json.JSONDecodeError as exc:
             raise StoreError(f"{self.name}: the manifest is corrupt: {exc}") from None
 
+    @property
+    def conn(self):
+        """The statement connection; opened again after it broke (a server restart, a network cut): the statement
+        that met the break failed with StoreError, and its transaction with it."""
+        if self._conn.broken or self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
+
+    @contextmanager
+    def _errors(self):
+        import psycopg
+
+        try:
+            yield
+        except psycopg.OperationalError as exc:  # the connection, not the statement: one clear line
+            raise StoreError(f"PostgreSQL at {self.name}: {' '.join(str(exc).split())}") from None
+
     def header(self) -> bytes:
-        return bytes(self._conn.execute("SELECT header FROM kvmem_manifest WHERE id=1").fetchone()[0])
+        with self._errors():
+            return bytes(self.conn.execute("SELECT header FROM kvmem_manifest WHERE id=1").fetchone()[0])
 
     def execute(self, sql: str, args=()):
-        if not args:
-            return self._conn.execute(sql)
-        return self._conn.execute(_pg_sql(sql), tuple(args))
+        with self._errors():
+            if not args:
+                return self.conn.execute(sql)
+            return self.conn.execute(_pg_sql(sql), tuple(args))
 
     def executemany(self, sql: str, rows) -> None:
         rows = [tuple(r) for r in rows]
         if rows:
-            with self._conn.cursor() as cur:
+            with self._errors(), self.conn.cursor() as cur:
                 cur.executemany(_pg_sql(sql), rows)
 
     @contextmanager
     def snapshot(self):
-        with self._conn.transaction():
+        with self._errors(), self.conn.transaction():
             self._conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
             yield
 
     @contextmanager
     def transaction(self):
-        with self._conn.transaction():
+        with self._errors(), self.conn.transaction():
             yield
 
     def next_version(self) -> int:
-        return self._conn.execute("SELECT nextval('kvmem_version')").fetchone()[0]
+        return self.execute("SELECT nextval('kvmem_version')").fetchone()[0]
 
     @contextmanager
     def locked(self, user: str | None, timeout_s: float | None):
@@ -516,7 +535,7 @@ class PostgresRows(Rows):
             "n.oid = c.relnamespace WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname IN "
             "('kvmem_manifest', 'meta', 'users', 'segments', 'facts', 'history', 'turns')"
         )
-        return int(self._conn.execute(q).fetchone()[0])
+        return int(self.conn.execute(q).fetchone()[0])
 
     def replaced(self) -> bool:
         return self._read_store_id() != self._store_id
