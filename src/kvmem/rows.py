@@ -79,6 +79,7 @@ class Rows(ABC):
     location: str | Path
     name: str
     tokens_sql: str  # SQL expression: the token count of a facts row
+    segments_dir: Path | None = None  # where the store keeps its own segments when it names no segments URL
 
     @abstractmethod
     def exists(self) -> bool:
@@ -152,6 +153,7 @@ class SQLiteRows(Rows):
     def __init__(self, root: str | Path):
         self.location = self.root = Path(root)
         self.name = str(root)
+        self.segments_dir = self.root / "users"
         self._db: sqlite3.Connection | None = None
         self._ino = self._manifest_ino()
 

@@ -245,10 +245,13 @@ class Store:
         self._verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
-        local = None if is_url(self.root) else Path(self.root) / "users"
         try:
             self.segments = seg_files.open_segments(
-                local, manifest.get("segments_url"), manifest.get("store_id", ""), cache_dir, cache_dir_bytes
+                rows.segments_dir,
+                manifest.get("segments_url"),
+                manifest.get("store_id", ""),
+                cache_dir,
+                cache_dir_bytes,
             )
         except (ValueError, OSError) as exc:
             raise StoreError(str(exc)) from None
