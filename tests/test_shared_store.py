@@ -190,3 +190,49 @@ def test_a_lost_database_connection_fails_one_call_then_reconnects(tmp_path, pos
     facts, kv, emb = sw.generation("u", 4)
     st.put_user("u", facts, kv, kv, emb, window=0)
     assert sw.check(Store.open(st.root).snapshot("u")) == 4
+
+
+def test_both_row_backends_satisfy_the_seam(tmp_path, postgres):
+    """``SQLiteRows`` and ``PostgresRows`` implement every method of ``Rows`` with its parameters, and behave the
+    same through it: nothing there before ``create``, then the manifest and header as written; versions only grow;
+    a write transaction is all or nothing; a snapshot does not see a commit made during it; another holder of a
+    user's writer lock makes ``locked`` raise StoreBusy after its timeout, while another user's lock is free."""
+    from kvmem import rows
+    from kvmem.engines.base import check_implements
+    from kvmem.store import StoreBusy
+
+    for impl in (rows.SQLiteRows, rows.PostgresRows):
+        assert check_implements(impl, rows.Rows) == [], impl
+    url = postgres_schema(postgres, "rows_seam")
+    for make in (lambda: rows.open_rows(tmp_path / "d"), lambda: rows.open_rows(url)):
+        r, other = make(), None
+        assert not r.exists()
+        r.create({"format": 3, "store_id": "abc"}, b"header bytes")
+        assert r.exists() and r.manifest()["store_id"] == "abc" and r.header() == b"header bytes"
+        with r.transaction():
+            v1 = r.next_version()
+        with r.transaction():
+            v2 = r.next_version()
+        assert v2 > v1
+        with pytest.raises(ZeroDivisionError), r.transaction():
+            r.execute("INSERT INTO meta (key, value) VALUES (?, ?)", ("k", 1))
+            raise ZeroDivisionError
+        assert r.execute("SELECT COUNT(*) FROM meta WHERE key=?", ("k",)).fetchone()[0] == 0
+        other = make()
+        with r.snapshot():
+            before = r.execute("SELECT COUNT(*) FROM meta").fetchone()[0]
+            with other.transaction():
+                other.execute("INSERT INTO meta (key, value) VALUES (?, ?)", ("k", 2))
+            assert r.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == before
+        assert r.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == before + 1
+        with other.locked("u", None):
+            with pytest.raises(StoreBusy), r.locked("u", 0.3):
+                pass
+            if isinstance(r, rows.PostgresRows):  # a local store has one lock for every user
+                with r.locked("v", 0.3):
+                    pass
+        with r.locked("u", 0.3):
+            pass
+        assert r.nbytes() > 0
+        r.close()
+        other.close()

@@ -367,7 +367,8 @@ def test_reads_by_fact_are_exact_and_a_file_changed_after_its_first_read_is_refu
 
 
 def test_both_segment_stores_satisfy_the_seam(tmp_path):
-    """``LocalSegments`` and ``ObjectSegments`` implement every method of ``SegmentStore`` with its parameters
+    """``LocalSegments``, ``ObjectSegments`` and ``CachedSegments`` (a disk cache in front of an object store)
+    implement every method of ``SegmentStore`` with its parameters
     (and their handles ``SegmentHandle``), and behave the same through it: put returns the file's SHA-256, open
     reads it back, names and bytes list it, delete removes it (twice is no error), a missing name is
     FileNotFoundError."""
@@ -379,6 +380,7 @@ def test_both_segment_stores_satisfy_the_seam(tmp_path):
     for impl, role in (
         (segments.LocalSegments, segments.SegmentStore),
         (segments.ObjectSegments, segments.SegmentStore),
+        (segments.CachedSegments, segments.SegmentStore),
         (segments.FileHandle, segments.SegmentHandle),
         (segments.ObjectHandle, segments.SegmentHandle),
     ):
@@ -386,7 +388,12 @@ def test_both_segment_stores_satisfy_the_seam(tmp_path):
     (tmp_path / "local").mkdir()
     k = torch.randn(2, 1, 5, 8)
     tensors, meta = segments.to_file(k, 2 * k)
-    for store in (segments.LocalSegments(tmp_path / "local"), segments.ObjectSegments((tmp_path / "obj").as_uri())):
+    cached = segments.CachedSegments(segments.ObjectSegments((tmp_path / "obj2").as_uri()), tmp_path / "cache", 1 << 20)
+    for store in (
+        segments.LocalSegments(tmp_path / "local"),
+        segments.ObjectSegments((tmp_path / "obj").as_uri()),
+        cached,
+    ):
         sha = store.put("u.seg.kv.safetensors", tensors, meta)
         path = store.local_path("u.seg.kv.safetensors")
         assert sha == hashlib.sha256(path.read_bytes()).hexdigest()
