@@ -236,3 +236,52 @@ def test_both_row_backends_satisfy_the_seam(tmp_path, postgres):
         assert r.nbytes() > 0
         r.close()
         other.close()
+
+
+def test_serve_on_a_shared_store(tmp_path, postgres):
+    """``kvmem serve`` on a shared store (the transformers engine, in-process): memories written over REST land in
+    PostgreSQL and the object store; a kv-mode chat injects them (the same prompt as prompt mode, the memory
+    counted as cached); a second server on the same store, as another replica would, sees the writes at once and
+    reads the segments through its disk cache; ``/metrics`` counts it."""
+    import httpx
+
+    from conftest import http_server
+    from kvmem.server import KvmemServer
+
+    url = postgres_schema(postgres, "serve_shared")
+    objects, fast = (tmp_path / "kv").as_uri(), "smollm2-135m-instruct"
+    one = KvmemServer.start(url, model=fast, engine="hf", dtype="float32", window=2, segments_url=objects)
+    facts = ["Rui grows tomatoes on his balcony.", "Rui's daughter is called Inês.", "Rui commutes by ferry."]
+    with http_server(one) as base:
+        for f in facts:
+            r = httpx.post(f"{base}/v1/memories", json={"messages": f, "user_id": "rui", "infer": False}, timeout=120)
+            assert r.status_code == 200, r.text
+    one.close()
+    assert len(list((tmp_path / "kv").glob("*/*.kv.safetensors"))) == 3
+    two = KvmemServer.start(url, engine="hf", dtype="float32", cache_dir=str(tmp_path / "cache"))
+    with http_server(two) as base:
+        listed = httpx.get(f"{base}/v1/memories", params={"user_id": "rui"}).json()["results"]
+        assert sorted(m["memory"] for m in listed) == sorted(facts)
+        usage = {}
+        for mode in ("kv", "prompt"):
+            body = {
+                "model": fast,
+                "messages": [{"role": "user", "content": "How does Rui get to work?"}],
+                "user": "rui",
+                "max_tokens": 6,
+                "memory": {"top_k": 3, "mode": mode},
+            }
+            r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            usage[mode] = r.json()["usage"]
+        assert usage["kv"]["prompt_tokens"] == usage["prompt"]["prompt_tokens"]
+        assert usage["kv"]["prompt_tokens_details"]["cached_tokens"] > 20
+        assert usage["prompt"]["prompt_tokens_details"]["cached_tokens"] == 0
+        text = httpx.get(f"{base}/metrics").text
+        reads = {
+            line.split('counter="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvmem_store_reads{")
+        }
+        assert reads["disk_misses"] == 3 and reads["disk_fetched_bytes"] > 0 and reads["kv_misses"] >= 3
+    two.close()

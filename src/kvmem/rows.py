@@ -50,8 +50,20 @@ def is_url(location: str | Path) -> bool:
 
 
 def canonical(location: str | Path) -> str:
-    """One spelling per store: a URL as given, a directory as its absolute resolved path."""
-    return str(location) if is_url(location) else str(Path(location).resolve())
+    """One spelling per store: a URL without its password (libpq reads it from ``PGPASSWORD`` or ``~/.pgpass``;
+    see ``password``), a directory as its absolute resolved path. What goes into an engine's configuration,
+    which engines log."""
+    if not is_url(location):
+        return str(Path(location).resolve())
+    parts = urlsplit(str(location))
+    if parts.password is None:
+        return str(location)
+    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", "@", 1)))
+
+
+def password(location: str | Path) -> str | None:
+    """The password in a store URL, if it has one."""
+    return urlsplit(str(location)).password if is_url(location) else None
 
 
 def within(location: str | Path, allowed: list[str]) -> bool:

@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from ..hardware import resolve_dtype
 from ..models import head_dim
-from ..rows import canonical
+from ..rows import canonical, password
 from .base import (
     AsyncEngine,
     Delta,
@@ -218,6 +218,9 @@ def engine_kwargs(
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     from vllm.config import KVTransferConfig
 
+    for p in stores:  # passwords go to the worker processes by libpq's variable, never into vLLM's logged config
+        if password(p) is not None:
+            os.environ.setdefault("PGPASSWORD", password(p))
     extra = {"stores": [canonical(p) for p in stores]}
     if metrics_file:
         extra["metrics_file"] = metrics_file
