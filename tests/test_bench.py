@@ -405,6 +405,24 @@ def test_bench_chat_cost(tiny):
     assert len(recs) == 8 and all(r["compose_ms"] > 0 and r["plan_ms"] > 0 for r in recs)
 
 
+def test_bench_store(tiny, postgres):
+    """``bench store`` end to end at toy sizes: every op on both backends, the three TTFT arms through
+    ``kvmem serve``, ratios and targets in the summary; its PostgreSQL schema is dropped afterwards."""
+    import psycopg
+
+    out = tiny["root"] / "store"
+    args = ["--adds", 4, "--deletes", 2, "--memories", 120, "--chats", 2, "--k", 3, "--data", tiny["data"]]
+    cli("bench", "store", "--postgres", postgres, *args, "--model", FAST, "--out", out)
+    s = check_outputs(out, "store_backends.png")
+    for op in ("add", "delete", "search", "gather20-cold", "gather50-warm"):
+        assert all(s["per_op"][op][b]["p50"] > 0 for b in ("local", "shared")), op
+    assert [s["per_op"]["ttft"][a]["n"] for a in ("local", "shared-warm", "shared-cold")] == [2, 2, 2]
+    assert s["ratios"]["add_shared_over_local_p50"] > 0 and s["targets"]["ttft_shared_warm_over_local_p50"] == 1.1
+    with psycopg.connect(postgres) as conn:
+        left = conn.execute("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'kvmem_bench_%'").fetchall()
+    assert left == []
+
+
 def test_sigterm_stops_the_vllm_engine(tiny):
     """A terminated `kvmem eval` takes vLLM's engine-core process with it (before cli.exit_on_signals it kept
     running, orphaned, holding its KV cache)."""

@@ -180,6 +180,16 @@ def test_kill_dash_9_during_writes(store, backend):
     assert committed >= kills + 1  # every writer committed at least once before its kill
 
 
+def test_another_models_or_dtypes_store_is_refused(store):
+    from kvmem.store import StoreDtypeMismatch, StoreMismatch
+
+    with pytest.raises(StoreDtypeMismatch, match="computed in float32, but this run computes in bfloat16"):
+        Store.open(store.root, {**sw.FP, "dtype": "bfloat16"})
+    with pytest.raises(StoreMismatch, match="does not match the loaded model 'tiny'.*weights_sha256"):
+        Store.open(store.root, {**sw.FP, "weights_sha256": "def"})
+    assert Store.open(store.root, dict(sw.FP)).snapshot("u").version == store.version("u")
+
+
 def test_fsck_reports_a_corrupt_user(store):
     (seg,) = store.snapshot("u").segments
     kv_file = store.segment_path("u", seg)

@@ -1092,8 +1092,8 @@ def bench_store(
     """The local and the shared store side by side: add, delete, search, gather (cold / warm), TTFT via serve."""
     from .bench import store_backends
 
-    if min(adds, memories, chats, k) < 1 or not 0 <= deletes <= adds:
-        raise ValueError("--adds, --memories, --chats and --k must be >= 1, --deletes in 0..--adds")
+    if min(adds, chats, k) < 1 or memories < 50 or not 0 <= deletes <= adds:
+        raise ValueError("--adds, --chats and --k must be >= 1, --memories >= 50 (gathers of 50), --deletes <= --adds")
     store_backends.run(data, out, model, postgres, segments, adds, deletes, memories, chats=chats, k=k, echo=typer.echo)
 
 

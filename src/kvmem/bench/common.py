@@ -490,8 +490,8 @@ def free_port() -> int:
 @contextmanager
 def served(cmd: list[str], base: str, log: Path, ready_timeout_s: float = 600):
     """Run ``kvmem serve`` (``cmd``, in its own process group, output to ``log``) until ``base``/ready answers
-    200; yields ``base``; stops the server (SIGTERM, then SIGKILL after 30 s). Raises RuntimeError if it exits
-    or is not ready in time."""
+    200; yields (the server's ``Popen``, the ``/ready`` JSON); stops the server (SIGTERM, then SIGKILL after
+    30 s). Raises RuntimeError if it exits or is not ready in time."""
     import signal
     import subprocess
 
@@ -506,14 +506,15 @@ def served(cmd: list[str], base: str, log: Path, ready_timeout_s: float = 600):
                 if proc.poll() is not None:
                     raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
                 try:
-                    if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+                    r = httpx.get(f"{base}/ready", timeout=2)
+                    if r.status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
                 if time.perf_counter() - t0 > ready_timeout_s:
                     raise RuntimeError(f"the server did not become ready in {ready_timeout_s:g} s; see {log}")
                 time.sleep(1)
-            yield base
+            yield proc, r.json()
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +29,7 @@ import httpx
 import psutil
 
 from ..locomo import load_locomo
-from .common import free_port, log_err, machine, median, p95, pyplot, table, write_json
+from .common import free_port, log_err, machine, median, p95, pyplot, served, table, write_json
 
 WORDS = [
     "amber",
@@ -335,23 +332,8 @@ def run(
         "600",
     ]
     log_err("bench serve: " + " ".join(cmd))
-    errlog = open(out / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        t0 = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({proc.returncode}); see {out / 'server.log'}")
-            try:
-                r = httpx.get(f"{base}/ready", timeout=2)
-                if r.status_code == 200:
-                    ready = r.json()
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 600:
-                raise RuntimeError("the server did not become ready in 600 s")
-            time.sleep(1)
+    t0 = time.perf_counter()
+    with served(cmd, base, out / "server.log") as (proc, ready):
         startup_s = time.perf_counter() - t0
         log_err(f"bench serve: ready in {startup_s:.0f} s ({ready['engine']} engine)")
         key_list = list(keys)
@@ -386,13 +368,6 @@ def run(
                 )
                 rows.append(row)
         metrics = httpx.get(f"{base}/metrics").text
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        errlog.close()
     for r in rows:
         other = next(x for x in rows if x["users"] == r["users"] and x["mode"] != r["mode"])
         if r["mode"] == "kv":

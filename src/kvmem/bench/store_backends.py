@@ -110,7 +110,7 @@ def run(
     echo=print,
 ) -> dict:
     conv = get_conversation(data, sample)
-    turns = [t.text for s in conv.sessions for t in s.turns][: adds + 1]
+    turns = [t.text for t in conv.turns][:adds]
     questions = [q.question for q in conv.questions]
     tmp = Path(tempfile.mkdtemp(prefix="kvmem-bench-store-"))
     schema = f"kvmem_bench_{uuid.uuid4().hex[:8]}"
@@ -182,7 +182,8 @@ def run(
         for arm, (store, extra) in arms.items():
             port = free_port()
             cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, "--engine", "hf", "--port", str(port)]
-            with served(cmd + extra, f"http://127.0.0.1:{port}", out / f"server-{arm}.log") as base:
+            base = f"http://127.0.0.1:{port}"
+            with served(cmd + extra, base, out / f"server-{arm}.log"):
                 for ms in _ttft(base, model, questions, k, chats):
                     records.append({"op": "ttft", "backend": arm, "ms": ms})
             echo(f"bench store: ttft {arm} done")
