@@ -36,6 +36,9 @@ logger = logging.getLogger("kvmem.server")
 __all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_api_keys", "serve"]
 
 
+DEAD_GRACE_S = 2.0  # a server whose engine died answers 503 this long, then drains and exits
+
+
 def serve(
     store: str | Path,
     host: str = "127.0.0.1",
@@ -75,6 +78,7 @@ def serve(
             if not server.engine.healthy():
                 logger.error("the %s engine died; answering 503 and exiting for a restart", server.engine.name)
                 died.set()
+                time.sleep(DEAD_GRACE_S)  # /ready says 503 a moment before the port closes: balancers see it
                 uv.should_exit = True
                 return
             time.sleep(0.5)
