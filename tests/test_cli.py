@@ -75,7 +75,12 @@ def test_store_copy_round_trips_through_a_shared_store(store, tmp_path, postgres
         assert len({(tuple(a["fact_ids"]), a["answer"], a["prompt_tokens"]) for a in answers}) == 1, answers
     p = run("store", "copy", store, tmp_path / "back", check_rc=2)
     assert "pass --force" in p.stderr and "Traceback" not in p.stderr
-    assert json.loads(run("store", "copy", store, tmp_path / "back", "--force", "--json").stdout) == there
+    p = run("store", "copy", store, tmp_path / "back", "--force", check_rc=2)  # never merges two histories
+    assert "'conv-26' is already in" in p.stderr
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("mine")
+    p = run("store", "copy", store, tmp_path / "junk", check_rc=2)
+    assert "non-empty directory that holds no store" in p.stderr
 
 
 def test_ask_both_modes_same_prompt(store):

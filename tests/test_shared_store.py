@@ -85,7 +85,7 @@ def test_postgres_store_opens_without_writing_and_checks_its_schema(tmp_path, po
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DROP TABLE turns")
         opened = Store.open(url)
-        with pytest.raises(psycopg.errors.UndefinedTable):
+        with pytest.raises(StoreError, match='relation "turns" does not exist'):
             opened.turns("u")
         assert conn.execute("SELECT to_regclass('turns')").fetchone()[0] is None  # not re-created
         conn.execute("UPDATE kvmem_manifest SET schema_version = 1")
@@ -171,25 +171,48 @@ def test_readers_cache_segments_on_local_disk(tmp_path, postgres, monkeypatch):
     assert sw.check(tiny.snapshot("u")) == 7
 
 
-def test_a_lost_database_connection_fails_one_call_then_reconnects(tmp_path, postgres, monkeypatch):
-    """PostgreSQL restarted or a network cut (here: the backend terminated): the call that meets it is one
-    StoreError, not a psycopg traceback; the next call connects again and reads the same memory."""
+def test_lost_database_connections(tmp_path, postgres, monkeypatch):
+    """A connection that died while idle (PostgreSQL restarted, an idle timeout, a network cut; here the backend
+    is terminated) is replaced before the next read and the next write, which succeed. A writer whose own
+    connection (the one holding its lock) dies mid-write fails with StoreUnavailable and commits nothing, never
+    going on without its lock; the previous version stays served and the next write works."""
+    from kvmem.store import StoreUnavailable
+
     monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 3)
     st.put_user("u", facts, kv, kv, emb, window=0)
-    pid = st.rows.conn.info.backend_pid
-    with psycopg.connect(postgres, autocommit=True) as conn:
-        assert conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] is True
-    time.sleep(0.2)
-    with pytest.raises(StoreError, match="PostgreSQL at postgresql://postgres@"):
-        st.version("u")
-    assert st.rows.conn.info.backend_pid != pid
+
+    def kill(pid):
+        with psycopg.connect(postgres, autocommit=True) as conn:
+            assert conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()[0] is True
+        time.sleep(0.2)
+
+    kill(st.rows.conn.info.backend_pid)
+    kill(st.rows._idle[0].info.backend_pid)  # the pooled writer connection, idle
     st.drop_caches()
     assert sw.check(st.snapshot("u")) == 3
     facts, kv, emb = sw.generation("u", 4)
     st.put_user("u", facts, kv, kv, emb, window=0)
-    assert sw.check(Store.open(st.root).snapshot("u")) == 4
+    assert sw.check(st.snapshot("u")) == 4
+    real_put = st.segments.put
+
+    def put_then_lose_the_lock(name, tensors, metadata):
+        digest = real_put(name, tensors, metadata)
+        kill(st.rows.conn.info.backend_pid)  # this thread's connection: the writer's, with its lock
+        return digest
+
+    monkeypatch.setattr(st.segments, "put", put_then_lose_the_lock)
+    facts, kv, emb = sw.generation("u", 5)
+    with pytest.raises(StoreUnavailable):
+        st.put_user("u", facts, kv, kv, emb, window=0)
+    monkeypatch.undo()
+    fresh = Store.open(st.root)
+    assert sw.check(fresh.snapshot("u")) == 4
+    facts, kv, emb = sw.generation("u", 6)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(fresh.snapshot("u")) == 6
+    assert fresh.fsck()["bad"] == {}
 
 
 def test_both_row_backends_satisfy_the_seam(tmp_path, postgres):
@@ -285,3 +308,48 @@ def test_serve_on_a_shared_store(tmp_path, postgres):
         }
         assert reads["disk_misses"] == 3 and reads["disk_fetched_bytes"] > 0 and reads["kv_misses"] >= 3
     two.close()
+
+
+def test_racing_creators_get_one_store_and_one_clear_error(tmp_path, postgres):
+    """Two processes creating a store at one location at once: one creates it, the other gets StoreError
+    ("already holds"), never a half-made schema or a raw unique violation."""
+    url = postgres_schema(postgres, "create_race")
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); import store_worker as sw; from kvmem.store import Store, "
+        "StoreError\nh = torch.zeros(2, 1, 3, 64)\ntry:\n    Store.create(sys.argv[1], sw.FP, 'hdr', [1, 2, 3], h, "
+        "h.clone(), {'name': 'e', 'dim': 4}, segments_url=sys.argv[2]).close(); print('created')\nexcept StoreError "
+        "as e:\n    print('refused' if 'already holds' in str(e) else e)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, url, (tmp_path / "kv").as_uri()], stdout=subprocess.PIPE, text=True, cwd=root
+        )
+        for _ in range(3)
+    ]
+    outs = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
+    assert outs == ["created", "refused", "refused"], outs
+    assert Store.open(url).fingerprint == sw.FP
+
+
+def test_urls_with_spaces_passwords_and_queries(tmp_path, postgres):
+    """A ``file://`` segments URL of a path with a space or non-ASCII letters (percent-encoded) is written and read
+    where obstore puts it; a password, given in the user part (percent-encoded) or as ``?password=``, is what
+    ``rows.password`` returns and is gone from ``rows.canonical`` (what an engine's logged config gets)."""
+    from kvmem import rows
+
+    where = tmp_path / "with space ünï"
+    st = Store.create(
+        postgres_schema(postgres, "spaces"), sw.FP, "h", [1], torch.zeros(2, 1, 1, 64), torch.zeros(2, 1, 1, 64),
+        {"name": "e", "dim": 4}, segments_url=where.as_uri(),
+    )  # fmt: skip
+    facts, kv, emb = sw.generation("u", 2)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(Store.open(st.root).snapshot("u")) == 2 and len(list(where.glob("*/*.kv.safetensors"))) == 1
+    for url, pw in (
+        ("postgresql://kv:p%40ss%2Fw0rd@db:5432/mem?options=-csearch_path%3Dx", "p@ss/w0rd"),
+        ("postgresql://kv@db/mem?sslmode=require&password=s3cret", "s3cret"),
+    ):
+        assert rows.password(url) == pw
+        assert pw not in rows.canonical(url) and "w0rd" not in rows.redact(url) and "s3cret" not in rows.redact(url)
+        assert rows.canonical(url).startswith("postgresql://kv@db")

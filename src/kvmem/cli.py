@@ -664,7 +664,7 @@ def store_copy(
     src: str = typer.Argument(..., help="The store to copy: a directory or a postgresql:// URL."),
     dst: str = typer.Argument(..., help="Where to: a new directory or a postgresql:// URL (a database or schema)."),
     segments: str | None = _SEGMENTS,
-    force: bool = typer.Option(False, "--force", help="Copy into a non-empty store of the same model."),
+    force: bool = typer.Option(False, "--force", help="Copy into a store of the same model that has other users."),
     users: list[str] | None = typer.Option(None, "--user", help="Copy only this user (repeatable)."),
     as_json: bool = typer.Option(False, "--json"),
 ):

@@ -93,9 +93,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def check_text(text: str, what: str = "text") -> str:
     """All text is untrusted: a lone UTF-16 surrogate (half an emoji, valid JSON as "\\ud83d") cannot be encoded
-    or tokenized. Raises ValueError naming where it is; returns ``text`` unchanged otherwise."""
+    or tokenized; a NUL cannot be stored in PostgreSQL text. Raises ValueError naming where it is; returns ``text``
+    unchanged otherwise."""
     if not isinstance(text, str):
         raise ValueError(f"{what} must be a string, not {type(text).__name__}")
+    if "\x00" in text:
+        raise ValueError(f"{what} holds a NUL character (U+0000) at character {text.index(chr(0))}")
     m = _SURROGATE.search(text)
     if m:
         raise ValueError(

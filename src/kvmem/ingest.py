@@ -47,29 +47,35 @@ def open_or_create_store(
     fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
     header_ids = fmt.header_ids(lm.tokenizer)
     fp = fingerprint(lm)
-    if Store.exists(root):
-        store = Store.open(root, fp, cache_bytes=cache_bytes)
-        if store.header_token_ids != header_ids:
-            raise StoreError(f"store {store.name} was built with a different instruction header")
-        if store.manifest["embedder"]["name"] != embedder.name:
-            raise StoreError(
-                f"store {store.name} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}"
+    for attempt in (0, 1):
+        if Store.exists(root):
+            store = Store.open(root, fp, cache_bytes=cache_bytes)
+            if store.header_token_ids != header_ids:
+                raise StoreError(f"store {store.name} was built with a different instruction header")
+            if store.manifest["embedder"]["name"] != embedder.name:
+                raise StoreError(
+                    f"store {store.name} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}"
+                )
+            check_segments_url(store, segments_url)
+            return store, fmt
+        (hkv,) = encode_spans(lm.model, [header_ids], [(0, len(header_ids))])
+        try:
+            store = Store.create(
+                root,
+                fp,
+                fmt.header,
+                header_ids,
+                hkv.keys.cpu(),
+                hkv.values.cpu(),
+                embedder.describe(),
+                cache_bytes,
+                segments_url,
             )
-        check_segments_url(store, segments_url)
-        return store, fmt
-    (hkv,) = encode_spans(lm.model, [header_ids], [(0, len(header_ids))])
-    store = Store.create(
-        root,
-        fp,
-        fmt.header,
-        header_ids,
-        hkv.keys.cpu(),
-        hkv.values.cpu(),
-        embedder.describe(),
-        cache_bytes,
-        segments_url,
-    )
-    return store, fmt
+            return store, fmt
+        except StoreError:
+            if attempt or not Store.exists(root):  # not a creator that raced another one: the error stands
+                raise
+    raise AssertionError("unreachable")
 
 
 def build_sequences(

@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
 BUSY_TIMEOUT_S = 30.0
@@ -45,25 +45,42 @@ class StoreBusy(StoreError):
     """A write waited longer than the store's ``write_timeout_s`` for another writer's lock."""
 
 
+class StoreUnavailable(StoreError):
+    """The store's database cannot be reached (down, restarting, a network cut): try again later."""
+
+
 def is_url(location: str | Path) -> bool:
     return bool(_URL.match(str(location)))
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None and "password=" not in parts.query:
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = user.split(":", 1)[0] + "@" + host
+    kept = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"]
+    query = urlencode(kept, safe="/:,")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def canonical(location: str | Path) -> str:
     """One spelling per store: a URL without its password (libpq reads it from ``PGPASSWORD`` or ``~/.pgpass``;
     see ``password``), a directory as its absolute resolved path. What goes into an engine's configuration,
     which engines log."""
-    if not is_url(location):
-        return str(Path(location).resolve())
-    parts = urlsplit(str(location))
-    if parts.password is None:
-        return str(location)
-    return urlunsplit(parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", "@", 1)))
+    return _without_password(str(location)) if is_url(location) else str(Path(location).resolve())
 
 
 def password(location: str | Path) -> str | None:
-    """The password in a store URL, if it has one."""
-    return urlsplit(str(location)).password if is_url(location) else None
+    """The password in a store URL (``user:pw@`` or ``?password=``), decoded, if it has one."""
+    if not is_url(location):
+        return None
+    parts = urlsplit(str(location))
+    if parts.password is not None:
+        return unquote(parts.password)
+    return dict(parse_qsl(parts.query)).get("password")
 
 
 def within(location: str | Path, allowed: list[str]) -> bool:
@@ -75,11 +92,8 @@ def within(location: str | Path, allowed: list[str]) -> bool:
 
 
 def redact(url: str) -> str:
-    """``url`` without its password (and query), for messages: ``postgresql://kv@db:5432/kvmem``."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = (f"{parts.username}@" if parts.username else "") + host + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    """``url`` without its password, for messages: ``postgresql://kv@db:5432/kvmem?options=...``."""
+    return _without_password(url)
 
 
 class Rows(ABC):
@@ -351,7 +365,7 @@ CREATE TABLE IF NOT EXISTS turns (
 POSTGRES_SCHEMA = """
 CREATE TABLE kvmem_manifest (
     id INTEGER PRIMARY KEY CHECK (id = 1), schema_version INTEGER NOT NULL, manifest TEXT, header BYTEA);
-CREATE SEQUENCE kvmem_version;
+CREATE SEQUENCE kvmem_version START WITH {start};
 CREATE TABLE meta (key TEXT PRIMARY KEY, value DOUBLE PRECISION NOT NULL);
 CREATE TABLE users (
     "user" TEXT PRIMARY KEY, version BIGINT NOT NULL, "window" INTEGER NOT NULL, source TEXT,
@@ -377,30 +391,42 @@ CREATE TABLE turns (
     "user" TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL,
     time DOUBLE PRECISION, PRIMARY KEY ("user", idx));
 """
-_STORE_LOCK = 0x6B766D656D  # the store-wide advisory lock key ("kvmem"); a user's key is a hash of its name
+PING_AFTER_S = 2.0  # a connection idle this long is checked (one round trip) before a transaction starts on it
 
 
-def _user_lock(user: str) -> int:
-    return int.from_bytes(hashlib.sha256(b"kvmem-user:" + user.encode()).digest()[:8], "big", signed=True)
+def _lock_key(store_id: str, what: str) -> int:
+    """An advisory lock key (bigint) for ``what`` of one store: stores sharing a database never share a lock."""
+    return int.from_bytes(hashlib.sha256(f"kvmem:{store_id}:{what}".encode()).digest()[:8], "big", signed=True)
 
 
 def _pg_sql(sql: str) -> str:
     return sql.replace("%", "%%").replace("?", "%s")
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500]
+
+
 class PostgresRows(Rows):
     """A store's rows in a PostgreSQL database (psycopg 3, autocommit connections; transactions explicit).
 
-    One connection runs the statements; a second holds this process's writer advisory locks, so a writer waiting
-    for another machine's lock never blocks this process's reads."""
+    Reads and single statements share one connection. Each writer takes a connection of its own from a small pool
+    (``locked``): its session advisory locks and every statement of the write run on it, so a write whose
+    connection dies fails (StoreUnavailable) rather than going on without its lock, and a writer waiting for another
+    machine's lock never blocks this process's reads or its writers of other users. Lock waits queue in PostgreSQL
+    (``pg_advisory_lock`` under ``lock_timeout``), so ``fsck``'s exclusive lock is not starved by a stream of
+    commits. A connection found dead while idle (a restart, an idle timeout, a network cut) is replaced before the
+    next statement or transaction that is not part of a write."""
 
     tokens_sql = "json_array_length(token_ids::json)"
 
     def __init__(self, url: str):
         self.location, self.name = url, redact(url)
         self._conn = self._connect()
-        self._locks = None  # the advisory-lock connection, opened by the first write
-        self._lock_mutex = threading.Lock()  # one writer at a time in this process holds the lock connection
+        self._used = time.monotonic()
+        self._idle: list = []  # writer connections not in use
+        self._pool_lock = threading.Lock()
+        self._local = threading.local()  # .conn: the writer connection this thread holds inside ``locked``
         self._store_id = self._read_store_id()
 
     def _connect(self):
@@ -409,29 +435,65 @@ class PostgresRows(Rows):
         try:
             return psycopg.connect(self.location, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
         except psycopg.Error as exc:
-            why = " ".join(str(exc).split())
-            if self.location.split("@")[0].count(":") > 1:  # a password in the URL: keep it out of the message
-                why = why.replace(urlsplit(self.location).password or "\x00", "***")
+            why = _one_line(exc)
+            pw = password(self.location)
+            if pw:  # keep a password out of the message, however libpq quotes it
+                why = why.replace(pw, "***").replace(quote(pw, safe=""), "***")
             raise StoreError(f"cannot connect to PostgreSQL at {self.name}: {why}") from None
         except Exception as exc:  # a malformed URL (psycopg.ProgrammingError is a psycopg.Error; others are not)
             raise StoreError(f"--store {self.name}: not a usable PostgreSQL URL ({type(exc).__name__})") from None
 
-    def _read_store_id(self) -> str | None:
+    @property
+    def conn(self):
+        """This thread's connection: its write's (inside ``locked``), else the shared one, opened again if it broke."""
+        pinned = getattr(self._local, "conn", None)
+        if pinned is not None:
+            if pinned.broken or pinned.closed:
+                raise StoreUnavailable(
+                    f"lost the connection to PostgreSQL at {self.name} that held this write's lock; the write stops"
+                )
+            return pinned
+        if self._conn.broken or self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
+
+    def _alive(self) -> None:
+        """Before a transaction on the shared connection: replace it if it died while idle."""
+        import psycopg
+
+        if getattr(self._local, "conn", None) is not None or time.monotonic() - self._used < PING_AFTER_S:
+            return
         try:
-            m = self._row_of_manifest()
-        except StoreError:
-            return None
+            self.conn.execute("SELECT 1")
+        except psycopg.OperationalError:
+            self._conn.close()
+            self._conn = self._connect()
+
+    @contextmanager
+    def _errors(self):
+        import psycopg
+
+        try:
+            yield
+        except psycopg.OperationalError as exc:  # the connection, not the statement
+            raise StoreUnavailable(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
+        except psycopg.Error as exc:  # a dropped table, a missing schema, no permission, a NUL in text, ...
+            raise StoreError(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
+        finally:
+            self._used = time.monotonic()
+
+    def _read_store_id(self) -> str | None:
+        m = self._row_of_manifest()
         return json.loads(m[1]).get("store_id") if m and m[1] else None
 
     def _row_of_manifest(self):
         import psycopg
 
-        try:
-            return self.conn.execute("SELECT schema_version, manifest FROM kvmem_manifest WHERE id=1").fetchone()
-        except psycopg.errors.UndefinedTable:
-            return None
-        except psycopg.Error as exc:
-            raise StoreError(f"PostgreSQL at {self.name}: {' '.join(str(exc).split())}") from None
+        with self._errors():
+            try:
+                return self.conn.execute("SELECT schema_version, manifest FROM kvmem_manifest WHERE id=1").fetchone()
+            except psycopg.errors.UndefinedTable:
+                return None
 
     def exists(self) -> bool:
         m = self._row_of_manifest()
@@ -442,20 +504,18 @@ class PostgresRows(Rows):
             raise StoreError(f"{self.name} already holds a kvmem store (or a half-created one: drop its tables)")
 
     def create(self, manifest: dict, header: bytes) -> None:
-        import psycopg
-
         self.check_new()
-        try:
-            with self.conn.transaction():  # DDL is transactional here: all of it, or none
-                self._conn.execute(POSTGRES_SCHEMA)
-                self._conn.execute(
-                    "INSERT INTO kvmem_manifest (id, schema_version, manifest, header) VALUES (1, %s, %s, %s)",
-                    (SCHEMA_VERSION, json.dumps(manifest), header),
-                )
-        except psycopg.errors.DuplicateTable:
-            raise StoreError(
-                f"{self.name} already has tables named like a kvmem store's; use another database or schema"
-            ) from None
+        with self._errors(), self.conn.transaction():  # DDL is transactional here: all of it, or none
+            self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key("", "create"),))  # racing creators
+            if self.conn.execute("SELECT to_regclass('kvmem_manifest')").fetchone()[0] is not None:
+                raise StoreError(f"{self.name} already holds a kvmem store (created just now by another process)")
+            # versions start at the creation time in microseconds: a store created again at this location never
+            # reuses a version that a process still holding the old one has cached
+            self.conn.execute(POSTGRES_SCHEMA.replace("{start}", str(int(time.time() * 1e6))))
+            self.conn.execute(
+                "INSERT INTO kvmem_manifest (id, schema_version, manifest, header) VALUES (1, %s, %s, %s)",
+                (SCHEMA_VERSION, json.dumps(manifest), header),
+            )
         self._store_id = manifest.get("store_id")
 
     def manifest(self) -> dict:
@@ -472,32 +532,23 @@ class PostgresRows(Rows):
         except json.JSONDecodeError as exc:
             raise StoreError(f"{self.name}: the manifest is corrupt: {exc}") from None
 
-    @property
-    def conn(self):
-        """The statement connection; opened again after it broke (a server restart, a network cut): the statement
-        that met the break failed with StoreError, and its transaction with it."""
-        if self._conn.broken or self._conn.closed:
-            self._conn = self._connect()
-        return self._conn
-
-    @contextmanager
-    def _errors(self):
-        import psycopg
-
-        try:
-            yield
-        except psycopg.OperationalError as exc:  # the connection, not the statement: one clear line
-            raise StoreError(f"PostgreSQL at {self.name}: {' '.join(str(exc).split())}") from None
-
     def header(self) -> bytes:
         with self._errors():
             return bytes(self.conn.execute("SELECT header FROM kvmem_manifest WHERE id=1").fetchone()[0])
 
     def execute(self, sql: str, args=()):
+        import psycopg
+
+        query, params = (sql, None) if not args else (_pg_sql(sql), tuple(args))
         with self._errors():
-            if not args:
-                return self.conn.execute(sql)
-            return self.conn.execute(_pg_sql(sql), tuple(args))
+            conn = self.conn
+            try:
+                return conn.execute(query, params)
+            except psycopg.OperationalError:
+                # a statement outside any transaction and write, on a connection that died while idle: again, once
+                if conn is not self._conn or not conn.broken or getattr(self._local, "depth", 0):
+                    raise
+                return self.conn.execute(query, params)
 
     def executemany(self, sql: str, rows) -> None:
         rows = [tuple(r) for r in rows]
@@ -506,42 +557,72 @@ class PostgresRows(Rows):
                 cur.executemany(_pg_sql(sql), rows)
 
     @contextmanager
-    def snapshot(self):
-        with self._errors(), self.conn.transaction():
-            self._conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            yield
+    def _transaction(self, read_only: bool):
+        self._alive()
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            with self._errors(), self.conn.transaction():
+                if read_only:
+                    self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                yield
+        finally:
+            self._local.depth -= 1
 
-    @contextmanager
+    def snapshot(self):
+        return self._transaction(read_only=True)
+
     def transaction(self):
-        with self._errors(), self.conn.transaction():
-            yield
+        return self._transaction(read_only=False)
 
     def next_version(self) -> int:
         return self.execute("SELECT nextval('kvmem_version')").fetchone()[0]
 
+    def _writer_connection(self):
+        import psycopg
+
+        with self._pool_lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is not None:
+            try:
+                conn.execute("SELECT 1")
+                return conn
+            except psycopg.Error:
+                conn.close()
+        return self._connect()
+
     @contextmanager
     def locked(self, user: str | None, timeout_s: float | None):
+        import psycopg
+
+        if getattr(self._local, "conn", None) is not None:
+            raise StoreError("a write inside a write of the same thread")
         busy = f"store {self.name} is busy: another writer held the lock of {user or 'the store'!r} for {timeout_s} s"
-        if not self._lock_mutex.acquire(timeout=-1 if timeout_s is None else timeout_s):
-            raise StoreBusy(busy)
-        taken: list[tuple[int, bool]] = []
+        conn = self._writer_connection()
+        wanted = [(_lock_key(self._store_id or "", "store"), user is None)]
+        if user is not None:
+            wanted.append((_lock_key(self._store_id or "", f"user:{user}"), True))
         try:
-            if self._locks is None or self._locks.closed:
-                self._locks = self._connect()
-            wanted = [(_STORE_LOCK, user is None)] + ([(_user_lock(user), True)] if user is not None else [])
-            for key, exclusive in wanted:
-                q = f"SELECT pg_try_advisory_lock{'' if exclusive else '_shared'}(%s)"
-                _poll(lambda q=q, key=key: self._locks.execute(q, (key,)).fetchone()[0], timeout_s, busy)
-                taken.append((key, exclusive))
+            with self._errors():
+                conn.execute(f"SET lock_timeout = {0 if timeout_s is None else max(1, int(timeout_s * 1000))}")
+                for key, exclusive in wanted:
+                    try:
+                        conn.execute(f"SELECT pg_advisory_lock{'' if exclusive else '_shared'}(%s)", (key,))
+                    except psycopg.errors.LockNotAvailable:
+                        raise StoreBusy(busy) from None
+        except BaseException:
+            conn.close()  # its session locks go with it
+            raise
+        self._local.conn = conn
+        try:
             yield
         finally:
+            self._local.conn = None
             try:
-                for key, exclusive in reversed(taken):
-                    fn = "pg_advisory_unlock" if exclusive else "pg_advisory_unlock_shared"
-                    self._locks.execute(f"SELECT {fn}(%s)", (key,))
+                conn.execute("SELECT pg_advisory_unlock_all()")
+                with self._pool_lock:
+                    self._idle.append(conn)
             except Exception:  # a lost connection has released its locks already
-                self._locks = None
-            self._lock_mutex.release()
+                conn.close()
 
     def nbytes(self) -> int:
         q = (
@@ -549,15 +630,19 @@ class PostgresRows(Rows):
             "n.oid = c.relnamespace WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname IN "
             "('kvmem_manifest', 'meta', 'users', 'segments', 'facts', 'history', 'turns')"
         )
-        return int(self.conn.execute(q).fetchone()[0])
+        return int(self.execute(q).fetchone()[0])
 
     def replaced(self) -> bool:
-        return self._read_store_id() != self._store_id
+        try:
+            return self._read_store_id() != self._store_id
+        except StoreError:  # the database cannot be reached: that is not a new store
+            return False
 
     def close(self) -> None:
-        for conn in (self._conn, self._locks):
-            if conn is not None:
-                conn.close()
+        with self._pool_lock:
+            conns, self._idle = [self._conn, *self._idle], []
+        for conn in conns:
+            conn.close()
 
 
 def open_rows(location: str | Path) -> Rows:

@@ -371,7 +371,11 @@ class CachedSegments(SegmentStore):
         self._stats["disk_misses"] += 1
         data = self.inner.read(name)
         self._stats["disk_fetched_bytes"] += len(data)
-        self.cache.set(key, data)
+        try:
+            self.cache.set(key, data)
+        except Exception:  # a full or unwritable cache disk: the object store serves it, uncached
+            self._stats["disk_errors"] = self._stats.get("disk_errors", 0) + 1
+            return self.inner.open(name)
         # evicted at once (larger than the whole cache) or by another process: serve it from the object store
         return self._cached(key) or self.inner.open(name)
 
@@ -441,7 +445,12 @@ def open_segments(root, url: str | None, store_id: str = "", cache_dir=None, cac
     with a URL, a local disk cache of ``cache_dir_bytes`` in front (``CachedSegments``)."""
     if not url:
         return LocalSegments(root)
-    objects = ObjectSegments(f"{url.rstrip('/')}/{store_id}" if store_id else url)
+    if store_id:  # into the path, before any query
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(url)
+        url = urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{store_id}"))
+    objects = ObjectSegments(url)
     if cache_dir is None or cache_dir_bytes <= 0:
         return objects
     return CachedSegments(objects, cache_dir, cache_dir_bytes, key_prefix=f"{store_id}/")
@@ -461,11 +470,19 @@ class ObjectSegments(SegmentStore):
         except Exception as exc:
             raise ValueError(f"segments URL {url.split('?', 1)[0]!r} cannot be used ({exc})") from None
 
+    def _failed(self, what: str, exc: Exception) -> OSError:
+        if isinstance(exc, OSError):
+            return exc
+        return OSError(f"segments at {self.url.split('?', 1)[0]}: cannot {what} ({' '.join(str(exc).split())[:300]})")
+
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
         from safetensors.torch import save
 
         data = save(tensors, metadata=metadata)
-        self._obs.put(self.store, name, data)  # an object store's put is durable when it returns
+        try:
+            self._obs.put(self.store, name, data)  # an object store's put is durable when it returns
+        except Exception as exc:  # obstore's errors (no bucket, no credentials, no network) as OSError
+            raise self._failed(f"write {name}", exc) from None
         path = self.local_path(name)
         if path is not None:  # a file:// store is a directory: make the file and its entry durable too
             fsync_dir(path)  # (any path: open read-only, fsync)
@@ -480,10 +497,14 @@ class ObjectSegments(SegmentStore):
             self._obs.delete(self.store, name)
         except FileNotFoundError:
             pass
+        except Exception as exc:
+            raise self._failed(f"delete {name}", exc) from None
 
     def _objects(self):
-        for batch in self._obs.list(self.store):
-            yield from batch
+        try:
+            return [m for batch in self._obs.list(self.store) for m in batch]
+        except Exception as exc:
+            raise self._failed("list the objects", exc) from None
 
     def names(self) -> set[str]:
         return {m["path"] for m in self._objects()}
@@ -494,6 +515,7 @@ class ObjectSegments(SegmentStore):
     def local_path(self, name: str):
         if self.url.startswith("file://"):
             from pathlib import Path
+            from urllib.parse import unquote, urlsplit
 
-            return Path(self.url.removeprefix("file://")) / name
+            return Path(unquote(urlsplit(self.url).path)) / name  # as obstore reads it: percent-decoded
         return None

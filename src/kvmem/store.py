@@ -55,7 +55,15 @@ from safetensors.torch import load, save
 from . import rows as rows_db
 from . import segments as seg_files
 from .policy import check_user
-from .rows import SCHEMA_VERSION, Rows, StoreBusy, StoreError, is_url, redact  # noqa: F401 -- re-exported
+from .rows import (  # noqa: F401 -- re-exported
+    SCHEMA_VERSION,
+    Rows,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+    is_url,
+    redact,
+)
 
 FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
 DISK_CACHE_BYTES = 16 << 30  # default bound of a reader's local disk cache of remote segments (--cache-dir), bytes
@@ -253,8 +261,9 @@ class Store:
                 cache_dir,
                 cache_dir_bytes,
             )
-        except (ValueError, OSError) as exc:
-            raise StoreError(str(exc)) from None
+        except Exception as exc:  # a bad segments URL, a --cache-dir that is a file or unwritable
+            where = f" (--cache-dir {cache_dir})" if cache_dir is not None else ""
+            raise StoreError(f"{' '.join(str(exc).split())[:300]}{where}") from None
         self.retire_after_s = RETIRE_AFTER_S  # how long a replaced segment's file outlives its last row, s
         self.write_timeout_s: float | None = (
             None  # how long a write waits for another writer (None: as long as it takes)
@@ -432,11 +441,12 @@ class Store:
         return rows + self.segments.nbytes()
 
     @_locked
-    def users(self) -> list[str]:
-        """Users with at least one live fact."""
-        return [
-            r[0] for r in self.rows.execute('SELECT DISTINCT "user" FROM facts WHERE deleted IS NULL ORDER BY "user"')
-        ]
+    def users(self, with_no_live_facts: bool = False) -> list[str]:
+        """Users with at least one live fact (``with_no_live_facts``: every user ever written, too)."""
+        q = 'SELECT DISTINCT "user" FROM facts WHERE deleted IS NULL ORDER BY "user"'
+        if with_no_live_facts:
+            q = 'SELECT "user" FROM users ORDER BY "user"'
+        return [r[0] for r in self.rows.execute(q)]
 
     @_locked
     def version(self, user: str) -> str | None:
@@ -448,14 +458,23 @@ class Store:
     def user_info(self, user: str) -> dict:
         """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
         StoreError for an unknown user."""
-        row = self.rows.execute('SELECT version, "window", source FROM users WHERE "user"=?', (user,)).fetchone()
+        enc = self.encoding_of(user)
         n = self.rows.execute(
             f'SELECT COUNT(*), COALESCE(SUM({self.rows.tokens_sql}), 0) FROM facts WHERE "user"=? AND deleted IS NULL',
             (user,),
         ).fetchone()
-        if row is None or n[0] == 0:
+        if enc is None or n[0] == 0:
             known = ", ".join(self.users()[:20]) or "none"
             raise UnknownUser(f"unknown user {user!r} in store {self.name} (users: {known})")
+        return {**enc, "num_facts": int(n[0]), "num_tokens": int(n[1])}
+
+    @_locked
+    def encoding_of(self, user: str) -> dict | None:
+        """How ``user``'s latest facts were encoded: version, window, neighbours, history, source; None if the
+        user was never written (live facts or not)."""
+        row = self.rows.execute('SELECT version, "window", source FROM users WHERE "user"=?', (user,)).fetchone()
+        if row is None:
+            return None
         m = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
         h = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
         return {
@@ -463,8 +482,6 @@ class Store:
             "window": row[1],
             "neighbours": int(m[0]) if m else 0,
             "history": bool(h[0]) if h else False,
-            "num_facts": int(n[0]),
-            "num_tokens": int(n[1]),
             "source": row[2],
         }
 
@@ -797,6 +814,8 @@ class Store:
                     )
         now = time.time() if now is None else now
         with self.writer(user):
+            if self.rows.replaced():  # its segments would go under the old store's prefix
+                raise StoreError(f"the store at {self.name} was created again since this process opened it; reopen it")
             segment, digest, name = uuid.uuid4().hex[:12], "", None
             if add:
                 name = self.segment_name(user, segment)
@@ -1051,11 +1070,14 @@ def copy_store(
     and event counts are compared and every new segment is verified. History keeps each fact's events in order;
     their times become the copy's.
 
-    ``force``: copy into a store already at ``dst`` (same model), replacing the users it copies; without it a
-    non-empty ``dst`` is refused. ``users``: only these (default: every user with live facts). Returns
+    ``force``: copy into a store already at ``dst`` (same model) that has users, none of them a user copied
+    (histories are not merged); without it a store with users is refused, as is a non-empty directory that is not
+    a store. ``users``: only these (default: every user, those whose facts are all deleted too). Returns
     ``{"users", "facts", "turns", "events", "kv_bytes"}``. Raises StoreError, StoreMismatch."""
     source = Store.open(src)
     try:
+        if not is_url(dst) and Path(dst).is_dir() and any(Path(dst).iterdir()) and not Store.exists(dst):
+            raise StoreError(f"{dst} is a non-empty directory that holds no store; copy into a new one")
         if Store.exists(dst):
             target = Store.open(dst, source.fingerprint)
             if target.users() and not force:
@@ -1071,10 +1093,23 @@ def copy_store(
             )  # fmt: skip
         report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0}
         try:
-            for user in source.users() if users is None else users:
-                ukv = source.snapshot(user)
+            todo = source.users(with_no_live_facts=True) if users is None else users
+            taken = [u for u in todo if target.version(u) is not None]
+            if taken:
+                raise StoreError(
+                    f"user {taken[0]!r} is already in {target.name}; copy does not merge histories (copy into a "
+                    f"new store, or leave that user out with --user)"
+                )
+            for user in todo:
+                info = source.encoding_of(user)
+                if info is None:
+                    raise UnknownUser(f"unknown user {user!r} in store {source.name}")
+                try:
+                    ukv = source.snapshot(user)
+                except UnknownUser:  # every fact deleted: its turns and history still go
+                    ukv = UserKV(user, info["version"], [], {}, torch.zeros(0, 1))
                 source._check_segments(ukv)
-                info, turns, events = source.user_info(user), source.turns(user), source.events(user)
+                turns, events = source.turns(user), source.events(user)
                 parts = [ukv.gather([i]) for i in range(len(ukv.facts))]
                 had = len(target.events(user))
                 facts = [FactRecord(**{**f.__dict__, "row": 0, "segment": "", "token_offset": 0}) for f in ukv.facts]
@@ -1092,9 +1127,12 @@ def copy_store(
                     neighbours=info["neighbours"],
                     history=info["history"],
                 )
-                copied = target.snapshot(user)
-                target._check_segments(copied)
-                got = (len(copied.facts), len(target.turns(user)), len(target.events(user)) - had)
+                n_facts = 0
+                if ukv.facts:
+                    copied = target.snapshot(user)
+                    target._check_segments(copied)
+                    n_facts = len(copied.facts)
+                got = (n_facts, len(target.turns(user)), len(target.events(user)) - had)
                 if got != (len(ukv.facts), len(turns), len(events)):
                     raise StoreError(
                         f"copy of user {user!r} has {got} facts/turns/events, the source "

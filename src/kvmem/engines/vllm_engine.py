@@ -220,7 +220,7 @@ def engine_kwargs(
 
     for p in stores:  # passwords go to the worker processes by libpq's variable, never into vLLM's logged config
         if password(p) is not None:
-            os.environ.setdefault("PGPASSWORD", password(p))
+            os.environ["PGPASSWORD"] = password(p)
     extra = {"stores": [canonical(p) for p in stores]}
     if metrics_file:
         extra["metrics_file"] = metrics_file

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..compose import ContextOverflow
 from ..engines.base import EngineBusy
 from ..memory import MemoryInputError
-from ..store import StoreBusy, StoreError
+from ..store import StoreBusy, StoreError, StoreUnavailable
 
 MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("kvmem.server")
@@ -221,6 +221,8 @@ def error_of(exc: Exception) -> APIError:
         return APIError(404 if "not found" in msg else 400, msg, "memory_not_found" if "not found" in msg else None)
     if isinstance(exc, StoreBusy):
         return APIError(503, f"store busy: {exc}; retry later", "store_busy")
+    if isinstance(exc, StoreUnavailable):
+        return APIError(503, f"the store cannot be reached: {exc}; retry later", "store_unavailable")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         logger.error("no space left on the store's disk: %s", exc)
         return APIError(507, "no space left on the store's disk; nothing was written", "insufficient_storage")
