@@ -180,6 +180,33 @@ def test_kill_dash_9_during_writes(store, backend):
     assert committed >= kills + 1  # every writer committed at least once before its kill
 
 
+def test_compaction_keeps_what_is_served_and_fsck_removes_what_it_replaced(tmp_path):
+    """Four single-fact commits and a delete, then ``compact``: the same live facts with the same KV, from one
+    segment; the change feed asks for a rebuild; the replaced segments stay for readers until fsck removes them
+    (reported as replaced, not as leftovers); a reader holding the old snapshot still gathers its KV."""
+    from kvmem.store import FactRecord
+
+    st = sw.create(tmp_path / "s")
+    for i in range(4):
+        f = FactRecord(f"c{i}", "u", f"fact {i}", "", "", "", (1, 2, 3), 0, 0)
+        k = torch.full((2, 1, 3, 64), float(i))
+        st.commit("u", [f], [k], [-k], torch.ones(1, 4) / 2)
+    st.commit("u", delete=["c1"])
+    before = st.snapshot("u")
+    v = before.version
+    kb, vb = before.gather([0, 1, 2])
+    st.compact("u")
+    after = Store.open(st.root).snapshot("u")
+    assert [f.fact_id for f in after.facts] == ["c0", "c2", "c3"] and len(after.segments) == 1
+    ka, va = after.gather([0, 1, 2])
+    assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(ka[:, :, 3:6], torch.full((2, 1, 3, 64), 2.0))
+    assert st.changes("u", v) is None
+    assert torch.equal(before.gather([2])[0], kb[:, :, 6:9])  # the old snapshot's files are still there
+    report = st.fsck()
+    assert report["ok"] == ["u"] and report["removed"] == [] and len(report["replaced"]) == 4
+    assert len(st.segments.names()) == 1
+
+
 def test_another_models_or_dtypes_store_is_refused(store):
     from kvmem.store import StoreDtypeMismatch, StoreMismatch
 
@@ -209,7 +236,8 @@ def test_fsck_command(store):
     (store.segment_path("u", "deadbeef0000").parent / "u.deadbeef0000.kv.safetensors").write_bytes(b"half a write")
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output) == {"users": 1, "ok": ["u"], "bad": {}, "removed": ["u.deadbeef0000.kv.safetensors"]}
+    report = json.loads(res.output)
+    assert report == {"users": 1, "ok": ["u"], "bad": {}, "removed": ["u.deadbeef0000.kv.safetensors"], "replaced": []}
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.segment_path("u", "x").parent / "nope")])
     assert res.exit_code == 2 and "no kvmem store" in res.output
 

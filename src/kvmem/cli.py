@@ -650,7 +650,7 @@ def store_fsck(store: str = typer.Option(..., help=_STORE_HELP), as_json: bool =
     else:
         typer.echo(
             f"{report['users']} users: {len(report['ok'])} ok, {len(report['bad'])} bad; removed "
-            f"{len(report['removed'])} orphaned files"
+            f"{len(report['removed'])} orphaned files and {len(report['replaced'])} replaced segments"
         )
         for user, why in report["bad"].items():
             typer.echo(f"  {user}: {why}")
@@ -663,7 +663,9 @@ def store_fsck(store: str = typer.Option(..., help=_STORE_HELP), as_json: bool =
 def store_copy(
     src: str = typer.Argument(..., help="The store to copy: a directory or a postgresql:// URL."),
     dst: str = typer.Argument(..., help="Where to: a new directory or a postgresql:// URL (a database or schema)."),
-    segments: str | None = _SEGMENTS,
+    segments: str | None = typer.Option(
+        None, "--segments", help="Where a new DST keeps its KV segments (required for a postgresql:// DST)."
+    ),
     force: bool = typer.Option(False, "--force", help="Copy into a store of the same model that has other users."),
     users: list[str] | None = typer.Option(None, "--user", help="Copy only this user (repeatable)."),
     as_json: bool = typer.Option(False, "--json"),

@@ -509,6 +509,9 @@ class PostgresRows(Rows):
             self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key("", "create"),))  # racing creators
             if self.conn.execute("SELECT to_regclass('kvmem_manifest')").fetchone()[0] is not None:
                 raise StoreError(f"{self.name} already holds a kvmem store (created just now by another process)")
+            if self.conn.execute("SELECT current_schema()").fetchone()[0] is None:  # ?options=-csearch_path=NEW
+                first = self.conn.execute("SHOW search_path").fetchone()[0].split(",")[0].strip().strip('"')
+                self.conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{first.replace(chr(34), "")}"')
             # versions start at the creation time in microseconds: a store created again at this location never
             # reuses a version that a process still holding the old one has cached
             self.conn.execute(POSTGRES_SCHEMA.replace("{start}", str(int(time.time() * 1e6))))

@@ -696,12 +696,12 @@ class Store:
         with self.rows.locked(user, self.write_timeout_s), self._lock:
             yield
 
-    def _gc(self, user: str | None = None) -> list[str]:
+    def _gc(self, user: str | None = None) -> tuple[list[str], list[str]]:
         """Under ``writer()``: retire segments no live fact uses (of ``user``, after its commit: a few indexed
         queries) and remove the files of those retired more than ``retire_after_s`` ago, so a reader still
         gathering from the snapshot it took before the commit finds its files. With ``user=None`` (``fsck``,
         ``reset``) remove at once every file no segment row names: retired ones and a killed writer's leftovers
-        (a directory listing). Returns the removed file names that were never retired (leftovers)."""
+        (a directory listing). Returns the removed names: (never retired: leftovers, retired)."""
         scope, args = ('s."user"=? AND ', (user,)) if user is not None else ("", ())
         dead = [
             tuple(r)
@@ -735,21 +735,22 @@ class Store:
             live = {self.segment_name(u, seg) for u, seg in self.rows.execute('SELECT "user", segment FROM segments')}
             doomed = sorted(self.segments.names() - live)
         retired = {k.removeprefix("retired:") for k in due}
-        removed = []
+        removed, replaced = [], []
         for name in doomed:
             try:
                 self.segments.delete(name)
-                if name not in retired:
-                    removed.append(name)
+                (replaced if name in retired else removed).append(name)
             except OSError as exc:  # the commit before this stands; a leftover object only costs space
                 logger.warning("store %s: cannot remove %s: %s", self.name, name, exc)
-        return removed
+        return removed, replaced
 
     def fsck(self) -> dict:
         """Check every user (rows, files, KV checksums) and remove orphaned files. Returns a report:
-        ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names]}``."""
+        ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names], "replaced": [file names]}``:
+        ``removed`` a killed writer's leftovers (no row ever named them), ``replaced`` segments that commits
+        replaced, removed now rather than after ``retire_after_s``."""
         with self.writer():
-            removed = self._gc()
+            removed, replaced = self._gc()
             ok, bad = [], {}
             for user in self.users():
                 self._user_cache.pop(user, None)
@@ -764,7 +765,13 @@ class Store:
                     ok.append(user)
                 except (StoreError, LookupError) as exc:
                     bad[user] = str(exc)
-        return {"users": len(ok) + len(bad), "ok": ok, "bad": bad, "removed": removed}
+        return {
+            "users": len(ok) + len(bad),
+            "ok": ok,
+            "bad": bad,
+            "removed": removed,
+            "replaced": replaced,
+        }
 
     def commit(
         self,
