@@ -11,9 +11,10 @@ Both stores are created for the same model; every step runs on both, interleaved
 * ``gather``: ``snapshot`` plus ``UserKV.gather`` of k = 20 and k = 50 random facts of that user, from a cold
   cache (``drop_caches`` first: rows, KV and checksums read again) and from a warm one (the same facts again);
 * ``ttft``: kv-mode time to the first streamed token at k = 20 through ``kvmem serve`` (the transformers
-  engine, one server at a time): on the local store; on the shared store with a warm cache (``--cache-dir``, the
-  in-memory cache at its default); on the shared store with a cold one (``--cache-bytes 1``: every request reads
-  its facts' KV from the object store again).
+  engine; three servers up at once, one request at a time, the order rotating, so each arm gets the same CPU):
+  on the local store; on the shared store with a warm cache (``--cache-dir``, the in-memory cache at its
+  default); on the shared store with a cold one (``--cache-bytes 1``: every request reads its facts' KV from the
+  object store again).
 
 PostgreSQL is the one at ``--postgres`` (``scripts/postgres.sh start DIR`` runs a local one, fsync on); the store
 goes into a fresh schema there, dropped afterwards. The object store is ``--segments`` (default: a ``file://``
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -68,29 +70,23 @@ def _timed(fn, *args, **kwargs) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _ttft(base: str, model: str, questions: list[str], k: int, chats: int) -> list[float]:
-    """Time to the first streamed content token of ``chats`` kv-mode chats of user ``u``, ms."""
-    out = []
-    with httpx.Client(base_url=base, timeout=600) as client:
-        for i in range(chats + 1):
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": questions[i % len(questions)]}],
-                "user": "u",
-                "max_tokens": 4,
-                "stream": True,
-                "memory": {"top_k": k, "mode": "kv"},
-            }
-            t0 = time.perf_counter()
-            first = None
-            with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if first is None and '"content":"' in line.replace(" ", "") and '"content":""' not in line:
-                        first = (time.perf_counter() - t0) * 1e3
-            if i:  # the first chat builds the user's index and opens every segment: left out
-                out.append(first if first is not None else float("nan"))
-    return out
+def _ttft(client: httpx.Client, model: str, question: str, k: int) -> float:
+    """Time to the first streamed content token of one kv-mode chat of user ``u``, ms."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "user": "u",
+        "max_tokens": 4,
+        "stream": True,
+        "memory": {"top_k": k, "mode": "kv"},
+    }
+    t0, first = time.perf_counter(), None
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and '"content":"' in line.replace(" ", "") and '"content":""' not in line:
+                first = (time.perf_counter() - t0) * 1e3
+    return first if first is not None else float("nan")
 
 
 def run(
@@ -173,20 +169,26 @@ def run(
         for m in mems.values():
             m.store.close()
         del mems, lm
-        echo("bench store: search and gather done; TTFT through kvmem serve, one server at a time")
+        echo("bench store: search and gather done; TTFT through kvmem serve, three servers, requests alternating")
         arms = {
             "local": (where["local"], []),
             "shared-warm": (where["shared"], ["--cache-dir", str(tmp / "cache")]),
             "shared-cold": (where["shared"], ["--cache-bytes", "1"]),
         }
-        for arm, (store, extra) in arms.items():
-            port = free_port()
-            cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, "--engine", "hf", "--port", str(port)]
-            base = f"http://127.0.0.1:{port}"
-            with served(cmd + extra, base, out / f"server-{arm}.log"):
-                for ms in _ttft(base, model, questions, k, chats):
-                    records.append({"op": "ttft", "backend": arm, "ms": ms})
-            echo(f"bench store: ttft {arm} done")
+        with ExitStack() as stack:
+            clients = {}
+            for arm, (store, extra) in arms.items():
+                port = free_port()
+                cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, "--engine", "hf"]
+                base = f"http://127.0.0.1:{port}"
+                stack.enter_context(served(cmd + ["--port", str(port), *extra], base, out / f"server-{arm}.log"))
+                clients[arm] = stack.enter_context(httpx.Client(base_url=base, timeout=600))
+            for i in range(chats + 1):  # one request at a time, the arms' order rotating: the same CPU for each
+                order = list(TTFT_ARMS[i % 3 :] + TTFT_ARMS[: i % 3])
+                for arm in order:
+                    ms = _ttft(clients[arm], model, questions[i % len(questions)], k)
+                    if i:  # the first chat builds the user's index and opens every segment: left out
+                        records.append({"op": "ttft", "backend": arm, "ms": ms})
     finally:
         _pg(postgres, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         shutil.rmtree(tmp, ignore_errors=True)
