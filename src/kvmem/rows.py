@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
+from .segments import fsync_dir
+
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
 BUSY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10
@@ -53,7 +55,9 @@ def is_url(location: str | Path) -> bool:
     return bool(_URL.match(str(location)))
 
 
-def _without_password(url: str) -> str:
+def redact(url: str) -> str:
+    """``url`` without its password (``user:pw@`` or ``?password=``), for messages and engine configs:
+    ``postgresql://kv@db:5432/kvmem?options=...``."""
     parts = urlsplit(url)
     if parts.password is None and "password=" not in parts.query:
         return url
@@ -70,7 +74,7 @@ def canonical(location: str | Path) -> str:
     """One spelling per store: a URL without its password (libpq reads it from ``PGPASSWORD`` or ``~/.pgpass``;
     see ``password``), a directory as its absolute resolved path. What goes into an engine's configuration,
     which engines log."""
-    return _without_password(str(location)) if is_url(location) else str(Path(location).resolve())
+    return redact(str(location)) if is_url(location) else str(Path(location).resolve())
 
 
 def password(location: str | Path) -> str | None:
@@ -91,13 +95,8 @@ def within(location: str | Path, allowed: list[str]) -> bool:
     return any(loc == a or Path(a) in Path(loc).parents for a in allowed if not is_url(a))
 
 
-def redact(url: str) -> str:
-    """``url`` without its password, for messages: ``postgresql://kv@db:5432/kvmem?options=...``."""
-    return _without_password(url)
-
-
 class Rows(ABC):
-    """One store's rows, on one connection that the owning ``Store`` guards with its lock.
+    """One store's rows. The owning ``Store`` guards the connection its reads share with its lock.
 
     ``location``: what reopens it (a directory, or the full URL); ``name``: the same for messages (no
     credentials). Cursors returned by ``execute`` support ``fetchone``, ``fetchall`` and iteration."""
@@ -163,14 +162,6 @@ class Rows(ABC):
     def close(self) -> None: ...
 
 
-def _poll(try_lock, timeout_s: float | None, busy: str) -> None:
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not try_lock():
-        if deadline is not None and time.monotonic() >= deadline:
-            raise StoreBusy(busy)
-        time.sleep(0.02)
-
-
 class SQLiteRows(Rows):
     """A store directory: ``manifest.json``, ``header.safetensors``, ``meta.sqlite`` (WAL, busy timeout)."""
 
@@ -221,8 +212,6 @@ class SQLiteRows(Rows):
             raise StoreError(f"store {self.root} has data but no manifest.json (corrupt); refusing to overwrite it")
 
     def create(self, manifest: dict, header: bytes) -> None:
-        from .segments import fsync_dir
-
         self.check_new()
         (self.root / "users").mkdir(parents=True, exist_ok=True)
         _write_durably(self.root / "header.safetensors", header)
@@ -279,16 +268,17 @@ class SQLiteRows(Rows):
     def locked(self, user: str | None, timeout_s: float | None):
         # one lock for the whole store: a file lock, so writers in any process (and thread) serialize
         with open(self.root / ".writer.lock", "a") as f:
-            busy = (
-                f"store {self.root} is busy: another writer (a compaction, fsck or ingest?) held its lock for "
-                f"{timeout_s:g} s"
-                if timeout_s is not None
-                else ""
-            )
             if timeout_s is None:
                 fcntl.flock(f, fcntl.LOCK_EX)
             else:
-                _poll(lambda: _try_flock(f), timeout_s, busy)
+                deadline = time.monotonic() + timeout_s
+                while not _try_flock(f):
+                    if time.monotonic() >= deadline:
+                        raise StoreBusy(
+                            f"store {self.root} is busy: another writer (a compaction, fsck or ingest?) held its "
+                            f"lock for {timeout_s:g} s"
+                        )
+                    time.sleep(0.02)
             try:
                 yield
             finally:

@@ -351,7 +351,7 @@ class CachedSegments(SegmentStore):
         self.cache = diskcache.Cache(
             str(cache_dir), size_limit=int(max_bytes), eviction_policy="least-recently-used", disk_min_file_size=0
         )
-        self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0}
+        self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0, "disk_errors": 0}
 
     def _cached(self, key: str) -> FileHandle | None:
         f = self.cache.get(key, read=True)
@@ -374,7 +374,7 @@ class CachedSegments(SegmentStore):
         try:
             self.cache.set(key, data)
         except Exception:  # a full or unwritable cache disk: the object store serves it, uncached
-            self._stats["disk_errors"] = self._stats.get("disk_errors", 0) + 1
+            self._stats["disk_errors"] += 1
             return self.inner.open(name)
         # evicted at once (larger than the whole cache) or by another process: serve it from the object store
         return self._cached(key) or self.inner.open(name)
@@ -383,7 +383,7 @@ class CachedSegments(SegmentStore):
         return self.inner.put(name, tensors, metadata)
 
     def delete(self, name: str) -> None:
-        self.cache.delete(self._prefix + name)
+        self.discard(name)
         self.inner.delete(name)
 
     def names(self) -> set[str]:

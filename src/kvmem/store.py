@@ -424,7 +424,7 @@ class Store:
     def cache_stats(self) -> dict[str, int]:
         """This object's read counters: facts' KV served from its memory cache (``kv_hits``) or read from segments
         (``kv_misses``, ``kv_read_bytes``), the cache's size (``kv_cache_bytes``), and the disk cache's, if any
-        (``disk_hits``, ``disk_misses``, ``disk_fetched_bytes``, ``disk_cache_bytes``)."""
+        (``disk_hits``, ``disk_misses``, ``disk_fetched_bytes``, ``disk_errors``, ``disk_cache_bytes``)."""
         with self._lock:
             return {**self._stats, "kv_cache_bytes": int(self._kv.currsize), **self.segments.stats()}
 
