@@ -312,6 +312,17 @@ def serve_cmd(
         help="A local disk cache of a shared store's KV segments (byte-bounded, least recently used first), in the "
         "server and the vLLM worker. Segments are immutable and checksummed: a cached copy is never stale.",
     ),
+    replicas: int = typer.Option(
+        1,
+        "--replicas",
+        min=1,
+        help="Serving replicas, each with its own engine, on Ray Serve behind one ingress; each user is routed to "
+        "the same replica. 1 (without --ray or --ray-address): one process, no Ray.",
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="Join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting one."
+    ),
+    use_ray: bool = typer.Option(False, "--ray", help="Serve through Ray even with one replica."),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -354,6 +365,9 @@ def serve_cmd(
         write_timeout_s=write_timeout,
         segments_url=segments,
         cache_dir=cache_dir,
+        replicas=replicas,
+        ray_address=ray_address,
+        use_ray=use_ray,
     )
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..rows import redact
 from .routes import create_app
 from .runtime import KvmemServer, Limits
 from .schemas import APIError
@@ -45,21 +46,36 @@ def serve(
     port: int = 8000,
     api_keys_file: str | None = None,
     log=print,
+    replicas: int = 1,
+    ray_address: str | None = None,
+    use_ray: bool = False,
     **start_kwargs,
 ) -> None:
-    """Start the server (blocking). Without an API keys file it binds to loopback only. Raises ValueError for a
-    bad keys file or a non-loopback host without keys."""
+    """Start the server (blocking): one process with one engine, or with ``replicas`` > 1, ``ray_address`` or
+    ``use_ray``, an ingress here and the replicas on Ray Serve (``replicas``). Without an API keys file it binds
+    to loopback only. Raises ValueError for a bad keys file or a non-loopback host without keys."""
     import uvicorn
 
     keys = load_api_keys(api_keys_file) if api_keys_file else None
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"refusing to bind {host} without --api-keys: without keys the server is loopback-only")
-    server = KvmemServer.start(store, api_keys=keys, **start_kwargs)
-    log(
-        f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {store}, "
-        f"{'tenants: ' + ', '.join(sorted(set(keys.values()))) if keys else 'no API keys: loopback only'}; "
-        f"http://{host}:{port}/v1"
-    )
+    tenants = f"tenants: {', '.join(sorted(set(keys.values())))}" if keys else "no API keys: loopback only"
+    if replicas > 1 or ray_address or use_ray:
+        from .replicas import Replicas, create_ingress
+
+        cluster = Replicas.start(str(store), replicas, ray_address, api_keys=keys, **start_kwargs)
+        app, close, healthy = create_ingress(cluster), cluster.close, lambda: True
+        log(
+            f"kvmem serve: {replicas} replica(s) on Ray Serve ({ray_address or 'a local Ray'}), store "
+            f"{redact(str(store))}, {tenants}; http://{host}:{port}/v1"
+        )
+    else:
+        server = KvmemServer.start(store, api_keys=keys, **start_kwargs)
+        app, close, healthy = create_app(server), server.close, server.engine.healthy
+        log(
+            f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {redact(str(store))}, "
+            f"{tenants}; http://{host}:{port}/v1"
+        )
 
     def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
         for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the shutdown itself
@@ -68,15 +84,13 @@ def serve(
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit)
-    uv = uvicorn.Server(
-        uvicorn.Config(create_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-    )
+    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
     died = threading.Event()
 
     def watch():  # a dead engine: 503s at once (routes), then drain and exit non-zero for the supervisor
         while not uv.should_exit:
-            if not server.engine.healthy():
-                logger.error("the %s engine died; answering 503 and exiting for a restart", server.engine.name)
+            if not healthy():
+                logger.error("the engine died; answering 503 and exiting for a restart")
                 died.set()
                 time.sleep(DEAD_GRACE_S)  # /ready says 503 a moment before the port closes: balancers see it
                 uv.should_exit = True
@@ -87,7 +101,7 @@ def serve(
     try:
         uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
     finally:
-        server.close()
+        close()
         log("kvmem serve: stopped" + (" (the engine died)" if died.is_set() else ""))
     if died.is_set():
         raise SystemExit(EXIT_ENGINE_DIED)

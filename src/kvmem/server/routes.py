@@ -6,6 +6,7 @@ blocking work runs off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 
@@ -69,11 +70,9 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
 
     @app.middleware("http")
     async def _limits_and_metrics(request: Request, call_next):
-        n = request.headers.get("content-length")
-        if n is not None and (not n.isdigit() or int(n) > limits.max_body_bytes):
-            resp = APIError(413, f"the body exceeds {limits.max_body_bytes} bytes", "body_too_large").response()
-        elif n is None and "chunked" in request.headers.get("transfer-encoding", "").lower():  # unbounded otherwise
-            resp = APIError(413, "a body must come with Content-Length", "length_required").response()
+        too_big = body_limit_error(request.headers, limits.max_body_bytes)
+        if too_big is not None:
+            resp = too_big.response()
         elif request.url.path.startswith("/v1/") and not server.engine.healthy():
             resp = APIError(503, "the engine has died; this server is shutting down", "engine_dead").response()
         else:
@@ -86,7 +85,20 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
                 resp = err.response()
         matched = request.scope.get("route")  # the route template, never the raw path (bounded label values)
         server.metrics.requests.labels(getattr(matched, "path", "other"), str(resp.status_code)).inc()
+        if server.replica is not None:
+            resp.headers["x-kvmem-replica"] = server.replica
         return resp
+
+
+def body_limit_error(headers, max_body_bytes: int) -> APIError | None:
+    """413 for a body over ``max_body_bytes`` (by Content-Length) or one without a length (chunked: unbounded
+    otherwise); None when the body may be read."""
+    n = headers.get("content-length")
+    if n is not None and (not n.isdigit() or int(n) > max_body_bytes):
+        return APIError(413, f"the body exceeds {max_body_bytes} bytes", "body_too_large")
+    if n is None and "chunked" in headers.get("transfer-encoding", "").lower():
+        return APIError(413, "a body must come with Content-Length", "length_required")
+    return None
 
 
 def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
@@ -102,7 +114,10 @@ def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             raise APIError(503, "the engine has died; this server is shutting down", "engine_dead")
         if not server.ready:
             raise APIError(503, "the engine is not ready", "not_ready")
-        return {"status": "ready", "engine": server.engine.name, "model": server.model_name}
+        out = {"status": "ready", "engine": server.engine.name, "model": server.model_name}
+        if server.replica is not None:
+            out.update(replica=server.replica, pid=os.getpid())
+        return out
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def metrics():

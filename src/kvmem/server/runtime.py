@@ -127,6 +127,7 @@ class KvmemServer:
         self.ready = True
         self.pending_writes, self.max_writes = 0, max_writes
         self.selective_recompute = selective_recompute  # default memory.selective_recompute (%)
+        self.replica: str | None = None  # this server's name as one of several replicas (``replicas``)
         self.metrics = Metrics(self)
         self._store_bytes = (0.0, 0)
 
@@ -232,9 +233,13 @@ class KvmemServer:
 
     def close(self) -> None:
         """Stop the engine (vLLM's engine core and worker processes) and the model thread."""
+        asyncio.run(self.aclose())
+
+    async def aclose(self) -> None:
+        """``close`` from inside an event loop."""
         self.ready = False
         try:
-            asyncio.run(self.engine.shutdown())
+            await self.engine.shutdown()
         finally:
             self.model_pool.shutdown(wait=False, cancel_futures=True)
 

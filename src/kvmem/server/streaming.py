@@ -222,13 +222,16 @@ class ChatGeneration:
     def kvmem(self) -> dict:
         t = dict(self.prep.timings_ms)
         t["ttft"] = self.ttft_ms
-        return {
+        out = {
             "mode": self.prep.mode,
             "k": len(self.prep.fact_ids),
             "fact_ids": self.prep.fact_ids,
             "engine": self.server.engine.name,
             "timings_ms": {k: round(v, 3) for k, v in t.items() if v is not None},
         }
+        if self.server.replica is not None:
+            out["replica"] = self.server.replica
+        return out
 
 
 async def sse(gen: ChatGeneration, first, include_usage: bool):

@@ -1,0 +1,225 @@
+"""``kvmem serve --replicas 2`` on a local Ray Serve: two transformers-engine replicas of the test model over one
+shared store (the session's throwaway PostgreSQL, segments on local disk), behind one ingress. Real Ray, real
+PostgreSQL, the real ``openai`` client; the server is the CLI in a subprocess, stopped with SIGTERM at the end.
+
+Tests run in file order on one server: affinity, cross-replica visibility, tenants, the openai client, then a
+replica killed under load, then SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from conftest import postgres_schema
+
+FAST = "smollm2-135m-instruct"
+KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def cluster(postgres, tmp_path_factory):
+    from kvmem.bench.common import free_port
+
+    where = tmp_path_factory.mktemp("replicas")
+    (where / "keys.json").write_text(json.dumps({KEY_A: "ta", KEY_B: "tb"}))
+    url = postgres_schema(postgres, "replicas")
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--segments", (where / "kv").as_uri(),
+           "--model", FAST, "--engine", "hf", "--window", "0", "--replicas", "2", "--port", str(port),
+           "--api-keys", str(where / "keys.json"), "--timeout", "60"]  # fmt: skip
+    with open(where / "serve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, (where / "serve.log").read_text()[-3000:]
+        try:
+            if httpx.get(f"{base}/ready", headers=auth(KEY_A), timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the replicas did not start in 300 s"
+        time.sleep(1)
+    yield proc, base, where
+    if proc.poll() is None:  # a failed test before the SIGTERM test
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def auth(key: str, replica: str | None = None) -> dict:
+    h = {"Authorization": f"Bearer {key}"}
+    if replica:
+        h["X-Kvmem-Replica"] = replica
+    return h
+
+
+def chat(base, user, key=KEY_A, replica=None, question="What do I like?", **extra) -> dict:
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": FAST, "user": user, "messages": [{"role": "user", "content": question}], "max_tokens": 2,
+              **extra},
+        headers=auth(key, replica),
+        timeout=120,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvmem-replica"] == r.json()["kvmem"]["replica"]
+    return r.json()
+
+
+def add(base, user, text, key=KEY_A, replica=None) -> tuple[str, str]:
+    r = httpx.post(
+        f"{base}/v1/memories",
+        json={"user_id": user, "messages": [{"role": "user", "content": text}], "infer": False},
+        headers=auth(key, replica),
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["results"][0]["id"], r.headers["x-kvmem-replica"]
+
+
+def replicas_of(base) -> dict[str, int]:
+    """Replica id -> pid, from each replica's /ready (pinned)."""
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    ids = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines() if 'replica="' in line}
+    out = {}
+    for rid in ids:
+        r = httpx.get(f"{base}/ready", headers=auth(KEY_A, rid), timeout=30).json()
+        if r["replica"] == rid:
+            out[rid] = r["pid"]
+    return out
+
+
+def metric(base, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def two_users_on_two_replicas(base) -> dict[str, str]:
+    """replica -> a user whose requests go there (16 users: all on one replica with probability 2^-15)."""
+    seen = {}
+    for i in range(16):
+        seen.setdefault(chat(base, f"u{i}", memory={"mode": "off"})["kvmem"]["replica"], f"u{i}")
+    assert len(seen) == 2, seen
+    return seen
+
+
+def test_each_user_stays_on_its_replica(cluster):
+    _, base, _ = cluster
+    for replica, user in two_users_on_two_replicas(base).items():
+        assert {chat(base, user)["kvmem"]["replica"] for _ in range(20)} == {replica}
+    assert metric(base, "kvmem_affinity_hit_rate") == 1.0
+    assert metric(base, "kvmem_replicas_live") == 2
+    assert 'kvmem_requests_total{replica="' in httpx.get(f"{base}/metrics").text  # replicas' metrics, labelled
+
+
+def test_a_write_on_one_replica_is_seen_on_the_other_and_a_delete_on_neither(cluster):
+    _, base, _ = cluster
+    a, b = sorted(replicas_of(base))
+    fid, where = add(base, "alice", "Alice keeps bees on her roof in Lisbon.", replica=a)
+    assert where == a
+    out = chat(base, "alice", replica=b, question="Where does Alice keep bees?")
+    assert out["kvmem"]["replica"] == b and out["kvmem"]["fact_ids"] == [fid]
+    r = httpx.delete(f"{base}/v1/memories/{fid}", headers=auth(KEY_A, b), timeout=60)
+    assert r.status_code == 200 and r.headers["x-kvmem-replica"] == b
+    for rep in (a, b):
+        assert fid not in chat(base, "alice", replica=rep)["kvmem"]["fact_ids"]
+        r = httpx.post(f"{base}/v1/memories/search", json={"query": "bees", "user_id": "alice"},
+                       headers=auth(KEY_A, rep), timeout=60)  # fmt: skip
+        assert r.status_code == 200 and fid not in [m["id"] for m in r.json()["results"]]
+
+
+def test_tenants_are_isolated_on_every_replica(cluster):
+    _, base, _ = cluster
+    fid, _ = add(base, "carol", "Carol's locker code is 4417.")
+    for rep in replicas_of(base):
+        r = httpx.get(f"{base}/v1/memories/{fid}", headers=auth(KEY_B, rep), timeout=60)
+        assert r.status_code == 403 and r.headers["x-kvmem-replica"] == rep, r.text
+        r = httpx.get(f"{base}/v1/memories/{fid}", headers=auth(KEY_A, rep), timeout=60)
+        assert r.status_code == 200 and r.json()["memory"].startswith("Carol's locker")
+        out = chat(base, "carol", key=KEY_B, replica=rep)  # tenant b's "carol" is another user: no memory
+        assert out["kvmem"]["fact_ids"] == []
+    assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
+
+
+def test_openai_client_unchanged_streaming_included(cluster):
+    from openai import OpenAI
+
+    _, base, _ = cluster
+    fid, _ = add(base, "dora", "Dora's cat is called Pixel.")
+    client = OpenAI(base_url=f"{base}/v1", api_key=KEY_A)
+    msgs = [{"role": "user", "content": "What is my cat called?"}]
+    r = client.chat.completions.create(model=FAST, messages=msgs, user="dora", max_tokens=8)
+    assert r.choices[0].message.content and r.model_extra["kvmem"]["fact_ids"] == [fid]
+    chunks = list(client.chat.completions.create(model=FAST, messages=msgs, user="dora", max_tokens=8, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content  # greedy: the same answer through either path
+    assert chunks[-1].model_extra["kvmem"]["replica"] == r.model_extra["kvmem"]["replica"]
+
+
+def test_a_killed_replica_costs_no_acknowledged_write_and_its_users_move(cluster):
+    """kill -9 one replica while users on both replicas chat and add memories: every acknowledged add is in the
+    store afterwards, the killed replica's user is answered by the other within seconds, and Ray brings a new
+    replica up, after which that user is routed to one replica again."""
+    _, base, _ = cluster
+    by_replica = two_users_on_two_replicas(base)
+    pids = replicas_of(base)
+    victim = sorted(pids)[0]
+    moved_user, other = by_replica[victim], next(r for r in pids if r != victim)
+    acked, failed, stop = {u: [] for u in by_replica.values()}, [], threading.Event()
+
+    def load(user):
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                if n % 3 == 0:
+                    acked[user].append(add(base, user, f"{user} note {n}: the tide table says {n * 7}.")[0])
+                else:
+                    chat(base, user)
+            except AssertionError as exc:
+                failed.append(str(exc)[:200])
+
+    threads = [threading.Thread(target=load, args=(u,)) for u in by_replica.values()]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    t_kill = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    while chat(base, moved_user)["kvmem"]["replica"] != other:
+        assert time.monotonic() - t_kill < 30
+    moved_s = time.monotonic() - t_kill
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert moved_s < 10, moved_s
+    assert all("replica_lost" in f for f in failed), failed  # only writes in flight on the dead replica
+    assert len(failed) <= 2, failed
+    for user, ids in acked.items():
+        r = httpx.get(f"{base}/v1/memories", params={"user_id": user}, headers=auth(KEY_A), timeout=60)
+        assert set(ids) <= {m["id"] for m in r.json()["results"]}, user
+    deadline = time.monotonic() + 180  # Ray restarts the replica (the model loads again)
+    while len(live := replicas_of(base)) < 2 or victim in live:
+        assert time.monotonic() < deadline, live
+        time.sleep(2)
+    assert len({chat(base, moved_user)["kvmem"]["replica"] for _ in range(5)}) == 1  # affinity is back
+
+
+def test_sigterm_stops_the_ingress_replicas_engines_and_ray(cluster):
+    proc, base, _ = cluster
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert len(tree) >= 4  # Ray's processes, the controller and both replicas
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    gone, alive = psutil.wait_procs(tree, timeout=30)
+    assert not alive, [(p.pid, p.name()) for p in alive]
