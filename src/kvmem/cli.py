@@ -1151,15 +1151,32 @@ def bench_serve(
     data: Path = _DATA,
     model: str = _MODEL,
     out: Path = typer.Option(Path("runs/bench/serve"), "--out"),
+    servers: str | None = typer.Option(
+        None,
+        "--servers",
+        help="Compare servers under one kv-mode load at --users instead: single (one process), ray1 (--ray), "
+        "ray2 (--replicas 2), comma-separated.",
+    ),
+    fault: bool = typer.Option(False, "--fault", help="With --servers: kill -9 one replica of the last Ray server."),
+    postgres: str | None = typer.Option(
+        None, "--postgres", help="With --servers: each server's store in a new schema of this PostgreSQL database."
+    ),
 ):
     """Load test of `kvmem serve` on loopback: concurrent users chat (kv and prompt), add and delete; TTFT, QPS,
-    errors, canary leaks, peak RSS."""
-    from .bench import serve_load
-    from .bench.common import int_list
+    errors, canary leaks, peak RSS. With --servers: the single process against replicas on Ray Serve."""
+    from .bench.common import int_list, str_list
 
-    points = sorted(set(int_list(sweep, "--sweep", 1) + [users])) if sweep else [users]
     if users < 1 or duration <= 0 or sweep_duration <= 0 or k < 1 or facts < k or max_tokens < 1:
         raise ValueError("--users, --duration, --k, --max-tokens must be positive and --facts >= --k")
+    if servers is not None:
+        from .bench import replicas_load
+
+        replicas_load.run(data, out, str_list(servers), users, duration, k, facts, engine, model, max_tokens, window,
+                          postgres, fault)  # fmt: skip
+        return
+    from .bench import serve_load
+
+    points = sorted(set(int_list(sweep, "--sweep", 1) + [users])) if sweep else [users]
     serve_load.run(data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration)
 
 

@@ -79,16 +79,35 @@ class Tree:
     def __init__(self, pid: int):
 
         self.proc, self.peak_total, self.peak_server, self.peak_engine = psutil.Process(pid), 0, 0, 0
+        self.peaks: dict[str, int] = {}  # "<process name> <pid>" -> peak RSS (every process of the tree)
 
     def sample(self) -> None:
 
         try:
             main = self.proc.memory_info().rss
-            kids = sum(c.memory_info().rss for c in self.proc.children(recursive=True))
+            kids = {}
+            for c in self.proc.children(recursive=True):
+                try:
+                    kids[f"{_label(c)} {c.pid}"] = c.memory_info().rss
+                except psutil.Error:
+                    continue
         except psutil.Error:
             return
-        self.peak_server, self.peak_engine = max(self.peak_server, main), max(self.peak_engine, kids)
-        self.peak_total = max(self.peak_total, main + kids)
+        for name, rss in [(f"kvmem serve {self.proc.pid}", main), *kids.items()]:
+            self.peaks[name] = max(self.peaks.get(name, 0), rss)
+        total = sum(kids.values())
+        self.peak_server, self.peak_engine = max(self.peak_server, main), max(self.peak_engine, total)
+        self.peak_total = max(self.peak_total, main + total)
+
+
+def _label(p: psutil.Process) -> str:
+    """A process's short name: Ray's workers by their actor (``ray::ServeReplica:kvmem:Replica``)."""
+    cmd = p.cmdline()
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split(".")[0]
+    if cmd and len(cmd) > 1 and cmd[1].endswith(".py"):
+        return Path(cmd[1]).stem
+    return p.name()
 
 
 class User:
@@ -169,6 +188,7 @@ async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict
         return
     stats["ttft"][mode].append(ttft)
     stats["done"][mode] += 1
+    stats["served"].append((time.perf_counter(), u.name, kv.get("replica")))
     foreign_ids = set(kv["fact_ids"]) - u.ids
     foreign_canary = [c for name, c in canaries.items() if name != u.name and c in answer]
     if foreign_ids or foreign_canary:
@@ -217,7 +237,9 @@ async def _phase(
     add_every: int,
     delete_every: int,
     tree: Tree,
+    during=None,
 ) -> dict:
+    """One load phase; ``during(stats)``: a coroutine run alongside (fault injection)."""
 
     stats = {
         "model": model,
@@ -228,6 +250,7 @@ async def _phase(
         "stale": [],
         "adds": 0,
         "deletes": 0,
+        "served": [],
     }
     canaries = {u.name: u.canary for u in users}
     end = time.perf_counter() + duration
@@ -254,7 +277,8 @@ async def _phase(
     limits = httpx.Limits(max_connections=len(users) + 4, max_keepalive_connections=len(users) + 4)
     async with httpx.AsyncClient(base_url=base, limits=limits) as client:
         t0 = time.perf_counter()
-        await asyncio.gather(sampler(), *(loop(u) for u in users))
+        extra = [during(stats)] if during is not None else []
+        await asyncio.gather(sampler(), *(loop(u) for u in users), *extra)
         wall = time.perf_counter() - t0
     tt = stats["ttft"][mode]
     return {
@@ -272,6 +296,7 @@ async def _phase(
         "leaks": len(stats["leaks"]),
         "leak_samples": stats["leaks"][:5],
         "stale": len(stats["stale"]),
+        "served": stats["served"],
     }
 
 
@@ -361,6 +386,7 @@ def run(
                 row = asyncio.run(
                     _phase(base, all_users[:n], mode, k, d, max_tokens, ready["model"], add_every, delete_every, tree)
                 )
+                row.pop("served")
                 log_err(
                     f"  users={n} {mode}: {row['chats']} chats, {row['qps']} QPS, ttft p50 {row['ttft_ms_p50']} "
                     f"p95 {row['ttft_ms_p95']} ms, errors {row['errors']}, leaks {row['leaks']}, "

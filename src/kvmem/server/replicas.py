@@ -116,6 +116,7 @@ class ReplicaConfig:
     store: str
     api_keys: dict | None
     start: dict = field(default_factory=dict)
+    split_cores: bool = False  # one machine, no GPU: each replica takes its own cores (local rank)
 
 
 class Replica:
@@ -123,7 +124,12 @@ class Replica:
     and yields its ASGI response: ``{"status", "headers"}`` first, then body chunks (bytes)."""
 
     def __init__(self, cfg: ReplicaConfig):
-        self.name = serve.get_replica_context().replica_id.unique_id
+        ctx = serve.get_replica_context()
+        self.name = ctx.replica_id.unique_id
+        if cfg.split_cores:  # torch, and vLLM's CPU thread binding (it binds within the allowed cores), apart
+            cores = sorted(os.sched_getaffinity(0))
+            n = max(1, len(cores) // ctx.world_size)
+            os.sched_setaffinity(0, cores[ctx.rank.local_rank * n : (ctx.rank.local_rank + 1) * n] or cores)
         self.server = KvmemServer.start(cfg.store, api_keys=cfg.api_keys, **cfg.start)
         self.server.replica = self.name
         self.app = create_app(self.server)
@@ -240,7 +246,8 @@ class Replicas:
             graceful_shutdown_timeout_s=10,
             request_router_config=RequestRouterConfig(request_router_class=UserAffinityRouter),
         )
-        cfg = ReplicaConfig(redact(store), api_keys, {"max_queue": max_queue, **start_kwargs})
+        split = started and not res.get("GPU") and hasattr(os, "sched_setaffinity")
+        cfg = ReplicaConfig(redact(store), api_keys, {"max_queue": max_queue, **start_kwargs}, split)
         serve.start(proxy_location="Disabled")
         handle = serve.run(
             deployment.bind(cfg),
