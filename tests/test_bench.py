@@ -472,3 +472,32 @@ def test_sigterm_stops_the_vllm_engine(tiny):
         for c in engine:
             if c.is_running():
                 c.kill()
+
+
+def test_scale_model_values_and_command(tmp_path):
+    """The capacity model's pieces against closed forms, then the command's output."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from kvmem.bench import scale_sim
+    from kvmem.cli import app
+
+    assert scale_sim.kv_bytes_per_token(*scale_sim.MODELS["0.5B"]) == 12 * 1024  # 12 KB per token in bf16
+    assert scale_sim.kv_bytes_per_token(*scale_sim.MODELS["8B"]) == 128 * 1024
+    uniform = np.full(1000, 1e-3)
+    assert scale_sim.lru_hit_rate(uniform, 250) == pytest.approx(0.25, abs=1e-6)  # LRU on uniform: C / N
+    p = scale_sim.zipf_p(10_000, 1.0)
+    assert scale_sim.lru_hit_rate(p, 10_000) == 1.0 and scale_sim.lru_hit_rate(p, 0) == 0.0
+    one, four = scale_sim.lru_hit_rate(p, 500), scale_sim.affinity_hit_rate(p, 4, 500)
+    assert 0.5 < one < four < 1  # Zipf's head fits; four caches of one quarter each hold more
+    # a mixture whose every request is hot has the hot p95
+    assert scale_sim._lognormal_quantile_mix(1.0, (100, 150), (1000, 1500), 0.95) == pytest.approx(150, rel=1e-3)
+    res = CliRunner().invoke(app, ["bench", "scale", "--users", "1000,5000", "--facts", "10", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "scale.json").read_text())
+    assert len(out["rows"]) == 6 and (tmp_path / "scale.png").stat().st_size > 0
+    r = next(r for r in out["rows"] if r["model"] == "0.5B" and r["users"] == 1000)
+    assert r["store_bytes"] == 1000 * 10 * (32 * 12 * 1024 + 4 * 384 + 200)
+    assert r["cache_hit_rate_affinity"] == 1.0  # 1,000 users x 10 facts fit in 64 GiB
+    res = CliRunner().invoke(app, ["bench", "scale", "--hot-ttft-p50", "300", "--hot-ttft-p95", "200"])
+    assert res.exit_code == 2 and "hot-ttft" in res.output

@@ -35,7 +35,7 @@ def cluster(postgres, tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--segments", (where / "kv").as_uri(),
            "--model", FAST, "--engine", "hf", "--window", "0", "--replicas", "2", "--port", str(port),
-           "--api-keys", str(where / "keys.json"), "--timeout", "60"]  # fmt: skip
+           "--api-keys", str(where / "keys.json"), "--timeout", "60", "--max-queue", "4"]  # fmt: skip
     with open(where / "serve.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -149,6 +149,26 @@ def test_tenants_are_isolated_on_every_replica(cluster):
         out = chat(base, "carol", key=KEY_B, replica=rep)  # tenant b's "carol" is another user: no memory
         assert out["kvmem"]["fact_ids"] == []
     assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
+
+
+def test_overload_is_refused_with_429_not_queued_without_bound(cluster):
+    """--max-queue 4: each replica runs 4 requests at most and the ingress queues 4 more; the rest get a 429."""
+    import asyncio
+
+    _, base, _ = cluster
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+            body = {"model": FAST, "user": "eve", "max_tokens": 24, "messages": [{"role": "user", "content": "Hi"}]}
+            rs = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body, headers=auth(KEY_A)) for _ in range(24))
+            )
+        return [r.status_code for r in rs], [r.json()["error"]["code"] for r in rs if r.status_code == 429]
+
+    codes, why = asyncio.run(burst())
+    assert set(codes) == {200, 429}, codes
+    assert codes.count(200) >= 8, codes  # 2 x 4 running, 4 queued, and any let in as others finished
+    assert set(why) <= {"replicas_busy", "engine_busy"}, why
 
 
 def test_openai_client_unchanged_streaming_included(cluster):

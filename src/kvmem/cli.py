@@ -1136,6 +1136,38 @@ def bench_replay(
     replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine, reuse=reuse)
 
 
+@bench_app.command("scale")
+@friendly
+def bench_scale(
+    users: str = typer.Option("10000,100000,1000000", "--users", help="User counts to project."),
+    facts: int = typer.Option(200, "--facts", help="Facts per user."),
+    tokens_per_fact: int = typer.Option(32, "--tokens-per-fact"),
+    k: int = typer.Option(20, "--k"),
+    zipf: float = typer.Option(1.0, "--zipf", help="Zipf exponent of user activity."),
+    cache_bytes: int = typer.Option(64 << 30, "--cache-bytes", help="Segment-cache bytes per replica."),
+    target_qps: float = typer.Option(100.0, "--target-qps"),
+    qps_per_replica: float = typer.Option(5.5, "--qps-per-replica", help="Measured: bench serve, vLLM, 32 users."),
+    gpu_speedup: float = typer.Option(1.0, "--gpu-speedup", help="Replica speed relative to the measured one."),
+    hot_p50: float = typer.Option(135.0, "--hot-ttft-p50", help="ms; measured: bench serve, 1 user, kv mode."),
+    hot_p95: float = typer.Option(186.0, "--hot-ttft-p95", help="ms; as --hot-ttft-p50."),
+    cold_ms: float = typer.Option(1264.0, "--cold-ms", help="ms to read k facts' KV cold (bench store, shared)."),
+    store_gbps: float = typer.Option(1.0, "--store-gbps", help="Shared-store read bandwidth per replica, GB/s."),
+    out: Path = typer.Option(Path("runs/bench/scale"), "--out"),
+):
+    """Many replicas over one shared store, on paper: store size, replicas for a QPS, cache hit rate and TTFT p95
+    for 10k-1M users, from measured per-request costs (no model runs)."""
+    from .bench import scale_sim
+    from .bench.common import int_list
+
+    if min(facts, tokens_per_fact, k, cache_bytes) < 1 or min(target_qps, qps_per_replica, gpu_speedup) <= 0:
+        raise ValueError("--facts, --tokens-per-fact, --k, --cache-bytes and the QPS options must be positive")
+    if not 0 < hot_p50 <= hot_p95 or cold_ms < 0 or store_gbps <= 0 or zipf < 0:
+        raise ValueError("need 0 < --hot-ttft-p50 <= --hot-ttft-p95, --cold-ms >= 0, --store-gbps > 0, --zipf >= 0")
+    scale_sim.run(out, tuple(int_list(users, "--users", 1)), facts, tokens_per_fact, k, zipf, cache_bytes, target_qps,
+                  qps_per_replica, gpu_speedup, hot_ttft_ms=(hot_p50, hot_p95), cold_ms=cold_ms,
+                  store_gbps=store_gbps)  # fmt: skip
+
+
 @bench_app.command("serve")
 @friendly
 def bench_serve(
