@@ -129,6 +129,8 @@ def test_a_write_on_one_replica_is_seen_on_the_other_and_a_delete_on_neither(clu
     assert where == a
     out = chat(base, "alice", replica=b, question="Where does Alice keep bees?")
     assert out["kvmem"]["replica"] == b and out["kvmem"]["fact_ids"] == [fid]
+    home = chat(base, "alice")["kvmem"]["replica"]  # by memory id, routed to its owner's replica too
+    assert httpx.get(f"{base}/v1/memories/{fid}", headers=auth(KEY_A), timeout=60).headers["x-kvmem-replica"] == home
     r = httpx.delete(f"{base}/v1/memories/{fid}", headers=auth(KEY_A, b), timeout=60)
     assert r.status_code == 200 and r.headers["x-kvmem-replica"] == b
     for rep in (a, b):
