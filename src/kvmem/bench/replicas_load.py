@@ -1,12 +1,14 @@
 """``kvmem bench serve --servers single,ray1,ray2 [--fault]``: the same load against the single-process server
 and against ``kvmem serve --replicas N`` on Ray Serve, side by side in one run (loopback only, bounded).
 
-Each server starts on its own fresh store (a PostgreSQL schema with ``--postgres``, else a directory) and gets
-the same users, memories and canaries (``serve_load``). One kv-mode phase of ``duration`` seconds: every user
-loops over streaming chats, adds and deletes. Reported per server: chat QPS, client TTFT p50 / p95, errors,
-leaks (another user's canary or fact id), stale (a deleted fact served), the affinity hit rate and replica
-counts (``/metrics``), the segment-cache hit rate (facts' KV served from a replica's memory cache), start-up
-time, and the peak RSS of every process of the server's tree, Ray's own included.
+The servers run one after another on one new store (a PostgreSQL schema with ``--postgres``, else a
+directory). The first server adds every user's memories and canary (``serve_load``; no neighbours, to keep
+set-up short: encoding is not what this measures). Every server then runs one kv-mode phase of ``duration``
+seconds, in which every user loops over streaming chats, adds and deletes. Reported per server: chat QPS,
+client TTFT p50 / p95, errors, leaks (another user's canary or fact id), stale (a deleted fact served), the
+affinity hit rate and replica counts (``/metrics``), the phase's KV cache hit rate (facts' KV served from a
+replica's memory cache), start-up time, and the peak RSS of every process of the server's tree, Ray's own
+included.
 
 ``--fault``: the last Ray server runs a second phase in which one replica is killed (SIGKILL) halfway. Reported:
 failed requests, the seconds until each of the killed replica's users had an answer again, and acknowledged
@@ -64,6 +66,8 @@ def _killer(base: str, key: str, at_s: float, record: dict):
         await asyncio.sleep(at_s)
         replicas = {rep for _, _, rep in stats["served"] if rep}
         pids = await asyncio.to_thread(_ready_pids, base, key, replicas)
+        if not pids:
+            raise RuntimeError("no replica answered /ready with its pid: nothing to kill")
         victim = sorted(pids)[0]
         os.kill(pids[victim], signal.SIGKILL)
         record.update(victim=victim, t_kill=time.perf_counter(), n_before=len(stats["served"]))
@@ -116,6 +120,7 @@ async def _setup_all(base: str, users: list[User]) -> None:
 
 
 def _store_for(name: str, out: Path, postgres: str | None) -> list[str]:
+    """``--store`` (and ``--segments``) of a new store: a directory, or a new schema of ``postgres``."""
     if postgres is None:
         where = out / f"store-{name}"
         if where.exists():
@@ -144,12 +149,13 @@ def run(
     engine: str = "auto",
     model: str = "qwen2.5-coder-0.5b-instruct",
     max_tokens: int = 16,
-    window: int = 2,
+    window: int = 0,
     postgres: str | None = None,
     fault: bool = False,
     add_every: int = 10,
     delete_every: int = 15,
     cache_bytes: int = 512 << 20,
+    neighbours: int = 0,
 ) -> dict:
     """Raises ValueError for an unknown server name or too few facts in ``data``."""
     bad = [s for s in servers if s not in SERVERS]
@@ -163,17 +169,19 @@ def run(
     (out / "keys.json").write_text(json.dumps(keys))
     key_list = list(keys)
     random.seed(0)
-    canaries = [User(i, key_list[i], pool[i * facts : (i + 1) * facts]).canary for i in range(users)]
+    all_users = [User(i, key_list[i], pool[i * facts : (i + 1) * facts]) for i in range(users)]
+    store = _store_for("replicas", out, postgres)  # one store: built by the first server, then every server's
     results = []
     fault_row = None
+    setup_s = None
     last_ray = next((s for s in reversed(servers) if s != "single"), None)
     for name in servers:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "kvmem.cli", "serve", *_store_for(name, out, postgres), "--model", model,
-               "--engine", engine, "--port", str(port), "--api-keys", str(out / "keys.json"), "--window", str(window),
-               "--max-queue", str(4 * users + 16), "--cache-bytes", str(cache_bytes), "--timeout", "600",
-               *SERVERS[name]]  # fmt: skip
+        cmd = [sys.executable, "-m", "kvmem.cli", "serve", *store, "--model", model, "--engine", engine,
+               "--port", str(port), "--api-keys", str(out / "keys.json"), "--window", str(window), "--neighbours",
+               str(neighbours), "--max-queue", str(4 * users + 16), "--cache-bytes", str(cache_bytes), "--timeout",
+               "600", *SERVERS[name]]  # fmt: skip
         log_err("bench serve: " + " ".join(cmd))
         t0 = time.perf_counter()
         with served(cmd, base, out / f"server-{name}.log") as (proc, ready):
@@ -181,30 +189,29 @@ def run(
             tree = Tree(proc.pid)
             tree.sample()
             idle = dict(tree.peaks)
-            all_users = [User(i, key_list[i], pool[i * facts : (i + 1) * facts]) for i in range(users)]
-            for u, c in zip(all_users, canaries, strict=True):
-                u.canary = c
-
-            t1 = time.perf_counter()
-            asyncio.run(_setup_all(base, all_users))
-            setup_s = time.perf_counter() - t1
-            log_err(f"bench serve [{name}]: ready in {startup_s:.0f} s; {users} users set up in {setup_s:.0f} s")
+            log_err(f"bench serve [{name}]: ready in {startup_s:.0f} s")
+            if setup_s is None:
+                t1 = time.perf_counter()
+                asyncio.run(_setup_all(base, all_users))
+                setup_s = time.perf_counter() - t1
+                log_err(f"bench serve [{name}]: {users} users x {facts + 1} memories added in {setup_s:.0f} s")
+            before = httpx.get(f"{base}/metrics", timeout=60).text
             phase = (base, all_users, "kv", k, duration, max_tokens, ready["model"], add_every, delete_every, tree)
             row = asyncio.run(_phase(*phase))
             row.pop("served")
             metrics = httpx.get(f"{base}/metrics", timeout=60).text
             (out / f"metrics-{name}.txt").write_text(metrics)
-            hits, misses = (
-                _metric_sum(metrics, "kvmem_store_reads", counter="kv_hits"),
-                _metric_sum(metrics, "kvmem_store_reads", counter="kv_misses"),
-            )
+            hits, misses = (  # this phase's reads only
+                _metric_sum(metrics, "kvmem_store_reads", counter=c)
+                - _metric_sum(before, "kvmem_store_reads", counter=c)
+                for c in ("kv_hits", "kv_misses")
+            )  # fmt: skip
             preferred = _metric_sum(metrics, "kvmem_affinity_requests", routed="preferred")
             fallback = _metric_sum(metrics, "kvmem_affinity_requests", routed="fallback")
             row.update(
                 server=name,
                 engine=ready["engine"],
                 startup_s=round(startup_s, 1),
-                setup_s=round(setup_s, 1),
                 affinity_hit_rate=round(preferred / (preferred + fallback), 4) if preferred + fallback else None,
                 routed_preferred=int(preferred),
                 routed_fallback=int(fallback),
@@ -251,13 +258,16 @@ def run(
         "duration_s": duration,
         "max_tokens": max_tokens,
         "store": "postgresql + file:// segments" if postgres else "directory",
+        "setup_s": round(setup_s or 0, 1),
+        "window": window,
+        "neighbours": neighbours,
         "rows": results,
         "fault": fault_row,
         "command": " ".join(sys.argv),
     }
     write_json(out / "replicas.json", summary)
     head = ["server", "chats", "QPS", "TTFT p50 ms", "TTFT p95 ms", "p50 / single", "errors", "leaks", "stale",
-            "affinity", "segment cache hits", "start-up s", "peak RSS GiB"]  # fmt: skip
+            "affinity", "KV cache hits", "start-up s", "peak RSS GiB"]  # fmt: skip
     body = [
         [r["server"], r["chats"], r["qps"], r["ttft_ms_p50"], r["ttft_ms_p95"], r.get("p50_ttft_over_single", ""),
          r["errors"], r["leaks"], r["stale"], r["affinity_hit_rate"] if r["affinity_hit_rate"] is not None else "",

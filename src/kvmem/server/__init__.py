@@ -60,6 +60,17 @@ def serve(
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"refusing to bind {host} without --api-keys: without keys the server is loopback-only")
     tenants = f"tenants: {', '.join(sorted(set(keys.values())))}" if keys else "no API keys: loopback only"
+
+    def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the shutdown itself
+            signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(0)
+
+    def _handle():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit)
+
+    _handle()  # before start: a stop while engines load unwinds them too
     if replicas > 1 or ray_address or use_ray:
         from .replicas import Replicas, create_ingress
 
@@ -76,14 +87,7 @@ def serve(
             f"kvmem serve: {server.model_name} on the {server.engine.name} engine, store {redact(str(store))}, "
             f"{tenants}; http://{host}:{port}/v1"
         )
-
-    def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not interrupt the shutdown itself
-            signal.signal(sig, signal.SIG_IGN)
-        raise SystemExit(0)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _exit)
+    _handle()  # again: ray.init installs its own
     uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
     died = threading.Event()
 

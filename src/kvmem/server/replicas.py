@@ -32,17 +32,18 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qs
 
 import ray
+from cachetools import LRUCache
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from ray.serve.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import RequestRouter
 
-from ..rows import password, redact
+from ..rows import canonical, password
 from ..store import Store
 from .routes import body_limit_error, create_app
 from .runtime import KvmemServer, Limits
@@ -74,12 +75,13 @@ def _score(key: str, replica: str) -> bytes:
     return hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest()
 
 
-class UserAffinityRouter(FIFOMixin, RequestRouter):
+class UserAffinityRouter(RequestRouter):
     """Rendezvous (highest-random-weight) hashing of the request's ``route_key`` over the live replicas.
 
     ``choose_replicas`` ranks every candidate: the pinned replica (``pin``) if any, then the user's preferred
     replica, then the rest in the user's hash order. Ray tries the ranks in order and skips a replica whose queue
-    is full, which is the load fallback. A request without a key ranks by its request id (spread evenly)."""
+    is full, which is the load fallback. A request without a key ranks by its request id (spread evenly). No FIFO
+    mixin: a replica chosen for a request goes to that request (FIFO hands it to the oldest pending one)."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         shared = _shared()
@@ -129,7 +131,12 @@ class Replica:
         if cfg.split_cores:  # torch, and vLLM's CPU thread binding (it binds within the allowed cores), apart
             cores = sorted(os.sched_getaffinity(0))
             n = max(1, len(cores) // ctx.world_size)
-            os.sched_setaffinity(0, cores[ctx.rank.local_rank * n : (ctx.rank.local_rank + 1) * n] or cores)
+            mine = cores[(ctx.rank.local_rank % ctx.world_size) * n :][:n] or cores
+            for tid in os.listdir("/proc/self/task"):  # every thread: a new one inherits its creator's mask
+                try:
+                    os.sched_setaffinity(int(tid), mine)
+                except OSError:
+                    pass
         self.server = KvmemServer.start(cfg.store, api_keys=cfg.api_keys, **cfg.start)
         self.server.replica = self.name
         self.app = create_app(self.server)
@@ -150,7 +157,7 @@ class Replica:
             "method": req["method"],
             "scheme": "http",
             "path": req["path"],
-            "raw_path": req["path"].encode(),
+            "raw_path": req["raw_path"],
             "query_string": req["query_string"],
             "root_path": "",
             "headers": req["headers"],
@@ -184,9 +191,10 @@ class Replica:
 
 
 def _resources(replicas: int, gpus: float, cpus: float) -> dict:
-    """Ray resources per replica: one GPU each where the cluster has GPUs, else an equal share of the cores."""
+    """Ray resources per replica: one GPU each where the cluster has enough (an equal share of them where it has
+    fewer GPUs than replicas), else an equal share of the cores."""
     if gpus >= 1:
-        return {"num_gpus": 1, "num_cpus": 1}
+        return {"num_gpus": min(1.0, gpus / replicas), "num_cpus": max(0.1, min(1.0, cpus / replicas))}
     return {"num_cpus": max(0.1, cpus / replicas)}
 
 
@@ -199,6 +207,7 @@ class Replicas:
         self.handle, self.started_ray, self.replicas = handle, started_ray, replicas
         self.limits, self.tenants, self.store_location = limits, tenants, store
         self._store: Store | None = None
+        self._owners = LRUCache(maxsize=100_000)  # a memory id's owner never changes
 
     @classmethod
     def start(
@@ -215,7 +224,14 @@ class Replicas:
 
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
+        if ray_address and ray_address.startswith("ray://"):
+            raise ValueError(
+                "--ray-address ray://... (Ray Client) cannot stream from deployments; run kvmem serve on a node of "
+                "the cluster with --ray-address auto (or the GCS address, host:6379)"
+            )
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # a replica killed with -9 takes its engine's processes with it (Linux subreaper in the raylet)
+        os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
         started = not ray.is_initialized() and not ray_address
         if not ray.is_initialized():
             if ray_address:
@@ -224,53 +240,73 @@ class Replicas:
                 ray.init(
                     num_cpus=usable_cores(),
                     include_dashboard=False,
+                    _node_ip_address="127.0.0.1",  # a local cluster listens on loopback only
                     object_store_memory=128 << 20,  # requests and answers only: KV never travels through Ray
                     logging_level="warning",
                     log_to_driver=True,
                 )
-        res = ray.cluster_resources()
-        per = _resources(replicas, res.get("GPU", 0), res.get("CPU", 1))
-        env = {"KVMEM_THREADS": str(max(1, int(per["num_cpus"])))}
-        if password(store):
-            env["PGPASSWORD"] = password(store)
-        limits = start_kwargs.get("limits") or Limits()
-        deployment = serve.deployment(
-            Replica,
-            name="Replica",
-            num_replicas=replicas,
-            ray_actor_options={**per, "runtime_env": {"env_vars": env}},
-            max_ongoing_requests=max_queue,
-            max_queued_requests=max_queue,
-            health_check_period_s=2,
-            health_check_timeout_s=30,
-            graceful_shutdown_timeout_s=10,
-            request_router_config=RequestRouterConfig(request_router_class=UserAffinityRouter),
-        )
-        split = started and not res.get("GPU") and hasattr(os, "sched_setaffinity")
-        cfg = ReplicaConfig(redact(store), api_keys, {"max_queue": max_queue, **start_kwargs}, split)
-        serve.start(proxy_location="Disabled")
-        handle = serve.run(
-            deployment.bind(cfg),
-            name=APP_NAME,
-            route_prefix=None,
-            logging_config={"log_level": "WARNING", "enable_access_log": False},
-        )
+        try:
+            res = ray.cluster_resources()
+            per = _resources(replicas, res.get("GPU", 0), res.get("CPU", 1))
+            env = {"KVMEM_THREADS": str(max(1, int(res.get("CPU", 1) / replicas)))}
+            if password(store):
+                env["PGPASSWORD"] = password(store)
+            limits = start_kwargs.get("limits") or Limits()
+            deployment = serve.deployment(
+                Replica,
+                name="Replica",
+                num_replicas=replicas,
+                ray_actor_options={**per, "runtime_env": {"env_vars": env}},
+                max_ongoing_requests=max_queue,
+                max_queued_requests=max_queue,
+                health_check_period_s=2,
+                health_check_timeout_s=30,
+                graceful_shutdown_timeout_s=30,  # open streams drain, then __del__ stops the engine
+                request_router_config=RequestRouterConfig(request_router_class=UserAffinityRouter),
+            )
+            split = started and not res.get("GPU") and hasattr(os, "sched_setaffinity")
+            cfg = ReplicaConfig(canonical(store), api_keys, {"max_queue": max_queue, **start_kwargs}, split)
+            serve.start(proxy_location="Disabled")
+            handle = serve.run(
+                deployment.bind(cfg),
+                name=APP_NAME,
+                route_prefix=None,
+                logging_config={"log_level": "WARNING", "enable_access_log": False},
+            )
+        except BaseException:  # a failed start (or SIGTERM meanwhile) leaves no Ray behind
+            if started:
+                serve.shutdown()
+                ray.shutdown()
+            raise
         return cls(handle.options(stream=True), started, replicas, limits, Tenants(api_keys or {}), store)
 
-    def owner(self, memory_id: str) -> str | None:
-        """The store user of a memory id, for routing ``/v1/memories/{id}`` (None: unknown, route anywhere)."""
-        try:
+    async def owner(self, memory_id: str) -> str | None:
+        """The store user of a memory id, for routing ``/v1/memories/{id}`` (None: unknown, route anywhere);
+        the store is read off the event loop."""
+        if memory_id in self._owners:
+            return self._owners[memory_id]
+
+        def read():
             if self._store is None:
                 self._store = Store.open(self.store_location)
             f = self._store.fact(memory_id)
+            return f.user if f is not None else None
+
+        try:
+            user = await asyncio.to_thread(read)
         except Exception:  # routing is a hint: the replica answers the real error
             return None
-        return f.user if f is not None else None
+        if user is not None:
+            self._owners[memory_id] = user
+        return user
 
     def close(self) -> None:
+        """Delete the app (each replica drains, then its ``__del__`` stops its engine); on a Ray this process
+        started, Serve and Ray stop too. On a joined cluster other Serve apps keep running."""
         try:
-            serve.delete(APP_NAME)  # graceful: each replica's __del__ stops its engine
-            serve.shutdown()
+            serve.delete(APP_NAME)
+            if self.started_ray:
+                serve.shutdown()
         finally:
             if self._store is not None:
                 self._store.close()
@@ -278,7 +314,7 @@ class Replicas:
                 ray.shutdown()
 
 
-def route_key(cluster: Replicas, method: str, path: str, query: bytes, headers, body: bytes) -> str | None:
+async def route_key(cluster: Replicas, method: str, path: str, query: bytes, headers, body: bytes) -> str | None:
     """The store user a request is for (tenant-salted), or None: the chat's ``user``, the memories API's
     ``user_id`` (body or query), or the owner of ``/v1/memories/{id}``. Only a hint: errors are the replica's."""
     try:
@@ -296,7 +332,7 @@ def route_key(cluster: Replicas, method: str, path: str, query: bytes, headers, 
     elif path == "/v1/memories":
         user = (parse_qs(query.decode("latin-1")).get("user_id") or [None])[0]
     elif path.startswith("/v1/memories/"):
-        return cluster.owner(path.split("/")[3])
+        return await cluster.owner(path.split("/")[3])
     if not isinstance(user, str):
         return None
     try:
@@ -328,17 +364,24 @@ def create_ingress(cluster: Replicas) -> FastAPI:
     Gauge("kvmem_replicas_live", "Replicas the router routes among", registry=registry).set_function(lambda: len(LIVE))
 
     async def forward(req: dict, key: str | None, pin: str | None, retry: bool):
-        """The replica's first message and the rest of its stream; retried on another replica while nothing
-        has been answered yet (``retry``). Raises APIError 429/503."""
+        """The replica's first message and its stream. ``retry`` (reads and chats): a replica that died before
+        answering is replaced by another, and no answer in ``--timeout`` (+10 s) is a 503. A write is never
+        retried nor timed out here (it may be running: the replica's own limits apply). Raises APIError."""
         for attempt in range(RETRIES + 1):
             gen = cluster.handle.remote(req, route_key=key, pin=pin)
             try:
-                first = await asyncio.wait_for(gen.__anext__(), limits.request_timeout_s + 10)
+                first = await asyncio.wait_for(gen.__anext__(), limits.request_timeout_s + 10 if retry else None)
                 return first, gen
+            except asyncio.CancelledError:  # the client went away: the replica's work stops too
+                gen.cancel()
+                raise
             except BackPressureError:
                 requests.labels("busy").inc()
                 raise APIError(429, "every replica's queue is full; retry later", "replicas_busy") from None
-            except (RayActorError, DeploymentUnavailableError) as exc:
+            except DeploymentUnavailableError:
+                requests.labels("unavailable").inc()
+                raise APIError(503, "no replica is running yet; nothing was applied", "not_ready") from None
+            except RayActorError as exc:
                 gen.cancel()
                 if retry and attempt < RETRIES:
                     requests.labels("retried").inc()
@@ -349,35 +392,48 @@ def create_ingress(cluster: Replicas) -> FastAPI:
                 what = "" if retry else "; the write may or may not have landed: read before retrying"
                 raise APIError(503, f"the replica serving this request died ({type(exc).__name__}){what}",
                                "replica_lost") from None  # fmt: skip
+            except RayTaskError as exc:
+                logger.error("a replica failed a request: %s", exc)
+                raise APIError(500, "the replica failed this request", "internal_error") from None
             except (TimeoutError, StopAsyncIteration):
                 gen.cancel()
                 requests.labels("timeout").inc()
                 raise APIError(503, "no replica answered in time", "timeout") from None
         raise AssertionError("unreachable")
 
-    async def rest(first_gen):
-        _, gen = first_gen
+    async def rest(gen, sse: bool):
         try:
             async for chunk in gen:
                 yield chunk
-        except (RayActorError, DeploymentUnavailableError):
-            requests.labels("lost_mid_stream").inc()  # the client sees a truncated stream
+        except (RayActorError, RayTaskError):
+            requests.labels("lost_mid_stream").inc()
+            if sse:  # an explicit end, not a stream that merely stops
+                err = {"error": {"message": "the replica serving this stream died", "type": "api_error",
+                                 "code": "replica_lost"}}  # fmt: skip
+                yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
             gen.cancel()
 
+    async def scrape(rid: str) -> str | None:
+        req = {"method": "GET", "path": "/metrics", "raw_path": b"/metrics", "query_string": b"", "headers": [],
+               "body": b""}  # fmt: skip
+        try:
+            first, gen = await asyncio.wait_for(forward(req, None, rid, retry=False), 5)
+            text = b"".join([c async for c in gen]).decode()
+        except (APIError, TimeoutError):
+            return None
+        return text if (PIN_HEADER.encode(), rid.encode()) in first["headers"] else None  # not a stand-in
+
     @app.get("/metrics")
     async def metrics():
-        texts = {}
-        for rid in list(LIVE):
-            req = {"method": "GET", "path": "/metrics", "query_string": b"", "headers": [], "body": b""}
-            try:
-                first, gen = await forward(req, None, rid, retry=False)
-                text = b"".join([c async for c in gen]).decode()
-            except APIError:
-                continue
-            if (PIN_HEADER.encode(), rid.encode()) in first["headers"]:  # not another replica standing in
-                texts[rid] = text
-        return Response(generate_latest(registry) + _merged(texts), media_type=CONTENT_TYPE_LATEST)
+        ids = list(LIVE)
+        texts = await asyncio.gather(*(scrape(rid) for rid in ids))
+        merged = _merged({rid: t for rid, t in zip(ids, texts, strict=True) if t is not None})
+        return Response(generate_latest(registry) + merged, media_type=CONTENT_TYPE_LATEST)
+
+    async def disconnected(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def proxy(request: Request):
@@ -385,25 +441,40 @@ def create_ingress(cluster: Replicas) -> FastAPI:
         if too_big is not None:
             return too_big.response()
         body = await request.body()
-        path, method = request.url.path, request.method
-        query = request.url.query.encode()
-        key = route_key(cluster, method, path, query, request.headers, body)
+        scope = request.scope
+        path, method = scope["path"], request.method
+        key = await route_key(cluster, method, path, scope["query_string"], request.headers, body)
         req = {
             "method": method,
             "path": path,
-            "query_string": query,
-            "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()],
+            "raw_path": scope.get("raw_path") or path.encode(),
+            "query_string": scope["query_string"],
+            "headers": list(scope["headers"]),
             "body": body,
-            "client": (request.client.host, request.client.port) if request.client else None,
+            "client": tuple(scope["client"]) if scope.get("client") else None,
         }
-        pin = request.headers.get(PIN_HEADER)
+        retry = method in ("GET", "HEAD") or (method, path) in IDEMPOTENT
+        call = asyncio.ensure_future(forward(req, key, request.headers.get(PIN_HEADER), retry))
+        if retry:  # a read or chat stops when its client goes; a write runs to its end
+            gone = asyncio.ensure_future(disconnected(request))
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not call.done():
+                call.cancel()
+                return APIError(400, "the client disconnected", "client_disconnected").response()
         try:
-            first, gen = await forward(req, key, pin, retry=method in ("GET", "HEAD") or (method, path) in IDEMPOTENT)
+            first, gen = await call
         except APIError as err:
-            return err.response()
+            resp = err.response()
+            if err.status == 429:
+                resp.headers["retry-after"] = "1"
+            return resp
         requests.labels("ok").inc()
-        headers = {k.decode(): v.decode() for k, v in first["headers"] if k.lower() != b"content-length"}
-        return StreamingResponse(rest((first, gen)), status_code=first["status"], headers=headers)
+        raw = [(k, v) for k, v in first["headers"] if k.lower() != b"content-length"]
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in raw)
+        resp = StreamingResponse(rest(gen, sse), status_code=first["status"])
+        resp.raw_headers = raw  # the replica's headers as sent (duplicates kept)
+        return resp
 
     return app
 
@@ -418,6 +489,7 @@ def _merged(texts: dict[str, str]) -> bytes:
             samples += [(s.name, {**s.labels, "replica": rid}, s.value) for s in fam.samples]
     lines = []
     for name, ((doc, kind), samples) in families.items():
+        name = f"{name}_total" if kind == "counter" else name  # as prometheus_client writes a counter
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
         for sample, labels, value in samples:
             body = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
