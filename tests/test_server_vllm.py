@@ -187,3 +187,10 @@ def test_vllm_server_injects_memory_and_isolates_tenants(base):
     assert (
         injected and float(injected[0].split()[-1]) >= 2
     )  # kv, then the new version (the stream hit the prefix cache)
+    time.sleep(1.1)  # the worker reports its reads at most once a second: the next load writes them
+    client.chat.completions.create(
+        model=FAST, messages=msgs, user="alice", max_tokens=2, extra_body={"memory": {"top_k": 2, "mode": "kv"}}
+    )
+    text = httpx.get(f"{base}/metrics").text
+    reads = {ln.split('"')[1]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("kvmem_store_reads{")}
+    assert reads["kv_misses"] >= 3 and reads["kv_read_bytes"] > 0, reads  # the worker's reads of facts' KV

@@ -4,7 +4,8 @@ and against ``kvmem serve --replicas N`` on Ray Serve, side by side in one run (
 The servers run one after another on one new store (a PostgreSQL schema with ``--postgres``, else a
 directory). The first server adds every user's memories and canary (``serve_load``; no neighbours, to keep
 set-up short: encoding is not what this measures). Every server then runs one kv-mode phase of ``duration``
-seconds, in which every user loops over streaming chats, adds and deletes. Reported per server: chat QPS,
+seconds, in which every user loops over streaming chats, with every 4th request an add and every 6th a delete
+(a user does only a few requests a minute on a 2-core CPU). Reported per server: chat QPS,
 client TTFT p50 / p95, errors, leaks (another user's canary or fact id), stale (a deleted fact served), the
 affinity hit rate and replica counts (``/metrics``), the phase's KV cache hit rate (facts' KV served from a
 replica's memory cache), start-up time, and the peak RSS of every process of the server's tree, Ray's own
@@ -152,8 +153,8 @@ def run(
     window: int = 0,
     postgres: str | None = None,
     fault: bool = False,
-    add_every: int = 10,
-    delete_every: int = 15,
+    add_every: int = 4,
+    delete_every: int = 6,
     cache_bytes: int = 512 << 20,
     neighbours: int = 0,
 ) -> dict:

@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,6 +248,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._rotary = None
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
+        self._reported = 0.0
         self._num_layers = (getattr(self._hf_config, "text_config", None) or self._hf_config).num_hidden_layers
 
     @classmethod
@@ -470,6 +472,25 @@ class KvmemConnector(KVConnectorBase_V1):
                     exc,
                 )
                 self._load_errors |= self._block_ids_of(ld)
+        self._report_reads()
+
+    def _report_reads(self) -> None:
+        """This worker's store reads (its caches' hits, misses, bytes: ``Store.cache_stats``) to
+        ``<metrics_file>.worker``, at most once a second, for the server's ``/metrics``."""
+        if not self._metrics_file or time.monotonic() - self._reported < 1.0:
+            return
+        self._reported = time.monotonic()
+        total: Counter = Counter()
+        with _LOCK:
+            for st in _STORES.values():
+                total.update(st.cache_stats())
+        try:
+            tmp = f"{self._metrics_file}.worker.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(dict(total), f)
+            os.replace(tmp, f"{self._metrics_file}.worker")
+        except OSError as exc:
+            logger.warning("kvmem: cannot write metrics file %s.worker: %s", self._metrics_file, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

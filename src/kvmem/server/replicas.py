@@ -167,14 +167,21 @@ class Replica:
         task = asyncio.ensure_future(self.app(scope, receive, queue.put))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
-            while (msg := await queue.get()) is not None:
+            done = False
+            while not done and (msg := await queue.get()) is not None:
                 if msg["type"] == "http.response.start":
                     yield {"status": msg["status"], "headers": msg.get("headers", [])}
-                elif msg["type"] == "http.response.body":
-                    if msg.get("body"):
-                        yield msg["body"]
-                    if not msg.get("more_body"):
+                    continue
+                body, done = [msg.get("body", b"")], not msg.get("more_body")
+                while not done and not queue.empty():  # what is ready goes as one item: each costs Ray an RPC
+                    nxt = queue.get_nowait()
+                    if nxt is None:
+                        done = True
                         break
+                    body.append(nxt.get("body", b""))
+                    done = not nxt.get("more_body")
+                if any(body):
+                    yield b"".join(body)
         finally:
             if not task.done():
                 task.cancel()
@@ -248,7 +255,11 @@ class Replicas:
         try:
             res = ray.cluster_resources()
             per = _resources(replicas, res.get("GPU", 0), res.get("CPU", 1))
-            env = {"KVMEM_THREADS": str(max(1, int(res.get("CPU", 1) / replicas)))}
+            env = {
+                "KVMEM_THREADS": str(max(1, int(res.get("CPU", 1) / replicas))),
+                # requests on the replica's own event loop: no hop to a second loop thread per streamed item
+                "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+            }
             if password(store):
                 env["PGPASSWORD"] = password(store)
             limits = start_kwargs.get("limits") or Limits()

@@ -79,15 +79,25 @@ class Metrics:
         cached.labels("store_kv").set_function(lambda: server.service.store.kv_cache_bytes)
         store_reads = Gauge(
             "kvmem_store_reads",
-            "The server's reads of memory KV: facts served from its memory cache (kv_hits) or read from segments "
-            "(kv_misses, kv_read_bytes); with --cache-dir, segments from the disk cache (disk_hits) or fetched "
-            "from the object store (disk_misses, disk_fetched_bytes, disk_cache_bytes)",
+            "Reads of memory KV by the server and the vLLM worker: facts served from a memory cache (kv_hits) or "
+            "read from segments (kv_misses, kv_read_bytes); with --cache-dir, segments from the disk cache "
+            "(disk_hits) or fetched from the object store (disk_misses, disk_fetched_bytes, disk_cache_bytes)",
             ["counter"],
             registry=r,
         )
+        worker = Path(f"{server.engine.metrics_file}.worker") if server.engine.metrics_file else None
+
+        def reads(name: str) -> float:
+            n = server.service.store.cache_stats().get(name, 0)
+            try:  # the vLLM worker's reads (engines.vllm_connector writes them)
+                n += json.loads(worker.read_text()).get(name, 0) if worker else 0
+            except (OSError, ValueError):
+                pass
+            return n
+
         for name in ("kv_hits", "kv_misses", "kv_read_bytes", "disk_hits", "disk_misses", "disk_fetched_bytes",
                      "disk_cache_bytes"):  # fmt: skip
-            store_reads.labels(name).set_function(lambda n=name: server.service.store.cache_stats().get(n, 0))
+            store_reads.labels(name).set_function(lambda n=name: reads(n))
         hits = Gauge("kvmem_index_cache_events", "Per-user index cache hits and misses", ["event"], registry=r)
         hits.labels("hit").set_function(lambda: indexes.hits)
         hits.labels("miss").set_function(lambda: indexes.misses)
