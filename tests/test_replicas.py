@@ -49,6 +49,7 @@ def cluster(postgres, tmp_path_factory):
             pass
         assert time.monotonic() < deadline, "the replicas did not start in 300 s"
         time.sleep(1)
+    (where / "store-url").write_text(url)
     yield proc, base, where
     if proc.poll() is None:  # a failed test before the SIGTERM test
         os.killpg(proc.pid, signal.SIGKILL)
@@ -236,6 +237,22 @@ def test_a_killed_replica_costs_no_acknowledged_write_and_its_users_move(cluster
         assert time.monotonic() < deadline, live
         time.sleep(2)
     assert len({chat(base, moved_user)["kvmem"]["replica"] for _ in range(5)}) == 1  # affinity is back
+
+
+def test_bad_options_are_one_line_before_ray_starts(cluster):
+    """Another model for the store, or a --segments it was not created with: exit 2 with one line, and no Ray."""
+    _, _, where = cluster
+    url = (where / "store-url").read_text()
+    for extra, says in (
+        (["--model", "gemma3-270m"], "holds smollm2-135m-instruct's memory"),
+        (["--segments", "file:///elsewhere"], "--segments applies only when a store is created"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--replicas", "2", "--engine", "hf", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert "Started a local Ray" not in p.stderr, p.stderr
 
 
 def test_sigterm_stops_the_ingress_replicas_engines_and_ray(cluster):

@@ -46,7 +46,7 @@ from ray.serve.request_router import RequestRouter
 from ..rows import canonical, password
 from ..store import Store
 from .routes import body_limit_error, create_app
-from .runtime import KvmemServer, Limits
+from .runtime import KvmemServer, Limits, preflight
 from .schemas import APIError
 from .tenants import Tenants
 
@@ -231,6 +231,7 @@ class Replicas:
 
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
+        preflight(store, **start_kwargs)  # bad options are one line here, not N failed replicas
         if ray_address and ray_address.startswith("ray://"):
             raise ValueError(
                 "--ray-address ray://... (Ray Client) cannot stream from deployments; run kvmem serve on a node of "

@@ -27,7 +27,7 @@ from ..models import DEFAULT_MODEL, load
 from ..policy import parse_mode
 from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService
-from ..store import Store, check_segments_url
+from ..store import Store, StoreDtypeMismatch, StoreMismatch, check_segments_url
 from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
 
@@ -116,6 +116,41 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def preflight(
+    store: str | Path,
+    model: str | None = None,
+    engine: str = "auto",
+    dtype: str | None = None,
+    segments_url: str | None = None,
+    selective_recompute: int = 0,
+    tail_recompute: int = 0,
+    **_,
+) -> None:
+    """What ``KvmemServer.start`` refuses before it loads anything: methods the engine cannot serve, and for an
+    existing store another model or dtype, or a ``--segments`` it was not created with. Also where the servers
+    start elsewhere (``replicas``), so a bad option is one line here. Raises ValueError, StoreError."""
+    methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
+    for m in methods:
+        parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
+    check_methods(methods, engine)  # refused before any engine starts
+    if not Store.exists(store):
+        return
+    st = Store.open(store)
+    try:
+        check_segments_url(st, segments_url)
+        fp = st.fingerprint
+        if model is not None and fp["model"] != model:
+            raise StoreMismatch(
+                f"store {st.name} holds {fp['model']}'s memory, not {model}'s; serve it without --model"
+            )
+        if dtype is not None and fp.get("dtype") not in (None, dtype):
+            raise StoreDtypeMismatch(
+                f"store {st.name} was computed in {fp['dtype']}; serve it with --dtype {fp['dtype']} or re-encode it"
+            )
+    finally:
+        st.close()
+
+
 class KvmemServer:
     """What the app holds: the memory service (retrieval + composition), the Memory facade (writes), the
     engine, tenants, limits and metrics. Build with ``KvmemServer.start``; ``service.lm`` names the model."""
@@ -172,17 +207,13 @@ class KvmemServer:
         local disk cache of those segments here and in the vLLM worker (for a shared store's readers). Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
-        methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
-        for m in methods:
-            parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
-        check_methods(methods, engine)  # refused before any engine starts
+        preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute)
         root = store
         embedder = Embedder()
         if not Store.exists(root):  # a new, empty store for the model
             lm = load(model or DEFAULT_MODEL, dtype=dtype)
             open_or_create_store(root, lm, embedder, segments_url=segments_url)[0].close()
         st = Store.open(root)
-        check_segments_url(st, segments_url)
         model = model or st.fingerprint["model"]
         st.close()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-model")
