@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from .common import free_port, log_err, machine, pyplot, served, table, write_json
-from .serve_load import Tree, User, _facts_pool, _phase, _setup_user
+from .serve_load import Tree, User, _facts_pool, _phase, setup_users
 
 SERVERS = {"single": [], "ray1": ["--ray"], "ray2": ["--replicas", "2"]}
 
@@ -107,17 +107,6 @@ async def _lost_writes(base: str, users: list[User]) -> int:
             present = {m["id"] for m in r.json()["results"]}
             lost += len((u.ids - u.deleted) - present)
     return lost
-
-
-async def _setup_all(base: str, users: list[User]) -> None:
-    async with httpx.AsyncClient(base_url=base) as client:
-        sem = asyncio.Semaphore(4)
-
-        async def one(u):
-            async with sem:
-                await _setup_user(client, u)
-
-        await asyncio.gather(*(one(u) for u in users))
 
 
 def _store_for(name: str, out: Path, postgres: str | None) -> list[str]:
@@ -193,7 +182,7 @@ def run(
             log_err(f"bench serve [{name}]: ready in {startup_s:.0f} s")
             if setup_s is None:
                 t1 = time.perf_counter()
-                asyncio.run(_setup_all(base, all_users))
+                asyncio.run(setup_users(base, all_users))
                 setup_s = time.perf_counter() - t1
                 log_err(f"bench serve [{name}]: {users} users x {facts + 1} memories added in {setup_s:.0f} s")
             before = httpx.get(f"{base}/metrics", timeout=60).text

@@ -134,6 +134,18 @@ async def _setup_user(client, u: User) -> None:
     u.ids |= {e["id"] for e in r.json()["results"]}
 
 
+async def setup_users(base: str, users: list[User]) -> None:
+    """Every user's memories and canary (``_setup_user``), four users at a time."""
+    async with httpx.AsyncClient(base_url=base) as client:
+        sem = asyncio.Semaphore(4)
+
+        async def one(u):
+            async with sem:
+                await _setup_user(client, u)
+
+        await asyncio.gather(*(one(u) for u in users))
+
+
 async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict, canaries: dict) -> None:
     body = {
         "model": stats["model"],
@@ -364,18 +376,8 @@ def run(
         key_list = list(keys)
         all_users = [User(i, key_list[i], pool[i * facts : (i + 1) * facts]) for i in range(n_users)]
 
-        async def setup():
-            async with httpx.AsyncClient(base_url=base) as client:
-                sem = asyncio.Semaphore(4)
-
-                async def one(u):
-                    async with sem:
-                        await _setup_user(client, u)
-
-                await asyncio.gather(*(one(u) for u in all_users))
-
         t1 = time.perf_counter()
-        asyncio.run(setup())
+        asyncio.run(setup_users(base, all_users))
         setup_s = time.perf_counter() - t1
         log_err(f"bench serve: {n_users} users x {facts + 1} memories added in {setup_s:.0f} s")
         tree = Tree(proc.pid)
