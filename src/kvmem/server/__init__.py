@@ -9,7 +9,8 @@ the conversation in ``kv`` mode, everything in ``prompt`` mode, and the bare cha
 visible to the next chat request (a new memory version).
 
 Modules: ``schemas`` (request models, errors), ``tenants``, ``runtime`` (wiring: ``KvmemServer.start``, metrics),
-``streaming`` (one chat generation, SSE), ``routes`` (the FastAPI app).
+``streaming`` (one chat generation, SSE), ``routes`` (the FastAPI app); with ``--replicas``: ``replicas`` (the Ray
+Serve deployment and its user-affinity router) and ``ingress`` (the HTTP front that forwards to them).
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 401 missing or
 unknown key, 403 another tenant's memory, 404 unknown memory id / model / route, 409 a write that lost a race,
@@ -72,7 +73,8 @@ def serve(
 
     _handle()  # before start: a stop while engines load unwinds them too
     if replicas > 1 or ray_address or use_ray:
-        from .replicas import Replicas, create_ingress
+        from .ingress import create_ingress
+        from .replicas import Replicas
 
         cluster = Replicas.start(str(store), replicas, ray_address, api_keys=keys, **start_kwargs)
         app, close, healthy = create_ingress(cluster), cluster.close, lambda: True
