@@ -244,7 +244,10 @@ def test_bad_options_are_one_line_before_ray_starts(cluster):
     _, _, where = cluster
     url = (where / "store-url").read_text()
     for extra, says in (
-        (["--model", "gemma3-270m"], "holds smollm2-135m-instruct's memory"),
+        (
+            ["--model", "gemma3-270m"],
+            "was built with model 'smollm2-135m-instruct' and does not match the loaded model 'gemma3-270m'",
+        ),
         (["--segments", "file:///elsewhere"], "--segments applies only when a store is created"),
     ):
         p = subprocess.run(

@@ -382,6 +382,17 @@ class Store:
                 f"the loaded model {fingerprint.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
             )
 
+    def check_serves(self, model: str | None = None, dtype: str | None = None) -> None:
+        """What opening with the model's fingerprint would refuse, checked before the model loads: another model
+        name, or another dtype than the stored KV's (the rest of the fingerprint is checked once it loads).
+        Raises StoreMismatch, StoreDtypeMismatch."""
+        expected = dict(self.fingerprint)
+        if model is not None:
+            expected["model"] = model
+        if dtype is not None and "dtype" in expected:
+            expected["dtype"] = dtype
+        self._check_manifest(self.name, self.manifest, expected)
+
     def close(self) -> None:
         self.rows.close()
 

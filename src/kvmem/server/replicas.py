@@ -125,11 +125,11 @@ class Replica:
 
     async def __call__(self, req: dict, route_key: str | None = None, pin: str | None = None):
         queue: asyncio.Queue = asyncio.Queue()
-        body = [{"type": "http.request", "body": req["body"], "more_body": False}]
+        request = [{"type": "http.request", "body": req["body"], "more_body": False}]
 
         async def receive():
-            if body:
-                return body.pop()
+            if request:
+                return request.pop()
             await asyncio.Event().wait()  # no disconnect message: the ingress cancels this call instead
 
         scope = {
@@ -154,16 +154,16 @@ class Replica:
                 if msg["type"] == "http.response.start":
                     yield {"status": msg["status"], "headers": msg.get("headers", [])}
                     continue
-                body, done = [msg.get("body", b"")], not msg.get("more_body")
+                chunks, done = [msg.get("body", b"")], not msg.get("more_body")
                 while not done and not queue.empty():  # what is ready goes as one item: each costs Ray an RPC
                     nxt = queue.get_nowait()
                     if nxt is None:
                         done = True
                         break
-                    body.append(nxt.get("body", b""))
+                    chunks.append(nxt.get("body", b""))
                     done = not nxt.get("more_body")
-                if any(body):
-                    yield b"".join(body)
+                if any(chunks):
+                    yield b"".join(chunks)
         finally:
             if not task.done():
                 task.cancel()

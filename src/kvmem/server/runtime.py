@@ -27,7 +27,7 @@ from ..models import DEFAULT_MODEL, load
 from ..policy import parse_mode
 from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService
-from ..store import Store, StoreDtypeMismatch, StoreMismatch, check_segments_url
+from ..store import Store, check_segments_url
 from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
 
@@ -85,19 +85,12 @@ class Metrics:
             ["counter"],
             registry=r,
         )
-        worker = Path(f"{server.engine.metrics_file}.worker") if server.engine.metrics_file else None
-
-        def reads(name: str) -> float:
-            n = server.service.store.cache_stats().get(name, 0)
-            try:  # the vLLM worker's reads (engines.vllm_connector writes them)
-                n += json.loads(worker.read_text()).get(name, 0) if worker else 0
-            except (OSError, ValueError):
-                pass
-            return n
-
+        self._worker_reads: dict = {}  # the vLLM worker's, read once per render (engines.vllm_connector writes them)
         for name in ("kv_hits", "kv_misses", "kv_read_bytes", "disk_hits", "disk_misses", "disk_fetched_bytes",
                      "disk_cache_bytes"):  # fmt: skip
-            store_reads.labels(name).set_function(lambda n=name: reads(n))
+            store_reads.labels(name).set_function(
+                lambda n=name: server.service.store.cache_stats().get(n, 0) + self._worker_reads.get(n, 0)
+            )
         hits = Gauge("kvmem_index_cache_events", "Per-user index cache hits and misses", ["event"], registry=r)
         hits.labels("hit").set_function(lambda: indexes.hits)
         hits.labels("miss").set_function(lambda: indexes.misses)
@@ -111,6 +104,11 @@ class Metrics:
             try:
                 for k, v in json.loads(Path(path).read_text()).items():
                     self._conn.labels(k).set(v)
+            except (OSError, ValueError):
+                pass
+        if path:
+            try:
+                self._worker_reads = json.loads(Path(f"{path}.worker").read_text())
             except (OSError, ValueError):
                 pass
         return generate_latest(self.registry)
@@ -138,15 +136,7 @@ def preflight(
     st = Store.open(store)
     try:
         check_segments_url(st, segments_url)
-        fp = st.fingerprint
-        if model is not None and fp["model"] != model:
-            raise StoreMismatch(
-                f"store {st.name} holds {fp['model']}'s memory, not {model}'s; serve it without --model"
-            )
-        if dtype is not None and fp.get("dtype") not in (None, dtype):
-            raise StoreDtypeMismatch(
-                f"store {st.name} was computed in {fp['dtype']}; serve it with --dtype {fp['dtype']} or re-encode it"
-            )
+        st.check_serves(model, dtype)
     finally:
         st.close()
 
