@@ -72,6 +72,7 @@ FACTS_PROMPT = (
     "Today is {date}.\n\nNew messages:\n{messages}\n\n"
     'Answer with JSON: {{"facts": ["...", "..."]}}'
 )
+FACTS_FORMAT = 'Answer with JSON: {"facts": ["...", "..."]}'
 DECISIONS_PROMPT = (
     "You maintain a memory of facts about a user. Compare each new fact with the existing memories and decide:\n"
     '- ADD: the fact is new information (id: "new").\n'
@@ -106,9 +107,15 @@ class Extractor:
     def complete(self, prompt: str, schema: dict) -> str:  # pragma: no cover - backends implement it
         raise NotImplementedError
 
-    def facts(self, messages: list[dict], date: str) -> list[str]:
+    def facts(self, messages: list[dict], date: str, prompt: str | None = None) -> list[str]:
+        """Standalone facts in ``messages``. ``prompt``: instructions in place of kvmem's own (Mem0's ``prompt``
+        / ``custom_instructions``); the date, the messages and the JSON answer format follow them."""
         shown = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-        out = _parse(self.complete(FACTS_PROMPT.format(date=date, messages=shown), FACTS_SCHEMA), "facts")
+        if prompt is None:
+            text = FACTS_PROMPT.format(date=date, messages=shown)
+        else:
+            text = f"{prompt}\nToday is {date}.\n\nNew messages:\n{shown}\n\n" + FACTS_FORMAT
+        out = _parse(self.complete(text, FACTS_SCHEMA), "facts")
         return [f.strip() for f in out if isinstance(f, str) and f.strip()]
 
     def reconcile(self, facts: list[str], existing: list[tuple[str, str]]) -> list[Decision]:

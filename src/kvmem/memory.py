@@ -3,30 +3,37 @@
 Every write (``add``, ``update``, ``delete``, ...) goes through the one write path (``ingest.write_facts``): a
 new fact is encoded behind the ``window`` conversation turns before it (context-window encoding, paper §3.2),
 embedded, and committed with its KV segment in one store transaction, so the vector index and the KV store never
-disagree; the user's memory version changes on every commit (the vLLM connector's checks and cache salt key on
+disagree; the scope's memory version changes on every commit (the vLLM connector's checks and cache salt key on
 it). Deletes are tombstones; an update is a delete plus an add that keeps the id; ``compact`` drops dead rows.
 
-Where kvmem differs from Mem0: memories belong to a ``user_id`` (no agent_id/run_id); ``infer=True`` uses the
-local answer model (or an OpenAI-compatible endpoint) with schema-constrained JSON; ``add`` with ``infer=False``
-stores each message as one fact, as Mem0 does.
+The API is mem0ai 2.2.1's ``Memory`` / ``AsyncMemory``: entity scopes (``user_id``, ``agent_id``, ``run_id``;
+each combination is one store partition, ``scopes``), Mem0's filters applied before the top-k, its defaults
+(``top_k`` 20, ``threshold`` 0.1) and return shapes. ``infer=True`` uses the local answer model (or an
+OpenAI-compatible endpoint) with schema-constrained JSON. The README's Mem0 table lists what still differs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import logging
+import os
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from pathlib import Path
 
+from . import scopes
 from .compose import check_text
+from .config import config_kwargs
 from .extract import make_extractor
 from .ingest import open_or_create_store, write_facts
 from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from .policy import Encoding, check_user
 from .retrieve import Embedder, IndexCache
-from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_segments_url
+from .scopes import Scope, ScopeError
+from .store import CACHE_BYTES, FactRecord, Store, StoreError, UnknownUser, check_segments_url, is_url
 
 logger = logging.getLogger("kvmem.memory")
 
@@ -138,34 +145,113 @@ def _timestamp(timestamp) -> float:
     return ts
 
 
+PROMOTED = ("role", "actor_id", "expiration_date")  # stored in a memory's metadata, shown beside it (as Mem0)
+IDENTITY = frozenset({"user_id", "agent_id", "run_id", "actor_id"})  # set by the scope, never by metadata
+_UNSET = object()
+
+
+def default_store() -> str | Path:
+    """Where ``Memory()`` keeps its store: ``$KVMEM_STORE`` (a directory or a store URL), else
+    ``$XDG_DATA_HOME/kvmem/memory`` (``~/.local/share/kvmem/memory``)."""
+    env = os.environ.get("KVMEM_STORE")
+    if env:
+        return env
+    return Path(os.environ.get("XDG_DATA_HOME") or "~/.local/share").expanduser() / "kvmem" / "memory"
+
+
+def _user_metadata(metadata) -> dict:
+    """The caller's metadata, checked (``_metadata``), without identity keys (a scope is set by ids only)."""
+    _metadata(metadata)
+    out = {k: v for k, v in (metadata or {}).items() if k not in IDENTITY}
+    if len(out) < len(metadata or {}):
+        logger.warning("ignoring identity keys in metadata: scopes are set by user_id, agent_id and run_id")
+    return out
+
+
+def _today() -> str:
+    return datetime.now(UTC).date().isoformat()
+
+
+def _expiration(value) -> str | None:
+    """An expiration date as YYYY-MM-DD (a ``date``, ``datetime`` or ISO string), today or later."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        value = value.date()
+    if isinstance(value, date):
+        value = value.isoformat()
+    try:
+        out = date.fromisoformat(value).isoformat() if isinstance(value, str) else None
+    except ValueError:
+        out = None
+    if out is None:
+        raise MemoryInputError(f"expiration_date must be a date in YYYY-MM-DD format, not {value!r}")
+    if out < _today():
+        raise MemoryInputError(f"expiration_date {out} is in the past (today is {_today()} UTC)")
+    return out
+
+
+def _actor(message: dict) -> dict:
+    return {"actor_id": message["name"]} if message.get("name") else {}
+
+
+def _times(f: FactRecord) -> dict:
+    return {"created_at": _iso(f.created_at), "updated_at": _iso(f.updated_at)}
+
+
+def _count(value, name: str, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise MemoryInputError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _refuse(unsupported: dict, method: str) -> None:
+    """Mem0 arguments kvmem does not implement, and unknown ones: one sentence naming them."""
+    if not unsupported:
+        return
+    names = ", ".join(sorted(unsupported))
+    raise MemoryInputError(
+        f"{method}() does not support {names} (kvmem scores by cosine similarity alone; see the README's Mem0 table)"
+    )
+
+
 class Memory:
-    """Mem0-compatible memory whose facts are also stored as the answer model's KV (for KV injection).
+    """Mem0's open-source ``Memory`` (mem0ai 2.2.1's ``mem0.memory.main.Memory``) whose facts are also stored as
+    the answer model's KV, for KV injection.
 
     Args:
-        store: store directory; created for ``model`` if it does not exist.
+        store: store directory or URL; created for ``model`` if it does not exist. None: ``default_store()``
+            (``$KVMEM_STORE``, else ``~/.local/share/kvmem/memory``).
         model: registry name (default: the store's model, else ``models.DEFAULT_MODEL``) or a ``LoadedModel``.
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
-            ``window``, ``neighbours`` and ``history`` left as None take, for each user, how that user's facts
-            were encoded so far (``Store.user_info``), and for a new user the defaults 5, 4 and False (window 0
+            ``window``, ``neighbours`` and ``history`` left as None take, for each scope, how that scope's facts
+            were encoded so far (``Store.user_info``), and for a new scope the defaults 5, 4 and False (window 0
             and neighbours 0 with ``history=True``).
-        neighbours: also encode each new fact behind its m most similar live facts of the user (neighbour-aware
+        neighbours: also encode each new fact behind its m most similar live facts of the scope (neighbour-aware
             encoding, ``ingest.neighbour_prefixes``; default ``policy.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
-        history: encode each new fact behind every live fact of the user written before it (history encoding,
+        history: encode each new fact behind every live fact of the scope written before it (history encoding,
             ``ingest.encode_facts``). Not with ``neighbours`` (then default 0). No serving cost. The defaults
             and checks are ``policy.Encoding``'s.
         dtype: compute dtype (None: this machine's; see ``kvmem doctor``).
         engine: a running engine with ``complete_json`` (an ``Engine``, or a synchronous view of an
             ``AsyncEngine``) that the local extractor decodes on; None: the transformers model under xgrammar.
-        index_cache_bytes: LRU bound of the per-user search indexes; ``indexes``: an ``retrieve.IndexCache`` to
+        index_cache_bytes: LRU bound of the per-scope search indexes; ``indexes``: an ``retrieve.IndexCache`` to
             share (the server's), instead of an own one; ``store_cache_bytes``: the store's cache bound;
             ``segments_url``: for a new store, the object store its KV segments go to (``Store.create``).
+        custom_instructions: the default ``prompt`` of ``add`` (Mem0's config field of that name).
+
+    Memories belong to entity scopes (``scopes.Scope``: a ``user_id``, ``agent_id``, ``run_id`` or several).
+    Every method takes ``namespace`` too: the tenant whose ids these are (``kvmem serve`` passes it; None for a
+    library user). Bad input raises ``MemoryInputError`` and changes nothing.
     """
 
     def __init__(
         self,
-        store: str | Path,
+        store: str | Path | None = None,
         model=None,
         extractor=None,
         window: int | None = None,
@@ -178,14 +264,17 @@ class Memory:
         indexes: IndexCache | None = None,
         store_cache_bytes: int = CACHE_BYTES,
         segments_url: str | None = None,
+        custom_instructions: str | None = None,
     ):
 
-        try:  # a new user's encoding; checked here, before any model loads
+        try:  # a new scope's encoding; checked here, before any model loads
             self.encoding = Encoding.of(window, neighbours, history)
         except ValueError as exc:
             raise MemoryInputError(str(exc)) from None
-        self._given = (window, neighbours, history)  # None: the user's recorded encoding (``_encoding``)
-        root = store
+        self._given = (window, neighbours, history)  # None: the scope's recorded encoding (``_encoding``)
+        root = default_store() if store is None else store
+        if store is None and not is_url(str(root)):
+            Path(root).parent.mkdir(parents=True, exist_ok=True)
         self._lm, self._dtype = (model, dtype) if isinstance(model, LoadedModel) else (None, dtype)
         self._embedder = embedder
         if Store.exists(root):  # reads need no model: it loads on the first write
@@ -199,6 +288,8 @@ class Memory:
             self.store, _ = open_or_create_store(root, self._lm, self.embedder, store_cache_bytes, segments_url)
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
+        self.custom_instructions = custom_instructions
+        self._fields: dict[tuple[str, str], list[dict]] = {}  # (scope key, version) -> each fact's filter fields
 
     @property
     def embedder(self):
@@ -220,68 +311,185 @@ class Memory:
 
     @classmethod
     def from_config(cls, config: dict) -> Memory:
-        """``{"store": DIR, "model": NAME, "window": 5, "neighbours": 4, "history": False, "extractor": {...},
-        "dtype": ...}``."""
-        if not isinstance(config, dict) or "store" not in config:
-            raise MemoryInputError("config must be a dict with at least 'store'")
-        unknown = set(config) - {"store", "model", "window", "neighbours", "history", "extractor", "dtype"}
+        """A Memory from Mem0's config shape (``vector_store`` / ``llm`` / ``embedder`` / ...) or kvmem's own
+        (``store``, ``model``, ``window``, ``neighbours``, ``history``, ``extractor``, ``dtype``, ``segments_url``).
+        ``config.from_mem0_config`` says what maps to what; anything else is refused by name."""
+        try:
+            return cls(**config_kwargs(config))
+        except ValueError as exc:
+            if isinstance(exc, MemoryInputError):
+                raise
+            raise MemoryInputError(str(exc)) from None
+
+    def close(self) -> None:
+        """Release the store (Mem0's ``close``); the object is not usable afterwards."""
+        self.store.close()
+
+    def __enter__(self) -> Memory:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def chat(self, query):
+        raise NotImplementedError("use kvmem serve's chat completions, which inject memory as KV")
+
+    # --- scopes and filters ---------------------------------------------------------------------------------
+
+    def _scope(self, user_id=None, agent_id=None, run_id=None) -> Scope:
+        try:
+            return Scope.of(user_id, agent_id, run_id)
+        except ScopeError as exc:
+            raise MemoryInputError(str(exc)) from None
+
+    def _read_scopes(self, filters, ids: dict, namespace) -> tuple[list[str], dict]:
+        """The store users a read of ``filters`` (plus top-level entity ids ``ids``) covers, and the checked
+        filters. Raises MemoryInputError for conflicting ids, no entity id, or a malformed filter."""
+        if filters is not None and not isinstance(filters, dict):
+            raise MemoryInputError("filters must be an object")
+        filters = dict(filters or {})
+        try:
+            for name, value in ids.items():
+                if value is None:
+                    continue
+                have = scopes.entity_constraints(filters).get(name)
+                if name in filters and have is None or have is not None and str(have) != str(value):
+                    raise MemoryInputError(f"conflicting scopes: {name}={value!r} and filters say {have!r}")
+                filters[name] = value
+            want = scopes.entity_constraints(filters)
+        except ScopeError as exc:
+            raise MemoryInputError(str(exc)) from None
+        if not want:
+            raise MemoryInputError(
+                "filters must contain at least one of: user_id, agent_id, run_id (e.g. filters={'user_id': 'u1'})"
+            )
+        named = self._scope(**want)
+        for name in want:
+            filters[name] = getattr(named, name)
+        if len(want) == 3:
+            return [named.key(namespace)], filters
+        found = []
+        for key in self.store.users(with_no_live_facts=True):
+            s = scopes.parse_key(key, namespace)
+            if s is not None and all(getattr(s, k) == v for k, v in named.ids().items()):
+                found.append(key)
+        return found, filters
+
+    def _snapshot(self, users: list[str]):
+        """Rows and embeddings of the current version of ``users``' memories, read as one (no KV: reads never
+        need it), or None when none has live memories."""
+        try:
+            return self.store.snapshots([(u, None) for u in users]) if users else None
+        except UnknownUser:
+            return None
+
+    def _fields_of(self, ukv, namespace) -> list[dict]:
+        """Each fact's filterable fields (entity ids, builtin fields, metadata), cached per scope version."""
+        out = []
+        for part in ukv.parts or (ukv,):
+            key = (part.user, part.version, namespace)
+            got = self._fields.get(key)
+            if got is None:
+                s = scopes.parse_key(part.user, namespace) or Scope(user_id=part.user)
+                got = []
+                for f in part.facts:
+                    meta = json.loads(f.metadata or "{}")
+                    got.append({**meta, **s.ids(), "memory": f.text, **_times(f)})
+                if len(self._fields) > 256:
+                    self._fields.clear()
+                self._fields[key] = got
+            out += got
+        return out
+
+    def _selected(self, ukv, filters: dict, show_expired: bool, namespace) -> set[int] | None:
+        """Store row ids of ``ukv``'s facts that pass ``filters`` (and are not expired, unless ``show_expired``),
+        or None when every fact does. Raises MemoryInputError for an unknown operator or field."""
+        try:
+            pred, used = scopes.compile_filters(filters)
+        except ScopeError as exc:
+            raise MemoryInputError(str(exc)) from None
+        fields = self._fields_of(ukv, namespace)
+        known = set(scopes.BUILTIN_FIELDS).union(*(f.keys() for f in fields))
+        unknown = sorted(used - known)
         if unknown:
-            raise MemoryInputError(f"unknown config keys: {', '.join(sorted(unknown))}")
-        return cls(
-            config["store"],
-            config.get("model"),
-            config.get("extractor"),
-            config.get("window"),
-            dtype=config.get("dtype"),
-            neighbours=config.get("neighbours"),
-            history=config.get("history"),
-        )
+            raise MemoryInputError(f"filter on {unknown[0]!r}: no memory in this scope has that field")
+        today = _today()
+        keep = {
+            f.row
+            for f, x in zip(ukv.facts, fields)
+            if pred(x) and (show_expired or not (x.get("expiration_date") or "9999") < today)
+        }
+        return None if len(keep) == len(ukv.facts) else keep
 
-    # --- reads ----------------------------------------------------------------------------------------------
-
-    def _item(self, f: FactRecord, score: float | None = None) -> dict:
+    def _item(self, f: FactRecord, namespace=None, score: float | None = None) -> dict:
+        """Mem0's memory item (``MemoryItem`` plus the promoted entity ids, role and expiration date)."""
+        meta = json.loads(f.metadata or "{}")
+        s = scopes.parse_key(f.user, namespace) or Scope(user_id=f.user)
         out = {
             "id": f.fact_id,
             "memory": f.text,
-            "user_id": f.user,
-            "metadata": json.loads(f.metadata or "{}"),
+            "hash": hashlib.md5(f.text.encode()).hexdigest(),
+            "metadata": {k: v for k, v in meta.items() if k not in PROMOTED} or None,
             "created_at": _iso(f.created_at),
             "updated_at": _iso(f.updated_at),
+            **s.ids(),
+            **{k: meta[k] for k in PROMOTED if k in meta},
         }
         if score is not None:
             out["score"] = round(float(score), 6)
         return out
 
-    def _snapshot(self, user: str):
-        """Rows and embeddings of the user's current version (no KV: reads never need it), or None."""
-        if not self.store.version(user):
-            return None
-        try:
-            return self.store.snapshot(user)
-        except StoreError:  # every fact deleted
-            return None
+    # --- reads ----------------------------------------------------------------------------------------------
 
-    def _search(self, user: str, query: str, limit: int):
-        ukv = self._snapshot(user)
-        if ukv is None:
-            return None, [], []
-        scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([query])[0], limit)
-        return ukv, list(rows), list(scores)
+    def search(
+        self,
+        query: str,
+        user_id: str | None = None,
+        *,
+        top_k: int | None = None,
+        filters: dict | None = None,
+        threshold: float | None = 0.1,
+        rerank: bool = False,
+        show_expired: bool = False,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+        namespace: str | None = None,
+        **unsupported,
+    ) -> dict:
+        """The ``top_k`` (default 20) memories most similar to ``query`` among those ``filters`` select, with a
+        cosine score of at least ``threshold`` (default 0.1; None: any): ``{"results": [{id, memory, hash,
+        metadata, score, created_at, updated_at, user_id?, agent_id?, run_id?, ...}]}``, best first.
 
-    def search(self, query: str, user_id: str, limit: int = 100, filters: dict | None = None) -> dict:
-        """The ``limit`` memories most similar to ``query``: ``{"results": [{id, memory, score, metadata,
-        created_at, updated_at, user_id}]}``, best first. ``filters``: metadata key -> required value."""
-        user = check_user_id(user_id)
+        ``filters``: Mem0's (``scopes`` module docstring), with at least one entity id; it is applied before the
+        top-k (FAISS ``IDSelectorBatch``), so ``top_k`` results come back whenever that many match. Top-level
+        ``user_id`` / ``agent_id`` / ``run_id`` and ``limit`` (for ``top_k``) are kvmem's older spelling.
+        Expired memories are left out unless ``show_expired``. Raises MemoryInputError."""
+        _refuse(unsupported, "search")
+        if rerank:
+            raise MemoryInputError("rerank is not supported by kvmem (no reranker ships offline); search without it")
         query = _text(query, "query")
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
-        if filters is not None and not isinstance(filters, dict):
-            raise MemoryInputError("filters must be an object of metadata key -> value")
-        ukv, rows, scores = self._search(user, query, limit if not filters else max(limit * 4, 100))
-        out = [self._item(ukv.facts[r], s) for r, s in zip(rows, scores)]
-        if filters:
-            out = [m for m in out if all(m["metadata"].get(k) == v for k, v in filters.items())]
-        return {"results": out[:limit]}
+        top_k = _count(top_k if top_k is not None else limit, "top_k", 20)
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+            raise MemoryInputError(f"threshold must be a number between 0 and 1, got {threshold!r}")
+        if threshold is not None and not 0 <= threshold <= 1:
+            raise MemoryInputError(f"Invalid threshold: {threshold}. Must be between 0 and 1 (inclusive).")
+        users, filters = self._read_scopes(
+            filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace
+        )
+        ukv = self._snapshot(users)
+        if ukv is None or top_k == 0:
+            return {"results": []}
+        allowed = self._selected(ukv, filters, show_expired, namespace)
+        scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([query])[0], top_k, allowed)
+        return {
+            "results": [
+                self._item(ukv.facts[r], namespace, s)
+                for r, s in zip(rows, scores)
+                if threshold is None or float(s) >= threshold
+            ]
+        }
 
     def _fact(self, memory_id) -> FactRecord | None:
         try:
@@ -289,47 +497,69 @@ class Memory:
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
 
-    def get(self, memory_id: str) -> dict | None:
-        """One memory by id, or None."""
+    def get(self, memory_id: str, namespace: str | None = None) -> dict | None:
+        """One memory by id (Mem0's item, ``score`` None), or None."""
         f = self._fact(memory_id)
-        return None if f is None else self._item(f)
+        return None if f is None else {**self._item(f, namespace), "score": None}
 
-    def get_all(self, user_id: str, limit: int = 100) -> dict:
-        """``{"results": [...]}``: the user's live memories, oldest first."""
-        user = check_user_id(user_id)
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise MemoryInputError(f"limit must be a positive integer, got {limit!r}")
-        ukv = self._snapshot(user)
-        return {"results": [self._item(f) for f in (ukv.facts if ukv else [])[:limit]]}
+    def get_all(
+        self,
+        user_id: str | None = None,
+        *,
+        filters: dict | None = None,
+        top_k: int | None = None,
+        show_expired: bool = False,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        limit: int | None = None,
+        namespace: str | None = None,
+        **unsupported,
+    ) -> dict:
+        """``{"results": [...]}``: up to ``top_k`` (default 20) live memories that ``filters`` select, oldest
+        first (filters and the older top-level ids as in ``search``). Raises MemoryInputError."""
+        _refuse(unsupported, "get_all")
+        top_k = _count(top_k if top_k is not None else limit, "top_k", 20)
+        users, filters = self._read_scopes(
+            filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace
+        )
+        ukv = self._snapshot(users)
+        if ukv is None:
+            return {"results": []}
+        allowed = self._selected(ukv, filters, show_expired, namespace)
+        facts = [f for f in ukv.facts if allowed is None or f.row in allowed]
+        facts.sort(key=lambda f: (f.created_at, f.row))
+        return {"results": [self._item(f, namespace) for f in facts[:top_k]]}
 
-    def history(self, memory_id: str) -> list[dict]:
-        """Every event of a memory, oldest first: id, memory_id, user_id, event, old_memory, new_memory,
-        created_at. Raises MemoryInputError for an id that never existed."""
+    def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
+        """Every event of a memory, oldest first (Mem0's history rows: id, memory_id, old_memory, new_memory,
+        event, created_at, updated_at, is_deleted, actor_id, role; plus the store's user_id). Raises
+        MemoryInputError for an id that never existed."""
         events = self.store.history(str(memory_id))
         if not events:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         if len({e["user_id"] for e in events}) > 1:
-            raise MemoryInputError(f"memory id {memory_id!r} belongs to several users")
+            raise MemoryInputError(f"memory id {memory_id!r} belongs to several scopes")
         for e in events:
-            e["created_at"] = _iso(e["created_at"])
+            e["created_at"] = e["updated_at"] = _iso(e["created_at"])
+            e.update(is_deleted=e["event"] == "DELETE", actor_id=None, role=None)
         return events
 
     # --- writes ---------------------------------------------------------------------------------------------
 
     def _encoding(self, user: str) -> tuple[int, int, bool]:
-        """(window, neighbours, history) of a write to ``user``: what the constructor was given, else how the
-        user's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False; 0, 0 with
-        history), so one user's facts keep one encoding across processes. A given ``history`` that switches the
-        user's method takes that method's defaults for what is not given."""
+        """(window, neighbours, history) of a write to ``user`` (a scope key): what the constructor was given,
+        else how the scope's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False; 0,
+        0 with history), so one scope's facts keep one encoding across processes. A given ``history`` that
+        switches the scope's method takes that method's defaults for what is not given."""
         try:
             info = self.store.user_info(user)
-        except StoreError:  # a new user (or one whose every fact was deleted)
+        except StoreError:  # a new scope (or one whose every fact was deleted)
             info = None
         w, m, h = self._given
         recorded = bool(info and info.get("history"))
-        if h is None:  # explicit neighbours turn a history user's method off
+        if h is None:  # explicit neighbours turn a history scope's method off
             h = (recorded and not m) if info is not None else self.encoding.history
-        if info is not None and h == recorded:  # the user's window and neighbours go with its method
+        if info is not None and h == recorded:  # the scope's window and neighbours go with its method
             w = info["window"] if w is None else w
             m = info["neighbours"] if m is None else m
         # otherwise h is the constructor's method, whose defaults these are
@@ -392,26 +622,57 @@ class Memory:
         return version, records
 
     def add(
-        self, messages, user_id: str, metadata: dict | None = None, infer: bool = True, timestamp: float | None = None
+        self,
+        messages,
+        user_id: str | None = None,
+        *,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        metadata: dict | None = None,
+        timestamp: float | None = None,
+        expiration_date=None,
+        infer: bool = True,
+        memory_type: str | None = None,
+        prompt: str | None = None,
+        namespace: str | None = None,
     ) -> dict:
-        """Remember ``messages`` (a string or OpenAI-style [{role, content}]) for ``user_id``.
+        """Remember ``messages`` (a string, a {role, content} object or a list of them) in the scope of
+        ``user_id`` / ``agent_id`` / ``run_id`` (at least one).
 
-        ``infer=False``: each message becomes one fact, verbatim. ``infer=True``: the extractor turns them into
-        facts and reconciles each with the most similar existing memories (ADD / UPDATE / DELETE / NONE).
-        The raw messages are stored as the user's turns (the context of later facts). Returns
-        ``{"results": [{"id", "memory", "event", "previous_memory"?}]}``. Raises MemoryInputError for bad input.
-        """
-        user = check_user_id(user_id)
+        ``infer=False``: each non-system message becomes one memory, verbatim (its ``role`` kept). ``infer=True``
+        (the default): the extractor turns them into facts (``prompt``, else ``custom_instructions``, replaces
+        its instructions) and reconciles each with the most similar memories of the scope (ADD / UPDATE /
+        DELETE / NONE). ``expiration_date`` (YYYY-MM-DD, today or later): afterwards the memory is neither
+        searched nor injected. ``timestamp`` (Unix seconds; kvmem's extra): when it was said. The raw
+        messages are stored as the scope's turns (the context of later facts). Returns ``{"results": [{"id",
+        "memory", "event", "previous_memory"?}]}``. Raises MemoryInputError for bad input (procedural memory
+        included: kvmem stores facts, not agent procedures)."""
+        scope = self._scope(user_id, agent_id, run_id)
+        user = scope.key(namespace)
+        if memory_type is not None:
+            raise MemoryInputError(
+                f"memory_type {memory_type!r} is not supported: kvmem stores facts (procedural memory, an agent's "
+                "summarised run, is not kept); add without memory_type"
+            )
         msgs = check_messages(messages)
-        _metadata(metadata)
+        meta = _user_metadata(metadata)
+        exp = _expiration(expiration_date)
+        if exp is not None:
+            meta["expiration_date"] = exp
         now = _timestamp(timestamp)
+        if prompt is not None:
+            prompt = _text(prompt, "prompt")
         turns = [{"speaker": m.get("name") or m["role"], "content": m["content"], "time": now} for m in msgs]
         if not infer:
-            new = [(m["content"], None, metadata) for m in msgs]
-            contexts = [self._context(user, turns, i) for i in range(len(msgs))]
+            kept = [(i, m) for i, m in enumerate(msgs) if m["role"] != "system"]  # as Mem0: never a memory
+            new = [(m["content"], None, {**meta, "role": m["role"]} | _actor(m)) for _, m in kept]
+            contexts = [self._context(user, turns, i) for i, _ in kept]
+            if not new:
+                self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
+                return {"results": []}
             _, records = self._write(user, new, [], turns, contexts, [], now)
             return {"results": [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in records]}
-        return self._infer(user, msgs, turns, metadata, now)
+        return self._infer(user, msgs, turns, meta, now, prompt or self.custom_instructions)
 
     @property
     def extractor(self):
@@ -426,11 +687,13 @@ class Memory:
     def extractor(self, extractor) -> None:
         self._extractor = extractor
 
-    def _infer(self, user, msgs, turns, metadata, now) -> dict:
-        facts = list({_norm(f): f for f in self.extractor.facts(msgs, _date(now))}.values())  # no repeats
+    def _infer(self, user, msgs, turns, metadata, now, prompt=None) -> dict:
+        found = self.extractor.facts(msgs, _date(now), prompt)
+        facts = list({_norm(f): f for f in found}.values())  # no repeats
         existing: dict[str, str] = {}
-        for f in facts:  # the most similar existing memories of each new fact
-            ukv, rows, _ = self._search(user, f, 5)
+        ukv = self._snapshot([user])
+        for f in facts if ukv is not None else []:  # the most similar existing memories of each new fact
+            _, rows = self.indexes.search(self.store, ukv, self.embedder.embed([f])[0], 5)
             for r in rows:
                 existing[ukv.facts[r].fact_id] = ukv.facts[r].text
         decisions = self.extractor.reconcile(facts, list(existing.items())) if facts else []
@@ -466,21 +729,41 @@ class Memory:
             self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
         return {"results": results}
 
-    def update(self, memory_id: str, data: str) -> dict:
-        """Replace a memory's text (re-encoded behind the turns before now); keeps its id. Raises MemoryInputError."""
-        data = _text(data, "update text")
+    def update(
+        self,
+        memory_id: str,
+        text: str | None = None,
+        metadata: dict | None = None,
+        expiration_date=_UNSET,
+        data: str | None = None,
+        namespace: str | None = None,
+    ) -> dict:
+        """Replace a memory's text (re-encoded behind the turns before now) and/or merge ``metadata`` into its
+        metadata, and/or set or clear (None) its ``expiration_date``; keeps its id, scope and creation time.
+        ``data``: Mem0's older name for ``text``. Raises MemoryInputError."""
+        text = data if text is None else text
+        if text is None and metadata is None and expiration_date is _UNSET:
+            raise MemoryInputError("At least one of text, metadata, or expiration_date must be provided.")
+        text = None if text is None else _text(text, "update text")
         f = self._fact(memory_id)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
+        meta = json.loads(f.metadata or "{}")
+        meta.update(_user_metadata(metadata))
+        if expiration_date is not _UNSET:
+            meta.pop("expiration_date", None)
+            if expiration_date is not None:
+                meta["expiration_date"] = _expiration(expiration_date)
+        new_text = f.text if text is None else text
         now = time.time()
         try:
             self._write(
                 f.user,
-                [(data, f.fact_id, json.loads(f.metadata or "{}"))],
+                [(new_text, f.fact_id, meta)],
                 [f.fact_id],
                 [],
                 [self._context(f.user, [], 0)],
-                [(f.fact_id, "UPDATE", f.text, data)],
+                [(f.fact_id, "UPDATE", f.text, new_text)],
                 now,
                 {f.fact_id: f.created_at},
             )
@@ -488,7 +771,7 @@ class Memory:
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory updated successfully!"}
 
-    def delete(self, memory_id: str) -> dict:
+    def delete(self, memory_id: str, namespace: str | None = None) -> dict:
         """Tombstone one memory: it is never retrieved or injected again. Raises MemoryInputError if unknown."""
         f = self._fact(memory_id)
         if f is None:
@@ -499,14 +782,29 @@ class Memory:
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory deleted successfully!"}
 
-    def delete_all(self, user_id: str) -> dict:
-        self.store.delete_user(check_user_id(user_id))  # what is live when the commit runs
+    def delete_all(
+        self,
+        user_id: str | None = None,
+        agent_id: str | None = None,
+        run_id: str | None = None,
+        namespace: str | None = None,
+    ) -> dict:
+        """Delete every memory whose scope has all the given ids (``delete_all(user_id="u")`` also deletes u's
+        memories with an agent or run), each scope in one commit. Raises MemoryInputError without any id."""
+        if user_id is None and agent_id is None and run_id is None:
+            raise MemoryInputError(
+                "At least one filter is required to delete all memories. If you want to delete all memories, "
+                "use the `reset()` method."
+            )
+        users, _ = self._read_scopes(None, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace)
+        for user in users:
+            self.store.delete_user(user)  # what is live when the commit runs
         return {"message": "Memories deleted successfully!"}
 
-    def compact(self, user_id: str) -> dict:
-        """Rewrite the user's KV segments without dead rows; what search and get_all return is unchanged."""
-        user = check_user_id(user_id)
-        if self._snapshot(user) is None:
+    def compact(self, user_id: str | None = None, agent_id=None, run_id=None, namespace: str | None = None) -> dict:
+        """Rewrite one scope's KV segments without dead rows; what search and get_all return is unchanged."""
+        user = self._scope(user_id, agent_id, run_id).key(namespace)
+        if self._snapshot([user]) is None:
             return {"message": "nothing to compact"}
         return {"message": "Memory compacted", "version": self.store.compact(user)}
 
@@ -514,6 +812,37 @@ class Memory:
         """Delete every memory, turn and history row of the store (the model and header stay)."""
         self.store.reset()
         self.indexes.clear()
+        self._fields.clear()
+
+
+class AsyncMemory:
+    """Mem0's ``AsyncMemory``: ``Memory``'s methods as coroutines, each run in a worker thread
+    (``asyncio.to_thread``), over one ``Memory`` (whose store serializes its own access)."""
+
+    def __init__(self, *args, **kwargs):
+        self.sync = kwargs.pop("memory", None) or Memory(*args, **kwargs)
+
+    @classmethod
+    def from_config(cls, config: dict) -> AsyncMemory:
+        return cls(memory=Memory.from_config(config))
+
+    def __getattr__(self, name):
+        attr = getattr(self.sync, name)
+        if name.startswith("_") or not callable(attr) or name in ("close", "chat"):
+            return attr
+
+        async def call(*args, **kwargs):
+            return await asyncio.to_thread(attr, *args, **kwargs)
+
+        call.__name__, call.__doc__ = name, attr.__doc__
+        return call
+
+    async def __aenter__(self) -> AsyncMemory:
+        return self
+
+    async def __aexit__(self, *exc) -> bool:
+        self.sync.close()
+        return False
 
 
 def _norm(text: str) -> str:

@@ -110,3 +110,16 @@ def check_user(user) -> str:
             f"than {MAX_USER_CHARS} characters)"
         )
     return user
+
+
+def check_store_user(user) -> str:
+    """A store's user: an id (``check_user``), or an entity scope's key of several ids joined by ``/``
+    (``scopes.Scope.key``). Raises ValueError."""
+    if not isinstance(user, str) or "/" not in user:
+        return check_user(user)
+    for part in user.split("/"):
+        if part:
+            check_user(part)
+    if user.endswith("/") or "//" in user or len(user) > 4 * MAX_USER_CHARS:
+        raise ValueError(f"store user {user[:40]!r} is not a scope key")
+    return user

@@ -136,9 +136,19 @@ class UserIndex:
         self.version = ukv.version
         return self
 
-    def search(self, query: torch.Tensor, top_k: int, ukv) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, query: torch.Tensor, top_k: int, ukv, allowed=None) -> tuple[np.ndarray, np.ndarray]:
+        """``allowed``: store row ids a result must be one of (FAISS's ``IDSelectorBatch``: filtered before the
+        top-k, so ``top_k`` results come back whenever that many are allowed); None: every row."""
         q = np.ascontiguousarray(query.float().reshape(1, -1).numpy())
-        scores, ids = self.index.search(q, min(top_k, self.index.ntotal))
+        k = min(top_k, self.index.ntotal)
+        if allowed is None:
+            scores, ids = self.index.search(q, k)
+        else:
+            ids_ok = np.fromiter(allowed, dtype=np.int64)
+            if ids_ok.size == 0 or k == 0:
+                return np.zeros(0, dtype=np.float32), np.zeros(0, dtype=np.int64)
+            params = faiss.SearchParameters(sel=faiss.IDSelectorBatch(ids_ok))
+            scores, ids = self.index.search(q, min(k, ids_ok.size), params=params)
         pos = ukv.position
         keep = [j for j, i in enumerate(ids[0]) if i in pos]
         return scores[0][keep], np.array([pos[ids[0][j]] for j in keep], dtype=np.int64)
@@ -165,10 +175,23 @@ class IndexCache:
         """Bytes the cached indexes hold."""
         return int(self._lru.currsize)
 
-    def search(self, store, ukv, query: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, store, ukv, query: torch.Tensor, top_k: int, allowed=None) -> tuple[np.ndarray, np.ndarray]:
+        """The ``top_k`` facts of ``ukv`` most similar to ``query``: (scores [k], positions [k] into
+        ``ukv.facts``), best first, each position once. ``allowed``: store row ids results must be among
+        (``UserIndex.search``). A union of scopes (``UserKV.union``) is searched scope by scope, then merged."""
+        if not ukv.parts:
+            return self._search_one(store, ukv, query, top_k, allowed)
+        found, offset = [], 0
+        for part in ukv.parts:
+            scores, pos = self._search_one(store, part, query, top_k, allowed)
+            found += [(float(s), int(p) + offset) for s, p in zip(scores, pos)]
+            offset += len(part.facts)
+        found = sorted(found, key=lambda x: -x[0])[:top_k]
+        return np.array([s for s, _ in found], dtype=np.float32), np.array([p for _, p in found], dtype=np.int64)
+
+    def _search_one(self, store, ukv, query: torch.Tensor, top_k: int, allowed) -> tuple[np.ndarray, np.ndarray]:
         """``UserIndex.search`` on ``ukv.user``'s index, synced to ``ukv`` (a snapshot of ``store``) first,
-        incrementally; both under the index's lock (FAISS indexes are not safe to change while searched).
-        Returns (scores [k], positions [k] into ``ukv.facts``), best first, each position once."""
+        incrementally; both under the index's lock (FAISS indexes are not safe to change while searched)."""
         with self._lock:
             index = self._lru.get(ukv.user)
             if index is None:
@@ -178,7 +201,7 @@ class IndexCache:
                 self.hits += 1
         with index.lock:
             index.sync(store, ukv)
-            found = index.search(query, top_k, ukv)
+            found = index.search(query, top_k, ukv, allowed)
         with self._lock:
             try:
                 self._lru[ukv.user] = index  # (re)insert: its size may have changed

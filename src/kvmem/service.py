@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .compose import ContextOverflow, PromptFormat, check_text, max_facts_that_fit
@@ -107,7 +108,7 @@ class MemoryService:
 
     def plan(
         self,
-        user: str,
+        user: str | list[str],
         question: str,
         top_k: int,
         mode: str = "kv",
@@ -123,9 +124,11 @@ class MemoryService:
         and all but the last r facts; the engine prefills those r facts (the most relevant, nearest the query)
         with the query, so they attend to every injected fact (cross-fact repair). The prompt ids are the same
         for every r; only what is injected changes. Prompt mode is unaffected.
+        ``user``: a store user, or several (entity scopes: ``scopes.Scope.subscopes``), whose memories are
+        retrieved as one; users without memories are left out, and expired memories are never retrieved.
         Raises ValueError for an empty question, top_k < 1, an unknown mode or one this engine cannot serve;
-        StoreError for an unknown user; ContextOverflow when memory + query + ``max_new_tokens`` exceed the model
-        context (the message gives the k that fits, paper Corollary 7).
+        StoreError (UnknownUser) when no user has memories; ContextOverflow when memory + query +
+        ``max_new_tokens`` exceed the model context (the message gives the k that fits, paper Corollary 7).
         """
         if not question or not question.strip():
             raise ValueError("empty question")
@@ -145,10 +148,13 @@ class MemoryService:
         if r < 0:
             raise ValueError(f"tail_recompute must be >= 0, got {r}")
         t0 = time.perf_counter()
-        ukv = self.store.snapshot(user)  # rows only: the engine reads the KV it injects (Engine.memory)
+        users = [user] if isinstance(user, str) else list(user)
+        # rows only: the engine reads the KV it injects (Engine.memory); several scopes are read as one memory
+        ukv = self.store.snapshots([(u, None) for u in users])
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
-        scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k)
+        today = datetime.now(UTC).date().isoformat()
+        scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k, ukv.unexpired(today))
         retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
         t2 = time.perf_counter()
         query_ids = (

@@ -54,7 +54,7 @@ from safetensors.torch import load, save
 
 from . import rows as rows_db
 from . import segments as seg_files
-from .policy import check_user
+from .policy import check_store_user
 from .rows import (  # noqa: F401 -- re-exported
     SCHEMA_VERSION,
     Rows,
@@ -127,6 +127,34 @@ class UserKV:
     reader: Callable[[UserKV, list[FactRecord]], tuple[torch.Tensor, torch.Tensor]] | None = field(
         default=None, repr=False
     )
+    parts: tuple[UserKV, ...] = ()  # a union's partitions (``union``); () for one user's snapshot
+
+    @classmethod
+    def union(cls, parts: list[UserKV]) -> UserKV:
+        """Several users' snapshots (entity scopes, ``scopes``) read as one memory: facts and embeddings in
+        ``parts`` order, positions offset by the parts before. ``user`` (a JSON list of the users) and ``version``
+        (their versions, comma-joined) name exactly this set of versions, so a cache salt over them covers every
+        scope it used. One part is returned as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            raise ValueError("a union needs at least one snapshot")
+        return cls(
+            json.dumps([p.user for p in parts]),
+            ",".join(p.version for p in parts),
+            [f for p in parts for f in p.facts],
+            {(p.user, s): sha for p in parts for s, sha in p.segments.items()},
+            torch.cat([p.embeddings for p in parts]),
+            parts[0].reader,
+            tuple(parts),
+        )
+
+    def versions(self) -> list[tuple[str, str]]:
+        """(user, version) of each partition: [(self.user, self.version)] for one user's snapshot."""
+        return [(p.user, p.version) for p in self.parts] or [(self.user, self.version)]
+
+    def segment_sha(self, user: str, segment: str) -> str:
+        return self.segments[(user, segment) if self.parts else segment]
 
     def row_of(self) -> dict[str, int]:
         """fact_id -> position in ``facts`` (and in ``embeddings``)."""
@@ -154,6 +182,23 @@ class UserKV:
     @property
     def num_tokens(self) -> int:
         return sum(f.num_tokens for f in self.facts)
+
+    @functools.cached_property
+    def expiring(self) -> dict[int, str]:
+        """store row id -> ``expiration_date`` (YYYY-MM-DD, Mem0's metadata field) of the facts that have one."""
+        out = {}
+        for f in self.facts:
+            if '"expiration_date"' in f.metadata:
+                exp = json.loads(f.metadata).get("expiration_date")
+                if isinstance(exp, str):
+                    out[f.row] = exp
+        return out
+
+    def unexpired(self, today: str) -> set[int] | None:
+        """Store row ids of the facts not expired on ``today`` (YYYY-MM-DD; a fact expires after its date), or
+        None when none has expired (every row may be served)."""
+        gone = {r for r, d in self.expiring.items() if d < today}
+        return None if not gone else {f.row for f in self.facts} - gone
 
 
 _FACT_COLS = (
@@ -591,27 +636,28 @@ class Store:
         missing: dict[str, list[int]] = {}
         with self._lock:
             for i, f in enumerate(facts):
-                parts[i] = self._kv.get(("fact", ukv.user, f.segment, f.token_offset, f.num_tokens))
+                parts[i] = self._kv.get(("fact", f.user, f.segment, f.token_offset, f.num_tokens))
                 if parts[i] is None:
-                    missing.setdefault(f.segment, []).append(i)
+                    missing.setdefault((f.user, f.segment), []).append(i)
             n_missing = sum(map(len, missing.values()))
             self._stats["kv_misses"] += n_missing
             self._stats["kv_hits"] += len(facts) - n_missing
-        for segment, idx in missing.items():
-            where = f"store {self.name}: KV segment {segment} of user {ukv.user!r}"
+        versions = dict(ukv.versions())
+        for (user, segment), idx in missing.items():
+            where = f"store {self.name}: KV segment {segment} of user {user!r}"
             try:
-                handle = self.segments.open(self.segment_name(ukv.user, segment))
+                handle = self.segments.open(self.segment_name(user, segment))
             except FileNotFoundError:
-                if self.version(ukv.user) != ukv.version:
-                    raise LookupError(f"memory version {ukv.version} of {ukv.user!r} is no longer current") from None
+                if self.version(user) != versions[user]:
+                    raise LookupError(f"memory version {versions[user]} of {user!r} is no longer current") from None
                 raise StoreError(f"{where} is missing (run `kvmem store fsck --store {self.name}`)") from None
             except OSError as exc:
                 raise StoreError(f"{where} cannot be opened ({exc})") from None
             try:
-                layout = self._segment_layout(ukv.user, segment, ukv.segments[segment], handle)
+                layout = self._segment_layout(user, segment, ukv.segment_sha(user, segment), handle)
                 kvs = seg_files.read_spans(handle, layout, [(facts[i].token_offset, facts[i].num_tokens) for i in idx])
             except seg_files.SegmentCorrupt as exc:
-                self.segments.discard(self.segment_name(ukv.user, segment))  # a cached copy: fetched again next time
+                self.segments.discard(self.segment_name(user, segment))  # a cached copy: fetched again next time
                 raise StoreError(f"{where} {exc}") from None
             except OSError as exc:  # EIO and the like: that read fails, the reader prefills instead
                 raise StoreError(f"{where} cannot be read ({exc})") from None
@@ -622,7 +668,7 @@ class Store:
                 for i, kv in zip(idx, kvs):
                     parts[i] = kv
                     f = facts[i]
-                    _cache_put(self._kv, ("fact", ukv.user, f.segment, f.token_offset, f.num_tokens), kv)
+                    _cache_put(self._kv, ("fact", f.user, f.segment, f.token_offset, f.num_tokens), kv)
         if len(parts) == 1:
             return parts[0]
         if not parts:
@@ -667,6 +713,21 @@ class Store:
         ukv = UserKV(user, current, facts, segments, embeddings, self._read_facts)
         _cache_put(self._user_cache, user, ukv)
         return ukv
+
+    def snapshots(self, versions: list[tuple[str, str | None]]) -> UserKV:
+        """The union (``UserKV.union``) of several users' snapshots: ``(user, version)`` pairs, a version of
+        None meaning the current one, where a user with no live memories is left out. Raises UnknownUser when
+        none is left, LookupError when a given version was replaced."""
+        parts = []
+        for user, version in versions:
+            try:
+                parts.append(self.snapshot(user, version))
+            except UnknownUser:
+                if version is not None:
+                    raise
+        if not parts:
+            raise UnknownUser(f"no live memories for {[u for u, _ in versions]!r} in store {self.name}")
+        return UserKV.union(parts)
 
     def user_kv(self, user: str) -> UserKV:
         """A user's current memory (``snapshot(user)``)."""
@@ -813,7 +874,7 @@ class Store:
         Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
         or a ``delete`` id that is not a live fact of this user.
         """
-        check_user(user)
+        check_store_user(user)
         add, keys, values = list(add), list(keys), list(values)
         delete = [ALL] if delete is ALL else list(delete)
         if add:

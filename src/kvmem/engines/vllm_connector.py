@@ -91,15 +91,34 @@ def tail_salt(salt: str, memory_tokens: int) -> str:
 
 
 def kvmem_params(
-    store: str, user: str, version: str, fact_ids: list[str], start: int = 0, memory_tokens: int | None = None
+    store: str,
+    user: str,
+    version: str,
+    fact_ids: list[str],
+    start: int = 0,
+    memory_tokens: int | None = None,
+    parts: list[tuple[str, str]] | None = None,
 ) -> dict:
     """``kv_transfer_params`` for a request whose prompt starts with ``[header][facts fact_ids...]``.
     ``memory_tokens``: set for tail recompute (the prompt continues with recomputed facts): the injected length,
-    which the cache salt must carry."""
+    which the cache salt must carry. ``parts``: for memory drawn from several entity scopes (``UserKV.union``),
+    each scope's (user, version); ``user`` and ``version`` are then the union's."""
     p = {"store": str(store), "user": user, "version": version, "fact_ids": list(fact_ids), "start": int(start)}
     if memory_tokens is not None:
         p["memory_tokens"] = int(memory_tokens)
+    if parts is not None and len(parts) > 1:
+        p["parts"] = [[u, v] for u, v in parts]
     return {PARAMS_KEY: p}
+
+
+def _parts(p: dict) -> list[tuple[str, str]]:
+    """The (user, version) pairs kvmem params name; a union's must spell its ``user`` and ``version``."""
+    if "parts" not in p:
+        return [(str(p["user"]), str(p["version"]))]
+    parts = [(str(u), str(v)) for u, v in p["parts"]]
+    if json.dumps([u for u, _ in parts]) != p["user"] or ",".join(v for _, v in parts) != p["version"]:
+        raise ValueError("kvmem params: parts do not spell the union's user and version")
+    return parts
 
 
 # --- per-process store access (each process opens the store itself) -----------------------------------------
@@ -145,7 +164,9 @@ def _fact_tokens(root: str, user: str, version: str) -> dict[str, tuple[int, ...
 def memory_token_ids(p: dict) -> list[int]:
     """The composed memory token ids ``[header][facts]`` named by kvmem params ``p`` (from the store's metadata)."""
     st = _store(p["store"])
-    facts = _fact_tokens(p["store"], p["user"], p["version"])
+    facts: dict[str, tuple[int, ...]] = {}
+    for user, version in _parts(p):
+        facts.update(_fact_tokens(p["store"], user, version))
     ids = list(st.header_token_ids)
     for fid in p["fact_ids"]:
         if fid not in facts:
@@ -398,7 +419,7 @@ class KvmemConnector(KVConnectorBase_V1):
         if why:
             raise PermissionError(why)
         st = _store(p["store"])
-        ukv = st.snapshot(p["user"], p["version"])  # raises if replaced; compose reads only the gathered facts
+        ukv = st.snapshots(_parts(p))  # raises if replaced; compose reads only the gathered facts
         rows = ukv.row_of()
         memory = compose(
             self._rot(),

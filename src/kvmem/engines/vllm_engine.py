@@ -64,10 +64,13 @@ class MemoryRef:
     fact_ids: list[str]
     start: int = 0
     memory_tokens: int | None = None  # tail recompute: the injected length (the prompt goes on with more facts)
+    parts: list[tuple[str, str]] | None = None  # memory from several entity scopes: each one's (user, version)
 
     @property
     def params(self) -> dict:
-        return kvmem_params(self.store, self.user, self.version, self.fact_ids, self.start, self.memory_tokens)
+        return kvmem_params(
+            self.store, self.user, self.version, self.fact_ids, self.start, self.memory_tokens, self.parts
+        )
 
     @property
     def salt(self) -> str:
@@ -92,6 +95,7 @@ def memory_ref(plan: MemoryPlan) -> MemoryRef:
         plan.snapshot.version,
         plan.fact_ids,
         memory_tokens=plan.memory_tokens,
+        parts=plan.snapshot.versions(),
     )
 
 

@@ -31,7 +31,10 @@ logger = logging.getLogger("kvmem.server")
 
 PIN_HEADER = "x-kvmem-replica"  # request: try this replica first (tests, debugging); response: who answered
 RETRIES = 2  # another replica, for a read or chat whose replica died before answering
-IDEMPOTENT = {("POST", "/v1/chat/completions"), ("POST", "/v1/memories/search")}
+IDEMPOTENT = {
+    ("POST", p) for p in ("/v1/chat/completions", "/v1/memories/search", "/v3/memories/search", "/v3/memories")
+}
+BODY_ROUTED = ("/v1/chat/completions", "/v1/memories", "/v1/memories/search", "/v3/memories/add", "/v3/memories/search")
 
 
 async def route_key(cluster: Replicas, method: str, path: str, query: bytes, headers, body: bytes) -> str | None:
@@ -42,13 +45,16 @@ async def route_key(cluster: Replicas, method: str, path: str, query: bytes, hea
     except APIError:
         return None
     user = None
-    if path in ("/v1/chat/completions", "/v1/memories", "/v1/memories/search") and method == "POST":
+    path = path.rstrip("/") or "/"  # mem0ai's client spells every path with a trailing slash
+    if path in BODY_ROUTED and method == "POST":
         try:
             doc = json.loads(body)
         except ValueError:
             return None
         if isinstance(doc, dict):
             user = doc.get("user" if path == "/v1/chat/completions" else "user_id")
+            if user is None and isinstance(doc.get("filters"), dict):
+                user = doc["filters"].get("user_id")
     elif path == "/v1/memories":
         user = (parse_qs(query.decode("latin-1")).get("user_id") or [None])[0]
     elif path.startswith("/v1/memories/"):
@@ -173,7 +179,7 @@ def create_ingress(cluster: Replicas) -> FastAPI:
             "body": body,
             "client": tuple(scope["client"]) if scope.get("client") else None,
         }
-        retry = method in ("GET", "HEAD") or (method, path) in IDEMPOTENT
+        retry = method in ("GET", "HEAD") or (method, path.rstrip("/")) in IDEMPOTENT
         call = asyncio.ensure_future(forward(req, key, request.headers.get(PIN_HEADER), retry))
         if retry:  # a read or chat stops when its client goes; a write runs to its end
             gone = asyncio.ensure_future(disconnected(request))

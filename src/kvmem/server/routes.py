@@ -16,16 +16,16 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..memory import MemoryInputError
+from ..scopes import Scope, ScopeError
+from .memories import memory_routes
 from .runtime import KvmemServer, logger
-from .schemas import AddMemoryRequest, APIError, ChatRequest, MemoryOptions, SearchRequest, UpdateRequest, error_of
+from .schemas import APIError, ChatRequest, MemoryOptions, error_of
 from .streaming import ChatGeneration, prepare_chat, sse, until_disconnect
-from .tenants import Tenants
 
 
 def create_app(server: KvmemServer) -> FastAPI:
     """The FastAPI app over a started ``KvmemServer``: errors and limits, then the routes by group."""
-    app = FastAPI(title="kvmem", version="0.1", docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvmem", version="0.1", docs_url=None, redoc_url=None, redirect_slashes=False)
     app.state.kvmem = server
     _errors_and_limits(app, server)
 
@@ -33,7 +33,7 @@ def create_app(server: KvmemServer) -> FastAPI:
         return server.tenants.tenant(request.headers.get("authorization"))
 
     _service_routes(app, server, tenant_of)
-    _memory_routes(app, server, tenant_of)
+    memory_routes(app, server, tenant_of)
     _chat_route(app, server, tenant_of)
     return app
 
@@ -133,90 +133,17 @@ def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         }
 
 
-def _memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
-    """The memories REST API (Mem0's platform shapes), scoped to the caller's tenant."""
-
-    async def owned_fact(tenant, memory_id: str):
-        try:
-            f = await server.off_loop(server.memory.store.fact, str(memory_id))
-        except LookupError as exc:
-            raise MemoryInputError(str(exc)) from None
-        if f is None:
-            raise APIError(404, f"memory {str(memory_id)[:64]!r} not found", "memory_not_found")
-        if not Tenants.owns(tenant, f.user):
-            raise APIError(403, "this memory belongs to another tenant", "forbidden")
-        return f
-
-    def public_item(tenant, item: dict) -> dict:
-        if "user_id" in item:
-            item["user_id"] = Tenants.public(tenant, item["user_id"])
-        return item
-
-    async def write(fn, *args):
-        """Writes queue on the model thread, at most ``max_queue`` at a time (then 429). A queued write is never
-        timed out: a write that answered 503 must not land later (a retry would duplicate it)."""
-        if server.pending_writes >= server.max_writes:
-            raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
-        server.pending_writes += 1
-        try:
-            return await server.on_model_thread(fn, *args)
-        finally:
-            server.pending_writes -= 1
-
-    @app.post("/v1/memories")
-    async def add_memories(body: AddMemoryRequest, request: Request):
-        tenant = tenant_of(request)
-        user = Tenants.user(tenant, body.user_id)
-        server.attach_extraction(asyncio.get_running_loop())
-        return await write(lambda: server.memory.add(body.messages, user, body.metadata, body.infer, body.timestamp))
-
-    @app.get("/v1/memories")
-    async def list_memories(request: Request, user_id: str, limit: int = 100):
-        tenant = tenant_of(request)
-        if not 1 <= limit <= 10000:
-            raise APIError(422, "limit must be between 1 and 10000", "invalid_value", "limit")
-        out = await server.off_loop(server.memory.get_all, Tenants.user(tenant, user_id), limit)
-        return {"results": [public_item(tenant, m) for m in out["results"]]}
-
-    @app.post("/v1/memories/search")
-    async def search_memories(body: SearchRequest, request: Request):
-        tenant = tenant_of(request)
-        out = await server.off_loop(
-            server.memory.search, body.query, Tenants.user(tenant, body.user_id), body.limit, body.filters
-        )
-        return {"results": [public_item(tenant, m) for m in out["results"]]}
-
-    @app.get("/v1/memories/{memory_id}/history")
-    async def memory_history(memory_id: str, request: Request):
-        tenant = tenant_of(request)
-        events = await server.off_loop(server.memory.history, memory_id)
-        if not all(Tenants.owns(tenant, e["user_id"]) for e in events):
-            raise APIError(403, "this memory belongs to another tenant", "forbidden")
-        return [public_item(tenant, e) for e in events]
-
-    @app.get("/v1/memories/{memory_id}")
-    async def get_memory(memory_id: str, request: Request):
-        tenant = tenant_of(request)
-        await owned_fact(tenant, memory_id)
-        item = await server.off_loop(server.memory.get, memory_id)
-        if item is None:  # deleted between the check and the read
-            raise APIError(404, f"memory {memory_id[:64]!r} not found", "memory_not_found")
-        return public_item(tenant, item)
-
-    @app.put("/v1/memories/{memory_id}")
-    async def update_memory(memory_id: str, body: UpdateRequest, request: Request):
-        await owned_fact(tenant_of(request), memory_id)
-        return await write(server.memory.update, memory_id, body.text)
-
-    @app.delete("/v1/memories/{memory_id}")
-    async def delete_memory(memory_id: str, request: Request):
-        await owned_fact(tenant_of(request), memory_id)
-        return await write(server.memory.delete, memory_id)
-
-    @app.delete("/v1/memories")
-    async def delete_all(request: Request, user_id: str):
-        tenant = tenant_of(request)
-        return await write(server.memory.delete_all, Tenants.user(tenant, user_id))
+def chat_scopes(tenant: str | None, user, agent_id, run_id) -> list[str] | None:
+    """The store users a chat injects from: every scope made of the entities it names (the OpenAI ``user``,
+    ``memory.agent_id``, ``memory.run_id``; ``scopes.Scope.subscopes``), so a memory of an agent or a run is
+    injected only into chats that name it. None when it names none. Raises APIError 400 for a bad id."""
+    if user is None and agent_id is None and run_id is None:
+        return None
+    try:
+        named = Scope.of(user, agent_id, run_id)
+    except ScopeError as exc:
+        raise APIError(400, str(exc), "invalid_user", "user") from None
+    return [s.key(tenant) for s in named.subscopes()]
 
 
 def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
@@ -245,7 +172,7 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         body.check_supported()
         messages = [{"role": m.chat_role, "content": m.text()} for m in body.messages]
         svc = server.service
-        user = Tenants.user(tenant, body.user) if body.user is not None else None
+        user = chat_scopes(tenant, body.user, opts.agent_id, opts.run_id)
         if user is None and mode != "off":
             raise APIError(
                 400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')", param="user"

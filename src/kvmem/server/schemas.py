@@ -49,7 +49,8 @@ class APIError(Exception):
                     "type": self.TYPES.get(self.status, "api_error"),
                     "param": self.param,
                     "code": self.code,
-                }
+                },
+                "detail": self.message,  # where mem0ai's client reads an error's message
             },
             status_code=self.status,
         )
@@ -123,6 +124,8 @@ class MemoryOptions(BaseModel):
     mode: Literal["kv", "prompt", "off"] | None = None
     tail_recompute: int | None = Field(None, ge=0, le=200)
     selective_recompute: int | None = Field(None, ge=0, le=100)  # % of fact tokens; transformers engine only
+    agent_id: str | None = Field(None, max_length=256)  # with the chat's user: the scopes memory comes from
+    run_id: str | None = Field(None, max_length=256)
 
 
 class JSONSchemaFormat(BaseModel):
@@ -186,26 +189,67 @@ class ChatRequest(BaseModel):
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
-class AddMemoryRequest(BaseModel):
+class Scoped(BaseModel):
+    """Entity ids (Mem0's scopes) at the top level or inside ``filters``; ``app_id`` is refused (no app scope)."""
+
     model_config = ConfigDict(extra="forbid")
-    messages: str | list[dict]
-    user_id: str = Field(max_length=256)
+    user_id: str | int | None = None
+    agent_id: str | int | None = None
+    run_id: str | int | None = None
+    app_id: str | None = None
+    filters: dict | None = None
+
+    def ids(self) -> dict:
+        if self.app_id is not None or "app_id" in (self.filters or {}):
+            raise APIError(
+                400, "app_id is not supported: scope memories by user_id, agent_id or run_id", param="app_id"
+            )
+        return {"user_id": self.user_id, "agent_id": self.agent_id, "run_id": self.run_id}
+
+    def scope_ids(self) -> dict:
+        """The ids of an add (top level, else in ``filters``, as mem0ai's client may send them)."""
+        ids, f = self.ids(), self.filters or {}
+        unknown = set(f) - {"user_id", "agent_id", "run_id"}
+        if unknown:
+            raise APIError(400, f"an add's filters hold entity ids only, not {sorted(unknown)}", param="filters")
+        for k, v in f.items():
+            if ids[k] is not None and str(ids[k]) != str(v):
+                raise APIError(400, f"conflicting scopes: {k}={ids[k]!r} and filters[{k!r}]={v!r}", param=k)
+            ids[k] = v
+        return ids
+
+
+class AddMemoryRequest(Scoped):
+    messages: str | dict | list[dict]
     metadata: dict | None = None
     infer: bool = True
     timestamp: float | None = None
+    expiration_date: str | None = None
+    custom_instructions: str | None = Field(None, max_length=8000)
+    prompt: str | None = Field(None, max_length=8000)
 
 
-class SearchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class SearchRequest(Scoped):
     query: str = Field(max_length=8000)
-    user_id: str = Field(max_length=256)
-    limit: int = Field(10, ge=1, le=1000)
-    filters: dict | None = None
+    limit: int | None = Field(None, ge=1, le=1000)
+    top_k: int | None = Field(None, ge=0, le=1000)
+    threshold: float | None = Field(None, ge=0, le=1)
+    show_expired: bool = False
+    rerank: bool = False
+    keyword_search: bool = False
+    latest_only: bool | None = None  # every memory is its latest version here (an update keeps its id)
+
+
+class ListRequest(Scoped):
+    show_expired: bool = False
+    latest_only: bool | None = None
 
 
 class UpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    text: str
+    text: str | None = None
+    metadata: dict | None = None
+    expiration_date: str | None = None
 
 
 def error_of(exc: Exception) -> APIError:

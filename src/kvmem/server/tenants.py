@@ -44,7 +44,7 @@ class Tenants:
         if not self.keys:
             return None
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        if scheme.lower() not in ("bearer", "token") or not given.strip():  # Token: mem0ai's MemoryClient
             raise APIError(401, "missing API key (Authorization: Bearer <key>)", "missing_api_key")
         given = given.strip().encode()
         found = None

@@ -1,0 +1,412 @@
+"""The Mem0 drop-in, with Mem0's own code: mem0ai 2.2.1's ``MemoryClient`` and ``AsyncMemoryClient`` against
+``kvmem serve`` on a loopback port (every call, return values asserted, an add visible to the next chat, another
+tenant's key refused), and Mem0's OSS API on ``from kvmem import Memory, AsyncMemory``: the quickstart, entity
+scopes, filters before the top-k, update, expiration, ``from_config`` in Mem0's config shape, with return shapes
+checked against Mem0's own ``MemoryItem`` model. Scoped chats inject only the scopes they name, and their KV
+equals prompt injection of the same ids (fp32). Bad input gets one clear error and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+os.environ.setdefault("MEM0_TELEMETRY", "False")  # mem0ai would otherwise post events (there is no network)
+
+import httpx
+import pytest
+
+from conftest import http_server
+from kvmem.models import MANIFEST, model_dir
+
+mem0 = pytest.importorskip("mem0", reason="mem0ai==2.2.1 is installed by scripts/setup.sh")
+from mem0.configs.base import MemoryItem  # noqa: E402
+from mem0.exceptions import MemoryError as Mem0Error  # noqa: E402
+
+FAST = "smollm2-135m-instruct"
+KEY_A, KEY_B = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
+PROMOTED = {"user_id", "agent_id", "run_id", "actor_id", "role", "expiration_date"}
+
+
+def assert_mem0_item(item: dict, score: bool | None = None) -> None:
+    """Field by field what Mem0's ``MemoryItem`` (plus its promoted payload keys) promises."""
+    assert set(item) <= set(MemoryItem.model_fields) | PROMOTED, set(item) - set(MemoryItem.model_fields)
+    MemoryItem(**{k: v for k, v in item.items() if k in MemoryItem.model_fields})  # types as Mem0 declares them
+    assert isinstance(item["id"], str) and isinstance(item["memory"], str) and item["memory"]
+    assert item["created_at"] and item["updated_at"]
+    if score is True:
+        assert isinstance(item["score"], float) and 0.1 <= item["score"] <= 1.0
+    elif score is False:
+        assert "score" not in item
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from kvmem.server import KvmemServer, Limits
+
+    if not (model_dir(FAST) / MANIFEST).exists():
+        pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
+    root = tmp_path_factory.mktemp("mem0") / "store"
+    srv = KvmemServer.start(
+        root,
+        model=FAST,
+        engine="hf",
+        dtype="float32",
+        window=2,
+        api_keys={KEY_A: "acme", KEY_B: "globex"},
+        limits=Limits(default_max_tokens=8),
+    )
+    with http_server(srv) as base:
+        yield srv, base
+
+
+def _chat(base, key, user, question, **memory):
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={
+            "model": FAST,
+            "user": user,
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "memory": {"top_k": 10, **memory},  # memory may override top_k
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_memory_client_every_call_against_kvmem_serve(server):
+    from mem0 import MemoryClient
+
+    srv, base = server
+    client = MemoryClient(api_key=KEY_A, host=base)  # GET /v1/ping/ with "Authorization: Token <key>"
+    added = client.add("I moved to Porto in April.", user_id="alice", infer=False, metadata={"topic": "home"})
+    [ev] = added["results"]
+    assert ev["event"] == "ADD" and ev["memory"] == "I moved to Porto in April."
+    pid = ev["id"]
+    more = client.add(
+        [{"role": "user", "content": "I play the cello on Sundays."}],
+        filters={"user_id": "alice"},
+        infer=False,
+        metadata={"topic": "music"},
+    )
+    cello = more["results"][0]["id"]
+
+    found = client.search("Where do I live?", filters={"user_id": "alice"}, top_k=1)
+    assert [m["id"] for m in found["results"]] == [pid]
+    assert_mem0_item(found["results"][0], score=True)
+    assert found["results"][0]["user_id"] == "alice" and found["results"][0]["metadata"] == {"topic": "home"}
+    only_music = client.search("Where do I live?", filters={"AND": [{"user_id": "alice"}, {"topic": "music"}]})
+    assert [m["id"] for m in only_music["results"]] == [cello]  # the filter runs before the top-k
+
+    page = client.get_all(filters={"user_id": "alice"}, page=1, page_size=1)
+    assert page["count"] == 2 and page["previous"] is None and page["next"] and len(page["results"]) == 1
+    assert page["results"][0]["id"] == pid  # oldest first
+    assert [m["id"] for m in client.get_all(filters={"user_id": "alice"})["results"]] == [pid, cello]
+
+    got = client.get(pid)
+    assert_mem0_item(got) and got["memory"] == "I moved to Porto in April."
+    # the next chat sees the add, as KV
+    chat = _chat(base, KEY_A, "alice", "Where do I live?")
+    assert pid in chat["kvmem"]["fact_ids"] and chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+    assert client.update(pid, text="I moved to Braga in May.")["message"]
+    assert client.update(pid, metadata={"checked": True})["message"]
+    got = client.get(pid)
+    assert got["memory"] == "I moved to Braga in May." and got["metadata"] == {"topic": "home", "checked": True}
+    hist = client.history(pid)
+    assert [h["event"] for h in hist] == ["ADD", "UPDATE", "UPDATE"]
+    assert hist[1]["old_memory"] == "I moved to Porto in April." and hist[1]["new_memory"] == "I moved to Braga in May."
+    assert hist[0]["user_id"] == "alice" and {"memory_id", "created_at", "is_deleted"} <= set(hist[0])
+
+    # another tenant's key: refused on every id route, and it sees none of acme's memories
+    other = MemoryClient(api_key=KEY_B, host=base)
+    for call in (lambda: other.get(pid), lambda: other.update(pid, text="x"), lambda: other.delete(pid)):
+        with pytest.raises(Mem0Error):
+            call()
+    assert other.search("Where do I live?", filters={"user_id": "alice"})["results"] == []
+    with pytest.raises(ValueError, match="API key"):
+        MemoryClient(api_key="not-a-key-0123456789", host=base)
+
+    users = client.users()
+    assert [(e["type"], e["name"]) for e in users["results"]] == [("user", "alice")]
+    assert client.delete(cello)["message"]
+    with pytest.raises(Mem0Error):
+        client.get(cello)
+    assert client.delete_all(user_id="alice")["message"]
+    assert client.get_all(filters={"user_id": "alice"})["results"] == []
+    assert pid not in _chat(base, KEY_A, "alice", "Where do I live?")["kvmem"]["fact_ids"]
+    client.add("Temporary.", user_id="bob", infer=False)
+    assert client.reset()["message"] and client.users()["results"] == []
+
+
+def test_async_memory_client(server):
+    from mem0 import AsyncMemoryClient
+
+    _, base = server
+
+    async def run():
+        client = AsyncMemoryClient(api_key=KEY_A, host=base)
+        r = await client.add("My sister Ana plays the oboe.", user_id="carol", agent_id="tutor", infer=False)
+        mid = r["results"][0]["id"]
+        found = await client.search("Who plays the oboe?", filters={"user_id": "carol", "agent_id": "tutor"})
+        got = await client.get(mid)
+        await client.update(mid, text="My sister Ana plays the bassoon.")
+        hist = await client.history(mid)
+        listed = await client.get_all(filters={"agent_id": "tutor"})
+        await client.delete_all(agent_id="tutor")
+        after = await client.get_all(filters={"user_id": "carol"})
+        return mid, found, got, hist, listed, after
+
+    mid, found, got, hist, listed, after = asyncio.run(run())
+    assert [m["id"] for m in found["results"]] == [mid] and found["results"][0]["agent_id"] == "tutor"
+    assert got["user_id"] == "carol" and got["agent_id"] == "tutor"
+    assert [h["event"] for h in hist] == ["ADD", "UPDATE"]
+    assert [m["id"] for m in listed["results"]] == [mid] and after["results"] == []
+
+
+def test_scoped_chats_inject_only_named_scopes_and_equal_prompt_injection(server):
+    srv, base = server
+    h = {"Authorization": f"Bearer {KEY_A}"}
+
+    def add(text, **ids):
+        r = httpx.post(
+            f"{base}/v3/memories/add/", headers=h, json={"messages": text, "infer": False, **ids}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["results"][0]["id"]
+
+    mine = add("Dana's favourite colour is teal.", user_id="dana")
+    agent = add("The travel agent books aisle seats.", agent_id="travel")
+    both = add("Dana flies to Oslo on Friday.", user_id="dana", agent_id="travel")
+    run = add("This session is about a refund.", user_id="dana", run_id="s1")
+
+    plain = _chat(base, KEY_A, "dana", "What do you know?")["kvmem"]["fact_ids"]
+    assert mine in plain and agent not in plain and both not in plain and run not in plain
+    with_agent = _chat(base, KEY_A, "dana", "What do you know?", agent_id="travel")["kvmem"]["fact_ids"]
+    assert {mine, agent, both} == set(with_agent)
+    with_run = _chat(base, KEY_A, "dana", "What do you know?", run_id="s1")["kvmem"]["fact_ids"]
+    assert {mine, run} == set(with_run)
+    # another tenant naming the same ids sees none of it
+    assert _chat(base, KEY_B, "dana", "What do you know?", agent_id="travel")["kvmem"]["fact_ids"] == []
+
+    # a chat over several scopes injects each fact's stored KV: greedy answers equal prompt injection's
+    kv = _chat(base, KEY_A, "dana", "Where does Dana fly?", agent_id="travel", run_id="s1", mode="kv")
+    pr = _chat(base, KEY_A, "dana", "Where does Dana fly?", agent_id="travel", run_id="s1", mode="prompt")
+    assert kv["kvmem"]["fact_ids"] == pr["kvmem"]["fact_ids"] and len(kv["kvmem"]["fact_ids"]) == 4
+    assert kv["usage"]["prompt_tokens"] == pr["usage"]["prompt_tokens"]
+    assert kv["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert pr["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert kv["choices"][0]["message"]["content"] == pr["choices"][0]["message"]["content"]
+
+    # exactness: the first fact of a fresh scope is encoded behind the header alone, so injecting it from the
+    # second of three scopes must give prompt injection's logits (fp32)
+    add("Zed's locker number is 12.", user_id="zed")
+    solo = add("The solo agent's passphrase is amber falcon.", agent_id="solo")
+    kv = _chat(base, KEY_A, "zed", "What is the passphrase?", agent_id="solo", mode="kv", top_k=1)
+    pr = _chat(base, KEY_A, "zed", "What is the passphrase?", agent_id="solo", mode="prompt", top_k=1)
+    assert kv["kvmem"]["fact_ids"] == pr["kvmem"]["fact_ids"] == [solo]
+    lk = [[t["logprob"] for t in e["top_logprobs"]] for e in kv["choices"][0]["logprobs"]["content"]]
+    lp = [[t["logprob"] for t in e["top_logprobs"]] for e in pr["choices"][0]["logprobs"]["content"]]
+    assert lk and len(lk) == len(lp)
+    for a, b in zip(lk, lp):
+        assert a == pytest.approx(b, abs=1e-4)
+
+    # a run's memory is deleted by delete_all(run_id) and never injected again
+    r = httpx.delete(f"{base}/v1/memories/", headers=h, params={"run_id": "s1"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert run not in _chat(base, KEY_A, "dana", "What do you know?", run_id="s1")["kvmem"]["fact_ids"]
+    assert mine in _chat(base, KEY_A, "dana", "What do you know?", run_id="s1")["kvmem"]["fact_ids"]
+
+
+@pytest.mark.parametrize(
+    "path,body,match",
+    [
+        ("/v3/memories/search/", {"query": "x", "filters": {"user_id": "erin", "n": {"like": 1}}}, "operator 'like'"),
+        ("/v3/memories/search/", {"query": "x", "filters": {"user_id": "erin", "nope": 1}}, "'nope'"),
+        ("/v3/memories/search/", {"query": "x", "user_id": "frank", "filters": {"user_id": "erin"}}, "conflicting"),
+        ("/v3/memories/search/", {"query": "x", "filters": {"OR": [{"user_id": "erin"}]}}, "at least one of"),
+        ("/v3/memories/add/", {"messages": "x", "user_id": "erin", "expiration_date": "2001-01-01"}, "in the past"),
+        ("/v3/memories/add/", {"messages": "x", "user_id": "erin", "filters": {"user_id": "frank"}}, "conflicting"),
+        ("/v3/memories/add/", {"messages": "x", "user_id": "erin", "output_format": "v1.1"}, "output_format"),
+        ("/v3/memories/add/", {"messages": "x", "user_id": "erin", "async_mode": True}, "async_mode"),
+        ("/v3/memories/add/", {"messages": "x", "app_id": "app"}, "app_id"),
+        ("/v3/memories/", {"filters": {"user_id": "erin", "n": {"gt": [1]}, "x": {"in": 3}}}, "takes a list"),
+    ],
+)
+def test_bad_input_is_one_clear_error_and_changes_nothing(server, path, body, match):
+    srv, base = server
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    seed = httpx.post(
+        f"{base}/v3/memories/add/",
+        headers=h,
+        json={"messages": "Erin keeps bees.", "user_id": "erin", "infer": False, "metadata": {"n": 1}},
+        timeout=300,
+    )
+    assert seed.status_code == 200
+    before = srv.memory.store.version("acme:erin")
+    r = httpx.post(f"{base}{path}", headers=h, json={"infer": False, **body} if "add" in path else body, timeout=60)
+    assert 400 <= r.status_code < 500 and r.status_code != 404, r.text
+    err = r.json()["error"]
+    assert match in err["message"] and "Traceback" not in err["message"]
+    assert srv.memory.store.version("acme:erin") == before and srv.memory.store.version("acme:frank") is None
+
+
+# --- the OSS API: from kvmem import Memory --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    from kvmem import Memory
+
+    return Memory(tmp_path_factory.mktemp("oss") / "store", model=FAST, dtype="float32", window=1)
+
+
+def test_mem0_quickstart_and_documented_calls(oss):
+    m = oss
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hi, I'm Alex. I love basketball and gaming."},
+        {"role": "assistant", "content": "Hey Alex! I'll remember your interests."},
+    ]
+    added = m.add(messages, user_id="alex", infer=False, metadata={"category": "hobbies"})
+    assert [e["memory"] for e in added["results"]] == [messages[1]["content"], messages[2]["content"]]  # no system
+    m.add("Alex's team plays on Thursdays.", user_id="alex", agent_id="coach", infer=False, metadata={"rank": 3})
+    m.add("Alex asked about knee pain.", user_id="alex", run_id="visit-1", infer=False, metadata={"rank": 7})
+    m.add("Alex's sister is called Mia.", user_id="alex", infer=False, expiration_date="2999-12-31")
+
+    found = m.search("Does Alex like basketball?", filters={"user_id": "alex"}, top_k=3)
+    assert len(found["results"]) == 3 and found["results"][0]["memory"] == messages[1]["content"]
+    assert [r["score"] for r in found["results"]] == sorted((r["score"] for r in found["results"]), reverse=True)
+    for item in found["results"]:
+        assert_mem0_item(item, score=True)
+    assert found["results"][0]["role"] == "user" and found["results"][0]["metadata"] == {"category": "hobbies"}
+    ranks = m.search("Alex", filters={"user_id": "alex", "rank": {"gte": 5}}, top_k=5, threshold=0.0)
+    assert [r["memory"] for r in ranks["results"]] == ["Alex asked about knee pain."]
+    either = m.search(
+        "Alex",
+        filters={"user_id": "alex", "OR": [{"rank": {"lt": 5}}, {"category": {"in": ["hobbies"]}}]},
+        top_k=9,
+        threshold=0.0,
+    )
+    assert {r["memory"] for r in either["results"]} == {
+        messages[1]["content"],
+        messages[2]["content"],
+        "Alex's team plays on Thursdays.",
+    }
+    nots = m.search("Alex", filters={"user_id": "alex", "NOT": [{"rank": {"gte": 5}}]}, top_k=9, threshold=0.0)
+    assert len(nots["results"]) == 4 and "Alex asked about knee pain." not in {r["memory"] for r in nots["results"]}
+    sister = m.search("Alex", filters={"user_id": "alex", "memory": {"icontains": "SISTER"}}, threshold=0.0)
+    assert [r["memory"] for r in sister["results"]] == ["Alex's sister is called Mia."]
+    coach = m.get_all(filters={"agent_id": "coach"})
+    assert [r["memory"] for r in coach["results"]] == ["Alex's team plays on Thursdays."]
+    assert coach["results"][0]["user_id"] == "alex" and coach["results"][0]["agent_id"] == "coach"
+    for item in coach["results"]:
+        assert_mem0_item(item, score=False)
+    assert len(m.get_all(filters={"user_id": "alex"}, top_k=2)["results"]) == 2
+    assert len(m.get_all(filters={"user_id": "alex"})["results"]) == 5
+
+    mid = added["results"][0]["id"]
+    assert m.update(memory_id=mid, text="Alex loves basketball.") == {"message": "Memory updated successfully!"}
+    m.update(mid, metadata={"verified": True})
+    item = m.get(mid)
+    assert item["memory"] == "Alex loves basketball." and item["metadata"] == {"category": "hobbies", "verified": True}
+    assert [h["event"] for h in m.history(mid)] == ["ADD", "UPDATE", "UPDATE"]
+
+    m.delete_all(run_id="visit-1")
+    assert "Alex asked about knee pain." not in {r["memory"] for r in m.get_all(filters={"user_id": "alex"})["results"]}
+    m.delete_all(agent_id="coach")
+    assert m.get_all(filters={"agent_id": "coach"})["results"] == []
+    m.delete_all(user_id="alex")
+    assert m.get_all(filters={"user_id": "alex"})["results"] == []
+
+
+def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
+    import kvmem.memory as km
+    import kvmem.service as ks
+
+    m = oss
+    mid = m.add("Gil's parking code is 4411.", user_id="gil", infer=False, expiration_date="2030-01-01")["results"][0]
+    assert m.search("parking code", filters={"user_id": "gil"})["results"]
+    monkeypatch.setattr(km, "_today", lambda: "2030-01-02")
+    assert m.search("parking code", filters={"user_id": "gil"})["results"] == []
+    assert [r["id"] for r in m.search("parking code", filters={"user_id": "gil"}, show_expired=True)["results"]] == [
+        mid["id"]
+    ]
+    assert m.get_all(filters={"user_id": "gil"})["results"] == []
+    assert m.get(mid["id"])["expiration_date"] == "2030-01-01"
+    # the serving path drops it from retrieval too (the expiry check reads today's date where it plans)
+    ukv = m.store.snapshot("gil")
+    assert ukv.unexpired("2030-01-02") == set() and ukv.unexpired("2029-12-31") is None
+    assert ks.datetime is not None
+    m.update(mid["id"], expiration_date=None)
+    assert m.search("parking code", filters={"user_id": "gil"})["results"]
+
+
+def test_from_config_in_mem0_shape_and_refusals(oss, tmp_path):
+    from kvmem import AsyncMemory, Memory, MemoryInputError
+    from kvmem.extract import OpenAIExtractor
+
+    cfg = {
+        "vector_store": {"provider": "faiss", "config": {"path": str(oss.store.root)}},
+        "llm": {"provider": "vllm", "config": {"model": "m", "vllm_base_url": "http://127.0.0.1:9/v1"}},
+        "embedder": {"provider": "huggingface", "config": {"model": "sentence-transformers/all-MiniLM-L6-v2"}},
+        "version": "v1.1",
+        "custom_instructions": "Only remember food preferences.",
+    }
+    m = Memory.from_config(cfg)
+    assert str(m.store.root) == str(oss.store.root) and m.custom_instructions == "Only remember food preferences."
+    assert isinstance(m.extractor, OpenAIExtractor) and m.extractor.base_url.startswith("http://127.0.0.1:9")
+    for bad, match in [
+        ({"vector_store": {"provider": "qdrant", "config": {}}}, "provider 'kvmem'"),
+        ({"embedder": {"provider": "openai", "config": {"model": "text-embedding-3-small"}}}, "all-MiniLM-L6-v2"),
+        ({"llm": {"provider": "anthropic", "config": {"model": "claude"}}}, "OpenAI-compatible"),
+        ({"graph_store": {}}, "unknown config keys: graph_store"),
+        ({"reranker": {"provider": "cohere"}}, "reranker"),
+        ({"history_db_path": "/tmp/h.db"}, "history"),
+    ]:
+        with pytest.raises(MemoryInputError, match=match):
+            Memory.from_config({**bad, "store": str(tmp_path / "never")})
+    assert not (tmp_path / "never").exists()
+
+    am = AsyncMemory.from_config({"store": str(oss.store.root)})
+
+    async def run():
+        r = await am.add("Hana drinks green tea.", user_id="hana", infer=False)
+        s = await am.search("What does Hana drink?", filters={"user_id": "hana"})
+        await am.delete_all(user_id="hana")
+        return r, s, await am.get_all(filters={"user_id": "hana"})
+
+    r, s, after = asyncio.run(run())
+    assert s["results"][0]["id"] == r["results"][0]["id"] and after["results"] == []
+
+
+def test_default_store_location_and_refused_calls(oss, monkeypatch, tmp_path):
+    from kvmem import Memory, MemoryInputError
+    from kvmem.memory import default_store
+
+    monkeypatch.delenv("KVMEM_STORE", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert default_store() == tmp_path / "xdg" / "kvmem" / "memory"
+    monkeypatch.setenv("KVMEM_STORE", str(oss.store.root))
+    m = Memory()  # opens the default store (here: the env's), for the model it was built with
+    assert m.store.fingerprint["model"] == FAST
+    m.add("Ivo sails.", user_id="ivo", infer=False)
+    version = m.store.version("ivo")
+    for call, match in [
+        (lambda: m.add("x", user_id="ivo", memory_type="procedural_memory"), "procedural"),
+        (lambda: m.search("x", filters={"user_id": "ivo"}, rerank=True), "rerank"),
+        (lambda: m.search("x", filters={"user_id": "ivo"}, reference_date="2024-01-01"), "reference_date"),
+        (lambda: m.search("x", filters={"user_id": "ivo"}, threshold=2), "threshold"),
+        (lambda: m.search("x"), "at least one of"),
+        (lambda: m.add("x"), "at least one of"),
+        (lambda: m.add("x", user_id="ivo", agent_id="has space"), "whitespace"),
+        (lambda: m.delete_all(), "reset()"),
+        (lambda: m.update("nope", text="x"), "not found"),
+    ]:
+        with pytest.raises(MemoryInputError, match=match):
+            call()
+    assert m.store.version("ivo") == version
