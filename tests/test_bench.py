@@ -368,10 +368,13 @@ def test_bench_memory(tiny):
     )
     s = check_outputs(out, "memory.png")
     assert s["facts_for_search"] == 1500 and s["deleted_absent_from_next_search"] is True
-    for key in ("add_ms", "plain_forward_ms", "search_ms", "delete_ms"):
+    for key in ("add_ms", "add_scoped_ms", "plain_forward_ms", "search_ms", "search_scoped_ms", "delete_ms"):
+        assert 0 < s[key]["p50"] <= s[key]["p95"]
+    for key in ("search_two_scopes_ms", "search_filtered_ms"):
         assert 0 < s[key]["p50"] <= s[key]["p95"]
     recs = json.loads((out / "records.json").read_text())
     assert [r["op"] for r in recs].count("add") == 3 and all(r["tokens"] > 10 for r in recs if r["op"] == "add")
+    assert [r["op"] for r in recs].count("add_scoped") == 3
 
 
 def test_bench_chat_cost(tiny):

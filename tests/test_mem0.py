@@ -8,6 +8,7 @@ equals prompt injection of the same ids (fp32). Bad input gets one clear error a
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 os.environ.setdefault("MEM0_TELEMETRY", "False")  # mem0ai would otherwise post events (there is no network)
@@ -410,3 +411,63 @@ def test_default_store_location_and_refused_calls(oss, monkeypatch, tmp_path):
         with pytest.raises(MemoryInputError, match=match):
             call()
     assert m.store.version("ivo") == version
+
+
+def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
+    """What ``get_all`` returns is imported with its ids, scopes, metadata and times; a bad record is refused by
+    index and nothing is written; the CLI takes the same file."""
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    srv, base = server
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    export = {
+        "count": 3,
+        "results": [
+            {
+                "id": "7f0e5c1a-0000-4000-8000-000000000001",
+                "memory": "Jo is allergic to peanuts.",
+                "user_id": "jo",
+                "metadata": {"source": "intake"},
+                "categories": ["health"],
+                "created_at": "2025-03-01T10:00:00-08:00",
+                "updated_at": "2025-03-02T10:00:00-08:00",
+                "hash": "ignored",
+                "score": None,
+            },
+            {"id": "7f0e5c1a-0000-4000-8000-000000000002", "memory": "Jo likes jazz.", "user_id": "jo",
+             "agent_id": "dj", "created_at": "2025-04-01T00:00:00Z", "expiration_date": "2025-05-01"},
+            {"id": "7f0e5c1a-0000-4000-8000-000000000003", "memory": "Session notes.", "run_id": "r9",
+             "role": "assistant"},
+        ],
+    }  # fmt: skip
+    bad = {"results": [*export["results"][:1], {"memory": "", "user_id": "jo"}, {"memory": "x"}]}
+    r = httpx.post(f"{base}/v1/memories/import", headers=h, json=bad, timeout=300)
+    assert r.status_code == 400 and "record 1" in r.text and "record 2" in r.text, r.text
+    assert srv.memory.store.version("acme:jo") is None  # nothing written, not even record 0
+
+    r = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 3, "scopes": {"user_id=jo": 1, "user_id=jo&agent_id=dj": 1, "run_id=r9": 1}}
+    got = httpx.get(f"{base}/v1/memories/7f0e5c1a-0000-4000-8000-000000000001/", headers=h).json()
+    assert got["memory"] == "Jo is allergic to peanuts." and got["user_id"] == "jo"
+    assert got["metadata"] == {"source": "intake", "categories": ["health"]}
+    assert got["created_at"].startswith("2025-03-01T18:00:00")
+    jazz = httpx.get(f"{base}/v1/memories/7f0e5c1a-0000-4000-8000-000000000002/", headers=h).json()
+    assert jazz["agent_id"] == "dj" and jazz["expiration_date"] == "2025-05-01"  # expired: kept, never served
+    found = httpx.post(f"{base}/v3/memories/search/", headers=h, timeout=60,
+                       json={"query": "music", "filters": {"user_id": "jo"}, "threshold": 0}).json()  # fmt: skip
+    assert [m["id"] for m in found["results"]] == ["7f0e5c1a-0000-4000-8000-000000000001"]
+    again = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
+    assert again.status_code == 400 and "already exists" in again.text
+
+    (tmp_path / "export.json").write_text(json.dumps({"results": export["results"][:1]}))
+    store = tmp_path / "cli-store"
+    out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "export.json"), "--store", str(store),
+                                   "--model", FAST, "--dtype", "float32", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output) == {"count": 1, "scopes": {"user_id=jo": 1}}
+    (tmp_path / "bad.json").write_text('{"results": [{"memory": "no scope"}]}')
+    out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "bad.json"), "--store", str(store)])
+    assert out.exit_code == 2 and "record 0" in out.output and "Traceback" not in out.output

@@ -194,3 +194,53 @@ def test_vllm_server_injects_memory_and_isolates_tenants(base):
     text = httpx.get(f"{base}/metrics").text
     reads = {ln.split('"')[1]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("kvmem_store_reads{")}
     assert reads["kv_misses"] >= 3 and reads["kv_read_bytes"] > 0, reads  # the worker's reads of facts' KV
+
+
+def test_vllm_injects_memory_of_several_scopes_through_the_connector(base):
+    """A chat naming a user and an agent: the connector reads both scopes' versions (its ``parts``), injects
+    them under one salt over both, and the answer equals prompt injection's; a write to either scope is seen."""
+    h = {"Authorization": f"Bearer {KEY_A}"}
+
+    def add(text, **ids):
+        r = httpx.post(
+            f"{base}/v3/memories/add/", headers=h, json={"messages": text, "infer": False, **ids}, timeout=300
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["results"][0]["id"]
+
+    mine = add("Bruno's bike is a red Brompton.", user_id="bruno")
+    agent = add("The repair agent's workshop opens at nine.", agent_id="repair")
+
+    def chat(mode, **memory):
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers=h,
+            timeout=300,
+            json={
+                "model": FAST,
+                "user": "bruno",
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "When does the workshop open?"}],
+                "memory": {"top_k": 5, "mode": mode, **memory},
+            },
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def fallbacks():
+        text = httpx.get(f"{base}/metrics").text
+        return sum(
+            float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("kvmem_connector_fallbacks_total")
+        )
+
+    before = fallbacks()
+    kv, pr = chat("kv", agent_id="repair"), chat("prompt", agent_id="repair")
+    assert set(kv["kvmem"]["fact_ids"]) == {mine, agent} and kv["kvmem"]["fact_ids"] == pr["kvmem"]["fact_ids"]
+    assert kv["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 and fallbacks() == before
+    assert kv["choices"][0]["message"]["content"] == pr["choices"][0]["message"]["content"]
+    assert chat("kv")["kvmem"]["fact_ids"] == [mine]  # the agent's memory only when the agent is named
+    later = add("The repair agent also fixes scooters.", agent_id="repair")
+    again = chat("kv", agent_id="repair")
+    assert later in again["kvmem"]["fact_ids"] and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20
+    assert fallbacks() == before

@@ -460,7 +460,9 @@ def ask(
 
 
 _MSTORE = typer.Option(..., "--store", help=_STORE_HELP + " Created on the first add.")
-_MUSER = typer.Option(..., "--user", help="User id.")
+_MUSER = typer.Option(None, "--user", help="User id (Mem0's user_id).")
+_MAGENT = typer.Option(None, "--agent", help="Agent id (Mem0's agent_id): with or instead of --user.")
+_MRUN = typer.Option(None, "--run", help="Run id (Mem0's run_id): with or instead of --user.")
 _MJSON = typer.Option(False, "--json")
 
 
@@ -517,7 +519,9 @@ def memory_add(
     ),
     message: str | None = typer.Option(None, "--message", "-m", help="The message text itself, instead of a file."),
     store: str = _MSTORE,
-    user: str = _MUSER,
+    user: str | None = _MUSER,
+    agent: str | None = _MAGENT,
+    run: str | None = _MRUN,
     infer: bool = typer.Option(
         True,
         "--infer/--no-infer",
@@ -558,10 +562,11 @@ def memory_add(
             messages = json.loads(text)
         except json.JSONDecodeError:
             pass
-    from .memory import check_messages, check_user_id
+    from .memory import check_messages
+    from .scopes import Scope
 
     check_messages(messages)  # bad input fails before a model loads or a store is created
-    check_user_id(user)
+    Scope.of(user, agent, run)
     mem = _memory(
         store,
         model,
@@ -574,7 +579,7 @@ def memory_add(
         history=history,
         segments=segments,
     )
-    out = mem.add(messages, user, infer=infer)
+    out = mem.add(messages, user, agent_id=agent, run_id=run, infer=infer)
     if as_json:
         _emit(out, True)
     else:
@@ -582,20 +587,75 @@ def memory_add(
             typer.echo(f"{r['event']:6s} {r['id']}  {r['memory']}")
 
 
+@memory_app.command("import")
+@friendly
+def memory_import(
+    file: Path = typer.Argument(..., help="Mem0's export: the JSON get_all returns ({'results': [...]} or a list)."),
+    store: str = _MSTORE,
+    model: str | None = typer.Option(None, help="Answer model for a new store (default: the default model)."),
+    dtype: str = _DTYPE,
+    segments: str | None = _SEGMENTS,
+    as_json: bool = _MJSON,
+):
+    """Move memories in from Mem0: written verbatim with their ids, scopes, metadata and times, then encoded."""
+    if not file.is_file():
+        raise ValueError(f"no file {str(file)!r}")
+    try:
+        export = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not JSON ({exc})") from None
+    out = _memory(store, model, None, dtype, None, None, create=True, segments=segments).import_memories(export)
+    if as_json:
+        _emit(out, True)
+    else:
+        for scope, n in out["scopes"].items():
+            typer.echo(f"{n:6d}  {scope}")
+        typer.echo(f"{out['count']:6d}  memories imported")
+
+
 @memory_app.command("search")
 @friendly
 def memory_search(
-    query: str, store: str = _MSTORE, user: str = _MUSER, limit: int = typer.Option(10), as_json: bool = _MJSON
+    query: str,
+    store: str = _MSTORE,
+    user: str | None = _MUSER,
+    agent: str | None = _MAGENT,
+    run: str | None = _MRUN,
+    limit: int = typer.Option(10, help="Results at most (Mem0's top_k)."),
+    threshold: float = typer.Option(0.1, help="Lowest cosine score returned."),
+    filters: str | None = typer.Option(None, help='Mem0 filters as JSON, e.g. \'{"category": {"in": ["work"]}}\'.'),
+    as_json: bool = _MJSON,
 ):
-    """The memories most similar to QUERY, best first."""
-    _print_memories(_memory(store).search(query, user, limit=limit)["results"], as_json)
+    """The memories most similar to QUERY, best first, among those the scope and filters select."""
+    found = _memory(store).search(
+        query, user, agent_id=agent, run_id=run, top_k=limit, threshold=threshold, filters=_filters(filters)
+    )
+    _print_memories(found["results"], as_json)
 
 
 @memory_app.command("list")
 @friendly
-def memory_list(store: str = _MSTORE, user: str = _MUSER, limit: int = typer.Option(100), as_json: bool = _MJSON):
-    """A user's live memories, oldest first."""
-    _print_memories(_memory(store).get_all(user, limit=limit)["results"], as_json)
+def memory_list(
+    store: str = _MSTORE,
+    user: str | None = _MUSER,
+    agent: str | None = _MAGENT,
+    run: str | None = _MRUN,
+    limit: int = typer.Option(100),
+    filters: str | None = typer.Option(None, help="Mem0 filters as JSON."),
+    as_json: bool = _MJSON,
+):
+    """The live memories the scope and filters select, oldest first."""
+    found = _memory(store).get_all(user, agent_id=agent, run_id=run, top_k=limit, filters=_filters(filters))
+    _print_memories(found["results"], as_json)
+
+
+def _filters(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--filters is not JSON ({exc})") from None
 
 
 @memory_app.command("get")
@@ -627,9 +687,15 @@ def memory_delete(memory_id: str, store: str = _MSTORE, as_json: bool = _MJSON):
 
 @memory_app.command("delete-all")
 @friendly
-def memory_delete_all(store: str = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
-    """Delete every memory of a user."""
-    _message(_memory(store).delete_all(user), as_json)
+def memory_delete_all(
+    store: str = _MSTORE,
+    user: str | None = _MUSER,
+    agent: str | None = _MAGENT,
+    run: str | None = _MRUN,
+    as_json: bool = _MJSON,
+):
+    """Delete every memory whose scope has all the given ids (a user's: with its agents' and runs' too)."""
+    _message(_memory(store).delete_all(user, agent, run), as_json)
 
 
 @memory_app.command("history")
@@ -646,9 +712,15 @@ def memory_history(memory_id: str, store: str = _MSTORE, as_json: bool = _MJSON)
 
 @memory_app.command("compact")
 @friendly
-def memory_compact(store: str = _MSTORE, user: str = _MUSER, as_json: bool = _MJSON):
-    """Rewrite a user's KV segments without deleted rows."""
-    _message(_memory(store).compact(user), as_json)
+def memory_compact(
+    store: str = _MSTORE,
+    user: str | None = _MUSER,
+    agent: str | None = _MAGENT,
+    run: str | None = _MRUN,
+    as_json: bool = _MJSON,
+):
+    """Rewrite one scope's KV segments without deleted rows."""
+    _message(_memory(store).compact(user, agent, run), as_json)
 
 
 @store_app.command("fsck")

@@ -172,8 +172,9 @@ def _today() -> str:
     return datetime.now(UTC).date().isoformat()
 
 
-def _expiration(value) -> str | None:
-    """An expiration date as YYYY-MM-DD (a ``date``, ``datetime`` or ISO string), today or later."""
+def _expiration(value, past: bool = False) -> str | None:
+    """An expiration date as YYYY-MM-DD (a ``date``, ``datetime`` or ISO string), today or later (``past``: or
+    earlier, as an imported memory that has expired already)."""
     if value is None:
         return None
     if isinstance(value, datetime):
@@ -186,7 +187,7 @@ def _expiration(value) -> str | None:
         out = None
     if out is None:
         raise MemoryInputError(f"expiration_date must be a date in YYYY-MM-DD format, not {value!r}")
-    if out < _today():
+    if out < _today() and not past:
         raise MemoryInputError(f"expiration_date {out} is in the past (today is {_today()} UTC)")
     return out
 
@@ -197,6 +198,19 @@ def _actor(message: dict) -> dict:
 
 def _times(f: FactRecord) -> dict:
     return {"created_at": _iso(f.created_at), "updated_at": _iso(f.updated_at)}
+
+
+def _parse_time(value) -> float:
+    """An export's ``created_at`` (ISO 8601, naive read as UTC; or Unix seconds) as Unix seconds; now if absent."""
+    if value is None:
+        return time.time()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _timestamp(value)
+    try:
+        t = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        raise MemoryInputError(f"created_at {value!r} is not an ISO 8601 time") from None
+    return _timestamp((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp())
 
 
 def _count(value, name: str, default: int) -> int:
@@ -384,23 +398,25 @@ class Memory:
         except UnknownUser:
             return None
 
-    def _fields_of(self, ukv, namespace) -> list[dict]:
-        """Each fact's filterable fields (entity ids, builtin fields, metadata), cached per scope version."""
-        out = []
+    def _fields_of(self, ukv, namespace) -> tuple[list[dict], set[str]]:
+        """Each fact's filterable fields (entity ids, builtin fields, metadata) and every field name any of them
+        has, cached per scope version."""
+        out, names = [], set(scopes.BUILTIN_FIELDS)
         for part in ukv.parts or (ukv,):
             key = (part.user, part.version, namespace)
             got = self._fields.get(key)
             if got is None:
                 s = scopes.parse_key(part.user, namespace) or Scope(user_id=part.user)
-                got = []
-                for f in part.facts:
-                    meta = json.loads(f.metadata or "{}")
-                    got.append({**meta, **s.ids(), "memory": f.text, **_times(f)})
+                rows = [
+                    {**json.loads(f.metadata or "{}"), **s.ids(), "memory": f.text, **_times(f)} for f in part.facts
+                ]
+                got = (rows, set().union(*(r.keys() for r in rows)))
                 if len(self._fields) > 256:
                     self._fields.clear()
                 self._fields[key] = got
-            out += got
-        return out
+            out += got[0]
+            names |= got[1]
+        return out, names
 
     def _selected(self, ukv, filters: dict, show_expired: bool, namespace) -> set[int] | None:
         """Store row ids of ``ukv``'s facts that pass ``filters`` (and are not expired, unless ``show_expired``),
@@ -409,8 +425,10 @@ class Memory:
             pred, used = scopes.compile_filters(filters)
         except ScopeError as exc:
             raise MemoryInputError(str(exc)) from None
-        fields = self._fields_of(ukv, namespace)
-        known = set(scopes.BUILTIN_FIELDS).union(*(f.keys() for f in fields))
+        if all(k in scopes.ENTITIES and not isinstance(v, dict) and v != "*" for k, v in filters.items()):
+            # the scopes were picked by exactly these ids: only expiry is left to check
+            return None if show_expired else ukv.unexpired(_today())
+        fields, known = self._fields_of(ukv, namespace)
         unknown = sorted(used - known)
         if unknown:
             raise MemoryInputError(f"filter on {unknown[0]!r}: no memory in this scope has that field")
@@ -584,10 +602,13 @@ class Memory:
         events: list[tuple],
         now: float,
         created: dict[str, float] | None = None,
+        dated: bool = False,
     ) -> tuple[str, list[FactRecord]]:
-        """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids."""
+        """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids
+        (``dated``: also each fact's date, as for imported memories; else the date is now's)."""
 
         window, neighbours, history = self._encoding(user)
+        created = created or {}
         records = [
             FactRecord(
                 fid or str(uuid.uuid4()),
@@ -595,12 +616,12 @@ class Memory:
                 text,
                 "",
                 "",
-                _date(now),
+                _date(created.get(fid, now) if dated else now),
                 (),
                 0,
                 window,
                 metadata=_metadata(meta),
-                created_at=(created or {}).get(fid, now),
+                created_at=created.get(fid, now),
             )
             for text, fid, meta in new
         ]
@@ -800,6 +821,52 @@ class Memory:
         for user in users:
             self.store.delete_user(user)  # what is live when the commit runs
         return {"message": "Memories deleted successfully!"}
+
+    def import_memories(self, export, namespace: str | None = None) -> dict:
+        """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
+        ``{"results": [...]}`` page or a list of items) verbatim, keeping their ids, scopes, metadata, role,
+        expiration date and creation times; each scope's memories are encoded and committed at once, in creation
+        order. Every record is checked first: a malformed one (by index), an id already live here or repeated,
+        and nothing is written. Returns ``{"count": n, "scopes": {"user_id=alice": 3, ...}}``."""
+        records = export.get("results") if isinstance(export, dict) else export
+        if not isinstance(records, list) or not records:
+            raise MemoryInputError("an export is a non-empty list of memories, or an object with 'results'")
+        by_scope: dict[str, list] = {}
+        errors, seen = [], set()
+        for i, rec in enumerate(records):
+            try:
+                if not isinstance(rec, dict):
+                    raise MemoryInputError("is not an object")
+                scope = self._scope(rec.get("user_id"), rec.get("agent_id"), rec.get("run_id"))
+                text = _text(rec.get("memory"), "'memory'")
+                fid = rec.get("id") or str(uuid.uuid4())
+                if not isinstance(fid, str) or fid in seen:
+                    raise MemoryInputError(f"id {fid!r} is not a string or appears twice")
+                seen.add(fid)
+                if self._fact(fid) is not None:
+                    raise MemoryInputError(f"memory {fid!r} already exists")
+                meta = _user_metadata(rec.get("metadata"))
+                for key in ("role", "actor_id", "categories"):
+                    if rec.get(key) is not None:
+                        meta[key] = rec[key]
+                if rec.get("expiration_date") is not None:
+                    meta["expiration_date"] = _expiration(rec["expiration_date"], past=True)
+                created = _parse_time(rec.get("created_at"))
+                by_scope.setdefault(scope.key(namespace), []).append((created, text, fid, meta))
+            except MemoryInputError as exc:
+                errors.append(f"record {i}: {exc}")
+        if errors:
+            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            raise MemoryInputError("nothing imported: " + "; ".join(errors[:5]) + more)
+        counts = {}
+        for user, items in by_scope.items():
+            items.sort(key=lambda x: x[0])
+            new = [(text, fid, meta) for _, text, fid, meta in items]
+            contexts = [self._context(user, [], 0)] * len(new)
+            self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
+            label = "&".join(f"{k}={v}" for k, v in scopes.parse_key(user, namespace).ids().items())
+            counts[label] = len(new)
+        return {"count": sum(counts.values()), "scopes": counts}
 
     def compact(self, user_id: str | None = None, agent_id=None, run_id=None, namespace: str | None = None) -> dict:
         """Rewrite one scope's KV segments without dead rows; what search and get_all return is unchanged."""

@@ -186,6 +186,8 @@ class UserKV:
     @functools.cached_property
     def expiring(self) -> dict[int, str]:
         """store row id -> ``expiration_date`` (YYYY-MM-DD, Mem0's metadata field) of the facts that have one."""
+        if self.parts:  # each part's map is cached with its snapshot
+            return {r: d for p in self.parts for r, d in p.expiring.items()}
         out = {}
         for f in self.facts:
             if '"expiration_date"' in f.metadata:

@@ -6,7 +6,9 @@ Load it with ``KVTransferConfig(kv_connector="KvmemConnector", kv_connector_modu
 
     {"store": "/path/to/store", "user": "conv-26", "version": "<store.version(user)>",
      "fact_ids": ["D1:3", ...],   # injected order
-     "start": 0}                  # virtual position of the first header token (vLLM numbers the prompt from 0)
+     "start": 0,                  # virtual position of the first header token (vLLM numbers the prompt from 0)
+     "parts": [[user, version], ...]}  # only for memory of several entity scopes (``UserKV.union``); then
+                                       # "user" and "version" are the union's, and each part's version is checked
 
 and ``cache_salt = kvmem_cache_salt(store_id, user, version)`` on the prompt (``store_id``: the store manifest's).
 

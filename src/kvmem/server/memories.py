@@ -114,6 +114,16 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             raise APIError(400, "app_id is not supported: scope memories by user_id, agent_id or run_id")
         return await write(server.memory.delete_all, user_id, agent_id, run_id, namespace=tenant)
 
+    @route("POST", "/v1/memories/import")
+    async def import_memories(request: Request):
+        """A Mem0 export (what ``get_all`` returns), as ``kvmem memory import`` takes it."""
+        tenant = tenant_of(request)
+        try:
+            export = await request.json()
+        except ValueError:
+            raise APIError(400, "the body is not valid JSON", "invalid_json") from None
+        return await write(server.memory.import_memories, export, namespace=tenant)
+
     @route("DELETE", "/v2/entities/{entity_type}/{name}")
     async def delete_entity(entity_type: str, name: str, request: Request):
         tenant = tenant_of(request)

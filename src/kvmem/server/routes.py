@@ -53,6 +53,8 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
             return APIError(400, "the body is not a valid JSON object", "invalid_json").response()
         e = errs[0] if errs else {}
         loc = ".".join(str(x) for x in e.get("loc", ())[1:]) or None
+        if e.get("type") == "extra_forbidden":  # e.g. a Mem0 v1/v2 field a v3 client would not send
+            return APIError(400, f"field {loc!r} is not supported by this server", "unsupported_field", loc).response()
         return APIError(422, f"{loc or 'body'}: {e.get('msg', 'invalid value')}", "invalid_value", loc).response()
 
     @app.exception_handler(StarletteHTTPException)

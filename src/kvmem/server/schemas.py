@@ -42,18 +42,17 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.TYPES.get(self.status, "api_error"),
-                    "param": self.param,
-                    "code": self.code,
-                },
-                "detail": self.message,  # where mem0ai's client reads an error's message
-            },
-            status_code=self.status,
-        )
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "api_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        if self.status != 422:  # where mem0ai's client reads a message; a 422's "detail" is FastAPI's list
+            body["detail"] = self.message
+        return JSONResponse(body, status_code=self.status)
 
 
 # --- request models --------------------------------------------------------------------------------------
