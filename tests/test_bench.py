@@ -262,7 +262,8 @@ def test_bench_footprint(tiny):
     assert n > 100 and 0 < rec["kv_file_bytes"] - n * 2 * 30 * 3 * 64 * b < 1024
     assert s["kv_bytes_per_conversation"]["conv-26"] > 0 and s["index_bytes"]["conv-26"] > 0
     assert s["metadata_bytes"]["conv-26"] > 0
-    assert s["rss_bytes"]["serving"] >= s["rss_bytes"]["before_load"] > 0
+    # in-process RSS: it can shrink below the value before the load when earlier tests freed memory
+    assert s["rss_bytes"]["peak"] >= s["rss_bytes"]["serving"] > 0 and s["rss_bytes"]["before_load"] > 0
 
 
 def test_bench_encode(tiny):
