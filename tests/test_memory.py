@@ -240,7 +240,7 @@ def test_unusable_extractor_output_is_none_not_an_exception(mem):
             return '{"facts": ["cut off'
 
     mem.extractor = Garbage()
-    assert mem.add("I like tea.", "g", infer=True) == {"results": []}
+    assert mem.add("I like tea.", "g", infer=True) == {"results": [], "message": "nothing remembered: no facts found"}
     assert [t["content"] for t in mem.store.turns("g")] == ["I like tea."]  # the turn is kept as context
 
 

@@ -323,6 +323,10 @@ def serve_cmd(
         None, "--ray-address", help="Join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting one."
     ),
     use_ray: bool = typer.Option(False, "--ray", help="Serve through Ray even with one replica."),
+    extractor_url: str | None = typer.Option(
+        None, help="OpenAI-compatible base URL for fact extraction (default: the serving engine)."
+    ),
+    extractor_model: str | None = typer.Option(None, help="The model name to ask at --extractor-url."),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from .hardware import resolve_dtype
@@ -368,6 +372,7 @@ def serve_cmd(
         replicas=replicas,
         ray_address=ray_address,
         use_ray=use_ray,
+        extractor={"base_url": extractor_url, "model": extractor_model or "default"} if extractor_url else None,
     )
 
 
@@ -1136,6 +1141,31 @@ def bench_memory(
     if turns < 1 or facts < 1:
         raise ValueError("--turns and --facts must be >= 1")
     online_memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
+
+
+@bench_app.command("extract")
+@friendly
+def bench_extract(
+    models: str = typer.Option(
+        "smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct",
+        help="Comma-separated models, each extracting on its own kvmem serve.",
+    ),
+    endpoint: str | None = typer.Option(
+        "qwen2.5-coder-1.5b-instruct",
+        help="Also extract through this model's kvmem serve, as an OpenAI-compatible endpoint ('' = skip).",
+    ),
+    answer_model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="The answering server of the endpoint arm."),
+    engine: str = typer.Option("auto", "--engine"),
+    dtype: str = _DTYPE,
+    cases: int = typer.Option(0, help="The first N cases only (0: all 44)."),
+    out: Path = typer.Option(Path("runs/bench/extract"), "--out"),
+):
+    """Fact extraction on the scripted set: memory-state precision / recall, leaks, forgets, corrections,
+    abstention on trap questions, add latency."""
+    from .bench import extraction
+
+    names = [m for m in models.split(",") if m]
+    extraction.run(out, names, endpoint or None, answer_model, engine, dtype, cases, echo=typer.echo)
 
 
 @bench_app.command("chat-cost")

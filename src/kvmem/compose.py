@@ -15,9 +15,11 @@ import torch
 
 from .rope import Rotary
 
+# The header is stored with a store (its text, token ids and KV): a store keeps the header it was made with.
 HEADER_TEXT = (
     "You are a helpful assistant with a long-term memory of the user's conversations. "
-    "Answer the question in a few words, using the memory below.\n\nMemory:\n"
+    "Answer the question in a few words, using the memory below. If the memory does not hold the answer, "
+    'say "I don\'t know" instead of guessing.\n\nMemory:\n'
 )
 _MEM, _Q = "\x00KVMEM_MEMORY\x00", "\x00KVMEM_QUESTION\x00"
 

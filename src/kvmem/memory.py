@@ -21,13 +21,14 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from datetime import UTC, date, datetime
 from pathlib import Path
 
-from . import scopes
+from . import grounding, scopes
 from .compose import check_text
 from .config import config_kwargs
-from .extract import make_extractor
+from .extract import DECISIONS_PROMPT, FACTS_PROMPT, Decision, make_extractor
 from .ingest import open_or_create_store, write_facts
 from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from .policy import Encoding, check_user
@@ -145,6 +146,11 @@ def _timestamp(timestamp) -> float:
     return ts
 
 
+# cosine scores (all-MiniLM-L6-v2) for acting on a cue without the model: the memory a correction or a request to
+# forget is about must be at least this similar (a forget: and name a word the request names); a forget also takes
+# runners-up within the margin, or as similar as "sure"
+CORRECTION_MIN_SCORE = 0.4
+FORGET_MIN_SCORE, FORGET_MARGIN, FORGET_SURE_SCORE = 0.3, 0.03, 0.6
 PROMOTED = ("role", "actor_id", "expiration_date")  # stored in a memory's metadata, shown beside it (as Mem0)
 IDENTITY = frozenset({"user_id", "agent_id", "run_id", "actor_id"})  # set by the scope, never by metadata
 _UNSET = object()
@@ -303,7 +309,8 @@ class Memory:
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
         self.custom_instructions = custom_instructions
-        self._fields: dict[tuple[str, str], list[dict]] = {}  # (scope key, version) -> each fact's filter fields
+        self._fields: dict[tuple, tuple] = {}  # (scope key, version, namespace) -> each fact's filter fields
+        self.extraction_counts: Counter = Counter()  # infer=True adds: facts extracted / rejected, empty adds, ...
 
     @property
     def embedder(self):
@@ -708,22 +715,76 @@ class Memory:
     def extractor(self, extractor) -> None:
         self._extractor = extractor
 
+    def _similar(self, ukv, text: str, k: int) -> list[tuple[float, FactRecord]]:
+        """The ``k`` live memories of ``ukv`` most similar to ``text``: (cosine score, fact), best first."""
+        if ukv is None:
+            return []
+        scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([text])[0], k, ukv.unexpired(_today()))
+        return [(float(s), ukv.facts[r]) for s, r in zip(scores, rows)]
+
     def _infer(self, user, msgs, turns, metadata, now, prompt=None) -> dict:
-        found = self.extractor.facts(msgs, _date(now), prompt)
-        facts = list({_norm(f): f for f in found}.values())  # no repeats
-        existing: dict[str, str] = {}
+        """``add(infer=True)``: extract, check, reconcile, then one commit. What the model returns is checked on
+        the output (``grounding``): a fact whose words are not the user's own is dropped; an explicit request to
+        forget deletes the memory it is about; a correction turns the ADD of the corrected fact into an UPDATE of
+        the memory it corrects. The result says when nothing was extracted or kept (``message``)."""
+        kept = []  # the messages without their requests to forget: such a request is no fact to remember
+        forgets = []
+        for m in msgs:
+            parts = grounding.sentences(m["content"]) if m["role"] == "user" else [m["content"]]
+            forgets += [p for p in parts if m["role"] == "user" and grounding.forget_request(p)]
+            rest = " ".join(p for p in parts if p not in forgets)
+            if rest:
+                kept.append({**m, "content": rest})
+        sources = [m["content"] for m in kept if m["role"] == "user"]
+        shown = kept
+        found = self.extractor.facts(shown, _date(now), prompt) if sources else []
+        unsaid = [m["content"] for m in msgs if m["role"] != "user"] + [FACTS_PROMPT, DECISIONS_PROMPT, _date(now)]
+        facts = [f for f in {_norm(f): f for f in found}.values() if grounding.grounded(f, sources, unsaid)]
+        rejected = len({_norm(f) for f in found}) - len(facts)
+        if rejected:
+            logger.info("extractor: %d facts not in the user's messages were dropped", rejected)
         ukv = self._snapshot([user])
-        for f in facts if ukv is not None else []:  # the most similar existing memories of each new fact
-            _, rows = self.indexes.search(self.store, ukv, self.embedder.embed([f])[0], 5)
-            for r in rows:
-                existing[ukv.facts[r].fact_id] = ukv.facts[r].text
+        existing: dict[str, str] = {}
+        for f in facts:  # the most similar existing memories of each new fact
+            for _, fact in self._similar(ukv, f, 5):
+                existing[fact.fact_id] = fact.text
         decisions = self.extractor.reconcile(facts, list(existing.items())) if facts else []
+        # a correction: the memory its sentence is about; the model's ADD of the corrected fact replaces it
+        targets = {d.target for d in decisions if d.target is not None}
+        for c in [p for t in sources for p in grounding.sentences(t) if grounding.correction(p)]:
+            best = self._similar(ukv, c, 1)
+            if not best or best[0][0] < CORRECTION_MIN_SCORE or best[0][1].fact_id in targets:
+                continue
+            fact = best[0][1]
+            adds = [i for i, d in enumerate(decisions) if d.event == "ADD" and grounding.shares_words(d.text, c)]
+            if adds:
+                existing[fact.fact_id] = fact.text
+                decisions[adds[0]] = Decision("UPDATE", decisions[adds[0]].text, fact.fact_id)
+                targets.add(fact.fact_id)
+                self.extraction_counts["corrections"] += 1
+        for t in forgets:  # what an explicit request to forget is about, if the model did not delete it
+            about = grounding.topic(t)
+            hits = self._similar(ukv, about, 3)
+            best = hits[0][0] if hits else 0.0
+            for score, fact in hits:
+                close = score >= best - FORGET_MARGIN or score >= FORGET_SURE_SCORE
+                if score >= FORGET_MIN_SCORE and close and grounding.shares_words(about, fact.text):
+                    existing[fact.fact_id] = fact.text
+                    decisions = [d for d in decisions if d.target != fact.fact_id]
+                    decisions.append(Decision("DELETE", fact.text, fact.fact_id))
+                    self.extraction_counts["forgotten"] += 1
         context = self._context(user, turns, len(turns) - 1)
         new, delete, events, results = [], [], [], []
         known = {_norm(t) for t in existing.values()}
         for d in decisions:
             if d.target is not None and (d.target in delete or any(n[1] == d.target for n in new)):
                 continue  # one decision per memory per add
+            if d.event in ("ADD", "UPDATE") and not grounding.grounded(
+                d.text, sources + ([existing[d.target]] if d.event == "UPDATE" else []), unsaid
+            ):
+                logger.info("extractor: %s %r is not in the user's messages: dropped", d.event, d.text)
+                rejected += 1
+                continue
             if d.event == "ADD" and _norm(d.text) in known | {_norm(n[0]) for n in new}:
                 logger.info("extractor: %r is already known: NONE", d.text)
                 continue
@@ -741,6 +802,9 @@ class Memory:
                 results.append({"id": d.target, "memory": existing[d.target], "event": "DELETE"})
             else:
                 logger.info("extractor: NONE for %r", d.text)
+        self.extraction_counts["adds"] += 1
+        self.extraction_counts["facts_extracted"] += len({_norm(f) for f in found})
+        self.extraction_counts["facts_rejected"] += rejected
         if new or delete:
             created = {t: f.created_at for t in delete if (f := self.store.fact(t, user)) is not None}
             _, records = self._write(user, new, delete, turns, [context] * len(new), events, now, created)
@@ -748,7 +812,12 @@ class Memory:
             results = [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in added] + results
         else:  # nothing to remember: the turns are still the context of later facts
             self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
-        return {"results": results}
+        out: dict = {"results": results}
+        if not results:
+            self.extraction_counts["empty"] += 1
+            why = f"{rejected} extracted facts were not in the user's messages" if rejected else "no facts found"
+            out["message"] = f"nothing remembered: {why}"
+        return out
 
     def update(
         self,

@@ -94,6 +94,16 @@ class Metrics:
         hits = Gauge("kvmem_index_cache_events", "Per-user index cache hits and misses", ["event"], registry=r)
         hits.labels("hit").set_function(lambda: indexes.hits)
         hits.labels("miss").set_function(lambda: indexes.misses)
+        extraction = Gauge(
+            "kvmem_extraction",
+            "infer=True adds and what extraction gave: adds, facts_extracted, facts_rejected (not in the user's "
+            "messages), empty (nothing remembered), corrections (an ADD made an UPDATE), forgotten (deleted on a "
+            "request to forget)",
+            ["counter"],
+            registry=r,
+        )
+        for name in ("adds", "facts_extracted", "facts_rejected", "empty", "corrections", "forgotten"):
+            extraction.labels(name).set_function(lambda n=name: server.memory.extraction_counts[n])
         self._conn = Gauge("kvmem_connector_events", "The vLLM connector's scheduler counters", ["event"], registry=r)
         self._metrics_file = server.engine.metrics_file
 
@@ -187,6 +197,7 @@ class KvmemServer:
         write_timeout_s: float | None = 30.0,
         segments_url: str | None = None,
         cache_dir: str | None = None,
+        extractor: dict | None = None,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -194,7 +205,9 @@ class KvmemServer:
         chat requests; ``cache_bytes``: the LRU bound of each cache (indexes, KV segments) here and in the vLLM
         worker; ``write_timeout_s``: how long a write waits for another process's writer lock (then HTTP 503
         "store busy"); ``segments_url``: for a new store, the object store its KV segments go to; ``cache_dir``: a
-        local disk cache of those segments here and in the vLLM worker (for a shared store's readers). Raises
+        local disk cache of those segments here and in the vLLM worker (for a shared store's readers); ``extractor``:
+        ``{"base_url", "model", "api_key"}`` of an OpenAI-compatible endpoint for fact extraction (None: this
+        server's engine, with its batching and guided decoding). Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute)
@@ -246,6 +259,7 @@ class KvmemServer:
             history=history,
             indexes=indexes,
             store_cache_bytes=cache_bytes,
+            extractor=extractor,
         )
         mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
         return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
