@@ -189,7 +189,8 @@ def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int,
     cfg = AutoConfig.from_pretrained(str(model))
     cfg = getattr(cfg, "text_config", None) or cfg
     per_token = kv_bytes_per_token(cfg, dtype)
-    fits = (int(kv_cache_memory_bytes) // per_token) // 256 * 256
+    # a block of margin: vLLM rounds its cache down to whole blocks and must hold one full-length request
+    fits = (int(kv_cache_memory_bytes) // per_token - 512) // 256 * 256
     if fits < 256:
         raise EngineUnavailable(
             f"a KV cache of {kv_cache_memory_bytes} bytes holds {fits} tokens of this model in "

@@ -175,6 +175,8 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         messages = [{"role": m.chat_role, "content": m.text()} for m in body.messages]
         svc = server.service
         user = chat_scopes(tenant, body.user, opts.agent_id, opts.run_id)
+        if user is None and opts.mode is None:  # a plain OpenAI client (an extractor, say): no memory to use
+            mode = "off"
         if user is None and mode != "off":
             raise APIError(
                 400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')", param="user"
