@@ -45,17 +45,23 @@ def mem(tmp_path_factory):
 
 def test_grounding_rules():
     from kvmem.extract import DECISIONS_PROMPT, FACTS_PROMPT
-    from kvmem.grounding import correction, forget_request, grounded
+    from kvmem.grounding import chatter, correction, forget_request, grounded
 
-    prompt = [FACTS_PROMPT, DECISIONS_PROMPT, "1 December, 2026"]
+    prompt = dict(prompts=[FACTS_PROMPT, DECISIONS_PROMPT, "1 December, 2026"])
     said = ["I moved to Porto, my cat died, and I discovered jazz."]
-    assert grounded("Alice lives in Porto.", said, prompt)  # paraphrase keeps the user's words
-    assert grounded("The user has a peanut allergy.", ["I'm allergic to peanuts."], prompt)
-    assert not grounded("Today is 1 December, 2026.", said, prompt)
-    assert not grounded("You are a personal memory about the user.", said, prompt)
+    assert grounded("Alice lives in Porto.", said, **prompt)  # paraphrase keeps the user's words
+    assert grounded("The user has a peanut allergy.", ["I'm allergic to peanuts."], **prompt)
+    assert not grounded("Today is 1 December, 2026.", said, **prompt)
+    assert not grounded("You are a personal memory about the user.", said, **prompt)
     assert not grounded("The user enjoys oat milk lattes.", ["I drink my coffee black."],
-                        ["Many people also enjoy oat milk lattes.", *prompt])  # fmt: skip
+                        ["Many people also enjoy oat milk lattes."], **prompt)  # fmt: skip
     assert not grounded("Zelda is a premium customer.", ["I prefer window seats."], ["The user is Zelda, premium."])
+    assert not grounded("Zelda prefers window seats.", ["I prefer window seats."], ["The user is Zelda, premium."])
+    assert not grounded("17 times 23 is 391.", ["What is 17 times 23?"], ["17 times 23 is 391."])
+    for talk in ("The user asked for a joke about penguins.", "The assistant provided a joke.",
+                 "user: Ok, talk to you later. Bye!", "Thanks, that was helpful."):  # fmt: skip
+        assert chatter(talk), talk
+    assert not chatter("The user's sister Mia studies medicine.") and not chatter("I like jokes about cats.")
     assert forget_request("Please forget my social security number.") and forget_request("Delete my address.")
     assert forget_request("Remove my birthday from memory please.") and forget_request("Can you erase that?")
     for keep in ("Don't forget my mom's birthday is Friday.", "I need to delete some photos from my phone.",
@@ -119,6 +125,13 @@ def test_a_correction_becomes_an_update(mem):
     assert [(e["event"], e["id"]) for e in out["results"]] == [("UPDATE", porto)]
     assert out["results"][0]["previous_memory"] == "I live in Porto."
     assert [m["memory"] for m in mem.get_all(filters={"user_id": "g4"})["results"]] == ["The user lives in Braga."]
+    # a model that only deletes the corrected memory: it is updated with the user's own sentence instead
+    ana = mem.add("My wife is called Anna.", user_id="g5", infer=False)["results"][0]["id"]
+    mem.extractor = Scripted([], [])
+    out = mem.add("My wife's name is Ana, not Anna, please fix that.", user_id="g5")
+    assert [(e["event"], e["id"], e["memory"]) for e in out["results"]] == [
+        ("UPDATE", ana, "My wife's name is Ana, not Anna, please fix that.")
+    ]
     # without a cue, a new fact stays an ADD beside what is known
     mem.extractor = Scripted(["The user loves the beach in Braga."])
     out = mem.add("I love the beach here in Braga.", user_id="g4")

@@ -3,6 +3,7 @@
 * ``grounded``: a fact is kept only if its content words come from the user's own messages rather than from
   what the assistant, a system message or kvmem's extraction prompt said (today's date, "personal memory",
   ...), so prompt text and the assistant's suggestions never become a user fact.
+* ``chatter``: a "fact" about the conversation (what was asked, what the assistant said, small talk) is dropped.
 * ``forget_request`` / ``correction``: a user's explicit request to forget something, or a correction of what
   they said before ("actually ...", "not X anymore"): the cues that make ``Memory.add`` delete or update the
   matching memory even where the model's reconciliation missed it.
@@ -61,20 +62,43 @@ def _count(fw: set[str], ws: set[str]) -> int:
     return sum(1 for w in fw if any(_same(w, s) for s in ws))
 
 
-def grounded(fact: str, said: list[str], unsaid: list[str] = ()) -> bool:
-    """Whether ``fact`` comes from what the user ``said``, rather than from the ``unsaid`` texts (the assistant's
-    and system messages, the extraction prompt, today's date): at least one content word and a quarter of them
-    are the user's, and no more of them are only in ``unsaid``. Paraphrase passes ("I moved to Porto" ->
-    "Alice lives in Porto"); a prompt fragment ("Today is 1 December, 2026."), an assistant's suggestion or a
-    system message's claim does not."""
+def grounded(fact: str, said: list[str], others: list[str] = (), prompts: list[str] = ()) -> bool:
+    """Whether ``fact`` comes from what the user ``said``: no word of it is only in ``others`` (the assistant's and
+    system messages: the user did not say it), no number only in ``prompts`` (kvmem's own prompt text, today's
+    date), and at least one content word and a quarter of them are the user's, no fewer than the prompts'.
+    Paraphrase passes ("I moved to Porto" -> "Alice lives in Porto"); a prompt fragment ("Today is 1 December,
+    2026."), an assistant's suggestion or a system message's claim does not."""
     fw = set(words(fact))
     if not fw:
         return False
     user = set(words(" ".join(said)))
-    other = set(words(" ".join(unsaid)))
-    mine = _count(fw, user)
-    theirs = _count({w for w in fw if not any(_same(w, u) for u in user)}, other)
-    return mine >= 1 and mine >= theirs and mine / len(fw) >= 0.25
+    only_theirs = {w for w in fw if not any(_same(w, u) for u in user)}
+    if _count(only_theirs, set(words(" ".join(others)))):
+        return False
+    prompt = {w for w in only_theirs if any(_same(w, p) for p in set(words(" ".join(prompts))))}
+    if any(w[0].isdigit() for w in prompt):
+        return False
+    mine = len(fw) - len(only_theirs)
+    return mine >= 1 and mine >= len(prompt) and mine / len(fw) >= 0.25
+
+
+SMALL_TALK = frozenset(
+    {"hi", "hello", "hey", "thanks", "thank", "ok", "okay", "great", "good", "nice", "fine", "well", "doing", "today",
+     "bye", "goodbye", "later", "talk", "see", "soon", "helpful", "cool", "sure", "yes", "yeah", "please", "sorry",
+     "welcome", "morning", "evening", "night", "day", "weather", "joke"}
+)  # fmt: skip
+CHATTER = re.compile(
+    r"^\s*(?:user|assistant|system)\s*:|\b(?:assistant|chatbot|the ai)\b|"
+    r"\b(?:user|they|he|she)\s+(?:asked|asks|is asking|requested|requests|wants to know|wanted to know|said "
+    r"(?:hi|hello|goodbye|bye|thanks)|greeted|thanked)\b",
+    re.IGNORECASE,
+)
+
+
+def chatter(fact: str) -> bool:
+    """A "fact" about the conversation itself, not the user: what the user asked or the assistant said, a
+    transcript line, or small talk only ("The user asked for a joke.", "user: Bye!")."""
+    return bool(CHATTER.search(fact)) or all(w in SMALL_TALK for w in words(fact))
 
 
 def shares_words(a: str, b: str) -> bool:

@@ -738,8 +738,13 @@ class Memory:
         sources = [m["content"] for m in kept if m["role"] == "user"]
         shown = kept
         found = self.extractor.facts(shown, _date(now), prompt) if sources else []
-        unsaid = [m["content"] for m in msgs if m["role"] != "user"] + [FACTS_PROMPT, DECISIONS_PROMPT, _date(now)]
-        facts = [f for f in {_norm(f): f for f in found}.values() if grounding.grounded(f, sources, unsaid)]
+        others = [m["content"] for m in msgs if m["role"] != "user"]
+        prompts = [FACTS_PROMPT, DECISIONS_PROMPT, prompt or "", _date(now)]
+        facts = [
+            f
+            for f in {_norm(f): f for f in found}.values()
+            if grounding.grounded(f, sources, others, prompts) and not grounding.chatter(f)
+        ]
         rejected = len({_norm(f) for f in found}) - len(facts)
         if rejected:
             logger.info("extractor: %d facts not in the user's messages were dropped", rejected)
@@ -749,19 +754,23 @@ class Memory:
             for _, fact in self._similar(ukv, f, 5):
                 existing[fact.fact_id] = fact.text
         decisions = self.extractor.reconcile(facts, list(existing.items())) if facts else []
-        # a correction: the memory its sentence is about; the model's ADD of the corrected fact replaces it
-        targets = {d.target for d in decisions if d.target is not None}
+        # a correction: the memory its sentence is about is replaced by the corrected fact (the model's ADD of it,
+        # else a fact it extracted, else the user's own sentence), also where the model deleted it or did nothing
+        updated = {d.target for d in decisions if d.event == "UPDATE"}
         for c in [p for t in sources for p in grounding.sentences(t) if grounding.correction(p)]:
             best = self._similar(ukv, c, 1)
-            if not best or best[0][0] < CORRECTION_MIN_SCORE or best[0][1].fact_id in targets:
+            if not best or best[0][0] < CORRECTION_MIN_SCORE or best[0][1].fact_id in updated:
                 continue
             fact = best[0][1]
             adds = [i for i, d in enumerate(decisions) if d.event == "ADD" and grounding.shares_words(d.text, c)]
             if adds:
-                existing[fact.fact_id] = fact.text
-                decisions[adds[0]] = Decision("UPDATE", decisions[adds[0]].text, fact.fact_id)
-                targets.add(fact.fact_id)
-                self.extraction_counts["corrections"] += 1
+                text = decisions.pop(adds[0]).text
+            else:
+                text = next((f for f in facts if grounding.shares_words(f, c)), c)
+            decisions = [d for d in decisions if d.target != fact.fact_id] + [Decision("UPDATE", text, fact.fact_id)]
+            existing[fact.fact_id] = fact.text
+            updated.add(fact.fact_id)
+            self.extraction_counts["corrections"] += 1
         for t in forgets:  # what an explicit request to forget is about, if the model did not delete it
             about = grounding.topic(t)
             hits = self._similar(ukv, about, 3)
@@ -780,7 +789,7 @@ class Memory:
             if d.target is not None and (d.target in delete or any(n[1] == d.target for n in new)):
                 continue  # one decision per memory per add
             if d.event in ("ADD", "UPDATE") and not grounding.grounded(
-                d.text, sources + ([existing[d.target]] if d.event == "UPDATE" else []), unsaid
+                d.text, sources + ([existing[d.target]] if d.event == "UPDATE" else []), others, prompts
             ):
                 logger.info("extractor: %s %r is not in the user's messages: dropped", d.event, d.text)
                 rejected += 1
