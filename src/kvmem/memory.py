@@ -447,6 +447,14 @@ class Memory:
         }
         return None if len(keep) == len(ukv.facts) else keep
 
+    def _read(self, filters, ids: dict, show_expired: bool, namespace):
+        """What a read of ``filters`` (and top-level ``ids``) sees: the scopes' memories as one snapshot (None if
+        none has any) and the store rows the filters and expiry let through (None: all). Raises
+        MemoryInputError."""
+        users, filters = self._read_scopes(filters, ids, namespace)
+        ukv = self._snapshot(users)
+        return ukv, (None if ukv is None else self._selected(ukv, filters, show_expired, namespace))
+
     def _item(self, f: FactRecord, namespace=None, score: float | None = None) -> dict:
         """Mem0's memory item (``MemoryItem`` plus the promoted entity ids, role and expiration date)."""
         meta = json.loads(f.metadata or "{}")
@@ -500,13 +508,10 @@ class Memory:
             raise MemoryInputError(f"threshold must be a number between 0 and 1, got {threshold!r}")
         if threshold is not None and not 0 <= threshold <= 1:
             raise MemoryInputError(f"Invalid threshold: {threshold}. Must be between 0 and 1 (inclusive).")
-        users, filters = self._read_scopes(
-            filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace
-        )
-        ukv = self._snapshot(users)
+        ukv, allowed = self._read(filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id},
+                                  show_expired, namespace)  # fmt: skip
         if ukv is None or top_k == 0:
             return {"results": []}
-        allowed = self._selected(ukv, filters, show_expired, namespace)
         scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([query])[0], top_k, allowed)
         return {
             "results": [
@@ -544,13 +549,10 @@ class Memory:
         first (filters and the older top-level ids as in ``search``). Raises MemoryInputError."""
         _refuse(unsupported, "get_all")
         top_k = _count(top_k if top_k is not None else limit, "top_k", 20)
-        users, filters = self._read_scopes(
-            filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace
-        )
-        ukv = self._snapshot(users)
+        ukv, allowed = self._read(filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id},
+                                  show_expired, namespace)  # fmt: skip
         if ukv is None:
             return {"results": []}
-        allowed = self._selected(ukv, filters, show_expired, namespace)
         facts = [f for f in ukv.facts if allowed is None or f.row in allowed]
         facts.sort(key=lambda f: (f.created_at, f.row))
         return {"results": [self._item(f, namespace) for f in facts[:top_k]]}

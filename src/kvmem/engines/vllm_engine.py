@@ -182,16 +182,17 @@ def kv_bytes_per_token(config, dtype: str) -> int:
 
 
 def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int, wanted: int) -> int:
-    """The largest context (tokens, a multiple of 256) <= ``wanted`` and the model's own limit whose KV, plus 512
-    tokens of margin, fits in ``kv_cache_memory_bytes`` for ``dtype``. Raises EngineUnavailable if not even 256
-    tokens fit."""
+    """The largest context (tokens, a multiple of 256) <= ``wanted`` and the model's own limit whose KV fits in
+    ``kv_cache_memory_bytes`` for ``dtype``, less 256 tokens of margin for caches of 512 tokens or more. Raises
+    EngineUnavailable if not even 256 tokens fit."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(model))
     cfg = getattr(cfg, "text_config", None) or cfg
     per_token = kv_bytes_per_token(cfg, dtype)
-    # a block of margin: vLLM rounds its cache down to whole blocks and must hold one full-length request
-    fits = max(0, (int(kv_cache_memory_bytes) // per_token - 512) // 256 * 256)
+    fits = int(kv_cache_memory_bytes) // per_token // 256 * 256
+    if fits >= 512:  # 256 tokens of margin: vLLM rounds its cache down to whole blocks
+        fits -= 256
     if fits < 256:
         raise EngineUnavailable(
             f"a KV cache of {kv_cache_memory_bytes} bytes holds {fits} tokens of this model in "
