@@ -327,7 +327,6 @@ def test_mem0_quickstart_and_documented_calls(oss):
 
 def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
     import kvmem.memory as km
-    import kvmem.service as ks
 
     m = oss
     mid = m.add("Gil's parking code is 4411.", user_id="gil", infer=False, expiration_date="2030-01-01")["results"][0]
@@ -342,7 +341,7 @@ def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
     # the serving path drops it from retrieval too (the expiry check reads today's date where it plans)
     ukv = m.store.snapshot("gil")
     assert ukv.unexpired("2030-01-02") == set() and ukv.unexpired("2029-12-31") is None
-    assert ks.datetime is not None
+    assert ukv.unexpired() is None  # the serving path's default: today's UTC date, before the expiry
     m.update(mid["id"], expiration_date=None)
     assert m.search("parking code", filters={"user_id": "gil"})["results"]
 

@@ -439,12 +439,10 @@ class Memory:
         unknown = sorted(used - known)
         if unknown:
             raise MemoryInputError(f"filter on {unknown[0]!r}: no memory in this scope has that field")
-        today = _today()
-        keep = {
-            f.row
-            for f, x in zip(ukv.facts, fields)
-            if pred(x) and (show_expired or not (x.get("expiration_date") or "9999") < today)
-        }
+        keep = {f.row for f, x in zip(ukv.facts, fields) if pred(x)}
+        live = None if show_expired else ukv.unexpired(_today())
+        if live is not None:
+            keep &= live
         return None if len(keep) == len(ukv.facts) else keep
 
     def _read(self, filters, ids: dict, show_expired: bool, namespace):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 from .compose import ContextOverflow, PromptFormat, check_text, max_facts_that_fit
@@ -153,8 +152,7 @@ class MemoryService:
         ukv = self.store.snapshots([(u, None) for u in users])
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
-        today = datetime.now(UTC).date().isoformat()
-        scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k, ukv.unexpired(today))
+        scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k, ukv.unexpired())
         retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
         t2 = time.perf_counter()
         query_ids = (

@@ -46,6 +46,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -196,9 +197,10 @@ class UserKV:
                     out[f.row] = exp
         return out
 
-    def unexpired(self, today: str) -> set[int] | None:
-        """Store row ids of the facts not expired on ``today`` (YYYY-MM-DD; a fact expires after its date), or
-        None when none has expired (every row may be served)."""
+    def unexpired(self, today: str | None = None) -> set[int] | None:
+        """Store row ids of the facts not expired on ``today`` (YYYY-MM-DD, default the current UTC date; a fact
+        expires after its date), or None when none has expired (every row may be served)."""
+        today = today or datetime.now(UTC).date().isoformat()
         gone = {r for r, d in self.expiring.items() if d < today}
         return None if not gone else {f.row for f in self.facts} - gone
 
