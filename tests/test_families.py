@@ -174,3 +174,33 @@ def test_refuses_what_cannot_be_injected(make, needle):
 
     with pytest.raises(ModelError, match=needle):
         check_injectable(make(tf))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_rotation_is_the_familys_own(case):
+    """The fused half-split rotation equals the family's ``apply_rotary_pos_emb`` on every family; partial rotary
+    takes the family's function itself, and so does a family whose rotation is another form (interleaved pairs)."""
+    from kvmem.rope import Rotary
+
+    model = _model(case)
+    rot = Rotary.for_model(model)
+    cfg = model.config
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
+    keys = torch.randn(L, H, 200, D)
+    pos = torch.arange(7, 207)
+    t = rot.layer_types[0]
+    cos, sin = rot.cos_sin(pos, t, keys.dtype, keys.device)
+    ref = rot.apply(keys[:1], keys, cos[None], sin[None])[1]
+    assert rot._half_split(keys, cos, sin, t) == ("partial" not in case)
+    assert torch.allclose(rot.rotate(keys, cos, sin, t), ref, rtol=1e-6, atol=1e-6)
+
+    def interleaved(q, k, cos, sin):  # GPT-J style pairs (x0, x1), (x2, x3), ...: not the half-split form
+        k2 = torch.stack([-k[..., 1::2], k[..., ::2]], -1).flatten(-2)
+        return q, k * cos.unsqueeze(1) + k2 * sin.unsqueeze(1)
+
+    if "partial" in case:
+        return
+    other = Rotary(model.config, rot.module, interleaved)
+    assert not other._half_split(keys, cos, sin, t)
+    assert torch.equal(other.rotate(keys, cos, sin, t), interleaved(None, keys, cos[None], sin[None])[1])

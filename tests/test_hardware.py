@@ -259,7 +259,14 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
             num_prompt_tokens=len(ids) + 1,
         )
 
-    assert conn.get_num_new_matched_tokens(request(), 0) == (len(ids), False)  # the good case injects
+    assert conn.get_num_new_matched_tokens(request(), 0) == (len(ids), True)  # the good case injects, async
+    conn.update_connector_output(NS(failed_recving={"r"}))  # a request with no load in flight: ignored
+    assert conn.metrics["load_failed"] == 0
+    conn.update_state_after_alloc(request(), NS(get_block_ids=lambda: [[0, 1]]), len(ids))
+    conn.update_connector_output(NS(failed_recving={"r"}))  # its load failed on the worker: not tried again
+    assert conn.get_num_new_matched_tokens(request(), 0) == (0, False) and conn.metrics["load_failed"] == 1
+    conn.request_finished(request(), [])
+    assert conn.get_num_new_matched_tokens(request(), 0) == (len(ids), True)
     for fault in (sqlite3.OperationalError("database is locked"), FileNotFoundError("users/u.x.kv.safetensors")):
 
         def boom(p, fault=fault):
@@ -276,4 +283,4 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     )
     # a store path outside the allow-list is judged before anything opens it: untrusted, not a store error
     assert conn.metrics["store_error"] == 3 and conn.metrics["untrusted_store"] == 1
-    assert conn.metrics["requests_injected"] == 0
+    assert conn.metrics["requests_injected"] == 1  # the one load allocated above

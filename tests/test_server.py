@@ -146,6 +146,20 @@ def test_selective_recompute_over_http(server, alice):
     for memory in ({"selective_recompute": 101}, {"selective_recompute": 20, "tail_recompute": 1}):
         r = c.post("/v1/chat/completions", json={**chat, "memory": memory})
         assert r.status_code in (400, 422) and "error" in r.json(), r.text
+    # memory.cache "cold" (load tests): refused unless the server allows it; then answered exactly like kv
+    cold = {**chat, "memory": {"top_k": 3, "mode": "kv", "cache": "cold"}}
+    r = c.post("/v1/chat/completions", json=cold)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "memory.cache", r.text
+    srv = server[0]
+    srv.limits.allow_cold = True
+    try:
+        r = c.post("/v1/chat/completions", json=cold)
+    finally:
+        srv.limits.allow_cold = False
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["choices"][0]["message"]["content"] == out["kv"]["choices"][0]["message"]["content"]
+    assert got["kvmem"]["fact_ids"] == out["kv"]["kvmem"]["fact_ids"]
 
 
 def test_selective_recompute_needs_the_transformers_engine(tmp_path):

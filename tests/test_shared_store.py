@@ -169,6 +169,22 @@ def test_readers_cache_segments_on_local_disk(tmp_path, postgres, monkeypatch):
     assert sw.check(third.snapshot("u")) == 7  # the bad copy was dropped and fetched again
     tiny = Store.open(st.root, cache_dir=tmp_path / "tiny", cache_dir_bytes=1)
     assert sw.check(tiny.snapshot("u")) == 7
+    assert tiny.cache_stats()["disk_evictions"] == 1  # cached, then pushed out by the 1-byte bound
+    # prefetch along the retrieval path: the segment is fetched before the read, which then finds it on disk
+    ahead = Store.open(st.root, cache_dir=tmp_path / "ahead")
+    snap = ahead.snapshot("u")
+    for future in ahead.prefetch(snap, [0, 2]):
+        future.result()
+    assert (ahead.cache_stats()["disk_misses"], ahead.cache_stats()["disk_hits"]) == (1, 0)
+    assert sw.check(snap) == 7
+    s = ahead.cache_stats()
+    assert (s["disk_misses"], s["disk_hits"]) == (1, 1)
+    assert sw.check(snap) == 7 and ahead.cache_stats()["kv_misses"] == s["kv_misses"]  # all from memory
+    # a cold read (load tests): out of the memory tier and the disk cache, so the store itself serves it again
+    ahead.evict(snap, [0])
+    assert sw.check(snap) == 7
+    c = ahead.cache_stats()
+    assert (c["disk_misses"], c["disk_hits"]) == (2, 1) and c["kv_misses"] == 2 * s["kv_misses"]
 
 
 def test_lost_database_connections(tmp_path, postgres, monkeypatch):

@@ -354,7 +354,7 @@ def test_both_segment_layouts_read_exactly(tmp_path, dtype):
                 got = segments.read_spans(h, lay, spans if whole_bytes != 0 else [(7, 1)])
         finally:
             segments.WHOLE_READ_BYTES = old
-        for (gk, gv), (o, n) in zip(got, spans if whole_bytes != 0 else [(7, 1)]):
+        for (gk, gv), (o, n) in zip(((g.keys, g.values) for g in got), spans if whole_bytes != 0 else [(7, 1)]):
             assert torch.equal(gk, k[:, :, o : o + n]) and torch.equal(gv, v[:, :, o : o + n]) and gk.is_contiguous()
     with segments.FileHandle(tm) as h, pytest.raises(segments.SegmentCorrupt, match="outside"):
         segments.read_spans(h, segments.read_layout(h), [(38, 3)])
@@ -439,7 +439,8 @@ def test_both_segment_stores_satisfy_the_seam(tmp_path):
         with store.open("u.seg.kv.safetensors") as h:
             segments.verify(h, sha)
             lay = segments.read_layout(h)
-            ((gk, gv),) = segments.read_spans(h, lay, [(1, 3)])
+            (span,) = segments.read_spans(h, lay, [(1, 3)])
+            gk, gv = span.keys, span.values
         assert torch.equal(gk, k[:, :, 1:4]) and torch.equal(gv, 2 * k[:, :, 1:4])
         store.delete("u.seg.kv.safetensors")
         store.delete("u.seg.kv.safetensors")

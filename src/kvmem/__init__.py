@@ -4,7 +4,14 @@
 importing the package alone loads neither torch nor a model.
 """
 
+import logging
+
 __all__ = ["AsyncMemory", "Memory", "MemoryInputError"]
+
+# torchao (int8 KV, ``kvformat``; transformers imports it too) warns about each CUDA-only extension a CPU build
+# cannot load, and about enums torch's pytree now handles itself; neither concerns kvmem
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def __getattr__(name: str):

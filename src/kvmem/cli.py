@@ -206,6 +206,23 @@ _SEGMENTS = typer.Option(
 )
 
 
+def _check_kv_format(kv_format: str | None) -> None:
+    """A bad --kv-format is one line before any model loads."""
+    if kv_format is not None:
+        from .kvformat import check_format
+
+        check_format(kv_format)
+
+
+_KV_FORMAT = typer.Option(
+    None,
+    "--kv-format",
+    help="For a new store: how its KV segments hold keys and values. native (the model dtype, lossless; the "
+    "default), int8 (about half of bf16's bytes; keys scaled per channel, values per token) or fp8 (e4m3). An "
+    "existing store keeps the format it was created with.",
+)
+
+
 @app.command("ingest-locomo")
 @friendly
 def ingest_locomo(
@@ -220,6 +237,7 @@ def ingest_locomo(
     batch_tokens: int = typer.Option(2048, help="Padded tokens per encoder forward pass."),
     dtype: str = _DTYPE,
     segments: str | None = _SEGMENTS,
+    kv_format: str | None = _KV_FORMAT,
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Encode a LoCoMo conversation's observation facts (context-window, pre-RoPE K / raw V) into a store."""
@@ -230,6 +248,7 @@ def ingest_locomo(
 
     enc = Encoding.of(window, neighbours, history)
     window, neighbours = enc.window, enc.neighbours
+    _check_kv_format(kv_format)
     if batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     conv = get_conversation(file, sample)
@@ -245,6 +264,7 @@ def ingest_locomo(
         neighbours=neighbours,
         history=history,
         segments_url=segments,
+        kv_format=kv_format,
     )
     from dataclasses import asdict
 
@@ -285,6 +305,11 @@ def serve_cmd(
     ),
     kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests in the engine at most; more get HTTP 429."),
+    allow_cold: bool = typer.Option(
+        False,
+        "--allow-cold-requests",
+        help="Accept memory.cache 'cold' (load tests: the request's facts are read past every cache tier).",
+    ),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
     write_timeout: float = typer.Option(
         30.0,
@@ -306,6 +331,7 @@ def serve_cmd(
         "mode recomputes the p% of fact tokens the query attends to most.",
     ),
     segments: str | None = _SEGMENTS,
+    kv_format: str | None = _KV_FORMAT,
     cache_dir: str | None = typer.Option(
         None,
         "--cache-dir",
@@ -348,6 +374,7 @@ def serve_cmd(
         )
     if window is not None or neighbours is not None or history is not None:
         Encoding.of(window, neighbours, history)
+    _check_kv_format(kv_format)
     serve(
         store,
         host,
@@ -357,7 +384,9 @@ def serve_cmd(
         model=model,
         engine=engine,
         dtype=resolve_dtype(None if dtype == "auto" else dtype),
-        limits=Limits(max_body_bytes, timeout, top_k, mode, max_tokens, max_tokens=max(4096, max_tokens)),
+        limits=Limits(
+            max_body_bytes, timeout, top_k, mode, max_tokens, max_tokens=max(4096, max_tokens), allow_cold=allow_cold
+        ),
         cache_bytes=cache_bytes,
         kv_cache_memory_bytes=kv_cache_bytes,
         max_queue=max_queue,
@@ -368,6 +397,7 @@ def serve_cmd(
         history=history,
         write_timeout_s=write_timeout,
         segments_url=segments,
+        kv_format=kv_format,
         cache_dir=cache_dir,
         replicas=replicas,
         ray_address=ray_address,
@@ -482,6 +512,7 @@ def _memory(
     neighbours: int | None = None,
     history: bool | None = None,
     segments: str | None = None,
+    kv_format: str | None = None,
 ):
     from .memory import Memory
     from .store import Store
@@ -498,6 +529,7 @@ def _memory(
         neighbours=neighbours,
         history=history,
         segments_url=segments,
+        kv_format=kv_format,
     )
 
 
@@ -540,6 +572,7 @@ def memory_add(
     extractor_model: str | None = typer.Option(None),
     dtype: str = _DTYPE,
     segments: str | None = _SEGMENTS,
+    kv_format: str | None = _KV_FORMAT,
     as_json: bool = _MJSON,
 ):
     """Remember messages for a user: facts are extracted (or taken verbatim), encoded and committed."""
@@ -572,6 +605,7 @@ def memory_add(
 
     check_messages(messages)  # bad input fails before a model loads or a store is created
     Scope.of(user, agent, run)
+    _check_kv_format(kv_format)
     mem = _memory(
         store,
         model,
@@ -583,6 +617,7 @@ def memory_add(
         neighbours=neighbours,
         history=history,
         segments=segments,
+        kv_format=kv_format,
     )
     out = mem.add(messages, user, agent_id=agent, run_id=run, infer=infer)
     if as_json:
@@ -600,6 +635,7 @@ def memory_import(
     model: str | None = typer.Option(None, help="Answer model for a new store (default: the default model)."),
     dtype: str = _DTYPE,
     segments: str | None = _SEGMENTS,
+    kv_format: str | None = _KV_FORMAT,
     as_json: bool = _MJSON,
 ):
     """Move memories in from Mem0: written verbatim with their ids, scopes, metadata and times, then encoded."""
@@ -609,7 +645,9 @@ def memory_import(
         export = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file} is not JSON ({exc})") from None
-    out = _memory(store, model, None, dtype, None, None, create=True, segments=segments).import_memories(export)
+    _check_kv_format(kv_format)
+    mem = _memory(store, model, None, dtype, None, None, create=True, segments=segments, kv_format=kv_format)
+    out = mem.import_memories(export)
     if as_json:
         _emit(out, True)
     else:
@@ -759,13 +797,20 @@ def store_copy(
     ),
     force: bool = typer.Option(False, "--force", help="Copy into a store of the same model that has other users."),
     users: list[str] | None = typer.Option(None, "--user", help="Copy only this user (repeatable)."),
+    kv_format: str | None = typer.Option(
+        None,
+        "--kv-format",
+        help="The copy's KV format (default: the source's): a native store copies into int8 or fp8; a lossy one "
+        "only into its own format.",
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Copy a store (local to shared, shared to local): every user's facts, KV, turns and history, each segment
-    verified against its checksum and the counts compared."""
+    """Copy a store (local to shared, shared to local, lossless to quantised): every user's facts, KV, turns and
+    history, each segment verified against its checksum and the counts compared."""
     from .store import copy_store
 
-    report = copy_store(src, dst, segments_url=segments, force=force, users=users or None)
+    _check_kv_format(kv_format)
+    report = copy_store(src, dst, segments_url=segments, force=force, users=users or None, kv_format=kv_format)
     if as_json:
         _emit(report, True)
     else:
@@ -1034,6 +1079,79 @@ def bench_latency(
     )
 
 
+@bench_app.command("kvformat")
+@friendly
+def bench_kvformat(
+    k: str = typer.Option("5,20,50", "--k", help="Comma-separated k values (TTFT)."),
+    formats: str = typer.Option("native,int8,fp8", "--formats", help="Comma-separated KV formats (native first)."),
+    window: int = typer.Option(5, "--window", help="Encoding window of the cached stores."),
+    deviation_k: int = typer.Option(20, "--deviation-k", help="k of the logit deviation arm."),
+    data: Path = _DATA,
+    engine: str = _AUTO_ENGINE,
+    model: str = _MODEL,
+    samples: str = _SAMPLES,
+    questions: int = typer.Option(20, "--questions", help="Category 1-4 questions (0 = all)."),
+    f1_questions: int = typer.Option(0, "--f1-questions", help="Also score LoCoMo F1 per format on N questions."),
+    out: Path = typer.Option(Path("runs/bench/kvformat"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """Stored KV formats side by side: bytes per fact token, logit deviation and greedy agreement against the
+    lossless store, and kv-mode TTFT at each k."""
+    from .bench import kvformat
+    from .bench.common import int_list, str_list
+
+    kvformat.run(
+        data,
+        out,
+        int_list(k, "--k", 1),
+        str_list(formats),
+        _bench_args(samples),
+        questions,
+        model,
+        engine,
+        window,
+        deviation_k,
+        show_progress,
+        typer.echo,
+        f1_questions,
+    )
+
+
+@bench_app.command("profile")
+@friendly
+def bench_profile(
+    k: str = typer.Option("5,20,50", "--k", help="Comma-separated k values."),
+    kv_format: str = typer.Option("native", "--kv-format", help="Profile the stores' copies in this KV format."),
+    window: int = typer.Option(5, "--window", help="Encoding window of the cached stores."),
+    sync: bool = typer.Option(False, "--sync", help="Synchronous connector loads (default: asynchronous)."),
+    data: Path = _DATA,
+    model: str = _MODEL,
+    samples: str = _SAMPLES,
+    questions: int = typer.Option(10, "--questions", help="Category 1-4 questions (0 = all)."),
+    out: Path = typer.Option(Path("runs/bench/profile"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """One kv-mode request on vLLM, stage by stage (embed, search, plan; the worker's snapshot, read, dequantize,
+    rotate, block write; the query's own forward and what the injected tokens add), at each k."""
+    from .bench import profile
+    from .bench.common import int_list
+
+    _check_kv_format(kv_format)
+    profile.run(
+        data,
+        out,
+        int_list(k, "--k", 1),
+        _bench_args(samples),
+        questions,
+        model,
+        kv_format,
+        window,
+        not sync,
+        show_progress,
+        typer.echo,
+    )
+
+
 @bench_app.command("throughput")
 @friendly
 def bench_throughput(
@@ -1156,6 +1274,9 @@ def bench_extract(
     ),
     answer_model: str = typer.Option("qwen2.5-coder-0.5b-instruct", help="The answering server of the endpoint arm."),
     engine: str = typer.Option("auto", "--engine"),
+    answer_engine: str | None = typer.Option(
+        None, "--answer-engine", help="The endpoint arm's answering server's engine (default: --engine)."
+    ),
     dtype: str = _DTYPE,
     cases: int = typer.Option(0, help="The first N cases only (0: all 44)."),
     out: Path = typer.Option(Path("runs/bench/extract"), "--out"),
@@ -1165,7 +1286,9 @@ def bench_extract(
     from .bench import extraction
 
     names = [m for m in models.split(",") if m]
-    extraction.run(out, names, endpoint or None, answer_model, engine, dtype, cases, echo=typer.echo)
+    extraction.run(
+        out, names, endpoint or None, answer_model, engine, dtype, cases, echo=typer.echo, answer_engine=answer_engine
+    )
 
 
 @bench_app.command("chat-cost")
@@ -1295,13 +1418,23 @@ def bench_serve(
     postgres: str | None = typer.Option(
         None, "--postgres", help="With --servers: each server's store in a new schema of this PostgreSQL database."
     ),
+    cold_every: int = typer.Option(
+        0,
+        "--cold-every",
+        help="Then one more kv phase at --users in which every n-th user is cold (its facts dropped from every "
+        "cache before each request): the hot users' TTFT against the all-hot phase.",
+    ),
 ):
     """Load test of `kvmem serve` on loopback: concurrent users chat (kv and prompt), add and delete; TTFT, QPS,
     errors, canary leaks, peak RSS. With --servers: the single process against replicas on Ray Serve."""
     from .bench.common import int_list, str_list
 
-    if users < 1 or duration <= 0 or sweep_duration <= 0 or k < 1 or facts < k or max_tokens < 1:
-        raise ValueError("--users, --duration, --k, --max-tokens must be positive and --facts >= --k")
+    if servers is not None and cold_every:
+        raise ValueError("--cold-every measures one server: leave out --servers")
+    if users < 1 or duration <= 0 or sweep_duration <= 0 or k < 1 or facts < k or max_tokens < 1 or cold_every < 0:
+        raise ValueError(
+            "--users, --duration, --k, --max-tokens must be positive, --facts >= --k and --cold-every >= 0"
+        )
     if servers is not None:
         from .bench import replicas_load
 
@@ -1311,7 +1444,9 @@ def bench_serve(
     from .bench import serve_load
 
     points = sorted(set(int_list(sweep, "--sweep", 1) + [users])) if sweep else [users]
-    serve_load.run(data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration)
+    serve_load.run(
+        data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration, cold_every=cold_every
+    )
 
 
 @eval_app.command("locomo")

@@ -9,6 +9,7 @@ so the baseline is fair by construction.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,8 @@ class ComposedMemory:
     """A composed memory block ready to inject.
 
     token_ids: [m] header + facts; fact_ids in injected order; start: first virtual position;
-    keys: [L, H, m, D] rotated to positions start..start+m-1; values: [L, H, m, D] raw.
+    keys: [L, H, m, D] rotated to positions start..start+m-1 (pre-RoPE where ``rotated`` is False);
+    values: [L, H, m, D] raw.
     """
 
     token_ids: list[int]
@@ -131,6 +133,12 @@ class ComposedMemory:
     start: int
     keys: torch.Tensor
     values: torch.Tensor
+    rotated: bool = True
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[m] int64: the virtual position of each token."""
+        return torch.arange(self.start, self.start + len(self.token_ids))
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -150,6 +158,9 @@ def compose(
     start: int = 0,
     device: torch.device | str = "cpu",
     served_len: int | None = None,
+    timings: dict | None = None,
+    rotate: bool = True,
+    empty=None,
 ) -> ComposedMemory:
     """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
 
@@ -161,19 +172,27 @@ def compose(
         start: virtual position of the first header token (0 in serving; d > 0 in the relocation check).
         device: where the composed tensors go (the engine's device); gathering happens on the store's side.
         served_len: memory + query tokens, for length-dependent RoPE (``dynamic``, ``longrope``); see rope.py.
+        timings: gets the stages in ms: ``read`` and ``dequantize`` (``UserKV.gather``), ``rotate`` (the
+            header and every fact, one call per layer stack).
+        rotate: False leaves the keys pre-RoPE (``ComposedMemory.rotated``): the caller rotates them layer by layer
+            where they are injected (``rotary.rotate`` with ``cos_sin`` at ``ComposedMemory.positions``).
+        empty: where the gathered keys and values go (``kvformat.assemble``; default new tensors).
     Returns:
         ComposedMemory on ``device``, in the stored dtype.
     """
     facts = [user_kv.facts[r] for r in rows]
-    fk, fv = user_kv.gather(rows)
-    hk, hv = header_kv
-    keys = torch.cat([hk, fk], dim=2).to(device)
-    values = torch.cat([hv, fv], dim=2).to(device)
+    keys, values = user_kv.gather(rows, timings, prefix=header_kv, empty=empty)  # header and facts: one copy
+    t0 = time.perf_counter()
+    keys, values = keys.to(device), values.to(device)
     token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
+    fact_ids = [f.fact_id for f in facts]
+    if not rotate:
+        return ComposedMemory(token_ids, fact_ids, start, keys, values, rotated=False)
     positions = torch.arange(start, start + len(token_ids))
-    return ComposedMemory(
-        token_ids, [f.fact_id for f in facts], start, rotary.rotate_keys(keys, positions, served_len), values
-    )
+    rotated = rotary.rotate_keys(keys, positions, served_len)
+    if timings is not None:
+        timings["rotate"] = (time.perf_counter() - t0) * 1e3
+    return ComposedMemory(token_ids, fact_ids, start, rotated, values)
 
 
 def compose_raw(

@@ -28,7 +28,7 @@ from .encode import encode_chain, encode_spans
 from .models import LoadedModel, fingerprint
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_segments_url
+from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_kv_format, check_segments_url
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
@@ -40,10 +40,12 @@ def open_or_create_store(
     embedder: Embedder,
     cache_bytes: int = CACHE_BYTES,
     segments_url: str | None = None,
+    kv_format: str | None = None,
 ) -> tuple[Store, PromptFormat]:
     """Open the store at ``root`` for ``lm`` (refusing another model's store) or create it with the header KV.
     ``cache_bytes``: the store's cache bound (``Store``); ``segments_url``: for a new store, the object store its
-    KV segments go to (``Store.create``); an existing store must have been created with the same one."""
+    KV segments go to (``Store.create``); an existing store must have been created with the same one. ``kv_format``:
+    how a new store keeps KV (``kvformat``; default native); an existing store must already hold that format."""
     fmt = PromptFormat.for_tokenizer(lm.tokenizer, lm.chat)
     header_ids = fmt.header_ids(lm.tokenizer)
     fp = fingerprint(lm)
@@ -57,6 +59,7 @@ def open_or_create_store(
                     f"store {store.name} uses embedder {store.manifest['embedder']['name']!r}, not {embedder.name!r}"
                 )
             check_segments_url(store, segments_url)
+            check_kv_format(store, kv_format)
             return store, fmt
         (hkv,) = encode_spans(lm.model, [header_ids], [(0, len(header_ids))])
         try:
@@ -70,6 +73,7 @@ def open_or_create_store(
                 embedder.describe(),
                 cache_bytes,
                 segments_url,
+                kv_format,
             )
             return store, fmt
         except StoreError:

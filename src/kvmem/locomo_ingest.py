@@ -57,6 +57,7 @@ def ingest_conversation(
     neighbours: int | None = None,
     history: bool = False,
     segments_url: str | None = None,
+    kv_format: str | None = None,
 ) -> IngestReport:
     """Encode and store all of ``conv``'s facts for user ``conv.sample_id`` (replacing that user atomically),
     through the one write path (``write_facts``): observations are the facts, their source turns' windows the
@@ -74,7 +75,7 @@ def ingest_conversation(
     if not conv.facts:
         raise StoreError(f"sample {conv.sample_id} has no observation facts to ingest")
     t0 = time.perf_counter()
-    store, fmt = open_or_create_store(store_root, lm, embedder, segments_url=segments_url)
+    store, fmt = open_or_create_store(store_root, lm, embedder, segments_url=segments_url, kv_format=kv_format)
     contexts, rendered = conversation_inputs(conv, window)
     records = [
         FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)

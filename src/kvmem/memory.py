@@ -34,7 +34,16 @@ from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from .policy import Encoding, check_user
 from .retrieve import Embedder, IndexCache
 from .scopes import Scope, ScopeError
-from .store import CACHE_BYTES, FactRecord, Store, StoreError, UnknownUser, check_segments_url, is_url
+from .store import (
+    CACHE_BYTES,
+    FactRecord,
+    Store,
+    StoreError,
+    UnknownUser,
+    check_kv_format,
+    check_segments_url,
+    is_url,
+)
 
 logger = logging.getLogger("kvmem.memory")
 
@@ -263,6 +272,8 @@ class Memory:
             share (the server's), instead of an own one; ``store_cache_bytes``: the store's cache bound;
             ``segments_url``: for a new store, the object store its KV segments go to (``Store.create``).
         custom_instructions: the default ``prompt`` of ``add`` (Mem0's config field of that name).
+        kv_format: how a new store keeps KV (``kvformat``: ``native``, the default and lossless; ``int8``; ``fp8``);
+            an existing store must already hold it (None: whatever it holds).
 
     Memories belong to entity scopes (``scopes.Scope``: a ``user_id``, ``agent_id``, ``run_id`` or several).
     Every method takes ``namespace`` too: the tenant whose ids these are (``kvmem serve`` passes it; None for a
@@ -285,6 +296,7 @@ class Memory:
         store_cache_bytes: int = CACHE_BYTES,
         segments_url: str | None = None,
         custom_instructions: str | None = None,
+        kv_format: str | None = None,
     ):
 
         try:  # a new scope's encoding; checked here, before any model loads
@@ -300,12 +312,15 @@ class Memory:
         if Store.exists(root):  # reads need no model: it loads on the first write
             self.store = Store.open(root, cache_bytes=store_cache_bytes)
             check_segments_url(self.store, segments_url)
+            check_kv_format(self.store, kv_format)
             self._model_name = model if isinstance(model, str) else self.store.fingerprint["model"]
         else:
             self._model_name = model if isinstance(model, str) else DEFAULT_MODEL
             if self._lm is None:
                 self._lm = load(self._model_name, dtype=dtype)
-            self.store, _ = open_or_create_store(root, self._lm, self.embedder, store_cache_bytes, segments_url)
+            self.store, _ = open_or_create_store(
+                root, self._lm, self.embedder, store_cache_bytes, segments_url, kv_format
+            )
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
         self.custom_instructions = custom_instructions
@@ -333,7 +348,8 @@ class Memory:
     @classmethod
     def from_config(cls, config: dict) -> Memory:
         """A Memory from Mem0's config shape (``vector_store`` / ``llm`` / ``embedder`` / ...) or kvmem's own
-        (``store``, ``model``, ``window``, ``neighbours``, ``history``, ``extractor``, ``dtype``, ``segments_url``).
+        (``store``, ``model``, ``window``, ``neighbours``, ``history``, ``extractor``, ``dtype``, ``segments_url``,
+        ``kv_format``).
         ``config.from_mem0_config`` says what maps to what; anything else is refused by name."""
         try:
             return cls(**config_kwargs(config))

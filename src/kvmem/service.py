@@ -8,6 +8,7 @@ Paper §3.3 (serving path) and §5.1 (position policy).
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,7 @@ class MemoryService:
         max_new_tokens: int = 32,
         messages: list[dict] | None = None,
         tail_recompute: int | None = None,
+        cold: bool = False,
     ) -> Prepared:
         """Everything before composition: embed, retrieve, order, check the budget.
 
@@ -125,6 +127,8 @@ class MemoryService:
         for every r; only what is injected changes. Prompt mode is unaffected.
         ``user``: a store user, or several (entity scopes: ``scopes.Scope.subscopes``), whose memories are
         retrieved as one; users without memories are left out, and expired memories are never retrieved.
+        ``cold`` (load tests): the retrieved facts are dropped from every cache tier first (``Store.evict``; the
+        engine's prefix cache and the vLLM worker's read cache by the plan's nonce), then prefetched as usual.
         Raises ValueError for an empty question, top_k < 1, an unknown mode or one this engine cannot serve;
         StoreError (UnknownUser) when no user has memories; ContextOverflow when memory + query +
         ``max_new_tokens`` exceed the model context (the message gives the k that fits, paper Corollary 7).
@@ -154,6 +158,10 @@ class MemoryService:
         t1 = time.perf_counter()
         scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k, ukv.unexpired())
         retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
+        if mode == "kv" and cold:
+            self.store.evict(ukv, retrieved.rows)
+        if mode == "kv":  # the facts' KV starts moving up the tiers while the prompt is built and scheduled
+            self.store.prefetch(ukv, retrieved.rows)
         t2 = time.perf_counter()
         query_ids = (
             self.fmt.conversation_ids(self.lm.tokenizer, messages)
@@ -174,6 +182,7 @@ class MemoryService:
             need,
             recompute,
             memory_tokens=None if not tail else len(header_ids) + sum(ukv.facts[h].num_tokens for h in head),
+            cold=uuid.uuid4().hex if cold else None,
         )
         memory_ids = plan.token_ids
         query_ids = tail_ids + query_ids  # after the injected memory: recomputed tail facts, then the query

@@ -53,6 +53,7 @@ import torch
 from cachetools import LRUCache
 from safetensors.torch import load, save
 
+from . import kvformat
 from . import rows as rows_db
 from . import segments as seg_files
 from .policy import check_store_user
@@ -125,9 +126,7 @@ class UserKV:
     facts: list[FactRecord]
     segments: dict[str, str]
     embeddings: torch.Tensor
-    reader: Callable[[UserKV, list[FactRecord]], tuple[torch.Tensor, torch.Tensor]] | None = field(
-        default=None, repr=False
-    )
+    reader: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
     parts: tuple[UserKV, ...] = ()  # a union's partitions (``union``); () for one user's snapshot
 
     @classmethod
@@ -170,15 +169,26 @@ class UserKV:
         """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each."""
         return self.gather([i])
 
-    def gather(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each. Reads only
-        those facts' bytes (``segments.read_spans``), each segment verified once per process.
+    def gather(
+        self,
+        rows: list[int],
+        timings: dict | None = None,
+        dtype: torch.dtype | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        empty=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
+        dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
+        ``timings``: gets ``read`` (cache and segment reads) and ``dequantize`` (assembly) in ms. ``dtype``: of
+        the result (default the model's; rewrites of a lossy store take fp32, where dequantisation is exact).
+        ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
+        the result goes (``kvformat.assemble``).
 
         Raises LookupError if this version was replaced and its files removed meanwhile, StoreError if a
         segment is missing, truncated or corrupt."""
         if self.reader is None:
             raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
-        return self.reader(self, [self.facts[r] for r in rows])
+        return self.reader(self, [self.facts[r] for r in rows], timings, dtype, prefix, empty)
 
     @property
     def num_tokens(self) -> int:
@@ -230,6 +240,20 @@ def _fact(r) -> FactRecord:
     )
 
 
+class CountingLRU(LRUCache):
+    """An LRU cache bounded by ``getsizeof`` that counts what it evicts (``evictions``, ``evicted_bytes``)."""
+
+    def __init__(self, maxsize, getsizeof=None):
+        super().__init__(maxsize=maxsize, getsizeof=getsizeof)
+        self.evictions = self.evicted_bytes = 0
+
+    def popitem(self):
+        key, value = super().popitem()
+        self.evictions += 1
+        self.evicted_bytes += self.getsizeof(value)
+        return key, value
+
+
 def _cache_put(cache: LRUCache, key, value) -> None:
     try:
         cache[key] = value
@@ -266,6 +290,15 @@ def check_segments_url(store: Store, url: str | None) -> None:
         )
 
 
+def check_kv_format(store: Store, kv_format: str | None) -> None:
+    """``--kv-format`` given for an existing store must be its format (fixed at creation). Raises StoreError."""
+    if kv_format is not None and kvformat.check_format(kv_format) != store.kv_format:
+        raise StoreError(
+            f"store {store.name} holds KV in format {store.kv_format}; --kv-format applies only when a store is "
+            f"created (`kvmem store copy --kv-format {kv_format}` makes a copy in that format)"
+        )
+
+
 def fingerprint_diff(a: dict, b: dict) -> list[str]:
     return [
         f"{k}: store has {a.get(k)!r}, model has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
@@ -296,11 +329,12 @@ class Store:
         # caches, LRU-bounded by bytes: snapshots (rows, embeddings); facts' KV and verified segment layouts
         size = max(1, int(cache_bytes))
         self._user_cache: LRUCache = LRUCache(maxsize=size, getsizeof=_ukv_bytes)
-        self._kv: LRUCache = LRUCache(maxsize=size, getsizeof=lambda kv: kv[0].nbytes + kv[1].nbytes)
+        self._kv = CountingLRU(size, getsizeof=lambda kv: kv.nbytes)  # facts' ``kvformat.SpanKV``, as stored
         # segments verified against their SHA-256 (identity -> layout), outside the byte budget: evicting one
         # would cost a whole-file re-hash on the next miss
         self._verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prefetcher = None  # one thread for ``prefetch``, made on first use
         self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
         try:
             self.segments = seg_files.open_segments(
@@ -342,11 +376,18 @@ class Store:
         embedder: dict,
         cache_bytes: int = CACHE_BYTES,
         segments_url: str | None = None,
+        kv_format: str | None = None,
     ) -> Store:
         """Create a new store at ``root``: a directory that must not hold one, or a ``postgresql://`` URL of a
-        database (or schema) without one. Header K/V: [L, H, h, D] pre-RoPE / raw. ``segments_url``: keep the KV
-        segments in that object store (``file://…``, ``s3://…``; obstore) instead of the directory's ``users/``;
-        required for a PostgreSQL store. Raises StoreError."""
+        database (or schema) without one. Header K/V: [L, H, h, D] pre-RoPE / raw (always kept lossless).
+        ``segments_url``: keep the KV segments in that object store (``file://…``, ``s3://…``; obstore) instead of
+        the directory's ``users/``; required for a PostgreSQL store. ``kv_format``: how segments hold KV
+        (``kvformat``; None: as ``fingerprint`` says, else ``native``); recorded in the fingerprint when lossy.
+        Raises StoreError, ValueError (an unknown format)."""
+        kv_format = kvformat.check_format(kv_format or kvformat.format_of(fingerprint))
+        fingerprint = {k: v for k, v in fingerprint.items() if k != "kv_format"}
+        if kv_format != "native":
+            fingerprint["kv_format"] = kv_format
         rows = rows_db.open_rows(root)
         if segments_url is None and is_url(root):
             rows.close()
@@ -415,9 +456,21 @@ class Store:
             or not isinstance(manifest.get("store_id"), str)
         ):
             raise StoreError(f"{name}: the manifest is corrupt: fingerprint, header, embedder or store_id missing")
-        if fingerprint is not None and manifest["fingerprint"] != fingerprint:
-            theirs, ours = manifest["fingerprint"], fingerprint
-            if {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)} == {"dtype"}:
+        if fingerprint is None:
+            return
+        theirs, ours = dict(manifest["fingerprint"]), dict(fingerprint)
+        if "kv_format" in ours:  # a store's fingerprint: the KV format must match too
+            theirs["kv_format"], ours["kv_format"] = kvformat.format_of(theirs), kvformat.format_of(ours)
+        else:  # a model's fingerprint: the model reads any format
+            theirs.pop("kv_format", None)
+        if theirs != ours:
+            differ = {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)}
+            if differ == {"kv_format"}:
+                raise StoreMismatch(
+                    f"store {name} holds KV in format {theirs['kv_format']}, not {ours['kv_format']}; a store's KV "
+                    f"format is fixed when it is created (`kvmem store copy --kv-format` makes a quantised copy)"
+                )
+            if differ == {"dtype"}:
                 raise StoreDtypeMismatch(
                     f"store {name} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
                     f"KV is never served in another dtype than it was computed in. Either pass "
@@ -425,10 +478,10 @@ class Store:
                     f"into a new store: `kvmem ingest-locomo` or `kvmem memory add` again, with --store NEW_DIR "
                     f"--dtype {ours['dtype']}"
                 )
-            diff = fingerprint_diff(manifest["fingerprint"], fingerprint)
+            diff = fingerprint_diff(theirs, ours)
             raise StoreMismatch(
-                f"store {name} was built with model {manifest['fingerprint'].get('model')!r} and does not match "
-                f"the loaded model {fingerprint.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
+                f"store {name} was built with model {theirs.get('model')!r} and does not match "
+                f"the loaded model {ours.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
             )
 
     def check_serves(self, model: str | None = None, dtype: str | None = None) -> None:
@@ -443,6 +496,8 @@ class Store:
         self._check_manifest(self.name, self.manifest, expected)
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
         self.rows.close()
 
     def replaced(self) -> bool:
@@ -454,7 +509,14 @@ class Store:
 
     @property
     def fingerprint(self) -> dict:
+        """What produced the stored KV: the model's fingerprint (``models.fingerprint``), plus ``kv_format`` for a
+        lossy store."""
         return self.manifest["fingerprint"]
+
+    @property
+    def kv_format(self) -> str:
+        """How the segments hold KV (``kvformat``): ``native`` (lossless), ``int8`` or ``fp8``."""
+        return kvformat.format_of(self.manifest["fingerprint"])
 
     @property
     def header_token_ids(self) -> list[int]:
@@ -483,10 +545,18 @@ class Store:
 
     def cache_stats(self) -> dict[str, int]:
         """This object's read counters: facts' KV served from its memory cache (``kv_hits``) or read from segments
-        (``kv_misses``, ``kv_read_bytes``), the cache's size (``kv_cache_bytes``), and the disk cache's, if any
-        (``disk_hits``, ``disk_misses``, ``disk_fetched_bytes``, ``disk_errors``, ``disk_cache_bytes``)."""
+        (``kv_misses``, ``kv_read_bytes``), the cache's size and evictions (``kv_cache_bytes``, ``kv_evictions``,
+        ``kv_evicted_bytes``; stored bytes, so a quantised store holds more facts in the same bound), and the disk
+        cache's, if any (``disk_hits``, ``disk_misses``, ``disk_fetched_bytes``, ``disk_errors``,
+        ``disk_cache_bytes``, ``disk_evictions``)."""
         with self._lock:
-            return {**self._stats, "kv_cache_bytes": int(self._kv.currsize), **self.segments.stats()}
+            return {
+                **self._stats,
+                "kv_cache_bytes": int(self._kv.currsize),
+                "kv_evictions": self._kv.evictions,
+                "kv_evicted_bytes": self._kv.evicted_bytes,
+                **self.segments.stats(),
+            }
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -605,9 +675,44 @@ class Store:
             return known[1]
         seg_files.verify(handle, sha)
         layout = seg_files.read_layout(handle)
+        if layout.kv_format != self.kv_format:
+            raise seg_files.SegmentCorrupt(f"holds {layout.kv_format} KV in a {self.kv_format} store")
         with self._lock:
             self._verified[key] = ((sha, ident), layout)
         return layout
+
+    def prefetch(self, ukv: UserKV, rows: list[int]) -> list:
+        """Start reading the KV of ``ukv.facts[rows]`` in the background ("prefetch along the retrieval path"): the
+        segments' tier below this process (the page cache of a local file, the disk cache of a remote store) is
+        warmed while the request goes on to the engine, whose reader (this store or the vLLM worker's) then
+        finds them there. Returns at once, with a future per segment; never raises."""
+        spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for r in rows:
+            f = ukv.facts[r]
+            spans.setdefault((f.user, f.segment), []).append((f.token_offset, f.num_tokens))
+        if not spans:
+            return []
+        with self._lock:
+            if self._prefetcher is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-prefetch")
+        return [
+            self._prefetcher.submit(self.segments.prefetch, self.segment_name(user, segment), s)
+            for (user, segment), s in spans.items()
+        ]
+
+    def evict(self, ukv: UserKV, rows: list[int], memory_only: bool = False) -> None:
+        """Drop the KV of ``ukv.facts[rows]`` from this process's read cache (the memory tier) and, unless
+        ``memory_only``, their segments from the tiers below it (``SegmentStore.evict``: page cache, disk cache),
+        so the next read of them is a cold one (load tests). Never raises."""
+        segs = {(ukv.facts[r].user, ukv.facts[r].segment) for r in rows}
+        with self._lock:
+            for key in [k for k in self._kv if k[0] == "fact" and (k[1], k[2]) in segs]:
+                self._kv.pop(key, None)
+        if not memory_only:
+            for user, segment in segs:
+                self.segments.evict(self.segment_name(user, segment))
 
     def verify(self, user: str) -> int:
         """Verify every KV segment of ``user``'s current version against its checksum now (a reader otherwise
@@ -634,8 +739,18 @@ class Store:
             if any(f.token_offset + f.num_tokens > layout.num_tokens for f in ukv.facts if f.segment == segment):
                 raise StoreError(f"KV segment {segment} is shorter than its fact rows say")
 
-    def _read_facts(self, ukv: UserKV, facts: list[FactRecord]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``UserKV.gather``'s reader: cached facts from the LRU, the rest by span from their segment files."""
+    def _read_facts(
+        self,
+        ukv: UserKV,
+        facts: list[FactRecord],
+        timings: dict | None = None,
+        dtype: torch.dtype | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        empty=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``UserKV.gather``'s reader: cached facts from the LRU, the rest by span from their segment files; both
+        kept as stored (``kvformat.SpanKV``) and dequantised together into the store's dtype at the end."""
+        t0 = time.perf_counter()
         parts: list = [None] * len(facts)
         missing: dict[str, list[int]] = {}
         with self._lock:
@@ -668,18 +783,23 @@ class Store:
             finally:
                 handle.close()
             with self._lock:
-                self._stats["kv_read_bytes"] += sum(k.nbytes + v.nbytes for k, v in kvs)
+                self._stats["kv_read_bytes"] += sum(kv.nbytes for kv in kvs)
                 for i, kv in zip(idx, kvs):
                     parts[i] = kv
                     f = facts[i]
                     _cache_put(self._kv, ("fact", f.user, f.segment, f.token_offset, f.num_tokens), kv)
-        if len(parts) == 1:
-            return parts[0]
+        if not parts and prefix is not None:
+            return prefix
         if not parts:
             k, _ = self.header_kv()
             empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
             return empty, empty.clone()
-        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+        t1 = time.perf_counter()
+        kv = kvformat.assemble(parts, dtype or self.header_kv()[0].dtype, prefix, empty)
+        if timings is not None:
+            timings["read"] = (t1 - t0) * 1e3
+            timings["dequantize"] = (time.perf_counter() - t1) * 1e3
+        return kv
 
     @_locked
     def snapshot(self, user: str, version: str | None = None) -> UserKV:
@@ -902,7 +1022,9 @@ class Store:
             segment, digest, name = uuid.uuid4().hex[:12], "", None
             if add:
                 name = self.segment_name(user, segment)
-                tensors, meta = seg_files.to_file(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+                tensors, meta = seg_files.to_file(
+                    torch.cat(keys, dim=2), torch.cat(values, dim=2), self.kv_format, [f.num_tokens for f in add]
+                )
                 digest = self.segments.put(name, tensors, meta)  # durable before the commit that points at it
             try:
                 version = self._commit_rows(
@@ -1095,8 +1217,9 @@ class Store:
         with self.writer(user):
             ukv = self.snapshot(user)
             segment = uuid.uuid4().hex[:12]
-            keys, values = ukv.gather(list(range(len(ukv.facts))))
-            tensors, meta = seg_files.to_file(keys, values)
+            keys, values = ukv.gather(list(range(len(ukv.facts))), dtype=self._rewrite_dtype())
+            # lossy formats re-quantise with the same key groups (facts): the same integers and scales come back
+            tensors, meta = seg_files.to_file(keys, values, self.kv_format, [f.num_tokens for f in ukv.facts])
             digest = self.segments.put(self.segment_name(user, segment), tensors, meta)
             db = self.rows
             with db.transaction():
@@ -1118,6 +1241,11 @@ class Store:
             self._gc(user)
             self._user_cache.pop(user, None)
         return str(version)
+
+    def _rewrite_dtype(self) -> torch.dtype | None:
+        """The dtype a rewrite of this store's KV reads it in: fp32 for a lossy format (exact dequantisation, so
+        the same integers come back), else the stored dtype."""
+        return torch.float32 if self.kv_format != "native" else None
 
     def delete_user(self, user: str) -> str:
         """Tombstone every live fact of ``user``, whatever is live when the commit runs (history records each
@@ -1145,6 +1273,7 @@ def copy_store(
     segments_url: str | None = None,
     force: bool = False,
     users: list[str] | None = None,
+    kv_format: str | None = None,
 ) -> dict:
     """Copy the store at ``src`` to ``dst`` (either a directory or a ``postgresql://`` URL; ``segments_url`` as in
     ``Store.create``, required for a PostgreSQL ``dst``): every user's live facts with their KV (each source
@@ -1155,14 +1284,24 @@ def copy_store(
 
     ``force``: copy into a store already at ``dst`` (same model) that has users, none of them a user copied
     (histories are not merged); without it a store with users is refused, as is a non-empty directory that is not
-    a store. ``users``: only these (default: every user, those whose facts are all deleted too). Returns
-    ``{"users", "facts", "turns", "events", "kv_bytes"}``. Raises StoreError, StoreMismatch."""
+    a store. ``users``: only these (default: every user, those whose facts are all deleted too). ``kv_format``:
+    the copy's KV format (``kvformat``; default the source's): a lossless store may be copied into any format, a
+    lossy one only into its own, so dequantised KV is never stored as lossless. Returns
+    ``{"users", "facts", "turns", "events", "kv_bytes"}`` (``kv_bytes``: KV read, in the model dtype). Raises
+    StoreError, StoreMismatch."""
     source = Store.open(src)
     try:
+        kv_format = kvformat.check_format(kv_format or source.kv_format)
+        if source.kv_format != "native" and kv_format != source.kv_format:
+            raise StoreError(
+                f"store {source.name} holds lossy {source.kv_format} KV; it can only be copied as {source.kv_format} "
+                f"(re-encode the memories to get {kv_format})"
+            )
+        fingerprint = {**source.fingerprint, "kv_format": kv_format}
         if not is_url(dst) and Path(dst).is_dir() and any(Path(dst).iterdir()) and not Store.exists(dst):
             raise StoreError(f"{dst} is a non-empty directory that holds no store; copy into a new one")
         if Store.exists(dst):
-            target = Store.open(dst, source.fingerprint)
+            target = Store.open(dst, fingerprint)
             if target.users() and not force:
                 target.close()
                 raise StoreError(f"{target.name} already holds a store with users; pass --force to copy into it")
@@ -1171,7 +1310,7 @@ def copy_store(
             hk, hv = source.header_kv()
             m = source.manifest
             target = Store.create(
-                dst, m["fingerprint"], m["header"]["text"], m["header"]["token_ids"], hk, hv, m["embedder"],
+                dst, fingerprint, m["header"]["text"], m["header"]["token_ids"], hk, hv, m["embedder"],
                 segments_url=segments_url,
             )  # fmt: skip
         report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0}
@@ -1193,7 +1332,7 @@ def copy_store(
                     ukv = UserKV(user, info["version"], [], {}, torch.zeros(0, 1))
                 source._check_segments(ukv)
                 turns, events = source.turns(user), source.events(user)
-                parts = [ukv.gather([i]) for i in range(len(ukv.facts))]
+                parts = [ukv.gather([i], dtype=source._rewrite_dtype()) for i in range(len(ukv.facts))]
                 had = len(target.events(user))
                 facts = [FactRecord(**{**f.__dict__, "row": 0, "segment": "", "token_offset": 0}) for f in ukv.facts]
                 target.commit(

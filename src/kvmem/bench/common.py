@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -429,6 +429,7 @@ class Setup:
     opened: object = None  # engines.select.Opened, once started
     resolved: str = ""  # the engine ``auto`` resolves to here, before it starts
     note: str | None = None
+    engine_options: dict = field(default_factory=dict)  # more ``open_engine`` arguments (metrics_file, ...)
 
     @classmethod
     def load(cls, data: Path, samples: list[str] | None, model: str, engine: str, show_progress: bool = True) -> Setup:
@@ -442,7 +443,7 @@ class Setup:
     def start(self, stores: list[Path] = ()):
         """The engine (started once; ``stores``: more stores it may inject from besides the bench cache)."""
         if self.opened is None:
-            self.opened = open_engine(self.lm, self.engine, stores=[cache_root(), *stores])
+            self.opened = open_engine(self.lm, self.engine, stores=[cache_root(), *stores], **self.engine_options)
             if self.opened.note and self.opened.note != self.note:  # a start-up failure, not load's own note
                 log_err(self.opened.note)
         return self.opened.engine

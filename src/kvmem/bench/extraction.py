@@ -166,10 +166,11 @@ def run_arm(base: str, model: str, name: str, cases: list[Case], echo=print) -> 
 
 
 def run(out: Path, models: list[str], endpoint: str | None, answer_model: str, engine: str, dtype: str,
-        cases: int = 0, echo=print) -> dict:  # fmt: skip
+        cases: int = 0, echo=print, answer_engine: str | None = None) -> dict:  # fmt: skip
     import sys
 
     chosen = CASES[:cases] if cases else CASES
+    answer_engine = answer_engine or engine
     summary: dict = {"command": "bench extract", "engine": engine, "cases": len(chosen), "arms": {}}
     records, answers = [], []
     kvmem = [sys.executable, "-m", "kvmem.cli", "serve"]
@@ -186,10 +187,13 @@ def run(out: Path, models: list[str], endpoint: str | None, answer_model: str, e
             answers += ans
         if endpoint:
             ext_port, port = free_port(), free_port()
+            # two servers at once: the extractor's KV cache is kept small (its prompts are short), and the
+            # answering server may run on the transformers engine (one process), so both fit in memory
             ext = kvmem + ["--store", f"{tmp}/ext-{endpoint}", "--model", endpoint, "--engine", engine, "--dtype",
-                           dtype, "--port", str(ext_port), "--max-tokens", "512"]  # fmt: skip
+                           dtype, "--port", str(ext_port), "--max-tokens", "512",
+                           "--kv-cache-bytes", str(256 << 20)]  # fmt: skip
             via = ["--extractor-url", f"http://127.0.0.1:{ext_port}/v1", "--extractor-model", endpoint]
-            cmd = kvmem + ["--store", f"{tmp}/via-{answer_model}", "--model", answer_model, "--engine", engine,
+            cmd = kvmem + ["--store", f"{tmp}/via-{answer_model}", "--model", answer_model, "--engine", answer_engine,
                            "--dtype", dtype, "--port", str(port), "--max-tokens", "24", *via]  # fmt: skip
             name = f"{answer_model}+endpoint:{endpoint}"
             echo(f"arm {name}: extraction through kvmem serve's chat API")

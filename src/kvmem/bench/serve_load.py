@@ -12,6 +12,14 @@ server sends the role chunk only once the first token exists), p50 / p95; chat Q
 and its ``kvmem.fact_ids`` are checked: **leaks** = another user's canary in the text or another user's fact id;
 **stale** = a fact id this user deleted before sending the request. The server's and engine's peak RSS (the
 process tree, sampled every 0.5 s) is reported. Writes serve.json, serve.md and serve.png.
+
+``cold_every`` n: one more kv phase at the headline concurrency in which every n-th user is **cold**: each of its
+chats asks for ``memory.cache = "cold"`` (the server runs with ``--allow-cold-requests``), so its facts are dropped
+from every cache tier (page cache, disk cache, both read caches) and vLLM's prefix cache cannot serve them; the
+request's own prefetch along the retrieval path then runs as for any request. It comes right
+after an all-hot kv phase of the same users and length (the reference: every cache warm, as for the cold phase's
+hot users). The hot users' TTFT in the cold phase against the same users' TTFT in the reference is what a cold
+user costs everyone else (``cold`` in serve.json).
 """
 
 from __future__ import annotations
@@ -146,14 +154,17 @@ async def setup_users(base: str, users: list[User]) -> None:
         await asyncio.gather(*(one(u) for u in users))
 
 
-async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict, canaries: dict) -> None:
+async def _chat(
+    client, u: User, mode: str, k: int, max_tokens: int, stats: dict, canaries: dict, cold: bool = False,
+    send_cold: bool = True,
+) -> None:  # fmt: skip
     body = {
         "model": stats["model"],
         "user": u.name,
         "max_tokens": max_tokens,
         "stream": True,
         "temperature": 0,
-        "memory": {"top_k": k, "mode": mode},
+        "memory": {"top_k": k, "mode": mode, **({"cache": "cold"} if cold and send_cold else {})},
         "messages": [
             {
                 "role": "user",
@@ -198,6 +209,7 @@ async def _chat(client, u: User, mode: str, k: int, max_tokens: int, stats: dict
     if kv is None:
         stats["errors"].append("chat: no kvmem field in the final chunk")
         return
+    stats["ttft_cold" if cold else "ttft_hot"].append(ttft)
     stats["ttft"][mode].append(ttft)
     stats["done"][mode] += 1
     stats["served"].append((time.perf_counter(), u.name, kv.get("replica")))
@@ -250,12 +262,19 @@ async def _phase(
     delete_every: int,
     tree: Tree,
     during=None,
+    cold_every: int = 0,
+    send_cold: bool = True,
 ) -> dict:
-    """One load phase; ``during(stats)``: a coroutine run alongside (fault injection)."""
+    """One load phase; ``during(stats)``: a coroutine run alongside (fault injection); ``cold_every`` n: users
+    0, n, 2n, ... are cold (every chat of theirs reads its memory from the store, ``memory.cache = "cold"``).
+    With ``send_cold`` False they are only counted apart (``ttft_cold``), so the other users' TTFT is that of the
+    same users under an all-hot load."""
 
     stats = {
         "model": model,
         "ttft": {mode: []},
+        "ttft_hot": [],
+        "ttft_cold": [],
         "done": {mode: 0},
         "errors": [],
         "leaks": [],
@@ -267,6 +286,8 @@ async def _phase(
     canaries = {u.name: u.canary for u in users}
     end = time.perf_counter() + duration
 
+    cold = {u.name for i, u in enumerate(users) if cold_every and i % cold_every == 0}
+
     async def loop(u: User):
         n = 0
         while time.perf_counter() < end:
@@ -277,7 +298,7 @@ async def _phase(
                 elif delete_every and n % delete_every == 0:
                     await _delete(client, u, stats)
                 else:
-                    await _chat(client, u, mode, k, max_tokens, stats, canaries)
+                    await _chat(client, u, mode, k, max_tokens, stats, canaries, u.name in cold, send_cold)
             except (httpx.HTTPError, ValueError) as exc:
                 stats["errors"].append(f"{type(exc).__name__}: {exc}")
 
@@ -309,6 +330,12 @@ async def _phase(
         "leak_samples": stats["leaks"][:5],
         "stale": len(stats["stale"]),
         "served": stats["served"],
+        "cold_users": len(cold),
+        "hot_ttft_ms_p50": round(median(stats["ttft_hot"]), 1),
+        "hot_ttft_ms_p95": round(p95(stats["ttft_hot"]), 1),
+        "cold_ttft_ms_p50": round(median(stats["ttft_cold"]), 1) if stats["ttft_cold"] else None,
+        "cold_ttft_ms_p95": round(p95(stats["ttft_cold"]), 1) if stats["ttft_cold"] else None,
+        "cold_chats": len(stats["ttft_cold"]),
     }
 
 
@@ -328,6 +355,7 @@ def run(
     delete_every: int = 15,
     kv_cache_bytes: int = 2 << 30,
     port: int | None = None,
+    cold_every: int = 0,
 ) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
@@ -367,6 +395,7 @@ def run(
         str(kv_cache_bytes),
         "--timeout",
         "600",
+        *(["--allow-cold-requests"] if cold_every else []),
     ]
     log_err("bench serve: " + " ".join(cmd))
     t0 = time.perf_counter()
@@ -395,6 +424,40 @@ def run(
                     f"stale {row['stale']}"
                 )
                 rows.append(row)
+        cold = None
+        if cold_every:
+            n = max(users)
+
+            def phase(send_cold: bool) -> dict:
+                r = asyncio.run(
+                    _phase(
+                        base, all_users[:n], "kv", k, duration, max_tokens, ready["model"], add_every, delete_every,
+                        tree, cold_every=cold_every, send_cold=send_cold,
+                    )
+                )  # fmt: skip
+                r.pop("served")
+                return r
+
+            hot = phase(False)  # the reference: the same users, every cache warm
+            row = phase(True)
+            cold = {
+                "users": n,
+                "cold_users": row["cold_users"],
+                "all_hot": {
+                    "p50": hot["hot_ttft_ms_p50"],
+                    "p95": hot["hot_ttft_ms_p95"],
+                    "chats": hot["chats"] - hot["cold_chats"],
+                },
+                "hot_with_cold": {"p50": row["hot_ttft_ms_p50"], "p95": row["hot_ttft_ms_p95"]},
+                "cold": {"p50": row["cold_ttft_ms_p50"], "p95": row["cold_ttft_ms_p95"], "chats": row["cold_chats"]},
+                "hot_p95_over_all_hot": round(row["hot_ttft_ms_p95"] / hot["hot_ttft_ms_p95"], 3),
+                "errors": row["errors"],
+                "error_samples": row["error_samples"],
+                "leaks": row["leaks"],
+                "stale": row["stale"],
+                "chats": row["chats"],
+            }
+            log_err(f"  users={n} kv, 1 in {cold_every} cold: {cold}")
         metrics = httpx.get(f"{base}/metrics").text
     for r in rows:
         other = next(x for x in rows if x["users"] == r["users"] and x["mode"] != r["mode"])
@@ -416,6 +479,7 @@ def run(
         "peak_rss_engine_bytes": tree.peak_engine,
         "peak_rss_total_bytes": tree.peak_total,
         "rows": rows,
+        "cold": cold,
         "errors_total": sum(r["errors"] for r in rows),
         "leaks_total": sum(r["leaks"] for r in rows),
         "stale_total": sum(r["stale"] for r in rows),

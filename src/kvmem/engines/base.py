@@ -115,6 +115,7 @@ class MemoryPlan:
     served_len: int
     recompute: float = 0.0
     memory_tokens: int | None = None
+    cold: str | None = None  # a nonce: read from the store, every cache tier below it dropped first (load tests)
 
     @property
     def token_ids(self) -> list[int]:

@@ -7,22 +7,27 @@ Load it with ``KVTransferConfig(kv_connector="KvmemConnector", kv_connector_modu
     {"store": "/path/to/store", "user": "conv-26", "version": "<store.version(user)>",
      "fact_ids": ["D1:3", ...],   # injected order
      "start": 0,                  # virtual position of the first header token (vLLM numbers the prompt from 0)
-     "parts": [[user, version], ...]}  # only for memory of several entity scopes (``UserKV.union``); then
+     "parts": [[user, version], ...],  # only for memory of several entity scopes (``UserKV.union``); then
                                        # "user" and "version" are the union's, and each part's version is checked
+     "kv_format": "int8"}              # only for a lossy store (``kvformat``): the format the caller expects
 
 and ``cache_salt = kvmem_cache_salt(store_id, user, version)`` on the prompt (``store_id``: the store manifest's).
 
 Scheduler side (engine-core process): checks that the prompt starts with exactly the composed memory token ids
 (store header ids + the facts' token ids from the store metadata), that the memory version is still the store's
 and that the request carries the user+version cache salt; then reports the memory tokens (minus the last prompt
-token, which vLLM must compute) beyond any local prefix-cache hit as externally computed, loaded synchronously.
+token, which vLLM must compute) beyond any local prefix-cache hit as externally computed, loaded asynchronously
+(vLLM's ``load_kv_async``: the request waits in WAITING_FOR_REMOTE_KVS while the engine steps the others;
+``kv_connector_extra_config["async_load"] = False`` loads inside the step instead).
 Anything else falls back to a normal prefill and is counted in ``KvmemConnector.metrics`` (logged, and written
 to ``kv_connector_extra_config["metrics_file"]`` when set).
 
 Worker side (model-runner process): opens the store itself (cached per process, per user version), composes
 ``[header][facts]`` with chunked RoPE at the virtual positions (``compose(Rotary.from_config(hf_config), ...)``)
 and writes K/V into the request's paged blocks through the attention backend's own
-``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset`` before the forward pass.
+``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset``: asynchronous loads on a few loader
+threads, reported done by ``get_finished`` (the blocks are the request's alone until then: vLLM frees an aborted
+request's blocks only once its load is reported); synchronous ones before the forward pass.
 Nothing is shared with the API process except what travels in the request and in vLLM's connector metadata.
 
 Isolation: injected blocks become ordinary prefix-cache blocks keyed by token ids *and* the request's cache salt;
@@ -42,12 +47,15 @@ cache and be reused at another).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,12 +65,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 
 from ..compose import compose
 from ..models import MANIFEST, head_dim, weights_hash
 from ..rope import LENGTH_DEPENDENT, Rotary, rope_type
 from ..rows import canonical, within
+from ..staging import LayerStager
 from ..store import Store
 
 if TYPE_CHECKING:
@@ -76,15 +86,50 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvmem.vllm_connector")
 
 PARAMS_KEY = "kvmem"
+LOADERS = 4  # worker threads for asynchronous loads: a slow read holds up one, never the others
 
 
-def kvmem_cache_salt(store_id: str, user: str, version: str, tail: bool = False) -> str:
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """This thread's reusable buffer ``name``, viewed as ``shape`` (contents undefined; grown, never shrunk). A
+    load's buffers are tens of MB at large k; fresh ones cost a page fault per 4 KB on first touch, which doubled
+    the load's tensor work here."""
+    bufs = _SCRATCH.__dict__.setdefault("bufs", {})
+    n, key = math.prod(shape), (name, dtype, str(device))
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < n:
+        buf = bufs[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
+def _one_thread_ops() -> None:
+    """A loader thread runs its tensor ops on itself alone. Beside the engine's busy processes, a team of OpenMP
+    threads waits at every op's barrier for whichever of them the kernel descheduled: on 2 cores that made a load's
+    ops 2-4x slower than one thread. OpenMP's thread count is per thread, so the engine's threads, which have run
+    ops already, keep theirs; torch's default for threads that have not yet run one becomes 1
+    (``torch.set_num_threads`` itself is disabled in vLLM's CPU worker, so its binding is not undone)."""
+    try:
+        if torch.get_num_threads() > 1:
+            torch._C.set_num_threads(1)  # what torch.set_num_threads is, before vLLM's CPU worker replaces it
+    except Exception as exc:  # a slower load, never a broken loader
+        logger.warning("kvmem: loader threads keep torch's thread count (%s)", exc)
+
+
+def kvmem_cache_salt(
+    store_id: str, user: str, version: str, tail: bool = False, kv_format: str = "native", cold: str | None = None
+) -> str:
     """The prefix-cache salt a kvmem request must carry: covers the store (a random id made at its creation, so
     two stores, or a store re-created at the same path, never share one), the user and the memory version.
     ``tail``: the prompt goes on with more retrieved facts that the engine recomputes (tail recompute); their
     blocks hold prefilled, not stored, KV, so such prompts get their own cache namespace (with the injected
-    length added by ``tail_salt``) and never share blocks with plain injection."""
-    return f"kvmem:{store_id}:{user}:{version}" + (":tail" if tail else "")
+    length added by ``tail_salt``) and never share blocks with plain injection. ``kv_format``: the KV format the
+    request expects (a lossy one is in the salt, so blocks injected from a quantised store are never a prefix-cache
+    hit for a request that expects lossless KV). ``cold``: a request's nonce (``kvmem_params``): its blocks are
+    no prefix-cache hit for any other request."""
+    fmt = "" if kv_format == "native" else f":{kv_format}"
+    return f"kvmem:{store_id}:{user}:{version}{fmt}" + (f":cold:{cold}" if cold else "") + (":tail" if tail else "")
 
 
 def tail_salt(salt: str, memory_tokens: int) -> str:
@@ -100,17 +145,34 @@ def kvmem_params(
     start: int = 0,
     memory_tokens: int | None = None,
     parts: list[tuple[str, str]] | None = None,
+    kv_format: str = "native",
+    cold: str | None = None,
 ) -> dict:
     """``kv_transfer_params`` for a request whose prompt starts with ``[header][facts fact_ids...]``.
     ``memory_tokens``: set for tail recompute (the prompt continues with recomputed facts): the injected length,
     which the cache salt must carry. ``parts``: for memory drawn from several entity scopes (``UserKV.union``),
-    each scope's (user, version); ``user`` and ``version`` are then the union's."""
+    each scope's (user, version); ``user`` and ``version`` are then the union's. ``kv_format``: the store's
+    (``Store.kv_format``); both sides refuse a store that holds another. ``cold``: a nonce for a load test's cold
+    request: the worker drops the facts from its read cache before reading them, and the salt carries the nonce, so
+    nothing of this memory is found in any cache tier."""
     p = {"store": str(store), "user": user, "version": version, "fact_ids": list(fact_ids), "start": int(start)}
     if memory_tokens is not None:
         p["memory_tokens"] = int(memory_tokens)
     if parts is not None and len(parts) > 1:
         p["parts"] = [[u, v] for u, v in parts]
+    if kv_format != "native":
+        p["kv_format"] = kv_format
+    if cold:
+        p["cold"] = str(cold)
     return {PARAMS_KEY: p}
+
+
+def check_kv_format(p: dict, store) -> None:
+    """The params' KV format must be the store's: a quantised store is never served to a request that expects
+    lossless KV, or the other way round. Raises ValueError."""
+    want = p.get("kv_format", "native")
+    if want != store.kv_format:
+        raise ValueError(f"the request expects {want} KV, the store holds {store.kv_format}")
 
 
 def _parts(p: dict) -> list[tuple[str, str]]:
@@ -239,6 +301,7 @@ class KvmemLoad:
     count: int
     served_len: int  # prompt tokens
     ids_sha256: str  # ids_digest of the memory ids the scheduler verified against the prompt
+    asynchronous: bool = False  # loaded on the worker's loader thread, reported by ``get_finished``
 
 
 @dataclass
@@ -247,7 +310,8 @@ class KvmemConnectorMetadata(KVConnectorMetadata):
 
 
 class KvmemConnector(KVConnectorBase_V1):
-    """kvmem memory injection for stock vLLM (synchronous load, all layers before the forward pass)."""
+    """kvmem memory injection for stock vLLM: asynchronous loads by default (one loader thread per worker), or
+    synchronous ones, all layers before the forward pass."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -261,16 +325,28 @@ class KvmemConnector(KVConnectorBase_V1):
         if extra.get("cache_dir"):
             _CACHE_DIR[0] = str(extra["cache_dir"])
         self._allowed = [canonical(p) for p in extra.get("stores") or []]
+        self._async = bool(extra.get("async_load", True))
+        self._profile = bool(extra.get("profile", False))
+        self._delays = {str(u): float(d) for u, d in (extra.get("load_delay_s") or {}).items()}
         self._identity = engine_identity(vllm_config)
         self._trusted: dict[tuple[str, str], str | None] = {}  # (root, store_id) -> None if it matches, else why
         # scheduler side
         self._matched: dict[str, tuple[dict, int, str]] = {}  # req_id -> (params, local computed tokens, ids hash)
         self._pending: list[KvmemLoad] = []
+        self._refused: set[str] = set()  # requests whose asynchronous load failed: a plain prefill from now on
+        self._loading: set[str] = set()  # live requests given an asynchronous load
         self.metrics: Counter = Counter()
         # worker side
         self._rotary = None
+        self._stagers: dict = {}  # device -> LayerStager
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
+        self._layers: list | None = None  # (layer index, attention layer, its KV cache), once all are known
+        self._loader: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, tuple[Future, KvmemLoad]] = {}
+        self._failed_ids: set[str] = set()  # asynchronous loads that failed since the last report
+        self.loads: deque = deque(maxlen=256)  # each load's stages, ms (``_write``), for the metrics file
+        self._seq = itertools.count()  # loads numbered in the order they finish
         self._reported = 0.0
         self._num_layers = (getattr(self._hf_config, "text_config", None) or self._hf_config).num_hidden_layers
 
@@ -282,6 +358,7 @@ class KvmemConnector(KVConnectorBase_V1):
         conn.metrics, conn._metrics_file, conn._trusted, conn._matched = Counter(), None, {}, {}
         conn._allowed = [canonical(p) for p in stores]
         conn._identity = dict(identity)
+        conn._async, conn._refused, conn._pending, conn._loading = True, set(), [], set()
         return conn
 
     def _untrusted(self, root: str) -> str | None:
@@ -327,9 +404,15 @@ class KvmemConnector(KVConnectorBase_V1):
                 self._count("untrusted_store")
                 logger.warning("kvmem: request %s: %s; normal prefill", request.request_id, why)
                 return None
+            check_kv_format(p, _store(str(p["store"])))
             mem = memory_token_ids(p)
             want = kvmem_cache_salt(
-                _store(str(p["store"])).manifest["store_id"], p["user"], p["version"], tail="memory_tokens" in p
+                _store(str(p["store"])).manifest["store_id"],
+                p["user"],
+                p["version"],
+                tail="memory_tokens" in p,
+                kv_format=p.get("kv_format", "native"),
+                cold=p.get("cold"),
             )
             if "memory_tokens" in p:
                 if int(p["memory_tokens"]) != len(mem):
@@ -359,6 +442,8 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matched.pop(request.request_id, None)
+        if request.request_id in self._refused:  # its load failed once: vLLM recomputes, it is not tried again
+            return 0, False
         checked = self._check(request)
         if checked is None:
             return 0, False
@@ -369,19 +454,37 @@ class KvmemConnector(KVConnectorBase_V1):
         if ext <= 0:
             return 0, False
         self._matched[request.request_id] = (p, num_computed_tokens, ids_digest(mem))
-        return ext, False
+        return ext, self._async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
         p, first, digest = matched
+        if self._async:
+            self._loading.add(request.request_id)
         block_ids = list(blocks.get_block_ids()[0])
         self._pending.append(
-            KvmemLoad(request.request_id, p, block_ids, first, num_external_tokens, request.num_prompt_tokens, digest)
+            KvmemLoad(
+                request.request_id,
+                p,
+                block_ids,
+                first,
+                num_external_tokens,
+                request.num_prompt_tokens,
+                digest,
+                self._async,
+            )
         )
         self._count("requests_injected")
         self._count("tokens_injected", num_external_tokens)
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' report of a step: requests whose asynchronous load failed get a plain prefill."""
+        failed = set(getattr(connector_output, "failed_recving", None) or ()) & self._loading
+        if failed:
+            self._refused |= failed
+            self._count("load_failed", len(failed))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvmemConnectorMetadata(self._pending)
@@ -389,9 +492,12 @@ class KvmemConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Finished or aborted: drop any state for the request; the blocks are vLLM's to free."""
+        """Finished or aborted: drop any state for the request; the blocks are vLLM's to free. An asynchronous load
+        not yet sent to the worker still goes: vLLM keeps the blocks until the worker reports it done."""
         self._matched.pop(request.request_id, None)
-        self._pending = [ld for ld in self._pending if ld.req_id != request.request_id]
+        self._refused.discard(request.request_id)
+        self._loading.discard(request.request_id)
+        self._pending = [ld for ld in self._pending if ld.req_id != request.request_id or ld.asynchronous]
         return False, None
 
     # ==================== worker side ====================
@@ -406,23 +512,28 @@ class KvmemConnector(KVConnectorBase_V1):
                 f"{self._num_layers}; partial injection would leave unwritten blocks"
             )
         self._kv_caches = kv_caches
+        self._layers = None  # found again, with these tensors
 
     def _rot(self):
         if self._rotary is None:
             self._rotary = Rotary.from_config(self._hf_config)
         return self._rotary
 
-    def _compose(self, ld: KvmemLoad):
+    def _compose(self, ld: KvmemLoad, timings: dict | None = None, rotate: bool = True):
         """The load's composed memory, after the worker's own checks: allowed store, matching fingerprint, the
-        exact version (one snapshot), and the ids the scheduler verified. Raises on any mismatch."""
+        exact version (one snapshot), and the ids the scheduler verified. ``timings``: compose's stages (ms).
+        Raises on any mismatch."""
 
         p = ld.params
         why = self._untrusted(str(p["store"]))
         if why:
             raise PermissionError(why)
         st = _store(p["store"])
+        check_kv_format(p, st)
         ukv = st.snapshots(_parts(p))  # raises if replaced; compose reads only the gathered facts
         rows = ukv.row_of()
+        if p.get("cold"):  # a load test's cold request: this process's read cache must not have it either
+            st.evict(ukv, [rows[f] for f in p["fact_ids"]], memory_only=True)
         memory = compose(
             self._rot(),
             st.header_token_ids,
@@ -431,6 +542,9 @@ class KvmemConnector(KVConnectorBase_V1):
             [rows[f] for f in p["fact_ids"]],
             start=int(p.get("start", 0)),
             served_len=ld.served_len,
+            timings=timings,
+            rotate=rotate,
+            empty=lambda name, shape, dtype: _scratch(name, shape, dtype, "cpu"),
         )
         if ids_digest(memory.token_ids) != ld.ids_sha256:
             raise LookupError("composed memory ids differ from the ids the scheduler verified")
@@ -447,15 +561,19 @@ class KvmemConnector(KVConnectorBase_V1):
         bad, self._load_errors = self._load_errors, set()
         return bad
 
-    @torch.inference_mode()
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KvmemConnectorMetadata) or not meta.loads:
-            return
+    def _attention_layers(self, forward_context) -> list:
+        """(layer index, attention layer, the KV cache it writes) of every layer this worker can write: from the
+        forward context, or the static one when a step runs no forward (async loads start then too). Kept once
+        every layer is found."""
+        if self._layers is not None:
+            return self._layers
         from vllm.model_executor.models.utils import extract_layer_index
 
+        found = getattr(forward_context, "no_compile_layers", None) or getattr(
+            self._vllm_config.compilation_config, "static_forward_context", {}
+        )
         layers = []
-        for name, layer in forward_context.no_compile_layers.items():
+        for name, layer in found.items():
             kv_cache = getattr(layer, "kv_cache", None)  # the view the layer itself passes to its cache update
             if not torch.is_tensor(kv_cache) or kv_cache.numel() == 0:
                 kv_cache = self._kv_caches.get(name)
@@ -468,34 +586,161 @@ class KvmemConnector(KVConnectorBase_V1):
             ):
                 continue
             layers.append((extract_layer_index(name), layer, kv_cache))
+        if {idx for idx, _, _ in layers} == set(range(self._num_layers)):
+            self._layers = layers
+        return layers
+
+    @torch.inference_mode()
+    def _write(self, ld: KvmemLoad, layers: list) -> None:
+        """Compose ``ld``'s memory and write tokens ``[first, first+count)`` of it into the request's blocks, every
+        layer. Raises on any failure (nothing is half-trusted: the caller reports all its blocks as failed)."""
+        t0 = time.perf_counter()
+        delay = self._delays.get(str(ld.params.get("user")))
+        if delay:
+            time.sleep(delay)
+        if {idx for idx, _, _ in layers} != set(range(self._num_layers)):
+            raise RuntimeError(f"only layers {sorted(i for i, _, _ in layers)} of {self._num_layers} can be written")
+        stages: dict = {}
+        t1 = time.perf_counter()
+        memory = self._compose(ld, stages, rotate=False)  # pre-RoPE: rotated below, one layer at a time
+        stages["snapshot"] = (time.perf_counter() - t1) * 1e3 - sum(stages.values())
+        self._inject(ld, memory, sorted(layers, key=lambda x: x[0]), stages)  # layers[i] is layer i
+        stages["load"] = (time.perf_counter() - t0) * 1e3
+        self.loads.append({"seq": next(self._seq), "req_id": ld.req_id, "tokens": ld.count,
+                           "k": len(ld.params["fact_ids"]), "kv_format": ld.params.get("kv_format", "native"),
+                           **{k: round(v, 3) for k, v in stages.items()}})  # fmt: skip
+
+    def _inject(self, ld: KvmemLoad, memory, layers: list, stages: dict) -> None:
+        """Tokens ``[first, first+count)`` of the pre-RoPE ``memory`` into the request's blocks. Chunks of layers
+        are staged to the cache's device (``LayerStager``: one layer at a time on a GPU, all at once on a CPU),
+        rotated there, put in the [T, H, D] layout the attention layer's cache update takes, and written;
+        one chunk is written while the next is copied. ``stages`` gets ``rotate`` and ``block_write`` (ms; on a
+        device these are the time to queue the work, and ``block_write`` ends when every write has completed)."""
+        device = layers[0][2].device
+        if device not in self._stagers:
+            self._stagers[device] = LayerStager(device)
+        stager = self._stagers[device]
+        by_index = {idx: (layer, kv_cache) for idx, layer, kv_cache in layers}
+        rot, sl = self._rot(), slice(ld.first, ld.first + ld.count)
         bs = self._block_size
-        complete = {idx for idx, _, _ in layers} == set(range(self._num_layers))
+        pos = torch.arange(ld.first, ld.first + ld.count)
+        slots = (torch.tensor(ld.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs).to(device)
+        dtype, cache_dtype = memory.keys.dtype, layers[0][2].dtype
+        cos_sin = {t: rot.cos_sin(memory.positions[sl], t, dtype, device, ld.served_len) for t in set(rot.layer_types)}
+        keys, values = stager.pin(memory.keys[:, :, sl]), stager.pin(memory.values[:, :, sl])
+        rotate = write = 0.0
+        for l0, k, v in stager.chunks(keys, values):
+            t = time.perf_counter()
+            # rotated in the stored layout (a strided output would be twice as slow), then token-major [c, T, H, D]
+            c, H, T, D = k.shape
+            rotated = rot.rotate_layers(k, l0, cos_sin, out=_scratch("rotated", k.shape, dtype, device))
+            key = _scratch("key", (c, T, H, D), cache_dtype, device).copy_(rotated.transpose(1, 2))
+            value = _scratch("value", (c, T, H, D), cache_dtype, device).copy_(v.transpose(1, 2))
+            t2 = time.perf_counter()
+            for i in range(key.shape[0]):
+                layer, kv_cache = by_index[l0 + i]
+                layer.impl.do_kv_cache_update(layer, key[i], value[i], kv_cache, slots)
+            rotate, write = rotate + t2 - t, write + time.perf_counter() - t2
+        if stager.cuda:  # on a device the writes are queued: done means written
+            torch.cuda.current_stream(device).synchronize()
+        stages["rotate"], stages["block_write"] = rotate * 1e3, write * 1e3
+
+    def _failed(self, ld: KvmemLoad, exc: BaseException) -> None:
+        """This request's load failed; vLLM recomputes its blocks (a synchronous load's, reported as invalid) or
+        the whole prompt (an asynchronous one's, reported as a failed receive), and the engine lives on."""
+        logger.warning(
+            "kvmem: load for request %s failed (%s: %s); its memory blocks are recomputed",
+            ld.req_id,
+            type(exc).__name__,
+            exc,
+        )
+        if ld.asynchronous:
+            self._failed_ids.add(ld.req_id)
+        else:
+            self._load_errors |= self._block_ids_of(ld)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvmemConnectorMetadata) or not meta.loads:
+            return
+        layers = self._attention_layers(forward_context)
         for ld in meta.loads:
-            try:
-                if not complete:
-                    raise RuntimeError(
-                        f"only layers {sorted(i for i, _, _ in layers)} of {self._num_layers} can be written"
+            if ld.asynchronous:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(
+                        max_workers=LOADERS, thread_name_prefix="kvmem-load", initializer=_one_thread_ops
                     )
-                memory = self._compose(ld)
-                pos = torch.arange(ld.first, ld.first + ld.count)
-                blocks = torch.tensor(ld.block_ids, dtype=torch.long)
-                for idx, layer, kv_cache in layers:
-                    slots = (blocks[pos // bs] * bs + pos % bs).to(kv_cache.device)
-                    # [H, m, D] -> [T, H, D], the layout the attention layer hands to its cache update.
-                    key = memory.keys[idx][:, ld.first : ld.first + ld.count].transpose(0, 1)
-                    value = memory.values[idx][:, ld.first : ld.first + ld.count].transpose(0, 1)
-                    key = key.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
-                    value = value.to(device=kv_cache.device, dtype=kv_cache.dtype).contiguous()
-                    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
-            except Exception as exc:  # this request's load fails; vLLM recomputes its blocks, the engine lives on
-                logger.warning(
-                    "kvmem: load for request %s failed (%s: %s); its memory blocks are recomputed",
-                    ld.req_id,
-                    type(exc).__name__,
-                    exc,
-                )
-                self._load_errors |= self._block_ids_of(ld)
+                self._inflight[ld.req_id] = (self._submit(ld, layers), ld)
+                continue
+            try:
+                self._write(ld, layers)
+            except Exception as exc:  # one request's failure, never the engine's
+                self._failed(ld, exc)
+            self._report_loads()
         self._report_reads()
+
+    def _submit(self, ld: KvmemLoad, layers: list) -> Future:
+        """``ld``'s load on a loader thread; its future. When the pool cannot take it (broken, or a new thread
+        cannot start), the load fails like any other and the engine goes on. The work item may already be queued
+        when a thread start fails, so it runs only if it was not given up first: a load reported failed never
+        writes into blocks that vLLM has since recomputed or given to another request."""
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():  # given up before it started
+                return
+            try:
+                self._write(ld, layers)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        try:
+            self._loader.submit(run)
+        except Exception as exc:
+            self._loader = None  # a new pool for the next load
+            if future.cancel():  # not started, and now it never will: the load failed
+                future = Future()
+                future.set_exception(exc)
+        return future
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(None, the requests whose asynchronous load ended since the last call), loaded or failed."""
+        done = {rid for rid, (future, _) in self._inflight.items() if future.done()}
+        for rid in done:
+            future, ld = self._inflight.pop(rid)
+            exc = future.exception()
+            if exc is not None:
+                self._failed(ld, exc)
+        if done:
+            self._report_loads()
+            self._report_reads()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s loads, with the failed ones also in ``failed_recving``: vLLM then recomputes that
+        request's prompt, and the scheduler side does not try its memory again."""
+        _, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_ids = self._failed_ids, set()
+        return KVConnectorTransferResults(finished_recving=set(recving or ()), failed_recving=failed)
+
+    def shutdown(self):
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+
+    def _report_loads(self) -> None:
+        """With ``kv_connector_extra_config["profile"]``: the last loads' stages (ms: snapshot, read, dequantize,
+        rotate, block_write, load) to ``<metrics_file>.loads``, after every load (``kvmem bench profile``)."""
+        if not (self._profile and self._metrics_file):
+            return
+        try:
+            tmp = f"{self._metrics_file}.loads.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(list(self.loads), f)
+            os.replace(tmp, f"{self._metrics_file}.loads")
+        except OSError as exc:
+            logger.warning("kvmem: cannot write %s.loads: %s", self._metrics_file, exc)
 
     def _report_reads(self) -> None:
         """This worker's store reads (its caches' hits, misses, bytes: ``Store.cache_stats``) to

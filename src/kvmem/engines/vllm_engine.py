@@ -65,16 +65,33 @@ class MemoryRef:
     start: int = 0
     memory_tokens: int | None = None  # tail recompute: the injected length (the prompt goes on with more facts)
     parts: list[tuple[str, str]] | None = None  # memory from several entity scopes: each one's (user, version)
+    kv_format: str = "native"  # the store's (``kvformat``), checked again by the connector
+    cold: str | None = None  # a nonce: no cache tier may serve this memory (``kvmem_params``)
 
     @property
     def params(self) -> dict:
         return kvmem_params(
-            self.store, self.user, self.version, self.fact_ids, self.start, self.memory_tokens, self.parts
+            self.store,
+            self.user,
+            self.version,
+            self.fact_ids,
+            self.start,
+            self.memory_tokens,
+            self.parts,
+            self.kv_format,
+            self.cold,
         )
 
     @property
     def salt(self) -> str:
-        salt = kvmem_cache_salt(self.store_id, self.user, self.version, tail=self.memory_tokens is not None)
+        salt = kvmem_cache_salt(
+            self.store_id,
+            self.user,
+            self.version,
+            tail=self.memory_tokens is not None,
+            kv_format=self.kv_format,
+            cold=self.cold,
+        )
         return salt if self.memory_tokens is None else tail_salt(salt, self.memory_tokens)
 
 
@@ -96,6 +113,8 @@ def memory_ref(plan: MemoryPlan) -> MemoryRef:
         plan.fact_ids,
         memory_tokens=plan.memory_tokens,
         parts=plan.snapshot.versions(),
+        kv_format=store.kv_format,
+        cold=plan.cold,
     )
 
 
@@ -215,6 +234,9 @@ def engine_kwargs(
     stores: list[str | Path] = (),
     cache_bytes: int | None = None,
     cache_dir: str | None = None,
+    async_load: bool = True,
+    load_delay_s: dict[str, float] | None = None,
+    profile: bool = False,
     **llm_kwargs,
 ) -> dict:
     """vLLM engine arguments with the kvmem connector (shared by ``LLM`` and ``AsyncEngineArgs``); see VLLMEngine."""
@@ -235,6 +257,12 @@ def engine_kwargs(
         extra["cache_bytes"] = int(cache_bytes)  # the worker's store caches
     if cache_dir:
         extra["cache_dir"] = str(cache_dir)  # the worker's disk cache of remote segments
+    if not async_load:
+        extra["async_load"] = False  # load inside the step that needs it (the engine waits for every load)
+    if profile:
+        extra["profile"] = True  # each load's stages to <metrics_file>.loads
+    if load_delay_s:
+        extra["load_delay_s"] = {str(u): float(s) for u, s in load_delay_s.items()}  # a slow store, for tests
     kwargs = dict(
         model=str(model),
         dtype=dtype,
@@ -281,6 +309,10 @@ class VLLMEngine(Engine):
         metrics_file: where the connector's scheduler side writes its counters (mismatch, injected, ...).
         stores: the store directories (or folders holding stores) this engine may inject from, fixed here;
             a request naming any other store gets a plain prefill.
+        async_load: the connector loads memory asynchronously (vLLM's ``load_kv_async``; the default): the
+            engine keeps stepping other requests while one request's memory is read. False: inside the step.
+        load_delay_s: ``{user: seconds}`` added to each load of that user's memory (a slow store, for tests).
+        profile: the connector writes each load's stages to ``<metrics_file>.loads`` (``kvmem bench profile``).
 
     Raises EngineUnavailable (one line) if vLLM cannot start.
     """

@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..scopes import Scope, ScopeError
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
-from .schemas import APIError, ChatRequest, MemoryOptions, error_of
-from .streaming import ChatGeneration, prepare_chat, sse, until_disconnect
+from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of
+from .streaming import ChatGeneration, prepare_chat, sse, watched
 
 
 def create_app(server: KvmemServer) -> FastAPI:
@@ -64,7 +64,7 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
     @app.exception_handler(Exception)
     async def _any(request, exc: Exception):
         if not server.engine.healthy():  # the engine died under this request
-            return APIError(503, "the engine has died; this server is shutting down", "engine_dead").response()
+            return engine_dead().response()
         err = error_of(exc)
         if err.status >= 500:
             logger.exception("unhandled error on %s", request.url.path)
@@ -76,12 +76,12 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
         if too_big is not None:
             resp = too_big.response()
         elif request.url.path.startswith("/v1/") and not server.engine.healthy():
-            resp = APIError(503, "the engine has died; this server is shutting down", "engine_dead").response()
+            resp = engine_dead().response()
         else:
             try:
                 resp = await call_next(request)
             except Exception as exc:
-                err = error_of(exc)
+                err = error_of(exc) if server.engine.healthy() else engine_dead()  # the engine died under it
                 if err.status >= 500 and err.code == "internal_error":
                     logger.exception("unhandled error on %s", request.url.path)
                 resp = err.response()
@@ -113,7 +113,7 @@ def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     @app.get("/ready")
     async def ready():
         if not server.engine.healthy():
-            raise APIError(503, "the engine has died; this server is shutting down", "engine_dead")
+            raise engine_dead()
         if not server.ready:
             raise APIError(503, "the engine is not ready", "not_ready")
         out = {"status": "ready", "engine": server.engine.name, "model": server.model_name}
@@ -181,9 +181,18 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             raise APIError(
                 400, "the request's 'user' field names whose memory to use (or set memory.mode 'off')", param="user"
             )
+        if opts.cache == "cold" and not limits.allow_cold:
+            raise APIError(
+                400,
+                "memory.cache 'cold' bypasses every cache tier, for load tests: this server was not started with "
+                "--allow-cold-requests",
+                param="memory.cache",
+            )
         sel = server.selective_recompute if opts.selective_recompute is None else opts.selective_recompute
         prep = await asyncio.wait_for(
-            prepare_chat(server, user, messages, top_k, mode, max_tokens, opts.tail_recompute, sel),
+            prepare_chat(
+                server, user, messages, top_k, mode, max_tokens, opts.tail_recompute, sel, opts.cache == "cold"
+            ),
             limits.request_timeout_s,
         )
 
@@ -204,7 +213,7 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
             return StreamingResponse(sse(gen, first, include_usage), media_type="text/event-stream")
-        text = await until_disconnect(request, gen.collect(), limits.request_timeout_s)
+        text = await watched(server, gen.collect(), limits.request_timeout_s, request)
         return {
             "id": rid,
             "object": "chat.completion",

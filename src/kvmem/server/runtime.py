@@ -27,7 +27,7 @@ from ..models import DEFAULT_MODEL, load
 from ..policy import parse_mode
 from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService
-from ..store import Store, check_segments_url
+from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
 
@@ -42,6 +42,7 @@ class Limits:
     default_mode: str = "kv"
     default_max_tokens: int = 64
     max_tokens: int = 4096  # a request asking for more new tokens gets a 400
+    allow_cold: bool = False  # memory.cache "cold" (load tests: every cache tier bypassed); else a 400
 
 
 class Metrics:
@@ -80,17 +81,21 @@ class Metrics:
         store_reads = Gauge(
             "kvmem_store_reads",
             "Reads of memory KV by the server and the vLLM worker: facts served from a memory cache (kv_hits) or "
-            "read from segments (kv_misses, kv_read_bytes); with --cache-dir, segments from the disk cache "
-            "(disk_hits) or fetched from the object store (disk_misses, disk_fetched_bytes, disk_cache_bytes)",
+            "read from segments (kv_misses, kv_read_bytes), facts evicted from it (kv_evictions, kv_evicted_bytes; "
+            "stored bytes); with --cache-dir, segments from the disk cache (disk_hits) or fetched from the object "
+            "store (disk_misses, disk_fetched_bytes, disk_cache_bytes, disk_evictions)",
             ["counter"],
             registry=r,
         )
         self._worker_reads: dict = {}  # the vLLM worker's, read once per render (engines.vllm_connector writes them)
-        for name in ("kv_hits", "kv_misses", "kv_read_bytes", "disk_hits", "disk_misses", "disk_fetched_bytes",
-                     "disk_cache_bytes"):  # fmt: skip
+        for name in ("kv_hits", "kv_misses", "kv_read_bytes", "kv_evictions", "kv_evicted_bytes", "disk_hits",
+                     "disk_misses", "disk_fetched_bytes", "disk_cache_bytes", "disk_evictions"):  # fmt: skip
             store_reads.labels(name).set_function(
                 lambda n=name: server.service.store.cache_stats().get(n, 0) + self._worker_reads.get(n, 0)
             )
+        Gauge(
+            "kvmem_store_kv_format", "The store's KV format (1 for the one it holds)", ["kv_format"], registry=r
+        ).labels(server.service.store.kv_format).set(1)
         hits = Gauge("kvmem_index_cache_events", "Per-user index cache hits and misses", ["event"], registry=r)
         hits.labels("hit").set_function(lambda: indexes.hits)
         hits.labels("miss").set_function(lambda: indexes.misses)
@@ -132,6 +137,7 @@ def preflight(
     segments_url: str | None = None,
     selective_recompute: int = 0,
     tail_recompute: int = 0,
+    kv_format: str | None = None,
     **_,
 ) -> None:
     """What ``KvmemServer.start`` refuses before it loads anything: methods the engine cannot serve, and for an
@@ -146,6 +152,7 @@ def preflight(
     st = Store.open(store)
     try:
         check_segments_url(st, segments_url)
+        check_kv_format(st, kv_format)
         st.check_serves(model, dtype)
     finally:
         st.close()
@@ -198,6 +205,7 @@ class KvmemServer:
         segments_url: str | None = None,
         cache_dir: str | None = None,
         extractor: dict | None = None,
+        kv_format: str | None = None,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -207,15 +215,16 @@ class KvmemServer:
         "store busy"); ``segments_url``: for a new store, the object store its KV segments go to; ``cache_dir``: a
         local disk cache of those segments here and in the vLLM worker (for a shared store's readers); ``extractor``:
         ``{"base_url", "model", "api_key"}`` of an OpenAI-compatible endpoint for fact extraction (None: this
-        server's engine, with its batching and guided decoding). Raises
+        server's engine, with its batching and guided decoding); ``kv_format``: how a new store keeps KV
+        (``kvformat``), which an existing store must already hold. Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
-        preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute)
+        preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
         root = store
         embedder = Embedder()
         if not Store.exists(root):  # a new, empty store for the model
             lm = load(model or DEFAULT_MODEL, dtype=dtype)
-            open_or_create_store(root, lm, embedder, segments_url=segments_url)[0].close()
+            open_or_create_store(root, lm, embedder, segments_url=segments_url, kv_format=kv_format)[0].close()
         st = Store.open(root)
         model = model or st.fingerprint["model"]
         st.close()

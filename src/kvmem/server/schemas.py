@@ -125,6 +125,8 @@ class MemoryOptions(BaseModel):
     selective_recompute: int | None = Field(None, ge=0, le=100)  # % of fact tokens; transformers engine only
     agent_id: str | None = Field(None, max_length=256)  # with the chat's user: the scopes memory comes from
     run_id: str | None = Field(None, max_length=256)
+    # "cold" (load tests): this request's memory is read from the store, every cache tier dropped first
+    cache: Literal["default", "cold"] | None = None
 
 
 class JSONSchemaFormat(BaseModel):
@@ -249,6 +251,11 @@ class UpdateRequest(BaseModel):
     text: str | None = None
     metadata: dict | None = None
     expiration_date: str | None = None
+
+
+def engine_dead() -> APIError:
+    """503 ``engine_dead``: the engine's process has died and the server is draining before it exits."""
+    return APIError(503, "the engine has died; this server is shutting down", "engine_dead")
 
 
 def error_of(exc: Exception) -> APIError:

@@ -14,7 +14,7 @@ from fastapi import Request
 from ..engines.base import Sampling
 from ..service import Prepared
 from ..store import StoreError, UnknownUser
-from .schemas import APIError, error_of
+from .schemas import APIError, engine_dead, error_of
 
 if TYPE_CHECKING:
     from .runtime import KvmemServer
@@ -29,6 +29,7 @@ async def prepare_chat(
     max_tokens: int,
     tail_recompute: int | None = None,
     selective_recompute: int = 0,
+    cold: bool = False,
 ) -> Prepared:
     """Retrieval (off the event loop), then the engine's memory for one chat request. ``mode`` "off", an empty
     last message or a user with no memories yet: the bare chat. ``selective_recompute`` p (kv mode): the
@@ -41,7 +42,9 @@ async def prepare_chat(
     method = f"kv-sel{selective_recompute}" if mode == "kv" and selective_recompute else mode
     for attempt in range(3):
         try:
-            p = await server.off_loop(svc.plan, user, question, top_k, method, max_tokens, messages, tail_recompute)
+            p = await server.off_loop(
+                svc.plan, user, question, top_k, method, max_tokens, messages, tail_recompute, cold
+            )
         except UnknownUser:  # no memories yet: answer without any
             return await server.off_loop(lambda: svc.bare(max_new_tokens=max_tokens, messages=messages))
         if p.plan is None:
@@ -58,27 +61,40 @@ async def prepare_chat(
     raise AssertionError("unreachable")
 
 
-async def until_disconnect(request: Request, coro, timeout_s: float):
-    """Run ``coro`` (a non-streaming generation) unless the client goes away first: then it is cancelled, which
-    closes the engine stream (vLLM aborts the request; the transformers engine stops at the next token)."""
-    task = asyncio.ensure_future(coro)
+POLL_S = 0.25  # how often a wait on the engine checks that the engine and the client are still there
+
+
+async def watched(server: KvmemServer, aw, timeout_s: float, request: Request | None = None):
+    """Await ``aw`` (engine output) for at most ``timeout_s``, checking every ``POLL_S`` that the engine is alive
+    and, given ``request``, that the client is still connected; otherwise ``aw`` is cancelled (which closes the
+    engine stream: vLLM aborts the request) and this raises. A request that reached an engine in its last
+    moments would otherwise wait for output that never comes, and be cut off by the server's shutdown with a
+    bare 500.
+
+    Raises: APIError 503 ``engine_dead``, APIError 400 ``client_disconnected``, TimeoutError."""
+    task = asyncio.ensure_future(aw)
     deadline = time.perf_counter() + timeout_s
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(POLL_S, deadline - time.perf_counter())))
             if done:
+                exc = task.exception()
+                if exc is not None and not isinstance(exc, StopAsyncIteration) and not server.engine.healthy():
+                    raise engine_dead() from exc  # the engine's own error for its death (e.g. EngineDeadError)
                 return task.result()
-            if await request.is_disconnected():
+            if not server.engine.healthy():
+                raise engine_dead()
+            if request is not None and await request.is_disconnected():
                 raise APIError(400, "the client disconnected", "client_disconnected")
-            if time.perf_counter() > deadline:
+            if time.perf_counter() >= deadline:
                 raise TimeoutError
     finally:
         if not task.done():
             task.cancel()
-            try:
-                await task
-            except BaseException:
-                pass
+        try:
+            await task  # its outcome is retrieved either way (no "exception never retrieved")
+        except BaseException:
+            pass
 
 
 class ChatGeneration:
@@ -101,7 +117,7 @@ class ChatGeneration:
     async def first(self):
         """The first delta (raises the engine's error, e.g. EngineBusy, before any byte is sent)."""
         try:
-            return await asyncio.wait_for(self._it.__anext__(), max(0.1, self.deadline - time.perf_counter()))
+            return await watched(self.server, self._it.__anext__(), max(0.1, self.deadline - time.perf_counter()))
         except StopAsyncIteration:
             return None
 
@@ -141,7 +157,7 @@ class ChatGeneration:
                 if remaining <= 0:
                     raise TimeoutError
                 try:
-                    d = await asyncio.wait_for(self._it.__anext__(), remaining)
+                    d = await watched(self.server, self._it.__anext__(), remaining)
                 except StopAsyncIteration:
                     self.finish_reason = self.finish_reason or "stop"
                     break
@@ -227,6 +243,7 @@ class ChatGeneration:
             "k": len(self.prep.fact_ids),
             "fact_ids": self.prep.fact_ids,
             "engine": self.server.engine.name,
+            "kv_format": self.server.service.store.kv_format,
             "timings_ms": {k: round(v, 3) for k, v in t.items() if v is not None},
         }
         if self.server.replica is not None:
@@ -255,7 +272,7 @@ async def sse(gen: ChatGeneration, first, include_usage: bool):
         async for piece in gen.deltas(first):
             yield chunk({"content": piece})
     except Exception as exc:
-        err = error_of(exc)
+        err = error_of(exc) if gen.server.engine.healthy() else engine_dead()
         yield (
             "data: "
             + json.dumps(
