@@ -66,13 +66,13 @@ def test_partial_recompute_changes_only_the_selected_tokens(tiny):
     plain = build_cache(model, memory)
     rest = torch.ones(len(memory), dtype=torch.bool)
     rest[sel] = False
+    # the first fact was encoded behind the header alone, exactly its context here: recomputing it may change
+    # nothing; every later fact's selected tokens now see the facts before them
+    later = sel[sel >= len(header) + len(facts[0])]
+    assert len(later) > 0
     for layer, (a, p) in enumerate(zip(cache.layers, plain.layers)):
         assert torch.equal(a.values[:, :, rest], p.values[:, :, rest])  # the rest, header included, untouched
         assert torch.equal(a.keys[:, :, rest], p.keys[:, :, rest])
-        # the first fact was encoded behind the header alone, exactly its context here: recomputing it may change
-        # nothing; every later fact's selected tokens now see the facts before them
-        later = sel[sel >= len(header) + len(facts[0])]
-        assert len(later) > 0
         if layer > 0:
             assert (a.values[:, :, later] - p.values[:, :, later]).abs().amax(dim=(0, 1, 3)).min() > 0
     # query-aware: another query picks other tokens
