@@ -613,7 +613,7 @@ class KvmemConnector(KVConnectorBase_V1):
     def _inject(self, ld: KvmemLoad, memory, layers: list, stages: dict) -> None:
         """Tokens ``[first, first+count)`` of the pre-RoPE ``memory`` into the request's blocks. Chunks of layers
         are staged to the cache's device (``LayerStager``: one layer at a time on a GPU, all at once on a CPU),
-        rotated there, put in the [T, H, D] layout the attention layer's cache update takes, and written;
+        rotated there, seen in the [T, H, D] layout the attention layer's cache update takes, and written;
         one chunk is written while the next is copied. ``stages`` gets ``rotate`` and ``block_write`` (ms; on a
         device these are the time to queue the work, and ``block_write`` ends when every write has completed)."""
         device = layers[0][2].device
@@ -631,11 +631,15 @@ class KvmemConnector(KVConnectorBase_V1):
         rotate = write = 0.0
         for l0, k, v in stager.chunks(keys, values):
             t = time.perf_counter()
-            # rotated in the stored layout (a strided output would be twice as slow), then token-major [c, T, H, D]
+            # rotated in the stored layout (a strided output would be twice as slow), then seen token-major
+            # [c, T, H, D]: vLLM's CPU cache update reads through the token and head strides, so there the
+            # views go as they are; other kernels get contiguous copies in the cache's dtype
             c, H, T, D = k.shape
             rotated = rot.rotate_layers(k, l0, cos_sin, out=_scratch("rotated", k.shape, dtype, device))
-            key = _scratch("key", (c, T, H, D), cache_dtype, device).copy_(rotated.transpose(1, 2))
-            value = _scratch("value", (c, T, H, D), cache_dtype, device).copy_(v.transpose(1, 2))
+            key, value = rotated.transpose(1, 2), v.transpose(1, 2)
+            if stager.cuda or dtype != cache_dtype:
+                key = _scratch("key", (c, T, H, D), cache_dtype, device).copy_(key)
+                value = _scratch("value", (c, T, H, D), cache_dtype, device).copy_(value)
             t2 = time.perf_counter()
             for i in range(key.shape[0]):
                 layer, kv_cache = by_index[l0 + i]
