@@ -161,6 +161,7 @@ def compose(
     timings: dict | None = None,
     rotate: bool = True,
     empty=None,
+    spans: list | None = None,
 ) -> ComposedMemory:
     """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
 
@@ -177,11 +178,12 @@ def compose(
         rotate: False leaves the keys pre-RoPE (``ComposedMemory.rotated``): the caller rotates them layer by layer
             where they are injected (``rotary.rotate`` with ``cos_sin`` at ``ComposedMemory.positions``).
         empty: where the gathered keys and values go (``kvformat.assemble``; default new tensors).
+        spans: ``user_kv.read(rows)``, when the facts were read already (elsewhere, on another thread).
     Returns:
         ComposedMemory on ``device``, in the stored dtype.
     """
     facts = [user_kv.facts[r] for r in rows]
-    keys, values = user_kv.gather(rows, timings, prefix=header_kv, empty=empty)  # header and facts: one copy
+    keys, values = user_kv.gather(rows, timings, prefix=header_kv, empty=empty, spans=spans)  # one copy
     t0 = time.perf_counter()
     keys, values = keys.to(device), values.to(device)
     token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]

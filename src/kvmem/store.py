@@ -127,6 +127,7 @@ class UserKV:
     segments: dict[str, str]
     embeddings: torch.Tensor
     reader: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    span_reader: Callable[..., list] | None = field(default=None, repr=False)  # ``read``'s: spans as stored
     parts: tuple[UserKV, ...] = ()  # a union's partitions (``union``); () for one user's snapshot
 
     @classmethod
@@ -146,6 +147,7 @@ class UserKV:
             {(p.user, s): sha for p in parts for s, sha in p.segments.items()},
             torch.cat([p.embeddings for p in parts]),
             parts[0].reader,
+            parts[0].span_reader,
             tuple(parts),
         )
 
@@ -169,6 +171,15 @@ class UserKV:
         """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each."""
         return self.gather([i])
 
+    def read(self, rows: list[int], timings: dict | None = None) -> list:
+        """The stored KV of ``facts[rows]``, as stored (``kvformat.SpanKV`` each, not dequantised): ``gather``'s
+        reads alone, from the read cache or the segments, for a caller that assembles them elsewhere (the vLLM
+        worker reads on a loader thread and assembles on the engine's). ``timings`` gets ``read`` (ms). Raises
+        as ``gather`` does."""
+        if self.span_reader is None:
+            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
+        return self.span_reader(self, [self.facts[r] for r in rows], timings)
+
     def gather(
         self,
         rows: list[int],
@@ -176,19 +187,23 @@ class UserKV:
         dtype: torch.dtype | None = None,
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
         empty=None,
+        spans: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
         dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
         ``timings``: gets ``read`` (cache and segment reads) and ``dequantize`` (assembly) in ms. ``dtype``: of
         the result (default the model's; rewrites of a lossy store take fp32, where dequantisation is exact).
         ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
-        the result goes (``kvformat.assemble``).
+        the result goes (``kvformat.assemble``). ``spans``: what ``read(rows)`` returned, assembled without
+        reading again.
 
         Raises LookupError if this version was replaced and its files removed meanwhile, StoreError if a
         segment is missing, truncated or corrupt."""
         if self.reader is None:
             raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
-        return self.reader(self, [self.facts[r] for r in rows], timings, dtype, prefix, empty)
+        if spans is not None and len(spans) != len(rows):
+            raise ValueError(f"{len(spans)} spans for {len(rows)} rows")
+        return self.reader(self, [self.facts[r] for r in rows], timings, dtype, prefix, empty, spans)
 
     @property
     def num_tokens(self) -> int:
@@ -747,9 +762,26 @@ class Store:
         dtype: torch.dtype | None = None,
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
         empty=None,
+        spans: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``UserKV.gather``'s reader: cached facts from the LRU, the rest by span from their segment files; both
-        kept as stored (``kvformat.SpanKV``) and dequantised together into the store's dtype at the end."""
+        """``UserKV.gather``'s reader: the facts as stored (``_read_spans``, unless given), dequantised together
+        into the store's dtype."""
+        parts = self._read_spans(ukv, facts, timings) if spans is None else spans
+        if not parts and prefix is not None:
+            return prefix
+        if not parts:
+            k, _ = self.header_kv()
+            empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
+            return empty, empty.clone()
+        t1 = time.perf_counter()
+        kv = kvformat.assemble(parts, dtype or self.header_kv()[0].dtype, prefix, empty)
+        if timings is not None:
+            timings["dequantize"] = (time.perf_counter() - t1) * 1e3
+        return kv
+
+    def _read_spans(self, ukv: UserKV, facts: list[FactRecord], timings: dict | None = None) -> list:
+        """``UserKV.read``'s reader: cached facts from the LRU, the rest by span from their segment files, each
+        kept as stored (``kvformat.SpanKV``) and put in the LRU."""
         t0 = time.perf_counter()
         parts: list = [None] * len(facts)
         missing: dict[str, list[int]] = {}
@@ -788,18 +820,9 @@ class Store:
                     parts[i] = kv
                     f = facts[i]
                     _cache_put(self._kv, ("fact", f.user, f.segment, f.token_offset, f.num_tokens), kv)
-        if not parts and prefix is not None:
-            return prefix
-        if not parts:
-            k, _ = self.header_kv()
-            empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
-            return empty, empty.clone()
-        t1 = time.perf_counter()
-        kv = kvformat.assemble(parts, dtype or self.header_kv()[0].dtype, prefix, empty)
         if timings is not None:
-            timings["read"] = (t1 - t0) * 1e3
-            timings["dequantize"] = (time.perf_counter() - t1) * 1e3
-        return kv
+            timings["read"] = (time.perf_counter() - t0) * 1e3
+        return parts
 
     @_locked
     def snapshot(self, user: str, version: str | None = None) -> UserKV:
@@ -834,7 +857,7 @@ class Store:
         except KeyError:
             raise StoreError(f"store {self.name}: user {user!r} names a segment with no checksum row") from None
         embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
-        ukv = UserKV(user, current, facts, segments, embeddings, self._read_facts)
+        ukv = UserKV(user, current, facts, segments, embeddings, self._read_facts, self._read_spans)
         _cache_put(self._user_cache, user, ukv)
         return ukv
 

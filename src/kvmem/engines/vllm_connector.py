@@ -25,9 +25,11 @@ to ``kv_connector_extra_config["metrics_file"]`` when set).
 Worker side (model-runner process): opens the store itself (cached per process, per user version), composes
 ``[header][facts]`` with chunked RoPE at the virtual positions (``compose(Rotary.from_config(hf_config), ...)``)
 and writes K/V into the request's paged blocks through the attention backend's own
-``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset``: asynchronous loads on a few loader
-threads, reported done by ``get_finished`` (the blocks are the request's alone until then: vLLM frees an aborted
-request's blocks only once its load is reported); synchronous ones before the forward pass.
+``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset``. An asynchronous load reads the
+facts on one of a few loader threads (store, disk and read-cache I/O, a slow read holding up no other request);
+``get_finished``, on the engine's thread, then composes, rotates and writes them and reports the load done (the
+blocks are the request's alone until then: vLLM frees an aborted request's blocks only once its load is reported).
+A synchronous load does all of it before the forward pass.
 Nothing is shared with the API process except what travels in the request and in vLLM's connector metadata.
 
 Isolation: injected blocks become ordinary prefix-cache blocks keyed by token ids *and* the request's cache salt;
@@ -310,8 +312,8 @@ class KvmemConnectorMetadata(KVConnectorMetadata):
 
 
 class KvmemConnector(KVConnectorBase_V1):
-    """kvmem memory injection for stock vLLM: asynchronous loads by default (one loader thread per worker), or
-    synchronous ones, all layers before the forward pass."""
+    """kvmem memory injection for stock vLLM: asynchronous loads by default (reads on loader threads, writes on
+    the engine's thread when the read is done), or synchronous ones, all layers before the forward pass."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -343,7 +345,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._layers: list | None = None  # (layer index, attention layer, its KV cache), once all are known
         self._loader: ThreadPoolExecutor | None = None
-        self._inflight: dict[str, tuple[Future, KvmemLoad]] = {}
+        self._inflight: dict[str, tuple[Future, KvmemLoad, list]] = {}  # req_id -> its read, the load, layers
         self._failed_ids: set[str] = set()  # asynchronous loads that failed since the last report
         self.loads: deque = deque(maxlen=256)  # each load's stages, ms (``_write``), for the metrics file
         self._seq = itertools.count()  # loads numbered in the order they finish
@@ -519,32 +521,49 @@ class KvmemConnector(KVConnectorBase_V1):
             self._rotary = Rotary.from_config(self._hf_config)
         return self._rotary
 
-    def _compose(self, ld: KvmemLoad, timings: dict | None = None, rotate: bool = True):
-        """The load's composed memory, after the worker's own checks: allowed store, matching fingerprint, the
-        exact version (one snapshot), and the ids the scheduler verified. ``timings``: compose's stages (ms).
-        Raises on any mismatch."""
-
+    def _fetch(self, ld: KvmemLoad) -> dict:
+        """The reading half of ``ld``'s load, after the worker's own checks: allowed store, matching fingerprint,
+        the exact version (one snapshot), then the gathered facts as stored (``UserKV.read``: the read cache, the
+        disk cache or the store). Runs on a loader thread for an asynchronous load. Returns what ``_write`` takes;
+        raises on any mismatch or failed read."""
+        t0 = time.perf_counter()
+        delay = self._delays.get(str(ld.params.get("user")))
+        if delay:
+            time.sleep(delay)
         p = ld.params
         why = self._untrusted(str(p["store"]))
         if why:
             raise PermissionError(why)
         st = _store(p["store"])
         check_kv_format(p, st)
-        ukv = st.snapshots(_parts(p))  # raises if replaced; compose reads only the gathered facts
-        rows = ukv.row_of()
+        t1 = time.perf_counter()
+        ukv = st.snapshots(_parts(p))  # raises if replaced; only the gathered facts are read
+        rows_of = ukv.row_of()
+        rows = [rows_of[f] for f in p["fact_ids"]]
         if p.get("cold"):  # a load test's cold request: this process's read cache must not have it either
-            st.evict(ukv, [rows[f] for f in p["fact_ids"]], memory_only=True)
+            st.evict(ukv, rows, memory_only=True)
+        stages: dict = {}
+        spans = ukv.read(rows, stages)
+        stages["snapshot"] = (time.perf_counter() - t1) * 1e3 - stages["read"]
+        return {"store": st, "user_kv": ukv, "rows": rows, "spans": spans, "stages": stages,
+                "ms": (time.perf_counter() - t0) * 1e3}  # fmt: skip
+
+    def _compose(self, ld: KvmemLoad, fetched: dict, rotate: bool = True):
+        """The load's composed memory from what ``_fetch`` read, checked against the ids the scheduler verified.
+        ``fetched["stages"]`` gets compose's stages (ms). Raises LookupError on a mismatch."""
+        st = fetched["store"]
         memory = compose(
             self._rot(),
             st.header_token_ids,
             st.header_kv(),
-            ukv,
-            [rows[f] for f in p["fact_ids"]],
-            start=int(p.get("start", 0)),
+            fetched["user_kv"],
+            fetched["rows"],
+            start=int(ld.params.get("start", 0)),
             served_len=ld.served_len,
-            timings=timings,
+            timings=fetched["stages"],
             rotate=rotate,
             empty=lambda name, shape, dtype: _scratch(name, shape, dtype, "cpu"),
+            spans=fetched["spans"],
         )
         if ids_digest(memory.token_ids) != ld.ids_sha256:
             raise LookupError("composed memory ids differ from the ids the scheduler verified")
@@ -591,21 +610,21 @@ class KvmemConnector(KVConnectorBase_V1):
         return layers
 
     @torch.inference_mode()
-    def _write(self, ld: KvmemLoad, layers: list) -> None:
-        """Compose ``ld``'s memory and write tokens ``[first, first+count)`` of it into the request's blocks, every
-        layer. Raises on any failure (nothing is half-trusted: the caller reports all its blocks as failed)."""
+    def _write(self, ld: KvmemLoad, layers: list, fetched: dict | None = None) -> None:
+        """Compose ``ld``'s memory from ``fetched`` (``_fetch(ld)``, read here when None) and write tokens
+        ``[first, first+count)`` of it into the request's blocks, every layer. Runs on the engine's thread, whose
+        op threads are otherwise idle or about to run the next forward: on a loader thread the same memory-bound
+        work ran at one thread, beside the engine's busy processes, twice as slow. Raises on any failure (nothing
+        is half-trusted: the caller reports all its blocks as failed)."""
+        if fetched is None:
+            fetched = self._fetch(ld)
         t0 = time.perf_counter()
-        delay = self._delays.get(str(ld.params.get("user")))
-        if delay:
-            time.sleep(delay)
         if {idx for idx, _, _ in layers} != set(range(self._num_layers)):
             raise RuntimeError(f"only layers {sorted(i for i, _, _ in layers)} of {self._num_layers} can be written")
-        stages: dict = {}
-        t1 = time.perf_counter()
-        memory = self._compose(ld, stages, rotate=False)  # pre-RoPE: rotated below, one layer at a time
-        stages["snapshot"] = (time.perf_counter() - t1) * 1e3 - sum(stages.values())
+        stages = fetched["stages"]
+        memory = self._compose(ld, fetched, rotate=False)  # pre-RoPE: rotated below, one layer at a time
         self._inject(ld, memory, sorted(layers, key=lambda x: x[0]), stages)  # layers[i] is layer i
-        stages["load"] = (time.perf_counter() - t0) * 1e3
+        stages["load"] = fetched["ms"] + (time.perf_counter() - t0) * 1e3  # the work, not the wait between
         self.loads.append({"seq": next(self._seq), "req_id": ld.req_id, "tokens": ld.count,
                            "k": len(ld.params["fact_ids"]), "kv_format": ld.params.get("kv_format", "native"),
                            **{k: round(v, 3) for k, v in stages.items()}})  # fmt: skip
@@ -674,7 +693,7 @@ class KvmemConnector(KVConnectorBase_V1):
                     self._loader = ThreadPoolExecutor(
                         max_workers=LOADERS, thread_name_prefix="kvmem-load", initializer=_one_thread_ops
                     )
-                self._inflight[ld.req_id] = (self._submit(ld, layers), ld)
+                self._inflight[ld.req_id] = (self._submit(ld), ld, layers)
                 continue
             try:
                 self._write(ld, layers)
@@ -683,22 +702,22 @@ class KvmemConnector(KVConnectorBase_V1):
             self._report_loads()
         self._report_reads()
 
-    def _submit(self, ld: KvmemLoad, layers: list) -> Future:
-        """``ld``'s load on a loader thread; its future. When the pool cannot take it (broken, or a new thread
-        cannot start), the load fails like any other and the engine goes on. The work item may already be queued
-        when a thread start fails, so it runs only if it was not given up first: a load reported failed never
-        writes into blocks that vLLM has since recomputed or given to another request."""
+    def _submit(self, ld: KvmemLoad) -> Future:
+        """``ld``'s read (``_fetch``) on a loader thread; its future, whose result ``get_finished`` writes. When the
+        pool cannot take it (broken, or a new thread cannot start), the load fails like any other and the engine
+        goes on. The work item may already be queued when a thread start fails, so it runs only if it was not
+        given up first."""
         future: Future = Future()
 
         def run() -> None:
             if not future.set_running_or_notify_cancel():  # given up before it started
                 return
             try:
-                self._write(ld, layers)
+                fetched = self._fetch(ld)
             except BaseException as exc:
                 future.set_exception(exc)
             else:
-                future.set_result(None)
+                future.set_result(fetched)
 
         try:
             self._loader.submit(run)
@@ -710,12 +729,14 @@ class KvmemConnector(KVConnectorBase_V1):
         return future
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None, the requests whose asynchronous load ended since the last call), loaded or failed."""
-        done = {rid for rid, (future, _) in self._inflight.items() if future.done()}
+        """(None, the requests whose asynchronous load ended since the last call), loaded or failed. A load whose
+        read has ended is written here, on the engine's thread, before it is reported."""
+        done = {rid for rid, (future, _, _) in self._inflight.items() if future.done()}
         for rid in done:
-            future, ld = self._inflight.pop(rid)
-            exc = future.exception()
-            if exc is not None:
+            future, ld, layers = self._inflight.pop(rid)
+            try:
+                self._write(ld, layers, future.result())
+            except Exception as exc:  # its read or its write: one request's failure, never the engine's
                 self._failed(ld, exc)
         if done:
             self._report_loads()
