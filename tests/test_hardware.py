@@ -284,3 +284,30 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     # a store path outside the allow-list is judged before anything opens it: untrusted, not a store error
     assert conn.metrics["store_error"] == 3 and conn.metrics["untrusted_store"] == 1
     assert conn.metrics["requests_injected"] == 1  # the one load allocated above
+
+
+def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tmp_path):
+    """The worker reads a load on a loader thread unless this process already holds all of it: the trusted store,
+    the snapshot of exactly that version, every fact in the read cache. Then the same spans come from memory."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    from dataclasses import replace
+
+    import store_worker as sw
+    from kvmem.engines import vllm_connector as vc
+
+    st = sw.create(tmp_path / "s")
+    facts, kv, emb = sw.generation("u", 1)
+    version = st.commit("u", facts, kv, kv.copy(), emb)
+    conn = vc.KvmemConnector.scheduler_only([st.root], {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
+    ids = [f.fact_id for f in facts][::-1]
+    ld = vc.KvmemLoad("r", vc.kvmem_params(str(st.root), "u", version, ids)["kvmem"], [0], 0, 4, 8, "", True)
+    assert conn._fetch_from_memory(ld) is None  # nothing read by this process yet
+    read = conn._fetch(ld)
+    got = conn._fetch_from_memory(ld)
+    assert got is not None and got["rows"] == read["rows"] == [len(ids) - 1 - i for i in range(len(ids))]
+    assert all(a is b for a, b in zip(got["spans"], read["spans"], strict=True))
+    assert got["user_kv"].version == version and got["stages"]["snapshot"] == 0.0
+    for p in ({"cold": "n1"}, {"version": "0ld"}, {"fact_ids": [*ids, "nope"]}, {"kv_format": "int8"}):
+        assert conn._fetch_from_memory(replace(ld, params={**ld.params, **p})) is None, p
+    conn._delays = {"u": 1.0}  # a read held back on purpose goes to a loader thread
+    assert conn._fetch_from_memory(ld) is None

@@ -91,6 +91,25 @@ def test_compose_gathers_facts_in_injected_order(tmp_path):
         torch.cat([hv, kvs[2].values, kvs[0].values], 2),
     )
     assert torch.equal(mem.keys, ref.keys) and torch.equal(mem.values, ref.values)
+    # Read on one thread, assembled on another (the vLLM worker): the same memory, and nothing read again.
+    st.drop_caches()
+    ukv = st.user_kv("u1")
+    timings: dict = {}
+    spans = ukv.read([2, 0], timings)
+    assert [s.num_tokens for s in spans] == [facts[2].num_tokens, facts[0].num_tokens] and "read" in timings
+    before = {k: st.cache_stats()[k] for k in ("kv_hits", "kv_misses")}
+    again = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [2, 0], spans=spans)
+    assert torch.equal(again.keys, mem.keys) and torch.equal(again.values, mem.values)
+    assert {k: st.cache_stats()[k] for k in before} == before
+    with pytest.raises(ValueError, match="1 spans for 2 rows"):
+        ukv.gather([2, 0], spans=spans[:1])
+    # What is in memory is served from memory alone: that exact version, every fact read before.
+    got = st.cached([("u1", ukv.version)], ["u1/2", "u1/0"])
+    assert got is not None and got[1] == [2, 0] and all(a is b for a, b in zip(got[2], spans))
+    assert st.cached([("u1", ukv.version)], ["u1/2", "u1/1"]) is None  # u1/1 was never read
+    assert st.cached([("u1", "another version")], ["u1/2"]) is None
+    st.drop_caches()
+    assert st.cached([("u1", ukv.version)], ["u1/2"]) is None
 
 
 def test_retrieval_order_and_budget():

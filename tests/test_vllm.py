@@ -31,7 +31,8 @@ ORDER = ["f2", "f0", "f3", "f1"]  # injected order differs from stored order
 
 
 RUNS = {  # run name -> (family, mode, engine options)
-    "llama-multiproc": ("llama", "multiproc", {}),
+    # this run's worker keeps facts in its read cache, so a load of facts read before reads nothing
+    "llama-multiproc": ("llama", "multiproc", {"cache_bytes": 64 << 20}),
     "llama-inproc": ("llama", "inproc", {}),
     # 8 blocks of 32 tokens (one is vLLM's null block): two 93+20-token requests cannot both finish unpreempted.
     "qwen2-inproc-preempt": ("qwen2", "inproc", {"kv_blocks": 8, "max_model_len": 128}),
@@ -239,7 +240,7 @@ def run_mode(spec_path: str, run: str) -> None:
         skip_tokenizer_init=True,
         metrics_file=str(out_dir / f"metrics-{run}.json"),
         stores=[spec["store"], spec["foreign"], spec["twin"], spec["int8"]],
-        cache_bytes=1,  # no fact KV cached in the worker: every load reads (and verifies) its segment
+        cache_bytes=opts.get("cache_bytes", 1),  # by default no fact KV cached in the worker: every load reads
         load_delay_s={"slow": SLOW_S},
         profile=True,  # each load's stages, and its token count, to <metrics_file>.loads
     )
@@ -291,6 +292,7 @@ def run_mode(spec_path: str, run: str) -> None:
         results[name] = [_row(eng.generate_ids(spec["memory"] + spec["query"], ref, STEPS, ignore_eos=True), None)]
         loads = json.loads(loads_file.read_text())
         results[name][0]["loaded"] = [ld["tokens"] for ld in loads[seen:]]
+        results[name][0]["in_memory"] = [ld["in_memory"] for ld in loads[seen:]]
         seen = len(loads)
     # Requests that name a memory but must not get it: a foreign cache salt, and a stale memory version.
     from vllm import SamplingParams
@@ -336,7 +338,8 @@ def run_mode(spec_path: str, run: str) -> None:
     for name, fmt in (("int8", "int8"), ("int8_as_native", "native")):
         q8 = MemoryRef(spec["int8"], sid[spec["int8"]], "indep", spec["versions"]["int8"], fact_ids, kv_format=fmt)
         results[name] = [_row(eng.generate_ids(mem_ids, q8, STEPS, ignore_eos=True), None)]
-    # a segment truncated after the worker read it: the next load of it fails, and only that request prefills
+    # a segment truncated after the worker read it: the next load that reads it fails, and only that request
+    # prefills
     st = Store.open(spec["store"])
     src, late_user = st.snapshot("indep"), f"late-{run}"  # this run's own copy of indep's memory
     kvs = [src.fact_kv(i) for i in range(len(src.facts))]
@@ -500,13 +503,17 @@ def test_a_held_back_load_does_not_delay_another_users_request(run, spec):
 
 def test_a_cold_request_is_served_by_no_cache_tier(run, spec):
     """``cold`` (a nonce in the params and the salt): a memory that vLLM's prefix cache holds is loaded again, whole,
-    for each cold request, and injected exactly; the same request without it loads only the last, partial block."""
+    for each cold request, read again and injected exactly; the same request without it loads only the last,
+    partial block, exactly, and from the worker's memory where its read cache keeps facts."""
     m = len(spec["memory"])
     hot, c1, c2 = run["hot_again"][0], run["cold_1"][0], run["cold_2"][0]
+    keeps_facts = "cache_bytes" in RUNS[run["_name"]][2]
     if "preempt" not in run["_name"]:  # (that run's few blocks do not keep indep's memory cached)
         assert hot["loaded"] == ([m % BLOCK] if m % BLOCK else []), hot["loaded"]
+        assert hot["in_memory"] == [int(keeps_facts)] * len(hot["loaded"]) and hot["tokens"] == spec["hf"]["indep"]
     for c in (c1, c2):
         assert c["loaded"] == [m] and c["cached"] == m and c["tokens"] == spec["hf"]["indep"], c
+        assert c["in_memory"] == [0], c
 
 
 def test_int8_store_is_injected_as_stored_and_never_as_lossless(run, spec):
@@ -528,9 +535,14 @@ def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
         (g,) = run[name]
         assert g["tokens"] == joint, name
     assert run["stale_cached"][0]["tokens"] == run["stale_ref"][0]["tokens"]
-    # read once, then truncated: injected before, prefilled after (the reversed order: no prefix-cache hit)
+    # read once, then truncated: injected before; after (the reversed order: no prefix-cache hit), prefilled, or,
+    # where the worker keeps facts in memory, injected from there exactly as the same KV is for user "slow"
     assert (run["late_before"][0]["cached"], run["late_before"][0]["tokens"]) == (m, spec["hf"]["indep"])
-    assert run["late_after"][0]["tokens"] == run["stale_ref"][0]["tokens"]
+    late = run["late_after"][0]
+    if "cache_bytes" in RUNS[run["_name"]][2]:
+        assert (late["cached"], late["tokens"]) == (m, run["held_back"][0]["tokens"])
+    else:
+        assert late["tokens"] == run["stale_ref"][0]["tokens"]
     for name in ("foreign", "unlisted", "stale_cached"):  # refused by the scheduler: nothing reported as cached
         assert run[name][0]["cached"] == 0, name
     assert run["_metrics"].get("untrusted_store", 0) >= 2

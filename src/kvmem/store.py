@@ -876,6 +876,28 @@ class Store:
             raise UnknownUser(f"no live memories for {[u for u, _ in versions]!r} in store {self.name}")
         return UserKV.union(parts)
 
+    def cached(self, versions: list[tuple[str, str]], fact_ids: list[str]) -> tuple[UserKV, list[int], list] | None:
+        """What ``snapshots(versions)`` and ``read`` of ``fact_ids`` would return, when this object holds all of it
+        in memory: the snapshot of exactly each (user, version) and every fact in the read cache. It does no I/O,
+        not even the version check (a version's facts and KV never change; whether it is still current is the
+        caller's to know). Returns (memory, its rows of ``fact_ids``, their spans), or None when anything is
+        missing; counts the hits only when it returns them."""
+        with self._lock:
+            parts = [self._user_cache.get(user) for user, _ in versions]
+            if not parts or any(p is None or p.version != v for p, (_, v) in zip(parts, versions)):
+                return None
+            ukv = UserKV.union(parts)
+            rows_of = ukv.row_of()
+            if any(f not in rows_of for f in fact_ids):
+                return None
+            rows = [rows_of[f] for f in fact_ids]
+            keys = [("fact", f.user, f.segment, f.token_offset, f.num_tokens) for f in (ukv.facts[r] for r in rows)]
+            spans = [self._kv.get(k) for k in keys]
+            if any(s is None for s in spans):
+                return None
+            self._stats["kv_hits"] += len(spans)
+        return ukv, rows, spans
+
     def user_kv(self, user: str) -> UserKV:
         """A user's current memory (``snapshot(user)``)."""
         return self.snapshot(user)

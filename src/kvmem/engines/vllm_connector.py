@@ -26,8 +26,9 @@ Worker side (model-runner process): opens the store itself (cached per process, 
 ``[header][facts]`` with chunked RoPE at the virtual positions (``compose(Rotary.from_config(hf_config), ...)``)
 and writes K/V into the request's paged blocks through the attention backend's own
 ``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset``. An asynchronous load reads the
-facts on one of a few loader threads (store, disk and read-cache I/O, a slow read holding up no other request);
-``get_finished``, on the engine's thread, then composes, rotates and writes them and reports the load done (the
+facts on one of a few loader threads (store and disk I/O: a slow read holds up no other request), or at once when
+this process holds all of them in memory; ``get_finished``, on the engine's thread, then composes, rotates and
+writes them and reports the load done (the
 blocks are the request's alone until then: vLLM frees an aborted request's blocks only once its load is reported).
 A synchronous load does all of it before the forward pass.
 Nothing is shared with the API process except what travels in the request and in vLLM's connector metadata.
@@ -354,13 +355,15 @@ class KvmemConnector(KVConnectorBase_V1):
 
     @classmethod
     def scheduler_only(cls, stores: list[str | Path], identity: dict) -> KvmemConnector:
-        """The scheduler side alone, without a vLLM config: for tests of its matching rules. ``stores``: the
+        """The scheduler side alone, without a vLLM config: for tests of its matching rules and of the worker's
+        reads. ``stores``: the
         allowed store directories; ``identity``: the engine's ``weights_sha256`` and ``dtype``."""
         conn = object.__new__(cls)
         conn.metrics, conn._metrics_file, conn._trusted, conn._matched = Counter(), None, {}, {}
         conn._allowed = [canonical(p) for p in stores]
         conn._identity = dict(identity)
         conn._async, conn._refused, conn._pending, conn._loading = True, set(), [], set()
+        conn._delays = {}  # and the worker's read rules (``_fetch``, ``_fetch_from_memory``)
         return conn
 
     def _untrusted(self, root: str) -> str | None:
@@ -542,11 +545,36 @@ class KvmemConnector(KVConnectorBase_V1):
         rows = [rows_of[f] for f in p["fact_ids"]]
         if p.get("cold"):  # a load test's cold request: this process's read cache must not have it either
             st.evict(ukv, rows, memory_only=True)
-        stages: dict = {}
+        stages: dict = {"in_memory": 0}
         spans = ukv.read(rows, stages)
         stages["snapshot"] = (time.perf_counter() - t1) * 1e3 - stages["read"]
         return {"store": st, "user_kv": ukv, "rows": rows, "spans": spans, "stages": stages,
                 "ms": (time.perf_counter() - t0) * 1e3}  # fmt: skip
+
+    def _fetch_from_memory(self, ld: KvmemLoad) -> dict | None:
+        """``_fetch(ld)`` without I/O, when this process holds all of it in memory: the store open and judged
+        trusted, the snapshot of exactly the admitted versions, and every fact in the read cache (``Store.cached``).
+        A version replaced since the scheduler admitted the request is served as admitted: its KV never changes,
+        and the prompt carries its ids. None when anything must be read (the load goes to a loader thread)."""
+        p, t0 = ld.params, time.perf_counter()
+        if p.get("cold") or self._delays.get(str(p.get("user"))):  # a cold request, or a read held back on purpose
+            return None
+        root = str(p["store"])
+        with _LOCK:
+            st = _STORES.get(root)
+        if st is None or self._trusted.get((root, st.manifest["store_id"]), "untrusted") is not None:
+            return None
+        try:
+            check_kv_format(p, st)
+            got = st.cached(_parts(p), list(p["fact_ids"]))
+        except Exception:  # the loader's read raises it properly
+            return None
+        if got is None:
+            return None
+        ukv, rows, spans = got
+        ms = (time.perf_counter() - t0) * 1e3
+        return {"store": st, "user_kv": ukv, "rows": rows, "spans": spans,
+                "stages": {"snapshot": 0.0, "read": ms, "in_memory": 1}, "ms": ms}  # fmt: skip
 
     def _compose(self, ld: KvmemLoad, fetched: dict, rotate: bool = True):
         """The load's composed memory from what ``_fetch`` read, checked against the ids the scheduler verified.
@@ -693,7 +721,13 @@ class KvmemConnector(KVConnectorBase_V1):
                     self._loader = ThreadPoolExecutor(
                         max_workers=LOADERS, thread_name_prefix="kvmem-load", initializer=_one_thread_ops
                     )
-                self._inflight[ld.req_id] = (self._submit(ld), ld, layers)
+                fetched = self._fetch_from_memory(ld)
+                if fetched is None:
+                    future = self._submit(ld)
+                else:  # nothing to wait for: written and reported by this step's ``get_finished``
+                    future = Future()
+                    future.set_result(fetched)
+                self._inflight[ld.req_id] = (future, ld, layers)
                 continue
             try:
                 self._write(ld, layers)
@@ -756,7 +790,8 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def _report_loads(self) -> None:
         """With ``kv_connector_extra_config["profile"]``: the last loads' stages (ms: snapshot, read, dequantize,
-        rotate, block_write, load) to ``<metrics_file>.loads``, after every load (``kvmem bench profile``)."""
+        rotate, block_write, load; ``in_memory``: 1 when no read was needed) to ``<metrics_file>.loads``, after
+        every load (``kvmem bench profile``)."""
         if not (self._profile and self._metrics_file):
             return
         try:
