@@ -287,8 +287,9 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
 
 
 def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tmp_path):
-    """The worker reads a load on a loader thread unless this process already holds all of it: the trusted store,
-    the snapshot of exactly that version, every fact in the read cache. Then the same spans come from memory."""
+    """The worker reads a load on a loader thread unless this process already holds all of it: the very store the
+    scheduler checked, trusted, the snapshot of exactly that version, every fact in the read cache. Then the same
+    spans come from memory."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     from dataclasses import replace
 
@@ -300,8 +301,10 @@ def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tm
     version = st.commit("u", facts, kv, kv.copy(), emb)
     conn = vc.KvmemConnector.scheduler_only([st.root], {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
     ids = [f.fact_id for f in facts][::-1]
-    ld = vc.KvmemLoad("r", vc.kvmem_params(str(st.root), "u", version, ids)["kvmem"], [0], 0, 4, 8, "", True)
-    assert conn._fetch_from_memory(ld) is None  # nothing read by this process yet
+    params = vc.kvmem_params(str(st.root), "u", version, ids)["kvmem"]
+    ld = vc.KvmemLoad("r", params, [0], 0, 4, 8, "", True, st.manifest["store_id"])
+    assert conn._untrusted(str(st.root)) is None  # the store open in this process and judged trusted
+    assert conn._fetch_from_memory(ld) is None  # but none of its facts read yet
     read = conn._fetch(ld)
     got = conn._fetch_from_memory(ld)
     assert got is not None and got["rows"] == read["rows"] == [len(ids) - 1 - i for i in range(len(ids))]
@@ -309,5 +312,9 @@ def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tm
     assert got["user_kv"].version == version and got["stages"]["snapshot"] == 0.0
     for p in ({"cold": "n1"}, {"version": "0ld"}, {"fact_ids": [*ids, "nope"]}, {"kv_format": "int8"}):
         assert conn._fetch_from_memory(replace(ld, params={**ld.params, **p})) is None, p
+    # a store re-created at the same path since the scheduler checked the request: neither path serves it
+    assert conn._fetch_from_memory(replace(ld, store_id="another store")) is None
+    with pytest.raises(LookupError, match="re-created"):
+        conn._fetch(replace(ld, store_id="another store"))
     conn._delays = {"u": 1.0}  # a read held back on purpose goes to a loader thread
     assert conn._fetch_from_memory(ld) is None

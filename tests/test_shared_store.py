@@ -185,6 +185,15 @@ def test_readers_cache_segments_on_local_disk(tmp_path, postgres, monkeypatch):
     assert sw.check(snap) == 7
     c = ahead.cache_stats()
     assert (c["disk_misses"], c["disk_hits"]) == (2, 1) and c["kv_misses"] == 2 * s["kv_misses"]
+    # a read racing the prefetch of its segment waits for that one fetch instead of fetching it again
+    racing = Store.open(st.root, cache_dir=tmp_path / "racing")
+    inner, fetch = racing.segments.inner, racing.segments.inner.read
+    monkeypatch.setattr(inner, "read", lambda name: (time.sleep(0.5), fetch(name))[1])
+    snap = racing.snapshot("u")
+    futures = racing.prefetch(snap, [0])
+    assert sw.check(snap) == 7  # while the prefetch is still fetching
+    assert [f.result() for f in futures] == [None]
+    assert racing.cache_stats()["disk_misses"] == 1
 
 
 def test_lost_database_connections(tmp_path, postgres, monkeypatch):

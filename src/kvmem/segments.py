@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -423,6 +424,8 @@ class CachedSegments(SegmentStore):
         )
         self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0, "disk_errors": 0}
         self._stored = self._discarded = 0  # segments this object put into / took out of the cache
+        self._fetching: dict[str, threading.Lock] = {}  # segment key -> held while this process fetches it
+        self._fetching_lock = threading.Lock()
 
     def _cached(self, key: str) -> FileHandle | None:
         f = self.cache.get(key, read=True)
@@ -436,9 +439,20 @@ class CachedSegments(SegmentStore):
     def open(self, name: str) -> SegmentHandle:
         key = self._prefix + name
         handle = self._cached(key)
-        if handle is not None:
-            self._stats["disk_hits"] += 1
-            return handle
+        if handle is None:
+            # one fetch of a segment at a time in this process: a racing reader (the prefetch thread and the
+            # request's) waits for it, then finds the segment cached
+            with self._fetching_lock:
+                lock = self._fetching.setdefault(key, threading.Lock())
+            with lock:
+                handle = self._cached(key)
+                if handle is None:
+                    return self._fetch(name, key)
+        self._stats["disk_hits"] += 1
+        return handle
+
+    def _fetch(self, name: str, key: str) -> SegmentHandle:
+        """Segment ``name`` read from the store below into the disk cache (under ``key``); its handle."""
         self._stats["disk_misses"] += 1
         data = self.inner.read(name)
         self._stats["disk_fetched_bytes"] += len(data)

@@ -23,8 +23,9 @@ class LayerStager:
     next chunk with the consumer's work on this one.
 
     ``chunk``: layers per step; default 1 on CUDA (injection of layer l starts when layer l has arrived) and every
-    layer on a CPU, where there is no transfer to overlap and each tensor op of a load, which runs on a loader
-    thread beside the engine's own, waits for the GIL: one chunk keeps the op count independent of the layers."""
+    layer on a CPU, where there is no transfer to overlap and every tensor op costs its own dispatch (and, on a
+    loader thread beside the engine's, a wait for the GIL): one chunk keeps the op count independent of the
+    layers."""
 
     def __init__(self, device: torch.device | str, pool: int = POOL, chunk: int | None = None):
         self.device = torch.device(device)

@@ -191,7 +191,8 @@ class UserKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
         dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
-        ``timings``: gets ``read`` (cache and segment reads) and ``dequantize`` (assembly) in ms. ``dtype``: of
+        ``timings``: gets ``read`` (cache and segment reads; not when ``spans`` are given) and ``dequantize``
+        (assembly) in ms. ``dtype``: of
         the result (default the model's; rewrites of a lossy store take fp32, where dequantisation is exact).
         ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
         the result goes (``kvformat.assemble``). ``spans``: what ``read(rows)`` returned, assembled without
@@ -877,12 +878,16 @@ class Store:
         return UserKV.union(parts)
 
     def cached(self, versions: list[tuple[str, str]], fact_ids: list[str]) -> tuple[UserKV, list[int], list] | None:
-        """What ``snapshots(versions)`` and ``read`` of ``fact_ids`` would return, when this object holds all of it
-        in memory: the snapshot of exactly each (user, version) and every fact in the read cache. It does no I/O,
-        not even the version check (a version's facts and KV never change; whether it is still current is the
-        caller's to know). Returns (memory, its rows of ``fact_ids``, their spans), or None when anything is
-        missing; counts the hits only when it returns them."""
-        with self._lock:
+        """The memory of exactly these (user, version) pairs and the stored spans of ``fact_ids`` (as ``snapshots``
+        and ``read`` give them), when this object holds all of it in memory: each snapshot and every fact in the
+        read cache. It does no I/O, not even the version check (a version's facts and KV never change; unlike
+        ``snapshots`` it serves a version since replaced, whether that may be served is the caller's to know), and
+        never waits: while another thread holds the store's lock (a read or a write under way) it returns None.
+        Returns (memory, its rows of ``fact_ids``, their spans), or None when anything is missing; counts the hits
+        only when it returns them."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
             parts = [self._user_cache.get(user) for user, _ in versions]
             if not parts or any(p is None or p.version != v for p, (_, v) in zip(parts, versions)):
                 return None
@@ -896,6 +901,8 @@ class Store:
             if any(s is None for s in spans):
                 return None
             self._stats["kv_hits"] += len(spans)
+        finally:
+            self._lock.release()
         return ukv, rows, spans
 
     def user_kv(self, user: str) -> UserKV:

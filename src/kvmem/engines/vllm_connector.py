@@ -27,8 +27,8 @@ Worker side (model-runner process): opens the store itself (cached per process, 
 and writes K/V into the request's paged blocks through the attention backend's own
 ``layer.impl.do_kv_cache_update`` with ``slot = block_id * block_size + offset``. An asynchronous load reads the
 facts on one of a few loader threads (store and disk I/O: a slow read holds up no other request), or at once when
-this process holds all of them in memory; ``get_finished``, on the engine's thread, then composes, rotates and
-writes them and reports the load done (the
+this process holds all of them in memory; on a CPU ``get_finished``, on the engine's thread, then composes,
+rotates and writes them (on an accelerator the loader does, on its copy stream) and reports the load done (the
 blocks are the request's alone until then: vLLM frees an aborted request's blocks only once its load is reported).
 A synchronous load does all of it before the forward pass.
 Nothing is shared with the API process except what travels in the request and in vLLM's connector metadata.
@@ -304,7 +304,8 @@ class KvmemLoad:
     count: int
     served_len: int  # prompt tokens
     ids_sha256: str  # ids_digest of the memory ids the scheduler verified against the prompt
-    asynchronous: bool = False  # loaded on the worker's loader thread, reported by ``get_finished``
+    asynchronous: bool = False  # read on a loader thread (or from memory), reported by ``get_finished``
+    store_id: str = ""  # the manifest's id of the store the scheduler verified against (a re-created one differs)
 
 
 @dataclass
@@ -313,8 +314,8 @@ class KvmemConnectorMetadata(KVConnectorMetadata):
 
 
 class KvmemConnector(KVConnectorBase_V1):
-    """kvmem memory injection for stock vLLM: asynchronous loads by default (reads on loader threads, writes on
-    the engine's thread when the read is done), or synchronous ones, all layers before the forward pass."""
+    """kvmem memory injection for stock vLLM: asynchronous loads by default (reads on loader threads; on a CPU
+    writes on the engine's thread when the read is done), or synchronous ones, all layers before the forward pass."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -348,6 +349,7 @@ class KvmemConnector(KVConnectorBase_V1):
         self._loader: ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[Future, KvmemLoad, list]] = {}  # req_id -> its read, the load, layers
         self._failed_ids: set[str] = set()  # asynchronous loads that failed since the last report
+        self._aborted: set[str] = set()  # requests that finished while their load was in flight
         self.loads: deque = deque(maxlen=256)  # each load's stages, ms (``_write``), for the metrics file
         self._seq = itertools.count()  # loads numbered in the order they finish
         self._reported = 0.0
@@ -392,8 +394,9 @@ class KvmemConnector(KVConnectorBase_V1):
             except OSError as exc:  # a metrics file is never worth the scheduler
                 logger.warning("kvmem: cannot write metrics file %s: %s", self._metrics_file, exc)
 
-    def _check(self, request: Request) -> tuple[dict, int] | None:
-        """(params, memory length) if ``request`` may take injected memory, else None (counted)."""
+    def _check(self, request: Request) -> tuple[dict, list[int], str] | None:
+        """(params, memory token ids, the store's id) if ``request`` may take injected memory, else None
+        (counted)."""
         ktp = getattr(request, "kv_transfer_params", None) or {}
         p = ktp.get(PARAMS_KEY) if isinstance(ktp, dict) else None
         if not p:
@@ -411,8 +414,9 @@ class KvmemConnector(KVConnectorBase_V1):
                 return None
             check_kv_format(p, _store(str(p["store"])))
             mem = memory_token_ids(p)
+            store_id = _store(str(p["store"])).manifest["store_id"]
             want = kvmem_cache_salt(
-                _store(str(p["store"])).manifest["store_id"],
+                store_id,
                 p["user"],
                 p["version"],
                 tail="memory_tokens" in p,
@@ -443,7 +447,7 @@ class KvmemConnector(KVConnectorBase_V1):
                 self.metrics["mismatch"],
             )
             return None
-        return p, mem
+        return p, mem, store_id
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         self._matched.pop(request.request_id, None)
@@ -452,20 +456,20 @@ class KvmemConnector(KVConnectorBase_V1):
         checked = self._check(request)
         if checked is None:
             return 0, False
-        p, mem = checked
+        p, mem, store_id = checked
         # vLLM must compute at least the last prompt token to produce logits.
         end = min(len(mem), request.num_prompt_tokens - 1)
         ext = end - num_computed_tokens
         if ext <= 0:
             return 0, False
-        self._matched[request.request_id] = (p, num_computed_tokens, ids_digest(mem))
+        self._matched[request.request_id] = (p, num_computed_tokens, ids_digest(mem), store_id)
         return ext, self._async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         matched = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or matched is None:
             return
-        p, first, digest = matched
+        p, first, digest, store_id = matched
         if self._async:
             self._loading.add(request.request_id)
         block_ids = list(blocks.get_block_ids()[0])
@@ -479,6 +483,7 @@ class KvmemConnector(KVConnectorBase_V1):
                 request.num_prompt_tokens,
                 digest,
                 self._async,
+                store_id,
             )
         )
         self._count("requests_injected")
@@ -538,7 +543,10 @@ class KvmemConnector(KVConnectorBase_V1):
         if why:
             raise PermissionError(why)
         st = _store(p["store"])
+        if ld.store_id and st.manifest["store_id"] != ld.store_id:
+            raise LookupError(f"store {p['store']} was re-created since the scheduler checked the request")
         check_kv_format(p, st)
+        st.header_kv()  # read once per store, here rather than on the engine's thread
         t1 = time.perf_counter()
         ukv = st.snapshots(_parts(p))  # raises if replaced; only the gathered facts are read
         rows_of = ukv.row_of()
@@ -552,17 +560,24 @@ class KvmemConnector(KVConnectorBase_V1):
                 "ms": (time.perf_counter() - t0) * 1e3}  # fmt: skip
 
     def _fetch_from_memory(self, ld: KvmemLoad) -> dict | None:
-        """``_fetch(ld)`` without I/O, when this process holds all of it in memory: the store open and judged
-        trusted, the snapshot of exactly the admitted versions, and every fact in the read cache (``Store.cached``).
-        A version replaced since the scheduler admitted the request is served as admitted: its KV never changes,
-        and the prompt carries its ids. None when anything must be read (the load goes to a loader thread)."""
+        """``_fetch(ld)`` without I/O or waiting on a lock, when this process holds all of it in memory: the very
+        store the scheduler checked, open and judged trusted, the snapshot of exactly the admitted versions, and
+        every fact in the read cache (``Store.cached``). A version replaced since the scheduler admitted the
+        request is served as admitted: its KV never changes, and the prompt carries its ids. None when anything
+        must be read or waited for (the load goes to a loader thread)."""
         p, t0 = ld.params, time.perf_counter()
         if p.get("cold") or self._delays.get(str(p.get("user"))):  # a cold request, or a read held back on purpose
             return None
         root = str(p["store"])
-        with _LOCK:
+        if not _LOCK.acquire(blocking=False):  # another thread is opening a store: never wait on its I/O here
+            return None
+        try:
             st = _STORES.get(root)
-        if st is None or self._trusted.get((root, st.manifest["store_id"]), "untrusted") is not None:
+        finally:
+            _LOCK.release()
+        if st is None or st.manifest["store_id"] != ld.store_id:
+            return None
+        if self._trusted.get((root, ld.store_id), "untrusted") is not None:
             return None
         try:
             check_kv_format(p, st)
@@ -640,10 +655,10 @@ class KvmemConnector(KVConnectorBase_V1):
     @torch.inference_mode()
     def _write(self, ld: KvmemLoad, layers: list, fetched: dict | None = None) -> None:
         """Compose ``ld``'s memory from ``fetched`` (``_fetch(ld)``, read here when None) and write tokens
-        ``[first, first+count)`` of it into the request's blocks, every layer. Runs on the engine's thread, whose
-        op threads are otherwise idle or about to run the next forward: on a loader thread the same memory-bound
-        work ran at one thread, beside the engine's busy processes, twice as slow. Raises on any failure (nothing
-        is half-trusted: the caller reports all its blocks as failed)."""
+        ``[first, first+count)`` of it into the request's blocks, every layer. On a CPU this runs on the engine's
+        thread, whose op threads are otherwise idle or about to run the next forward: on a loader thread the same
+        memory-bound work ran at one thread, beside the engine's busy processes, twice as slow. Raises on any
+        failure (nothing is half-trusted: the caller reports all its blocks as failed)."""
         if fetched is None:
             fetched = self._fetch(ld)
         t0 = time.perf_counter()
@@ -715,15 +730,19 @@ class KvmemConnector(KVConnectorBase_V1):
         if not isinstance(meta, KvmemConnectorMetadata) or not meta.loads:
             return
         layers = self._attention_layers(forward_context)
+        # On a CPU the engine's thread, idle while it waits, composes and writes what a loader read (the loader's
+        # ops would compete with it for the same cores); an accelerator's engine thread must keep launching the
+        # forward, so there the loader writes too, on its copy stream.
+        on_cpu = not layers or layers[0][2].device.type == "cpu"
         for ld in meta.loads:
             if ld.asynchronous:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(
                         max_workers=LOADERS, thread_name_prefix="kvmem-load", initializer=_one_thread_ops
                     )
-                fetched = self._fetch_from_memory(ld)
+                fetched = self._fetch_from_memory(ld) if on_cpu else None
                 if fetched is None:
-                    future = self._submit(ld)
+                    future = self._submit(ld, None if on_cpu else layers)
                 else:  # nothing to wait for: written and reported by this step's ``get_finished``
                     future = Future()
                     future.set_result(fetched)
@@ -736,11 +755,11 @@ class KvmemConnector(KVConnectorBase_V1):
             self._report_loads()
         self._report_reads()
 
-    def _submit(self, ld: KvmemLoad) -> Future:
-        """``ld``'s read (``_fetch``) on a loader thread; its future, whose result ``get_finished`` writes. When the
-        pool cannot take it (broken, or a new thread cannot start), the load fails like any other and the engine
-        goes on. The work item may already be queued when a thread start fails, so it runs only if it was not
-        given up first."""
+    def _submit(self, ld: KvmemLoad, layers: list | None) -> Future:
+        """``ld``'s read (``_fetch``) on a loader thread, and its write into ``layers`` when given; its future,
+        whose result is what is left for ``get_finished`` to write (None: nothing). When the pool cannot take it
+        (broken, or a new thread cannot start), the load fails like any other and the engine goes on. The work
+        item may already be queued when a thread start fails, so it runs only if it was not given up first."""
         future: Future = Future()
 
         def run() -> None:
@@ -748,6 +767,9 @@ class KvmemConnector(KVConnectorBase_V1):
                 return
             try:
                 fetched = self._fetch(ld)
+                if layers is not None:
+                    self._write(ld, layers, fetched)
+                    fetched = None
             except BaseException as exc:
                 future.set_exception(exc)
             else:
@@ -764,13 +786,20 @@ class KvmemConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None, the requests whose asynchronous load ended since the last call), loaded or failed. A load whose
-        read has ended is written here, on the engine's thread, before it is reported."""
+        read has ended is written here, on the engine's thread, before it is reported, unless its request has
+        finished (aborted) meanwhile: its blocks are vLLM's to free, so it is only reported."""
+        self._aborted |= set(finished_req_ids or ()) & self._inflight.keys()
         done = {rid for rid, (future, _, _) in self._inflight.items() if future.done()}
         for rid in done:
             future, ld, layers = self._inflight.pop(rid)
-            try:
-                self._write(ld, layers, future.result())
-            except Exception as exc:  # its read or its write: one request's failure, never the engine's
+            exc = future.exception()  # a read's or a loader's write's failure, whatever it raised
+            if exc is None and future.result() is not None and rid not in self._aborted:
+                try:
+                    self._write(ld, layers, future.result())
+                except Exception as e:  # one request's failure, never the engine's
+                    exc = e
+            self._aborted.discard(rid)
+            if exc is not None:
                 self._failed(ld, exc)
         if done:
             self._report_loads()
