@@ -211,6 +211,11 @@ def cases(spec: dict) -> list[tuple[str, list[int], str | None, str | None]]:
     ]
 
 
+def _keeps_facts(run: dict) -> bool:
+    """Whether the run's worker keeps fact KV in its read cache (loads of facts it read before read nothing)."""
+    return "cache_bytes" in RUNS[run["_name"]][2]
+
+
 def _row(g, out) -> dict:
     return {
         "tokens": g.token_ids,
@@ -507,7 +512,7 @@ def test_a_cold_request_is_served_by_no_cache_tier(run, spec):
     partial block, exactly, and from the worker's memory where its read cache keeps facts."""
     m = len(spec["memory"])
     hot, c1, c2 = run["hot_again"][0], run["cold_1"][0], run["cold_2"][0]
-    keeps_facts = "cache_bytes" in RUNS[run["_name"]][2]
+    keeps_facts = _keeps_facts(run)
     if "preempt" not in run["_name"]:  # (that run's few blocks do not keep indep's memory cached)
         assert hot["loaded"] == ([m % BLOCK] if m % BLOCK else []), hot["loaded"]
         assert hot["in_memory"] == [int(keeps_facts)] * len(hot["loaded"]) and hot["tokens"] == spec["hf"]["indep"]
@@ -539,7 +544,7 @@ def test_faults_cost_one_request_a_prefill_never_the_engine(run, spec):
     # where the worker keeps facts in memory, injected from there exactly as the same KV is for user "slow"
     assert (run["late_before"][0]["cached"], run["late_before"][0]["tokens"]) == (m, spec["hf"]["indep"])
     late = run["late_after"][0]
-    if "cache_bytes" in RUNS[run["_name"]][2]:
+    if _keeps_facts(run):
         assert (late["cached"], late["tokens"]) == (m, run["held_back"][0]["tokens"])
     else:
         assert late["tokens"] == run["stale_ref"][0]["tokens"]

@@ -192,8 +192,8 @@ class UserKV:
         """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
         dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
         ``timings``: gets ``read`` (cache and segment reads; not when ``spans`` are given) and ``dequantize``
-        (assembly) in ms. ``dtype``: of
-        the result (default the model's; rewrites of a lossy store take fp32, where dequantisation is exact).
+        (assembly) in ms. ``dtype``: of the result (default the model's; rewrites of a lossy store take fp32, where
+        dequantisation is exact).
         ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
         the result goes (``kvformat.assemble``). ``spans``: what ``read(rows)`` returned, assembled without
         reading again.
@@ -268,6 +268,11 @@ class CountingLRU(LRUCache):
         self.evictions += 1
         self.evicted_bytes += self.getsizeof(value)
         return key, value
+
+
+def _fact_key(f: FactRecord) -> tuple:
+    """A fact's KV in the read cache (``Store.evict`` drops a segment's by the key's user and segment)."""
+    return ("fact", f.user, f.segment, f.token_offset, f.num_tokens)
 
 
 def _cache_put(cache: LRUCache, key, value) -> None:
@@ -788,7 +793,7 @@ class Store:
         missing: dict[str, list[int]] = {}
         with self._lock:
             for i, f in enumerate(facts):
-                parts[i] = self._kv.get(("fact", f.user, f.segment, f.token_offset, f.num_tokens))
+                parts[i] = self._kv.get(_fact_key(f))
                 if parts[i] is None:
                     missing.setdefault((f.user, f.segment), []).append(i)
             n_missing = sum(map(len, missing.values()))
@@ -820,7 +825,7 @@ class Store:
                 for i, kv in zip(idx, kvs):
                     parts[i] = kv
                     f = facts[i]
-                    _cache_put(self._kv, ("fact", f.user, f.segment, f.token_offset, f.num_tokens), kv)
+                    _cache_put(self._kv, _fact_key(f), kv)
         if timings is not None:
             timings["read"] = (time.perf_counter() - t0) * 1e3
         return parts
@@ -896,8 +901,7 @@ class Store:
             if any(f not in rows_of for f in fact_ids):
                 return None
             rows = [rows_of[f] for f in fact_ids]
-            keys = [("fact", f.user, f.segment, f.token_offset, f.num_tokens) for f in (ukv.facts[r] for r in rows)]
-            spans = [self._kv.get(k) for k in keys]
+            spans = [self._kv.get(_fact_key(ukv.facts[r])) for r in rows]
             if any(s is None for s in spans):
                 return None
             self._stats["kv_hits"] += len(spans)
