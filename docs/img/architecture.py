@@ -61,17 +61,39 @@ def main() -> None:
         ax.text(x + W / 2, y + H / 2 - 0.15, detail, ha="center", va="center", fontsize=7.5)
     for a, b, label in ARROWS:
         (x0, y0), (x1, y1) = edge(a, centre(b)), edge(b, centre(a))
-        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=14, lw=1.3,
-                                     color="#374151", shrinkA=0, shrinkB=0))
+        ax.add_patch(
+            FancyArrowPatch(
+                (x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=14, lw=1.3, color="#374151", shrinkA=0, shrinkB=0
+            )
+        )
         if label:
-            ax.text((x0 + x1) / 2, (y0 + y1) / 2 + 0.12, label, ha="center", fontsize=7.5, style="italic",
-                    color="#1f2937", bbox={"fc": "white", "ec": "none", "pad": 0.5})
+            ax.text(
+                (x0 + x1) / 2,
+                (y0 + y1) / 2 + 0.12,
+                label,
+                ha="center",
+                fontsize=7.5,
+                style="italic",
+                color="#1f2937",
+                bbox={"fc": "white", "ec": "none", "pad": 0.5},
+            )
     # the answer goes back to the client: under the chat row, from generate to serve
     gx, _ = centre("generate")
     sx, _ = centre("serve")
     y = -PAD
-    ax.add_patch(FancyArrowPatch((gx, y), (sx, y), connectionstyle="bar,fraction=-0.04", arrowstyle="-|>",
-                                 mutation_scale=14, lw=1.3, color="#374151", shrinkA=0, shrinkB=0))
+    ax.add_patch(
+        FancyArrowPatch(
+            (gx, y),
+            (sx, y),
+            connectionstyle="bar,fraction=-0.04",
+            arrowstyle="-|>",
+            mutation_scale=14,
+            lw=1.3,
+            color="#374151",
+            shrinkA=0,
+            shrinkB=0,
+        )
+    )
     ax.text((gx + sx) / 2, -0.9, "answer (streamed)", ha="center", fontsize=7.5, style="italic", color="#1f2937")
     ax.text(0.0, 4.0, "write: once per fact, at ingest or on add", fontsize=9, color="#1d4ed8")
     ax.text(9.6, 1.5, "chat: per request;\nonly the query is prefilled", fontsize=9, color="#15803d")
