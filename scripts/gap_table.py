@@ -6,8 +6,8 @@ through the model per stored fact token) and TTFT relative to plain KV injection
 `kvmem bench latency --tail-recompute ...` run; window and neighbours change what the stored KV holds, not
 what is injected, so their TTFT ratio is 1 by construction, checked by tests/test_neighbours.py).
 
-    python scripts/gap_table.py --ref runs/s4/eval-tail --latency runs/s4/latency-tail \
-        --plot docs/img/gap_s5.png runs/s4/eval-tail runs/s4/eval-w0 runs/s5/eval-w20-50 runs/s5/eval-w5-n4 ...
+    python scripts/gap_table.py --ref runs/eval-tail --latency runs/latency-tail \
+        --plot docs/img/f1_gap_vs_ttft_0.5b.png runs/eval-tail runs/eval-w0 runs/eval-w20-50 runs/eval-w5-n4 ...
 
 Pairing: a method's records are paired with the reference's prompt records by question id (a run on a subset of
 at least 50 questions is compared on that subset: column n); the table says for how many questions both
