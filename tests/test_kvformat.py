@@ -13,8 +13,8 @@ from kvmem.compose import compose
 from kvmem.encode import encode_spans
 from kvmem.engines.hf import build_cache
 from kvmem.rope import Rotary
-from kvmem.segments import to_file
 from kvmem.store import FactRecord, Store, StoreError, StoreMismatch, check_kv_format, copy_store
+from kvmem.store.segments import to_file
 
 FP = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
 HEADER = random_ids(6, seed=99)
@@ -84,7 +84,7 @@ def test_int8_keeps_key_channels_with_outliers_apart():
 def test_int8_bytes_per_fact_token_are_about_half_of_bf16(tmp_path):
     """The on-disk size with scales and header, for a 0.5B model's shape (24 layers, 2 KV heads, head_dim 64) and
     24-token facts."""
-    from kvmem.segments import LocalSegments
+    from kvmem.store.segments import LocalSegments
 
     L, H, D, facts, n = 24, 2, 64, 10, 24
     g = torch.Generator().manual_seed(0)

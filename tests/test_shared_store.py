@@ -245,9 +245,8 @@ def test_both_row_backends_satisfy_the_seam(tmp_path, postgres):
     same through it: nothing there before ``create``, then the manifest and header as written; versions only grow;
     a write transaction is all or nothing; a snapshot does not see a commit made during it; another holder of a
     user's writer lock makes ``locked`` raise StoreBusy after its timeout, while another user's lock is free."""
-    from kvmem import rows
     from kvmem.engines.base import check_implements
-    from kvmem.store import StoreBusy
+    from kvmem.store import StoreBusy, rows
 
     for impl in (rows.SQLiteRows, rows.PostgresRows):
         assert check_implements(impl, rows.Rows) == [], impl
@@ -360,8 +359,8 @@ def test_racing_creators_get_one_store_and_one_clear_error(tmp_path, postgres):
 def test_urls_with_spaces_passwords_and_queries(tmp_path, postgres):
     """A ``file://`` segments URL of a path with a space or non-ASCII letters (percent-encoded) is written and read
     where obstore puts it; a password, given in the user part (percent-encoded) or as ``?password=``, is what
-    ``rows.password`` returns and is gone from ``rows.canonical`` (what an engine's logged config gets)."""
-    from kvmem import rows
+    ``location.password`` returns and is gone from ``location.canonical`` (what an engine's logged config gets)."""
+    from kvmem.store import location
 
     where = tmp_path / "with space ünï"
     st = Store.create(
@@ -375,6 +374,7 @@ def test_urls_with_spaces_passwords_and_queries(tmp_path, postgres):
         ("postgresql://kv:p%40ss%2Fw0rd@db:5432/mem?options=-csearch_path%3Dx", "p@ss/w0rd"),
         ("postgresql://kv@db/mem?sslmode=require&password=s3cret", "s3cret"),
     ):
-        assert rows.password(url) == pw
-        assert pw not in rows.canonical(url) and "w0rd" not in rows.redact(url) and "s3cret" not in rows.redact(url)
-        assert rows.canonical(url).startswith("postgresql://kv@db")
+        assert location.password(url) == pw
+        assert pw not in location.canonical(url)
+        assert "w0rd" not in location.redact(url) and "s3cret" not in location.redact(url)
+        assert location.canonical(url).startswith("postgresql://kv@db")

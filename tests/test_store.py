@@ -148,3 +148,150 @@ def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
         p.write_bytes(p.read_bytes()[:1000])
     with pytest.raises(StoreError, match="KV segment .* of user 'u1' fails its checksum"):
         Store.open(root, FP).user_kv("u1").fact_kv(0)  # KV is read (and verified) when gathered
+
+
+# The schema as commit 0cc4d45 created it (``rows.SQLITE_SCHEMA``, ``rows.POSTGRES_SCHEMA``), kept verbatim: the
+# rendered schema must be these statements, so stores created before and after are the same.
+OLD_SQLITE_SCHEMA = """
+PRAGMA journal_mode=WAL;
+PRAGMA user_version=3;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
+CREATE TABLE IF NOT EXISTS users (
+    user TEXT PRIMARY KEY, version INTEGER NOT NULL, window INTEGER NOT NULL, source TEXT,
+    compacted INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS segments (
+    user TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
+    PRIMARY KEY (user, segment));
+CREATE TABLE IF NOT EXISTS facts (
+    row INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL,
+    speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{}', token_ids TEXT NOT NULL,
+    segment TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL, embedding BLOB NOT NULL,
+    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
+CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
+CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
+CREATE INDEX IF NOT EXISTS facts_segment ON facts (user, segment) WHERE deleted IS NULL;
+CREATE TABLE IF NOT EXISTS history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, event TEXT NOT NULL,
+    old_memory TEXT, new_memory TEXT, time REAL NOT NULL, version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id);
+CREATE TABLE IF NOT EXISTS turns (
+    user TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL, time REAL,
+    PRIMARY KEY (user, idx));
+"""
+OLD_POSTGRES_SCHEMA = """
+CREATE TABLE kvmem_manifest (
+    id INTEGER PRIMARY KEY CHECK (id = 1), schema_version INTEGER NOT NULL, manifest TEXT, header BYTEA);
+CREATE SEQUENCE kvmem_version START WITH {start};
+CREATE TABLE meta (key TEXT PRIMARY KEY, value DOUBLE PRECISION NOT NULL);
+CREATE TABLE users (
+    "user" TEXT PRIMARY KEY, version BIGINT NOT NULL, "window" INTEGER NOT NULL, source TEXT,
+    compacted BIGINT NOT NULL DEFAULT 0, updated DOUBLE PRECISION NOT NULL);
+CREATE TABLE segments (
+    "user" TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
+    PRIMARY KEY ("user", segment));
+CREATE TABLE facts (
+    "row" BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "user" TEXT NOT NULL, fact_id TEXT NOT NULL,
+    text TEXT NOT NULL, speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{}',
+    token_ids TEXT NOT NULL, segment TEXT NOT NULL, token_offset INTEGER NOT NULL, "window" INTEGER NOT NULL,
+    embedding BYTEA NOT NULL, added BIGINT NOT NULL, deleted BIGINT, created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL);
+CREATE UNIQUE INDEX live_fact ON facts ("user", fact_id) WHERE deleted IS NULL;
+CREATE INDEX facts_id ON facts (fact_id);
+CREATE INDEX facts_user ON facts ("user", deleted);
+CREATE INDEX facts_segment ON facts ("user", segment) WHERE deleted IS NULL;
+CREATE TABLE history (
+    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "user" TEXT NOT NULL, fact_id TEXT NOT NULL,
+    event TEXT NOT NULL, old_memory TEXT, new_memory TEXT, time DOUBLE PRECISION NOT NULL, version BIGINT NOT NULL);
+CREATE INDEX history_fact ON history (fact_id);
+CREATE TABLE turns (
+    "user" TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL,
+    time DOUBLE PRECISION, PRIMARY KEY ("user", idx));
+"""
+
+
+def test_the_schema_renders_to_both_dialects_as_it_always_was():
+    """One table definition, two dialects: each renders, token for token (whitespace aside), the DDL that backend
+    has always run, so a store created after the change has exactly the tables of one created before."""
+    import re
+
+    from kvmem.store.schema import POSTGRES, SQLITE, render
+
+    def tokens(sql: str) -> str:
+        return re.sub(r"\s*([(),;])\s*", r"\1", " ".join(sql.split()))
+
+    assert tokens(render(SQLITE)) == tokens(OLD_SQLITE_SCHEMA)
+    assert tokens(render(POSTGRES, start=1234)) == tokens(OLD_POSTGRES_SCHEMA.replace("{start}", "1234"))
+
+
+def test_a_store_written_before_the_layout_change_opens_and_answers(tmp_path):
+    """``tests/fixtures/store_0cc4d45``: a tiny local store written by commit 0cc4d45 (``store_worker``'s
+    generation 1 of user ``u`` with one fact then deleted, and user ``v``'s one fact with metadata and a turn).
+    It opens with its fingerprint, every read answers as written, and it takes a new write and a clean fsck."""
+    import shutil
+    from pathlib import Path
+
+    import store_worker as sw
+
+    root = tmp_path / "old"
+    shutil.copytree(Path(__file__).with_name("fixtures") / "store_0cc4d45", root)
+    st = Store.open(root, sw.FP)
+    assert st.users() == ["u", "v"] and st.version("u") == "3" and st.version("v") == "2"
+    assert sw.check(st.snapshot("u")) == 1 and [f.fact_id for f in st.facts("u")] == ["u-g1-1", "u-g1-2"]
+    v = st.snapshot("v")
+    (f,) = v.facts
+    assert (f.fact_id, f.text, f.speaker, f.source_turn, f.date, f.token_ids, f.metadata) == (
+        "x1", "a later fact", "A", "D1:1", "d", (5, 6, 7), '{"k": 1}'
+    )  # fmt: skip
+    k = torch.arange(2 * 1 * 3 * 64, dtype=torch.float32).reshape(2, 1, 3, 64)
+    keys, values = v.gather([0])
+    assert torch.equal(keys, k) and torch.equal(values, -k)
+    assert torch.equal(v.embeddings, torch.tensor([[1.0, 0, 0, 0]]))
+    assert [(t["content"], t["speaker"]) for t in st.turns("v")] == [("hi", "A")]
+    assert [e["event"] for e in st.events("u")] == ["ADD"] * 3 + ["DELETE"]
+    assert st.user_info("u")["num_tokens"] == 8 and st.header_token_ids == [1, 2, 3]
+    assert st.fsck() == {"users": 2, "ok": ["u", "v"], "bad": {}, "removed": [], "replaced": []}
+    facts, kv, emb = sw.generation("u", 2)
+    st.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(Store.open(root, sw.FP).snapshot("u")) == 2
+
+
+def _memory_tier(tmp_path):
+    from kvmem.kvformat import SpanKV
+    from kvmem.store.tiers import MemoryTier
+
+    def value(n: int):
+        return SpanKV(torch.ones(1, 1, n, 4), torch.ones(1, 1, n, 4))
+
+    return MemoryTier(1024), value, lambda got: got.keys.shape[2]
+
+
+def _disk_tier(tmp_path):
+    from kvmem.store.tiers import DiskTier
+
+    def read(got):
+        with got:
+            return len(got.read())
+
+    return DiskTier(tmp_path / "disk", 64 << 10), lambda n: bytes(32 * n), lambda got: read(got) // 32
+
+
+@pytest.mark.parametrize("make", [_memory_tier, _disk_tier], ids=["memory", "disk"])
+def test_both_read_tiers_satisfy_the_seam(tmp_path, make):
+    """The memory tier (facts' KV) and the disk tier (whole segments) implement every method of ``ReadTier`` and
+    behave the same through it: what is put is contained and got back, removing it twice is no error, a value
+    larger than the whole tier is not kept, and the least recently used goes first when the bound is reached."""
+    from kvmem.engines.base import check_implements
+    from kvmem.store.tiers import DiskTier, MemoryTier, ReadTier
+
+    for impl in (MemoryTier, DiskTier):
+        assert check_implements(impl, ReadTier) == [], impl
+    tier, value, size = make(tmp_path)
+    assert not tier.contains("a") and tier.get("a") is None and tier.remove("a") is False
+    assert tier.put("a", value(2)) is True and tier.contains("a") and size(tier.get("a")) == 2
+    assert list(tier.held()) == ["a"] and tier.nbytes() > 0
+    assert tier.remove("a") is True and not tier.contains("a") and tier.get("a") is None and not tier.remove("a")
+    assert tier.put("huge", value(100_000)) is False and not tier.contains("huge")
+    tier.clear()
+    assert list(tier.held()) == [] and not tier.contains("a")

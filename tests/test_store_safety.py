@@ -115,13 +115,15 @@ def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch)
 def test_exit_after_the_commit_keeps_the_new_segment(store, monkeypatch):
     """SystemExit from a signal handler can land after SQLite's COMMIT, before ``commit`` returns: the new rows
     are durable, so their KV file must stay (it used to be unlinked, leaving a fact whose KV is gone)."""
-    real = Store._commit_rows
+    from kvmem.store.write import Writer
+
+    real = Writer.commit_rows
 
     def commit_then_exit(self, *args, **kwargs):
         real(self, *args, **kwargs)
         raise SystemExit(143)
 
-    monkeypatch.setattr(Store, "_commit_rows", commit_then_exit)
+    monkeypatch.setattr(Writer, "commit_rows", commit_then_exit)
     facts, kv, emb = sw.generation("u", 2)
     with pytest.raises(SystemExit):
         store.put_user("u", facts, kv, kv, emb, window=0)
@@ -336,7 +338,7 @@ def test_both_segment_layouts_read_exactly(tmp_path, dtype):
     reads are whole tensors or per-(layer, head) runs: every path gives exactly the stored K/V."""
     from safetensors.torch import save_file
 
-    from kvmem import segments
+    from kvmem.store import segments
 
     k = torch.randn(3, 2, 40, 8).to(dtype)
     v = torch.randn(3, 2, 40, 8).to(dtype)
@@ -412,8 +414,8 @@ def test_both_segment_stores_satisfy_the_seam(tmp_path):
     FileNotFoundError."""
     import hashlib
 
-    from kvmem import segments
     from kvmem.engines.base import check_implements
+    from kvmem.store import segments
 
     for impl, role in (
         (segments.LocalSegments, segments.SegmentStore),

@@ -10,7 +10,7 @@ import faiss
 
 from ..models import head_dim
 from ..retrieve import UserIndex
-from ..segments import read_layout
+from ..store.segments import read_layout
 from .common import (
     Setup,
     log_err,

@@ -74,9 +74,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..compose import compose
 from ..models import MANIFEST, head_dim, weights_hash
 from ..rope import LENGTH_DEPENDENT, Rotary, rope_type
-from ..rows import canonical, within
 from ..staging import LayerStager
-from ..store import Store
+from ..store import Store, canonical, within
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from ..hardware import resolve_dtype
 from ..models import head_dim
-from ..rows import canonical, password
+from ..store import canonical, password
 from .base import (
     AsyncEngine,
     Delta,

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..rows import redact
+from ..store import redact
 from .routes import create_app
 from .runtime import KvmemServer, Limits
 from .schemas import APIError

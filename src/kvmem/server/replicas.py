@@ -29,8 +29,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
-from ..rows import canonical, password
-from ..store import Store
+from ..store import Store, canonical, password
 from .routes import create_app
 from .runtime import KvmemServer, Limits, preflight
 from .tenants import Tenants

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kvformat
+from .. import kvformat
+from .tiers import DiskTier
 
 DTYPES = {
     "BF16": torch.bfloat16,
@@ -409,26 +410,21 @@ class SegmentStore(ABC):
 
 
 class CachedSegments(SegmentStore):
-    """``inner``'s segments with a byte-bounded local disk cache in front (diskcache, least recently used first):
-    the first ``open`` of a segment fetches it whole into ``cache_dir``, later ones read the local copy by
+    """``inner``'s segments with a byte-bounded local disk cache in front (``tiers.DiskTier``, least recently used
+    first): the first ``open`` of a segment fetches it whole into ``cache_dir``, later ones read the local copy by
     ``pread``. Segments are immutable and each is verified against its checksum by the store that reads it, so a
     cached copy is never stale (a corrupt one is refused like any other copy). For segments in a remote object
     store; ``key_prefix`` keeps stores that share one cache directory apart."""
 
     def __init__(self, inner: SegmentStore, cache_dir, max_bytes: int, key_prefix: str = ""):
-        import diskcache
-
         self.inner, self.url, self._prefix = inner, inner.url, key_prefix
-        self.cache = diskcache.Cache(
-            str(cache_dir), size_limit=int(max_bytes), eviction_policy="least-recently-used", disk_min_file_size=0
-        )
+        self.tier = DiskTier(cache_dir, max_bytes)
         self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0, "disk_errors": 0}
-        self._stored = self._discarded = 0  # segments this object put into / took out of the cache
         self._fetching: dict[str, threading.Lock] = {}  # segment key -> held while this process fetches it
         self._fetching_lock = threading.Lock()
 
     def _cached(self, key: str) -> FileHandle | None:
-        f = self.cache.get(key, read=True)
+        f = self.tier.get(key)
         if f is None:
             return None
         try:
@@ -457,8 +453,7 @@ class CachedSegments(SegmentStore):
         data = self.inner.read(name)
         self._stats["disk_fetched_bytes"] += len(data)
         try:
-            self.cache.set(key, data)
-            self._stored += 1
+            self.tier.put(key, data)
         except Exception:  # a full or unwritable cache disk: the object store serves it, uncached
             self._stats["disk_errors"] += 1
             return self.inner.open(name)
@@ -484,7 +479,7 @@ class CachedSegments(SegmentStore):
     def prefetch(self, name: str, spans: list[tuple[int, int]]) -> None:
         """Fetch the whole segment into the disk cache now, if it is not there (a read then finds it local)."""
         try:
-            if self._prefix + name not in self.cache:
+            if not self.tier.contains(self._prefix + name):
                 self.open(name).close()
         except Exception:  # a hint: the read that follows reports any error
             pass
@@ -492,16 +487,14 @@ class CachedSegments(SegmentStore):
     def stats(self) -> dict[str, int]:
         """Counters, with ``disk_evictions``: segments this object cached that the byte bound has since pushed out
         (exact while one process uses the cache directory)."""
-        evicted = max(0, self._stored - self._discarded - len(self.cache))
-        return {**self._stats, "disk_cache_bytes": int(self.cache.volume()), "disk_evictions": evicted}
+        return {**self._stats, "disk_cache_bytes": self.tier.nbytes(), "disk_evictions": self.tier.evictions()}
 
     def discard(self, name: str) -> None:
-        if self.cache.delete(self._prefix + name):
-            self._discarded += 1
+        self.tier.remove(self._prefix + name)
 
     def evict(self, name: str) -> None:
         try:
-            self.cache.delete(self._prefix + name)
+            self.tier.remove(self._prefix + name, counted=False)
         except Exception:
             pass
 

@@ -1,5 +1,6 @@
-"""Where a store's rows live: its manifest, header KV, facts, tombstones, versions, history, turns and segment
-checksums. ``Store`` (``store.py``) runs one set of SQL statements on either backend; this module holds what differs.
+"""The ``Rows`` seam: where a store's rows live (its manifest, header KV, facts, tombstones, versions, history, turns
+and segment checksums), on SQLite or PostgreSQL. ``Store`` runs one set of SQL statements on either backend; this
+module holds everything that differs (callers never branch on the backend they hold).
 
 - ``SQLiteRows``: a local directory (``manifest.json``, ``header.safetensors``, ``meta.sqlite`` in WAL mode, a
   ``.writer.lock`` file lock). The embedded default; its format is unchanged.
@@ -12,7 +13,8 @@ checksums. ``Store`` (``store.py``) runs one set of SQL statements on either bac
   come from the URL or libpq's environment (``PGPASSWORD``, ``~/.pgpass``) and never appear in a message.
 
 Statements are written once, for both: ``?`` placeholders, ``"user"``/``"window"``/``"row"`` quoted (reserved
-words in PostgreSQL), ``ON CONFLICT`` upserts, ``Rows.tokens_sql`` for a fact's token count.
+words in PostgreSQL), ``ON CONFLICT`` upserts, ``Rows.tokens_sql`` for a fact's token count. The tables are
+defined once too (``schema``), rendered to each backend's dialect.
 """
 
 from __future__ import annotations
@@ -21,78 +23,20 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import quote
 
+from .location import POSTGRES_SCHEMES, StoreBusy, StoreError, StoreUnavailable, is_url, password, redact
+from .schema import POSTGRES, SCHEMA_VERSION, SQLITE, render
 from .segments import fsync_dir
 
-SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
 BUSY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10
-POSTGRES_SCHEMES = ("postgresql", "postgres")
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/")
-
-
-class StoreError(RuntimeError):
-    """Missing or unreadable store, unknown user, unreachable database."""
-
-
-class StoreBusy(StoreError):
-    """A write waited longer than the store's ``write_timeout_s`` for another writer's lock."""
-
-
-class StoreUnavailable(StoreError):
-    """The store's database cannot be reached (down, restarting, a network cut): try again later."""
-
-
-def is_url(location: str | Path) -> bool:
-    return bool(_URL.match(str(location)))
-
-
-def redact(url: str) -> str:
-    """``url`` without its password (``user:pw@`` or ``?password=``), for messages and engine configs:
-    ``postgresql://kv@db:5432/kvmem?options=...``."""
-    parts = urlsplit(url)
-    if parts.password is None and "password=" not in parts.query:
-        return url
-    netloc = parts.netloc
-    if parts.password is not None:
-        user, _, host = netloc.rpartition("@")
-        netloc = user.split(":", 1)[0] + "@" + host
-    kept = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"]
-    query = urlencode(kept, safe="/:,")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def canonical(location: str | Path) -> str:
-    """One spelling per store: a URL without its password (libpq reads it from ``PGPASSWORD`` or ``~/.pgpass``;
-    see ``password``), a directory as its absolute resolved path. What goes into an engine's configuration,
-    which engines log."""
-    return redact(str(location)) if is_url(location) else str(Path(location).resolve())
-
-
-def password(location: str | Path) -> str | None:
-    """The password in a store URL (``user:pw@`` or ``?password=``), decoded, if it has one."""
-    if not is_url(location):
-        return None
-    parts = urlsplit(str(location))
-    if parts.password is not None:
-        return unquote(parts.password)
-    return dict(parse_qsl(parts.query)).get("password")
-
-
-def within(location: str | Path, allowed: list[str]) -> bool:
-    """Whether ``location`` is one of the ``allowed`` (canonical) locations, or a directory below one."""
-    loc = canonical(location)
-    if is_url(loc):
-        return loc in allowed
-    return any(loc == a or Path(a) in Path(loc).parents for a in allowed if not is_url(a))
 
 
 class Rows(ABC):
@@ -105,6 +49,7 @@ class Rows(ABC):
     name: str
     tokens_sql: str  # SQL expression: the token count of a facts row
     segments_dir: Path | None = None  # where the store keeps its own segments when it names no segments URL
+    shared: bool = False  # reached by many machines, so its segments must be shared too (a segments URL)
 
     @abstractmethod
     def exists(self) -> bool:
@@ -156,6 +101,16 @@ class Rows(ABC):
 
     def replaced(self) -> bool:
         """Whether the store here was deleted or created again since this object opened it."""
+        return False
+
+    @property
+    def busy_timeout_s(self) -> float | None:
+        """How long a statement waits for another process's write lock, s; None where the backend has no such
+        wait (PostgreSQL: writers wait on advisory locks, under ``locked``'s timeout)."""
+        return None
+
+    def holds_other_data(self) -> bool:
+        """Whether something that is not a store is here, so that no store may be made or copied into it."""
         return False
 
     @abstractmethod
@@ -217,7 +172,7 @@ class SQLiteRows(Rows):
         _write_durably(self.root / "header.safetensors", header)
         db = self._connect()
         try:
-            db.executescript(SQLITE_SCHEMA)
+            db.executescript(render(SQLITE))
         finally:
             db.close()
         _write_durably(self.root / "manifest.json", json.dumps(manifest, indent=2).encode())
@@ -289,6 +244,10 @@ class SQLiteRows(Rows):
         """How long the SQLite connection waits for another process's write lock, s."""
         return self.db.execute("PRAGMA busy_timeout").fetchone()[0] / 1e3
 
+    def holds_other_data(self) -> bool:
+        """A non-empty directory without a manifest."""
+        return not self.exists() and self.root.is_dir() and any(self.root.iterdir())
+
     def nbytes(self) -> int:
         def size(p: Path) -> int:
             try:
@@ -324,63 +283,6 @@ def _write_durably(path: Path, data: bytes) -> None:
     tmp.rename(path)
 
 
-SQLITE_SCHEMA = f"""
-PRAGMA journal_mode=WAL;
-PRAGMA user_version={SCHEMA_VERSION};
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
-CREATE TABLE IF NOT EXISTS users (
-    user TEXT PRIMARY KEY, version INTEGER NOT NULL, window INTEGER NOT NULL, source TEXT,
-    compacted INTEGER NOT NULL DEFAULT 0, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS segments (
-    user TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
-    PRIMARY KEY (user, segment));
-CREATE TABLE IF NOT EXISTS facts (
-    row INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL,
-    speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{{}}', token_ids TEXT NOT NULL,
-    segment TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL, embedding BLOB NOT NULL,
-    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL);
-CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
-CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
-CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
-CREATE INDEX IF NOT EXISTS facts_segment ON facts (user, segment) WHERE deleted IS NULL;
-CREATE TABLE IF NOT EXISTS history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, event TEXT NOT NULL,
-    old_memory TEXT, new_memory TEXT, time REAL NOT NULL, version INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS history_fact ON history (fact_id);
-CREATE TABLE IF NOT EXISTS turns (
-    user TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL, time REAL,
-    PRIMARY KEY (user, idx));
-"""
-POSTGRES_SCHEMA = """
-CREATE TABLE kvmem_manifest (
-    id INTEGER PRIMARY KEY CHECK (id = 1), schema_version INTEGER NOT NULL, manifest TEXT, header BYTEA);
-CREATE SEQUENCE kvmem_version START WITH {start};
-CREATE TABLE meta (key TEXT PRIMARY KEY, value DOUBLE PRECISION NOT NULL);
-CREATE TABLE users (
-    "user" TEXT PRIMARY KEY, version BIGINT NOT NULL, "window" INTEGER NOT NULL, source TEXT,
-    compacted BIGINT NOT NULL DEFAULT 0, updated DOUBLE PRECISION NOT NULL);
-CREATE TABLE segments (
-    "user" TEXT NOT NULL, segment TEXT NOT NULL, kv_sha256 TEXT NOT NULL, num_tokens INTEGER NOT NULL,
-    PRIMARY KEY ("user", segment));
-CREATE TABLE facts (
-    "row" BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "user" TEXT NOT NULL, fact_id TEXT NOT NULL,
-    text TEXT NOT NULL, speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{}',
-    token_ids TEXT NOT NULL, segment TEXT NOT NULL, token_offset INTEGER NOT NULL, "window" INTEGER NOT NULL,
-    embedding BYTEA NOT NULL, added BIGINT NOT NULL, deleted BIGINT, created_at DOUBLE PRECISION NOT NULL,
-    updated_at DOUBLE PRECISION NOT NULL);
-CREATE UNIQUE INDEX live_fact ON facts ("user", fact_id) WHERE deleted IS NULL;
-CREATE INDEX facts_id ON facts (fact_id);
-CREATE INDEX facts_user ON facts ("user", deleted);
-CREATE INDEX facts_segment ON facts ("user", segment) WHERE deleted IS NULL;
-CREATE TABLE history (
-    id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "user" TEXT NOT NULL, fact_id TEXT NOT NULL,
-    event TEXT NOT NULL, old_memory TEXT, new_memory TEXT, time DOUBLE PRECISION NOT NULL, version BIGINT NOT NULL);
-CREATE INDEX history_fact ON history (fact_id);
-CREATE TABLE turns (
-    "user" TEXT NOT NULL, idx INTEGER NOT NULL, dia_id TEXT, speaker TEXT, content TEXT NOT NULL,
-    time DOUBLE PRECISION, PRIMARY KEY ("user", idx));
-"""
 PING_AFTER_S = 2.0  # a connection idle this long is checked (one round trip) before a transaction starts on it
 
 
@@ -409,6 +311,7 @@ class PostgresRows(Rows):
     next statement or transaction that is not part of a write."""
 
     tokens_sql = "json_array_length(token_ids::json)"
+    shared = True
 
     def __init__(self, url: str):
         self.location, self.name = url, redact(url)
@@ -504,7 +407,7 @@ class PostgresRows(Rows):
                 self.conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{first.replace(chr(34), "")}"')
             # versions start at the creation time in microseconds: a store created again at this location never
             # reuses a version that a process still holding the old one has cached
-            self.conn.execute(POSTGRES_SCHEMA.replace("{start}", str(int(time.time() * 1e6))))
+            self.conn.execute(render(POSTGRES, start=int(time.time() * 1e6)))
             self.conn.execute(
                 "INSERT INTO kvmem_manifest (id, schema_version, manifest, header) VALUES (1, %s, %s, %s)",
                 (SCHEMA_VERSION, json.dumps(manifest), header),

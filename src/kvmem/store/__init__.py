@@ -1,0 +1,520 @@
+"""A memory store: fact rows, tombstones, history and turns, KV segments, behind one facade (``Store``).
+
+Two backends, chosen by location; callers never know which they hold:
+
+* a local directory (the embedded default)::
+
+    manifest.json            format, store_id, model fingerprint, header text + token ids, embedder
+    header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
+    meta.sqlite              meta (the version counter; per-user encoding neighbours, history), users, segments
+                             (sha256), facts (rows, embeddings, added/deleted versions), history (events),
+                             turns (the raw conversation)
+    users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
+                                             (token-major: a fact is one byte range; ``segments``)
+
+* a shared store: the same rows in PostgreSQL (``postgresql://…``; ``rows.PostgresRows``, the manifest and header
+  in ``kvmem_manifest``), and the segments as objects in an object store. With ``segments_url`` in the manifest
+  (required for PostgreSQL) the segments are objects there (obstore: file://, s3://, gs://), under the same names.
+
+The parts, each with one job (``Store`` composes them; nothing outside this package needs them):
+
+* ``write``: ``commit`` (the one write path), compaction, garbage collection, ``fsck``;
+* ``read``: snapshots (``UserKV``), the facts' KV read by span, the read tiers, prefetch;
+* ``copy``: ``copy_store``;
+* ``location``: store locations (URLs, redaction) and the errors a store raises;
+* ``rows``: the ``Rows`` seam over SQLite and PostgreSQL (every backend-specific ability is there);
+* ``schema``: the tables, defined once and rendered to both SQL dialects;
+* ``segments``: KV segment files and where they live; ``tiers``: the read tiers (memory, disk).
+
+One ``Store`` object may be shared by threads (a lock guards its connection). Stored KV carries the model
+fingerprint; opening a store with another model is refused (``StoreMismatch``). Opening never writes (no DDL): the
+schema is made by ``create`` and its version checked on open.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+
+from .. import kvformat
+from . import rows as rows_db
+from . import segments as seg_files
+from .copy import copy_store
+from .location import (
+    StoreBusy,
+    StoreDtypeMismatch,
+    StoreError,
+    StoreMismatch,
+    StoreUnavailable,
+    UnknownUser,
+    canonical,
+    is_url,
+    password,
+    redact,
+    within,
+)
+from .read import VERIFIED_SEGMENTS, FactRecord, Reader, UserKV, segment_name
+from .rows import Rows
+from .schema import SCHEMA_VERSION
+from .tiers import CountingLRU
+from .write import ALL, RETIRE_AFTER_S, Writer
+
+__all__ = [
+    "ALL",
+    "CACHE_BYTES",
+    "DISK_CACHE_BYTES",
+    "FORMAT_VERSION",
+    "RETIRE_AFTER_S",
+    "SCHEMA_VERSION",
+    "VERIFIED_SEGMENTS",
+    "CountingLRU",
+    "FactRecord",
+    "Rows",
+    "Store",
+    "StoreBusy",
+    "StoreDtypeMismatch",
+    "StoreError",
+    "StoreMismatch",
+    "StoreUnavailable",
+    "UnknownUser",
+    "UserKV",
+    "canonical",
+    "check_kv_format",
+    "check_segments_url",
+    "copy_store",
+    "fingerprint_diff",
+    "is_url",
+    "password",
+    "redact",
+    "within",
+]
+
+FORMAT_VERSION = 3  # manifest format; 3: incremental segments (older stores must be re-ingested)
+DISK_CACHE_BYTES = 16 << 30  # default bound of a reader's local disk cache of remote segments (--cache-dir), bytes
+CACHE_BYTES = 1 << 30  # default LRU bound of each of a Store's caches (snapshots, KV segments), bytes
+
+
+def check_segments_url(store: Store, url: str | None) -> None:
+    """``--segments URL`` given for an existing store must be where its segments are. Raises StoreError."""
+    have = store.manifest.get("segments_url")
+    if url is not None and url != have:
+        raise StoreError(
+            f"store {store.name} keeps its KV segments {'at ' + repr(have) if have else 'in its own directory'}; "
+            f"--segments applies only when a store is created"
+        )
+
+
+def check_kv_format(store: Store, kv_format: str | None) -> None:
+    """``--kv-format`` given for an existing store must be its format (fixed at creation). Raises StoreError."""
+    if kv_format is not None and kvformat.check_format(kv_format) != store.kv_format:
+        raise StoreError(
+            f"store {store.name} holds KV in format {store.kv_format}; --kv-format applies only when a store is "
+            f"created (`kvmem store copy --kv-format {kv_format}` makes a copy in that format)"
+        )
+
+
+def fingerprint_diff(a: dict, b: dict) -> list[str]:
+    return [
+        f"{k}: store has {a.get(k)!r}, model has {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+    ]
+
+
+class Store:
+    """One store of users' memory: its rows (``rows.Rows``: a local directory's SQLite, or PostgreSQL) and its KV
+    segments (``segments.SegmentStore``: the directory's ``users/``, or an object store by URL). Use
+    ``Store.create`` / ``Store.open``; callers never know which backends they hold. A facade: reads go to its
+    ``reads`` (``read.Reader``), writes to its ``writes`` (``write.Writer``); both share its lock.
+
+    ``root``: the location it was opened at (a ``Path``, or the ``postgresql://`` URL) and reopens it; ``name``:
+    the same without credentials, for messages."""
+
+    def __init__(
+        self,
+        rows: Rows,
+        manifest: dict,
+        cache_bytes: int = CACHE_BYTES,
+        cache_dir: str | Path | None = None,
+        cache_dir_bytes: int = DISK_CACHE_BYTES,
+    ):
+        self.rows = rows
+        self.root = rows.location
+        self.name = rows.name
+        self.manifest = manifest
+        self._lock = threading.RLock()  # one connection, shared by threads: one transaction at a time
+        try:
+            self.segments = seg_files.open_segments(
+                rows.segments_dir,
+                manifest.get("segments_url"),
+                manifest.get("store_id", ""),
+                cache_dir,
+                cache_dir_bytes,
+            )
+        except Exception as exc:  # a bad segments URL, a --cache-dir that is a file or unwritable
+            where = f" (--cache-dir {cache_dir})" if cache_dir is not None else ""
+            raise StoreError(f"{' '.join(str(exc).split())[:300]}{where}") from None
+        self.reads = Reader(rows, self.segments, self._lock, self.kv_format, cache_bytes)
+        self.writes = Writer(rows, self.segments, self._lock, self.kv_format, self.reads)
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def exists(root: str | Path) -> bool:
+        """Whether a store is at ``root`` (a directory or a ``postgresql://`` URL). Raises StoreError for a URL
+        of another kind, or a database that cannot be reached."""
+        rows = rows_db.open_rows(root)
+        try:
+            return rows.exists()
+        finally:
+            rows.close()
+
+    @classmethod
+    def create(
+        cls,
+        root: str | Path,
+        fingerprint: dict,
+        header_text: str,
+        header_token_ids: list[int],
+        header_keys: torch.Tensor,
+        header_values: torch.Tensor,
+        embedder: dict,
+        cache_bytes: int = CACHE_BYTES,
+        segments_url: str | None = None,
+        kv_format: str | None = None,
+    ) -> Store:
+        """Create a new store at ``root``: a directory that must not hold one, or a ``postgresql://`` URL of a
+        database (or schema) without one. Header K/V: [L, H, h, D] pre-RoPE / raw (always kept lossless).
+        ``segments_url``: keep the KV segments in that object store (``file://…``, ``s3://…``; obstore) instead of
+        the directory's ``users/``; required for a PostgreSQL store. ``kv_format``: how segments hold KV
+        (``kvformat``; None: as ``fingerprint`` says, else ``native``); recorded in the fingerprint when lossy.
+        Raises StoreError, ValueError (an unknown format)."""
+        kv_format = kvformat.check_format(kv_format or kvformat.format_of(fingerprint))
+        fingerprint = {k: v for k, v in fingerprint.items() if k != "kv_format"}
+        if kv_format != "native":
+            fingerprint["kv_format"] = kv_format
+        rows = rows_db.open_rows(root)
+        if segments_url is None and rows.shared:
+            rows.close()
+            raise StoreError(
+                f"a store on {rows.name} is shared, so its KV segments must be too: give --segments URL "
+                f"(s3://bucket/prefix, gs://…, or file:///mnt/shared/kv on a mounted volume)"
+            )
+        manifest = {
+            "format": FORMAT_VERSION,
+            "store_id": uuid.uuid4().hex,  # in the vLLM cache salt: no two stores share prefix-cache blocks
+            "created": time.time(),
+            "fingerprint": fingerprint,
+            "header": {"text": header_text, "token_ids": list(header_token_ids)},
+            "embedder": embedder,
+            "segments_url": segments_url,
+        }
+        try:
+            rows.check_new()
+            if segments_url is not None:  # reachable before anything is written
+                try:
+                    seg_files.open_segments(None, segments_url, manifest["store_id"]).names()
+                except Exception as exc:  # obstore's errors: a bad URL, a missing bucket, no credentials, no network
+                    why = " ".join(str(exc).split())[:300]
+                    raise StoreError(f"--segments {redact(segments_url)} cannot be used: {why}") from None
+            rows.create(manifest, save({"keys": header_keys.contiguous(), "values": header_values.contiguous()}))
+        except BaseException:
+            rows.close()
+            raise
+        return cls(rows, manifest, cache_bytes=cache_bytes)
+
+    @classmethod
+    def open(
+        cls,
+        root: str | Path,
+        fingerprint: dict | None = None,
+        cache_bytes: int = CACHE_BYTES,
+        cache_dir: str | Path | None = None,
+        cache_dir_bytes: int = DISK_CACHE_BYTES,
+    ) -> Store:
+        """Open an existing store (a directory or a ``postgresql://`` URL). If ``fingerprint`` is given it must
+        equal the store's. ``cache_bytes``: this object's in-memory caches (snapshots, facts' KV), each;
+        ``cache_dir``: a local disk cache of up to ``cache_dir_bytes`` for segments in an object store.
+
+        Raises:
+            StoreError: no store at ``root``, or a database that cannot be reached.
+            StoreMismatch: the store was produced by another model/tokenizer/dtype/RoPE config.
+        """
+        rows = rows_db.open_rows(root)
+        try:
+            manifest = rows.manifest()
+            cls._check_manifest(rows.name, manifest, fingerprint)
+            return cls(rows, manifest, cache_bytes, cache_dir, cache_dir_bytes)
+        except BaseException:
+            rows.close()
+            raise
+
+    @staticmethod
+    def _check_manifest(name: str, manifest, fingerprint: dict | None) -> None:
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+            got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+            raise StoreError(f"{name}: store format {got} is not {FORMAT_VERSION}; re-ingest it into a new store")
+        if (
+            not isinstance(manifest.get("fingerprint"), dict)
+            or not isinstance(manifest.get("header"), dict)
+            or not isinstance(manifest.get("embedder"), dict)
+            or not isinstance(manifest.get("store_id"), str)
+        ):
+            raise StoreError(f"{name}: the manifest is corrupt: fingerprint, header, embedder or store_id missing")
+        if fingerprint is None:
+            return
+        theirs, ours = dict(manifest["fingerprint"]), dict(fingerprint)
+        if "kv_format" in ours:  # a store's fingerprint: the KV format must match too
+            theirs["kv_format"], ours["kv_format"] = kvformat.format_of(theirs), kvformat.format_of(ours)
+        else:  # a model's fingerprint: the model reads any format
+            theirs.pop("kv_format", None)
+        if theirs != ours:
+            differ = {k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)}
+            if differ == {"kv_format"}:
+                raise StoreMismatch(
+                    f"store {name} holds KV in format {theirs['kv_format']}, not {ours['kv_format']}; a store's KV "
+                    f"format is fixed when it is created (`kvmem store copy --kv-format` makes a quantised copy)"
+                )
+            if differ == {"dtype"}:
+                raise StoreDtypeMismatch(
+                    f"store {name} holds KV computed in {theirs['dtype']}, but this run computes in {ours['dtype']}; "
+                    f"KV is never served in another dtype than it was computed in. Either pass "
+                    f"--dtype {theirs['dtype']} (see `kvmem doctor` for what is fast here), or re-encode the memories "
+                    f"into a new store: `kvmem ingest-locomo` or `kvmem memory add` again, with --store NEW_DIR "
+                    f"--dtype {ours['dtype']}"
+                )
+            diff = fingerprint_diff(theirs, ours)
+            raise StoreMismatch(
+                f"store {name} was built with model {theirs.get('model')!r} and does not match "
+                f"the loaded model {ours.get('model')!r}; refusing to inject its KV ({'; '.join(diff[:3])})"
+            )
+
+    def check_serves(self, model: str | None = None, dtype: str | None = None) -> None:
+        """What opening with the model's fingerprint would refuse, checked before the model loads: another model
+        name, or another dtype than the stored KV's (the rest of the fingerprint is checked once it loads).
+        Raises StoreMismatch, StoreDtypeMismatch."""
+        expected = dict(self.fingerprint)
+        if model is not None:
+            expected["model"] = model
+        if dtype is not None and "dtype" in expected:
+            expected["dtype"] = dtype
+        self._check_manifest(self.name, self.manifest, expected)
+
+    def close(self) -> None:
+        self.reads.close()
+        self.rows.close()
+
+    def replaced(self) -> bool:
+        """Whether the store at ``root`` was deleted or created anew since this object opened it."""
+        with self._lock:
+            return self.rows.replaced()
+
+    # --- reads ----------------------------------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> dict:
+        """What produced the stored KV: the model's fingerprint (``models.fingerprint``), plus ``kv_format`` for a
+        lossy store."""
+        return self.manifest["fingerprint"]
+
+    @property
+    def kv_format(self) -> str:
+        """How the segments hold KV (``kvformat``): ``native`` (lossless), ``int8`` or ``fp8``."""
+        return kvformat.format_of(self.manifest["fingerprint"])
+
+    @property
+    def header_token_ids(self) -> list[int]:
+        return list(self.manifest["header"]["token_ids"])
+
+    @property
+    def retire_after_s(self) -> float:
+        """How long a replaced segment's file outlives its last row, s (``write.RETIRE_AFTER_S``)."""
+        return self.writes.retire_after_s
+
+    @retire_after_s.setter
+    def retire_after_s(self, value: float) -> None:
+        self.writes.retire_after_s = value
+
+    @property
+    def write_timeout_s(self) -> float | None:
+        """How long a write waits for another writer's lock, s (None: as long as it takes); then StoreBusy."""
+        return self.writes.write_timeout_s
+
+    @write_timeout_s.setter
+    def write_timeout_s(self, value: float | None) -> None:
+        self.writes.write_timeout_s = value
+
+    @property
+    def busy_timeout_s(self) -> float | None:
+        """How long this store's connection waits for another process's write lock, s (``Rows.busy_timeout_s``;
+        None where the backend has no such wait)."""
+        with self._lock:
+            return self.rows.busy_timeout_s
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of fact KV this Store object holds in its memory tier."""
+        return self.reads.memory.nbytes()
+
+    def disk_bytes(self) -> int:
+        """Bytes of the store: its rows (the directory, or the PostgreSQL tables) and its segments, wherever they
+        live. A file a concurrent writer removes during the walk counts 0."""
+        with self._lock:
+            rows = self.rows.nbytes()
+        return rows + self.segments.nbytes()
+
+    def segment_name(self, user: str, segment: str) -> str:
+        """The object name of ``user``'s KV segment ``segment`` in ``self.segments`` (immutable once committed)."""
+        return segment_name(user, segment)
+
+    def segment_path(self, user: str, segment: str) -> Path | None:
+        """The file of ``user``'s KV segment on this machine (tools, tests), or None in an object store."""
+        return self.segments.local_path(segment_name(user, segment))
+
+    # --- reads (``read.Reader``) -----------------------------------------------------------------------
+
+    def header_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Header pre-RoPE keys and raw values, [L, H, h, D] each."""
+        return self.reads.header_kv()
+
+    def drop_caches(self) -> None:
+        """Forget cached snapshots and segments: the next read goes to disk (tests of what a cold reader sees)."""
+        self.reads.forget()
+
+    def cache_stats(self) -> dict[str, int]:
+        """``Reader.cache_stats``: the memory tier's and the disk tier's counters."""
+        return self.reads.cache_stats()
+
+    def users(self, with_no_live_facts: bool = False) -> list[str]:
+        """Users with at least one live fact (``with_no_live_facts``: every user ever written, too)."""
+        return self.reads.users(with_no_live_facts)
+
+    def version(self, user: str) -> str | None:
+        """The user's current memory version (changes on every committed write), or None if never written."""
+        return self.reads.version(user)
+
+    def user_info(self, user: str) -> dict:
+        """``Reader.user_info``: version, window, neighbours, history, num_facts, num_tokens, source."""
+        return self.reads.user_info(user)
+
+    def encoding_of(self, user: str) -> dict | None:
+        """``Reader.encoding_of``: how ``user``'s latest facts were encoded; None if never written."""
+        return self.reads.encoding_of(user)
+
+    def facts(self, user: str) -> list[FactRecord]:
+        return self.reads.snapshot(user).facts
+
+    def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
+        """``Reader.fact``: the live fact with this id (of ``user``, if given), or None."""
+        return self.reads.fact(fact_id, user)
+
+    def history(self, fact_id: str) -> list[dict]:
+        """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
+        return self.reads.history(fact_id)
+
+    def events(self, user: str) -> list[dict]:
+        """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""
+        return self.reads.events(user)
+
+    def turns(self, user: str, last: int | None = None) -> list[dict]:
+        """The user's stored conversation turns (oldest first; the ``last`` n): idx, dia_id, speaker, content, time."""
+        return self.reads.turns(user, last)
+
+    def snapshot(self, user: str, version: str | None = None) -> UserKV:
+        """``Reader.snapshot``: one consistent version of ``user``'s memory (LookupError if ``version`` was
+        replaced, UnknownUser for a user with no live memories)."""
+        return self.reads.snapshot(user, version)
+
+    def user_kv(self, user: str) -> UserKV:
+        """A user's current memory (``snapshot(user)``)."""
+        return self.reads.snapshot(user)
+
+    def snapshots(self, versions: list[tuple[str, str | None]]) -> UserKV:
+        """``Reader.snapshots``: the union of several users' snapshots."""
+        return self.reads.snapshots(versions)
+
+    def cached(self, versions: list[tuple[str, str]], fact_ids: list[str]) -> tuple[UserKV, list[int], list] | None:
+        """``Reader.cached``: the memory and spans of ``fact_ids`` when all of it is in memory, else None; no I/O,
+        never waits."""
+        return self.reads.cached(versions, fact_ids)
+
+    def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
+        """``Reader.changes``: (added [(row, embedding [E])], removed rows) since version ``since``, or None."""
+        return self.reads.changes(user, since)
+
+    def prefetch(self, ukv: UserKV, rows: list[int]) -> list:
+        """``Reader.prefetch``: start reading ``ukv.facts[rows]``' KV in the background; a future per segment."""
+        return self.reads.prefetch(ukv, rows)
+
+    def evict(self, ukv: UserKV, rows: list[int], memory_only: bool = False) -> None:
+        """``Reader.evict``: drop ``ukv.facts[rows]``' KV from the read tiers (load tests). Never raises."""
+        self.reads.evict(ukv, rows, memory_only)
+
+    def verify(self, user: str) -> int:
+        """``Reader.verify``: check every KV segment of ``user``'s current version now; returns how many."""
+        return self.reads.verify(user)
+
+    # --- writes (``write.Writer``) ---------------------------------------------------------------------
+
+    def writer(self, user: str | None = None):
+        """``Writer.writer``: the writer lock for ``user`` (None: the whole store), then this object's lock."""
+        return self.writes.writer(user)
+
+    def commit(
+        self,
+        user: str,
+        add: list[FactRecord] = (),
+        keys: list[torch.Tensor] = (),
+        values: list[torch.Tensor] = (),
+        embeddings: torch.Tensor | None = None,
+        delete: list[str] = (),
+        replace: bool = False,
+        turns: list[dict] = (),
+        events: list[tuple] = (),
+        window: int = 0,
+        source: str | None = None,
+        now: float | None = None,
+        neighbours: int | None = None,
+        history: bool | None = None,
+    ) -> str:
+        """``Writer.commit``, the one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every
+        live fact), append ``add`` as a new KV segment, append ``turns`` and history ``events``. Returns the new
+        memory version. Raises StoreError, with nothing written, for bad input."""
+        return self.writes.commit(
+            user, add, keys, values, embeddings, delete, replace, turns, events, window, source, now, neighbours,
+            history,
+        )  # fmt: skip
+
+    def put_user(
+        self,
+        user: str,
+        facts: list[FactRecord],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        embeddings: torch.Tensor,
+        window: int,
+        source: str = "",
+        neighbours: int = 0,
+        history: bool = False,
+    ) -> str:
+        """``Writer.put_user``: replace ``user``'s memory atomically. Returns the new version."""
+        return self.writes.put_user(user, facts, keys, values, embeddings, window, source, neighbours, history)
+
+    def compact(self, user: str) -> str:
+        """``Writer.compact``: rewrite ``user``'s live facts into one segment. Returns the new version."""
+        return self.writes.compact(user)
+
+    def delete_user(self, user: str) -> str:
+        """``Writer.delete_user``: tombstone every live fact of ``user``. Returns the new version."""
+        return self.writes.delete_user(user)
+
+    def reset(self) -> None:
+        """``Writer.reset``: delete every user's facts, turns and history."""
+        self.writes.reset()
+
+    def fsck(self) -> dict:
+        """``Writer.fsck``: check every user and remove orphaned files; returns the report."""
+        return self.writes.fsck()

@@ -1,0 +1,634 @@
+"""The read path of a store: snapshots (``UserKV``, one version of a user's memory from one read transaction), the
+facts' KV read by span from their segments, the read tiers in front of them, and prefetch.
+
+A reader takes rows from one read transaction, then reads only the facts it gathers from the segments it names
+(``segments.read_spans``: pread or range requests, never a mapping), each segment verified against its SHA-256 once
+per process. Reads look in the memory tier first (``tiers.MemoryTier``: facts' KV as stored), then the segments
+(through a disk tier, ``tiers.DiskTier``, for a remote object store). A version replaced meanwhile reads as
+LookupError once its segments are gone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import torch
+from cachetools import LRUCache
+from safetensors.torch import load
+
+from .. import kvformat
+from . import segments as seg_files
+from .location import StoreError, UnknownUser
+from .rows import Rows
+from .tiers import MemoryTier, put_bounded
+
+VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    """One stored fact. ``token_offset`` indexes its ``segment``'s [.., n, ..] tensors; ``row`` is the store's
+    stable row id (the vector index id); times are Unix seconds."""
+
+    fact_id: str
+    user: str
+    text: str
+    speaker: str
+    source_turn: str
+    date: str
+    token_ids: tuple[int, ...]
+    token_offset: int = 0
+    window: int = 0
+    segment: str = ""
+    row: int = 0
+    metadata: str = "{}"  # JSON
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class UserKV:
+    """One version of a user's memory: its live facts (row order), their embeddings, and its KV segments.
+
+    ``segments``: segment name -> SHA-256 of the file; fact ``i`` owns tokens ``token_offset .. +num_tokens`` of
+    its segment. ``embeddings``: [F, E] float32, L2-normalised, row ``i`` = ``facts[i]``. KV is read lazily, by
+    fact (``gather``), through the store that took the snapshot."""
+
+    user: str
+    version: str
+    facts: list[FactRecord]
+    segments: dict[str, str]
+    embeddings: torch.Tensor
+    reader: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    span_reader: Callable[..., list] | None = field(default=None, repr=False)  # ``read``'s: spans as stored
+    parts: tuple[UserKV, ...] = ()  # a union's partitions (``union``); () for one user's snapshot
+
+    @classmethod
+    def union(cls, parts: list[UserKV]) -> UserKV:
+        """Several users' snapshots (entity scopes, ``scopes``) read as one memory: facts and embeddings in
+        ``parts`` order, positions offset by the parts before. ``user`` (a JSON list of the users) and ``version``
+        (their versions, comma-joined) name exactly this set of versions, so a cache salt over them covers every
+        scope it used. One part is returned as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            raise ValueError("a union needs at least one snapshot")
+        return cls(
+            json.dumps([p.user for p in parts]),
+            ",".join(p.version for p in parts),
+            [f for p in parts for f in p.facts],
+            {(p.user, s): sha for p in parts for s, sha in p.segments.items()},
+            torch.cat([p.embeddings for p in parts]),
+            parts[0].reader,
+            parts[0].span_reader,
+            tuple(parts),
+        )
+
+    def versions(self) -> list[tuple[str, str]]:
+        """(user, version) of each partition: [(self.user, self.version)] for one user's snapshot."""
+        return [(p.user, p.version) for p in self.parts] or [(self.user, self.version)]
+
+    def segment_sha(self, user: str, segment: str) -> str:
+        return self.segments[(user, segment) if self.parts else segment]
+
+    def row_of(self) -> dict[str, int]:
+        """fact_id -> position in ``facts`` (and in ``embeddings``)."""
+        return {f.fact_id: i for i, f in enumerate(self.facts)}
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """store row id -> position in ``facts`` (what the vector index returns -> what compose takes)."""
+        return {f.row: i for i, f in enumerate(self.facts)}
+
+    def fact_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each."""
+        return self.gather([i])
+
+    def read(self, rows: list[int], timings: dict | None = None) -> list:
+        """The stored KV of ``facts[rows]``, as stored (``kvformat.SpanKV`` each, not dequantised): ``gather``'s
+        reads alone, from the read cache or the segments, for a caller that assembles them elsewhere (the vLLM
+        worker reads on a loader thread and assembles on the engine's). ``timings`` gets ``read`` (ms). Raises
+        as ``gather`` does."""
+        if self.span_reader is None:
+            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
+        return self.span_reader(self, [self.facts[r] for r in rows], timings)
+
+    def gather(
+        self,
+        rows: list[int],
+        timings: dict | None = None,
+        dtype: torch.dtype | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        empty=None,
+        spans: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
+        dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
+        ``timings``: gets ``read`` (cache and segment reads; not when ``spans`` are given) and ``dequantize``
+        (assembly) in ms. ``dtype``: of the result (default the model's; rewrites of a lossy store take fp32, where
+        dequantisation is exact).
+        ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
+        the result goes (``kvformat.assemble``). ``spans``: what ``read(rows)`` returned, assembled without
+        reading again.
+
+        Raises LookupError if this version was replaced and its files removed meanwhile, StoreError if a
+        segment is missing, truncated or corrupt."""
+        if self.reader is None:
+            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
+        if spans is not None and len(spans) != len(rows):
+            raise ValueError(f"{len(spans)} spans for {len(rows)} rows")
+        return self.reader(self, [self.facts[r] for r in rows], timings, dtype, prefix, empty, spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(f.num_tokens for f in self.facts)
+
+    @functools.cached_property
+    def expiring(self) -> dict[int, str]:
+        """store row id -> ``expiration_date`` (YYYY-MM-DD, Mem0's metadata field) of the facts that have one."""
+        if self.parts:  # each part's map is cached with its snapshot
+            return {r: d for p in self.parts for r, d in p.expiring.items()}
+        out = {}
+        for f in self.facts:
+            if '"expiration_date"' in f.metadata:
+                exp = json.loads(f.metadata).get("expiration_date")
+                if isinstance(exp, str):
+                    out[f.row] = exp
+        return out
+
+    def unexpired(self, today: str | None = None) -> set[int] | None:
+        """Store row ids of the facts not expired on ``today`` (YYYY-MM-DD, default the current UTC date; a fact
+        expires after its date), or None when none has expired (every row may be served)."""
+        today = today or datetime.now(UTC).date().isoformat()
+        gone = {r for r, d in self.expiring.items() if d < today}
+        return None if not gone else {f.row for f in self.facts} - gone
+
+
+FACT_COLS = (
+    'fact_id, "user", text, speaker, source_turn, date, token_ids, token_offset, "window", segment, "row", '
+    "metadata, created_at, updated_at"
+)
+
+
+def fact_of_row(r) -> FactRecord:
+    return FactRecord(
+        r[0],
+        r[1],
+        r[2],
+        r[3] or "",
+        r[4] or "",
+        r[5] or "",
+        tuple(json.loads(r[6])),
+        r[7],
+        r[8],
+        r[9],
+        r[10],
+        r[11],
+        r[12],
+        r[13],
+    )
+
+
+def _fact_key(f: FactRecord) -> tuple:
+    """A fact's KV in the memory tier (``Reader.evict`` drops a segment's by the key's user and segment)."""
+    return ("fact", f.user, f.segment, f.token_offset, f.num_tokens)
+
+
+def _ukv_bytes(ukv: UserKV) -> int:
+    return ukv.embeddings.nbytes + 256 * (len(ukv.facts) + len(ukv.segments))
+
+
+def _locked(method):
+    """Run a method under the store object's lock (its SQLite connection is shared across threads)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def segment_name(user: str, segment: str) -> str:
+    """The object name of ``user``'s KV segment ``segment`` (immutable once committed)."""
+    return f"{user_prefix(user)}.{segment}.kv.safetensors"
+
+
+def user_prefix(user: str) -> str:
+    """What every segment name of ``user`` starts with: a file-safe spelling of the name and a hash of it."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:64] + "-" + hashlib.sha256(user.encode()).hexdigest()[:8]
+
+
+class Reader:
+    """A store's read path: its rows' read queries, snapshots (cached per version), the facts' KV read through the
+    memory tier and the segments, each segment verified once, and prefetch. Shares the store's ``lock`` (one
+    connection, one transaction at a time); ``Store`` exposes it. Caches, each bounded by ``cache_bytes``:
+    snapshots (rows, embeddings) and the memory tier (facts' KV as stored)."""
+
+    def __init__(
+        self, rows: Rows, segments: seg_files.SegmentStore, lock: threading.RLock, kv_format: str, cache_bytes: int
+    ):
+        self.rows, self.segments, self._lock, self.kv_format = rows, segments, lock, kv_format
+        self.name = rows.name
+        size = max(1, int(cache_bytes))
+        self.snapshot_cache: LRUCache = LRUCache(maxsize=size, getsizeof=_ukv_bytes)
+        self.memory = MemoryTier(size)  # facts' ``kvformat.SpanKV``, as stored
+        # segments verified against their SHA-256 (identity -> layout), outside the byte budget: evicting one
+        # would cost a whole-file re-hash on the next miss
+        self.verified: LRUCache = LRUCache(maxsize=VERIFIED_SEGMENTS)
+        self._header: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._prefetcher = None  # one thread for ``prefetch``, made on first use
+        self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=False, cancel_futures=True)
+
+    def rewrite_dtype(self) -> torch.dtype | None:
+        """The dtype a rewrite of this store's KV reads it in: fp32 for a lossy format (exact dequantisation, so
+        the same integers come back), else the stored dtype."""
+        return torch.float32 if self.kv_format != "native" else None
+
+    def forget(self, user: str | None = None, kv: bool = False) -> None:
+        """Drop ``user``'s cached snapshot (None: every cache, and which segments were verified); ``kv``: its facts'
+        KV too. After a write, fsck or reset."""
+        with self._lock:
+            if user is None:
+                self.snapshot_cache.clear()
+                self.memory.clear()
+                self.verified.clear()
+                return
+            self.snapshot_cache.pop(user, None)
+            if kv:
+                for key in self.memory.held():
+                    if key[1] == user:
+                        self.memory.remove(key)
+
+    def header_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Header pre-RoPE keys and raw values, [L, H, h, D] each."""
+        if self._header is None:
+            with self._lock:
+                t = load(self.rows.header())
+            self._header = (t["keys"], t["values"])
+        return self._header
+
+    def cache_stats(self) -> dict[str, int]:
+        """This object's read counters: facts' KV served from its memory cache (``kv_hits``) or read from segments
+        (``kv_misses``, ``kv_read_bytes``), the cache's size and evictions (``kv_cache_bytes``, ``kv_evictions``,
+        ``kv_evicted_bytes``; stored bytes, so a quantised store holds more facts in the same bound), and the disk
+        cache's, if any (``disk_hits``, ``disk_misses``, ``disk_fetched_bytes``, ``disk_errors``,
+        ``disk_cache_bytes``, ``disk_evictions``)."""
+        with self._lock:
+            return {
+                **self._stats,
+                "kv_cache_bytes": self.memory.nbytes(),
+                "kv_evictions": self.memory.evictions,
+                "kv_evicted_bytes": self.memory.evicted_bytes,
+                **self.segments.stats(),
+            }
+
+    @_locked
+    def users(self, with_no_live_facts: bool = False) -> list[str]:
+        """Users with at least one live fact (``with_no_live_facts``: every user ever written, too)."""
+        q = 'SELECT DISTINCT "user" FROM facts WHERE deleted IS NULL ORDER BY "user"'
+        if with_no_live_facts:
+            q = 'SELECT "user" FROM users ORDER BY "user"'
+        return [r[0] for r in self.rows.execute(q)]
+
+    @_locked
+    def version(self, user: str) -> str | None:
+        """The user's current memory version (changes on every committed write), or None if never written."""
+        row = self.rows.execute('SELECT version FROM users WHERE "user"=?', (user,)).fetchone()
+        return None if row is None else str(row[0])
+
+    @_locked
+    def user_info(self, user: str) -> dict:
+        """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
+        StoreError for an unknown user."""
+        enc = self.encoding_of(user)
+        n = self.rows.execute(
+            f'SELECT COUNT(*), COALESCE(SUM({self.rows.tokens_sql}), 0) FROM facts WHERE "user"=? AND deleted IS NULL',
+            (user,),
+        ).fetchone()
+        if enc is None or n[0] == 0:
+            known = ", ".join(self.users()[:20]) or "none"
+            raise UnknownUser(f"unknown user {user!r} in store {self.name} (users: {known})")
+        return {**enc, "num_facts": int(n[0]), "num_tokens": int(n[1])}
+
+    @_locked
+    def encoding_of(self, user: str) -> dict | None:
+        """How ``user``'s latest facts were encoded: version, window, neighbours, history, source; None if the
+        user was never written (live facts or not)."""
+        row = self.rows.execute('SELECT version, "window", source FROM users WHERE "user"=?', (user,)).fetchone()
+        if row is None:
+            return None
+        m = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
+        h = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
+        return {
+            "version": str(row[0]),
+            "window": row[1],
+            "neighbours": int(m[0]) if m else 0,
+            "history": bool(h[0]) if h else False,
+            "source": row[2],
+        }
+
+    def facts(self, user: str) -> list[FactRecord]:
+        return self.snapshot(user).facts
+
+    @_locked
+    def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
+        """The live fact with this id (of ``user``, if given), or None. Ids are unique per user (``Memory`` ids
+        are UUIDs); an id live for several users without ``user`` raises LookupError."""
+        rows = self.rows.execute(
+            f"SELECT {FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL "
+            + ('AND "user"=? ' if user is not None else "")
+            + 'ORDER BY "row"',
+            (fact_id, user) if user is not None else (fact_id,),
+        ).fetchall()
+        if len(rows) > 1:
+            raise LookupError(f"memory id {fact_id!r} belongs to several users; name the user")
+        return fact_of_row(rows[0]) if rows else None
+
+    def history(self, fact_id: str) -> list[dict]:
+        """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
+        return self._events("fact_id", fact_id)
+
+    def events(self, user: str) -> list[dict]:
+        """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""
+        return self._events('"user"', user)
+
+    @_locked
+    def _events(self, column: str, value: str) -> list[dict]:
+        q = 'SELECT id, fact_id, "user", event, old_memory, new_memory, time FROM history WHERE '
+        q += f"{column}=? ORDER BY id"
+        return [
+            dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
+            for r in self.rows.execute(q, (value,))
+        ]
+
+    @_locked
+    def turns(self, user: str, last: int | None = None) -> list[dict]:
+        """The user's stored conversation turns (oldest first; the ``last`` n): idx, dia_id, speaker, content, time."""
+        q = 'SELECT idx, dia_id, speaker, content, time FROM turns WHERE "user"=? ORDER BY idx DESC LIMIT ?'
+        rows = self.rows.execute(q, (user, 1 << 62 if last is None else max(last, 0))).fetchall()
+        return [dict(zip(("idx", "dia_id", "speaker", "content", "time"), r)) for r in reversed(rows)]
+
+    def segment_layout(self, user: str, segment: str, sha: str, handle) -> seg_files.SegmentLayout:
+        """The layout of an open segment, verified against ``sha`` the first time this process reads it (and
+        again whenever its identity changed since). Raises SegmentCorrupt."""
+        ident = handle.identity()
+        key = (user, segment)
+        with self._lock:
+            known = self.verified.get(key)
+        if known is not None and known[0] == (sha, ident):
+            return known[1]
+        seg_files.verify(handle, sha)
+        layout = seg_files.read_layout(handle)
+        if layout.kv_format != self.kv_format:
+            raise seg_files.SegmentCorrupt(f"holds {layout.kv_format} KV in a {self.kv_format} store")
+        with self._lock:
+            self.verified[key] = ((sha, ident), layout)
+        return layout
+
+    def prefetch(self, ukv: UserKV, rows: list[int]) -> list:
+        """Start reading the KV of ``ukv.facts[rows]`` in the background ("prefetch along the retrieval path"): the
+        segments' tier below this process (the page cache of a local file, the disk cache of a remote store) is
+        warmed while the request goes on to the engine, whose reader (this store or the vLLM worker's) then
+        finds them there. Returns at once, with a future per segment; never raises."""
+        spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for r in rows:
+            f = ukv.facts[r]
+            spans.setdefault((f.user, f.segment), []).append((f.token_offset, f.num_tokens))
+        if not spans:
+            return []
+        with self._lock:
+            if self._prefetcher is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-prefetch")
+        return [
+            self._prefetcher.submit(self.segments.prefetch, segment_name(user, segment), s)
+            for (user, segment), s in spans.items()
+        ]
+
+    def evict(self, ukv: UserKV, rows: list[int], memory_only: bool = False) -> None:
+        """Drop the KV of ``ukv.facts[rows]`` from this process's read cache (the memory tier) and, unless
+        ``memory_only``, their segments from the tiers below it (``SegmentStore.evict``: page cache, disk cache),
+        so the next read of them is a cold one (load tests). Never raises."""
+        segs = {(ukv.facts[r].user, ukv.facts[r].segment) for r in rows}
+        with self._lock:
+            for key in self.memory.held():
+                if key[0] == "fact" and (key[1], key[2]) in segs:
+                    self.memory.remove(key)
+        if not memory_only:
+            for user, segment in segs:
+                self.segments.evict(segment_name(user, segment))
+
+    def verify(self, user: str) -> int:
+        """Verify every KV segment of ``user``'s current version against its checksum now (a reader otherwise
+        verifies each on its first read); returns how many. Raises StoreError, UnknownUser."""
+        ukv = self.snapshot(user)
+        self.check_segments(ukv)
+        return len(ukv.segments)
+
+    def check_segments(self, ukv: UserKV) -> None:
+        """Verify every segment of ``ukv`` against its checksum, and that each fact's span lies inside it (fsck:
+        no KV is loaded). Raises StoreError."""
+        for segment, sha in ukv.segments.items():
+            try:
+                handle = self.segments.open(segment_name(ukv.user, segment))
+            except OSError as exc:
+                raise StoreError(f"KV segment {segment} is missing or unreadable ({exc.strerror or exc})") from None
+            try:
+                layout = self.segment_layout(ukv.user, segment, sha, handle)
+            except (seg_files.SegmentCorrupt, OSError) as exc:
+                self.segments.discard(segment_name(ukv.user, segment))
+                raise StoreError(f"KV segment {segment} {exc}") from None
+            finally:
+                handle.close()
+            if any(f.token_offset + f.num_tokens > layout.num_tokens for f in ukv.facts if f.segment == segment):
+                raise StoreError(f"KV segment {segment} is shorter than its fact rows say")
+
+    def read_facts(
+        self,
+        ukv: UserKV,
+        facts: list[FactRecord],
+        timings: dict | None = None,
+        dtype: torch.dtype | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        empty=None,
+        spans: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``UserKV.gather``'s reader: the facts as stored (``_read_spans``, unless given), dequantised together
+        into the store's dtype."""
+        parts = self.read_spans(ukv, facts, timings) if spans is None else spans
+        if not parts and prefix is not None:
+            return prefix
+        if not parts:
+            k, _ = self.header_kv()
+            empty = k.new_zeros((*k.shape[:2], 0, k.shape[3]))
+            return empty, empty.clone()
+        t1 = time.perf_counter()
+        kv = kvformat.assemble(parts, dtype or self.header_kv()[0].dtype, prefix, empty)
+        if timings is not None:
+            timings["dequantize"] = (time.perf_counter() - t1) * 1e3
+        return kv
+
+    def read_spans(self, ukv: UserKV, facts: list[FactRecord], timings: dict | None = None) -> list:
+        """``UserKV.read``'s reader: cached facts from the LRU, the rest by span from their segment files, each
+        kept as stored (``kvformat.SpanKV``) and put in the LRU."""
+        t0 = time.perf_counter()
+        parts: list = [None] * len(facts)
+        missing: dict[str, list[int]] = {}
+        with self._lock:
+            for i, f in enumerate(facts):
+                parts[i] = self.memory.get(_fact_key(f))
+                if parts[i] is None:
+                    missing.setdefault((f.user, f.segment), []).append(i)
+            n_missing = sum(map(len, missing.values()))
+            self._stats["kv_misses"] += n_missing
+            self._stats["kv_hits"] += len(facts) - n_missing
+        versions = dict(ukv.versions())
+        for (user, segment), idx in missing.items():
+            where = f"store {self.name}: KV segment {segment} of user {user!r}"
+            try:
+                handle = self.segments.open(segment_name(user, segment))
+            except FileNotFoundError:
+                if self.version(user) != versions[user]:
+                    raise LookupError(f"memory version {versions[user]} of {user!r} is no longer current") from None
+                raise StoreError(f"{where} is missing (run `kvmem store fsck --store {self.name}`)") from None
+            except OSError as exc:
+                raise StoreError(f"{where} cannot be opened ({exc})") from None
+            try:
+                layout = self.segment_layout(user, segment, ukv.segment_sha(user, segment), handle)
+                kvs = seg_files.read_spans(handle, layout, [(facts[i].token_offset, facts[i].num_tokens) for i in idx])
+            except seg_files.SegmentCorrupt as exc:
+                self.segments.discard(segment_name(user, segment))  # a cached copy: fetched again next time
+                raise StoreError(f"{where} {exc}") from None
+            except OSError as exc:  # EIO and the like: that read fails, the reader prefills instead
+                raise StoreError(f"{where} cannot be read ({exc})") from None
+            finally:
+                handle.close()
+            with self._lock:
+                self._stats["kv_read_bytes"] += sum(kv.nbytes for kv in kvs)
+                for i, kv in zip(idx, kvs):
+                    parts[i] = kv
+                    f = facts[i]
+                    self.memory.put(_fact_key(f), kv)
+        if timings is not None:
+            timings["read"] = (time.perf_counter() - t0) * 1e3
+        return parts
+
+    @_locked
+    def snapshot(self, user: str, version: str | None = None) -> UserKV:
+        """One consistent version of ``user``'s memory: rows, embeddings and segment checksums from one read
+        transaction. KV is not read here: ``UserKV.gather`` reads the facts it is asked for.
+
+        ``version``: that exact version or LookupError (it was replaced); None: the current one. Cached per
+        version. Raises UnknownUser for a user with no live memories.
+        """
+        current = self.version(user)
+        if version is not None and current != version:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
+        cached = self.snapshot_cache.get(user)
+        if cached is not None and cached.version == current:
+            return cached
+        with self.rows.snapshot():
+            current = self.version(user)
+            facts, emb = [], []
+            for r in self.rows.execute(
+                f'SELECT {FACT_COLS}, embedding FROM facts WHERE "user"=? AND deleted IS NULL ORDER BY "row"',
+                (user,),
+            ):
+                facts.append(fact_of_row(r))
+                emb.append(r[-1])
+            shas = dict(self.rows.execute('SELECT segment, kv_sha256 FROM segments WHERE "user"=?', (user,)))
+        if not facts:
+            raise UnknownUser(f"unknown user {user!r} in store {self.name} (no live memories)")
+        if version is not None and current != version:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
+        try:
+            segments = {s: shas[s] for s in {f.segment for f in facts}}
+        except KeyError:
+            raise StoreError(f"store {self.name}: user {user!r} names a segment with no checksum row") from None
+        embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
+        ukv = UserKV(user, current, facts, segments, embeddings, self.read_facts, self.read_spans)
+        put_bounded(self.snapshot_cache, user, ukv)
+        return ukv
+
+    def snapshots(self, versions: list[tuple[str, str | None]]) -> UserKV:
+        """The union (``UserKV.union``) of several users' snapshots: ``(user, version)`` pairs, a version of
+        None meaning the current one, where a user with no live memories is left out. Raises UnknownUser when
+        none is left, LookupError when a given version was replaced."""
+        parts = []
+        for user, version in versions:
+            try:
+                parts.append(self.snapshot(user, version))
+            except UnknownUser:
+                if version is not None:
+                    raise
+        if not parts:
+            raise UnknownUser(f"no live memories for {[u for u, _ in versions]!r} in store {self.name}")
+        return UserKV.union(parts)
+
+    def cached(self, versions: list[tuple[str, str]], fact_ids: list[str]) -> tuple[UserKV, list[int], list] | None:
+        """The memory of exactly these (user, version) pairs and the stored spans of ``fact_ids`` (as ``snapshots``
+        and ``read`` give them), when this object holds all of it in memory: each snapshot and every fact in the
+        read cache. It does no I/O, not even the version check (a version's facts and KV never change; unlike
+        ``snapshots`` it serves a version since replaced, whether that may be served is the caller's to know), and
+        never waits: while another thread holds the store's lock (a read or a write under way) it returns None.
+        Returns (memory, its rows of ``fact_ids``, their spans), or None when anything is missing; counts the hits
+        only when it returns them."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            parts = [self.snapshot_cache.get(user) for user, _ in versions]
+            if not parts or any(p is None or p.version != v for p, (_, v) in zip(parts, versions)):
+                return None
+            ukv = UserKV.union(parts)
+            rows_of = ukv.row_of()
+            if any(f not in rows_of for f in fact_ids):
+                return None
+            rows = [rows_of[f] for f in fact_ids]
+            spans = [self.memory.get(_fact_key(ukv.facts[r])) for r in rows]
+            if any(s is None for s in spans):
+                return None
+            self._stats["kv_hits"] += len(spans)
+        finally:
+            self._lock.release()
+        return ukv, rows, spans
+
+    @_locked
+    def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
+        """What changed in ``user``'s live facts after version ``since``: (added [(row, embedding [E])], removed
+        rows), for incremental index updates; None if a compaction since then requires a full rebuild."""
+        since_v = int(since)
+        row = self.rows.execute('SELECT compacted FROM users WHERE "user"=?', (user,)).fetchone()
+        if row is None or row[0] > since_v:
+            return None
+        added = [
+            (r[0], torch.frombuffer(bytearray(r[1]), dtype=torch.float32))
+            for r in self.rows.execute(
+                'SELECT "row", embedding FROM facts WHERE "user"=? AND added>? AND deleted IS NULL ORDER BY "row"',
+                (user, since_v),
+            )
+        ]
+        removed = [
+            r[0]
+            for r in self.rows.execute(
+                'SELECT "row" FROM facts WHERE "user"=? AND added<=? AND deleted>?', (user, since_v, since_v)
+            )
+        ]
+        return added, removed

@@ -1,0 +1,173 @@
+"""The store's tables, defined once and rendered to both SQL dialects (SQLite for a local store, PostgreSQL for a
+shared one).
+
+A column's type is abstract (``INT``, ``BIG``, ``NUM``, ``REAL``, ``TEXT``, ``BLOB``, ``ROWID``); each dialect
+says what it is. What the two dialects render is statement for statement the schema each backend has always
+created (``tests/test_store_safety.py`` checks the text), so stores written before stay readable. Reserved words
+(``user``, ``window``, ``row``) are quoted for PostgreSQL; SQLite takes them bare, as it always has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
+
+# (name, type, constraints): a column. A table: (name, columns, table constraints).
+TABLES: tuple[tuple[str, tuple[tuple[str, str, str], ...], tuple[str, ...]], ...] = (
+    ("meta", (("key", "TEXT", "PRIMARY KEY"), ("value", "NUM", "NOT NULL")), ()),
+    (
+        "users",
+        (
+            ("user", "TEXT", "PRIMARY KEY"),
+            ("version", "BIG", "NOT NULL"),
+            ("window", "INT", "NOT NULL"),
+            ("source", "TEXT", ""),
+            ("compacted", "BIG", "NOT NULL DEFAULT 0"),
+            ("updated", "REAL", "NOT NULL"),
+        ),
+        (),
+    ),
+    (
+        "segments",
+        (
+            ("user", "TEXT", "NOT NULL"),
+            ("segment", "TEXT", "NOT NULL"),
+            ("kv_sha256", "TEXT", "NOT NULL"),
+            ("num_tokens", "INT", "NOT NULL"),
+        ),
+        ("PRIMARY KEY ({user}, segment)",),
+    ),
+    (
+        "facts",
+        (
+            ("row", "ROWID", ""),
+            ("user", "TEXT", "NOT NULL"),
+            ("fact_id", "TEXT", "NOT NULL"),
+            ("text", "TEXT", "NOT NULL"),
+            ("speaker", "TEXT", ""),
+            ("source_turn", "TEXT", ""),
+            ("date", "TEXT", ""),
+            ("metadata", "TEXT", "NOT NULL DEFAULT '{}'"),
+            ("token_ids", "TEXT", "NOT NULL"),
+            ("segment", "TEXT", "NOT NULL"),
+            ("token_offset", "INT", "NOT NULL"),
+            ("window", "INT", "NOT NULL"),
+            ("embedding", "BLOB", "NOT NULL"),
+            ("added", "BIG", "NOT NULL"),
+            ("deleted", "BIG", ""),
+            ("created_at", "REAL", "NOT NULL"),
+            ("updated_at", "REAL", "NOT NULL"),
+        ),
+        (),
+    ),
+    (
+        "history",
+        (
+            ("id", "ROWID", ""),
+            ("user", "TEXT", "NOT NULL"),
+            ("fact_id", "TEXT", "NOT NULL"),
+            ("event", "TEXT", "NOT NULL"),
+            ("old_memory", "TEXT", ""),
+            ("new_memory", "TEXT", ""),
+            ("time", "REAL", "NOT NULL"),
+            ("version", "BIG", "NOT NULL"),
+        ),
+        (),
+    ),
+    (
+        "turns",
+        (
+            ("user", "TEXT", "NOT NULL"),
+            ("idx", "INT", "NOT NULL"),
+            ("dia_id", "TEXT", ""),
+            ("speaker", "TEXT", ""),
+            ("content", "TEXT", "NOT NULL"),
+            ("time", "REAL", ""),
+        ),
+        ("PRIMARY KEY ({user}, idx)",),
+    ),
+)
+# (name, unique, table, columns, partial-index condition), each created after its table
+INDEXES: dict[str, tuple[tuple[str, bool, str, str, str], ...]] = {
+    "facts": (
+        ("live_fact", True, "facts", "{user}, fact_id", "deleted IS NULL"),
+        ("facts_id", False, "facts", "fact_id", ""),
+        ("facts_user", False, "facts", "{user}, deleted", ""),
+        ("facts_segment", False, "facts", "{user}, segment", "deleted IS NULL"),
+    ),
+    "history": (("history_fact", False, "history", "fact_id", ""),),
+}
+RESERVED = ("user", "window", "row")  # quoted in PostgreSQL, where they are reserved words
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the two SQL dialects: types, quoting, ``IF NOT EXISTS``, and what each backend adds
+    to the shared tables (``before`` them, ``after_meta``: right after the meta table)."""
+
+    types: dict[str, str]
+    quote: bool
+    if_not_exists: bool
+    before: str
+    after_meta: str
+
+    def name(self, column: str) -> str:
+        return f'"{column}"' if self.quote and column in RESERVED else column
+
+
+SQLITE = Dialect(
+    types={
+        "TEXT": "TEXT",
+        "INT": "INTEGER",
+        "BIG": "INTEGER",
+        "NUM": "INTEGER",  # SQLite's INTEGER affinity keeps a non-integral value (a time) as REAL
+        "REAL": "REAL",
+        "BLOB": "BLOB",
+        "ROWID": "INTEGER PRIMARY KEY AUTOINCREMENT",
+    },
+    quote=False,
+    if_not_exists=True,
+    before="PRAGMA journal_mode=WAL;\nPRAGMA user_version={version};\n",
+    after_meta="INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);\n",  # the version counter
+)
+POSTGRES = Dialect(
+    types={
+        "TEXT": "TEXT",
+        "INT": "INTEGER",
+        "BIG": "BIGINT",
+        "NUM": "DOUBLE PRECISION",
+        "REAL": "DOUBLE PRECISION",
+        "BLOB": "BYTEA",
+        "ROWID": "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+    },
+    quote=True,
+    if_not_exists=False,
+    # the manifest and header live in the database; versions come from a sequence (``start``: see PostgresRows)
+    before=(
+        "CREATE TABLE kvmem_manifest (\n"
+        "    id INTEGER PRIMARY KEY CHECK (id = 1), schema_version INTEGER NOT NULL, manifest TEXT, header BYTEA);\n"
+        "CREATE SEQUENCE kvmem_version START WITH {start};\n"
+    ),
+    after_meta="",
+)
+
+
+def render(dialect: Dialect, **values) -> str:
+    """The DDL that creates a new store's schema in ``dialect``. ``values`` fill the dialect's placeholders
+    (SQLite: none needed, ``version`` is ``SCHEMA_VERSION``; PostgreSQL: ``start``, the version sequence's first
+    value)."""
+    exists = " IF NOT EXISTS" if dialect.if_not_exists else ""
+    user = dialect.name("user")
+    out = [dialect.before.format(version=SCHEMA_VERSION, **values)]
+    for table, columns, constraints in TABLES:
+        cols = [" ".join(filter(None, (dialect.name(c), dialect.types[t], extra))) for c, t, extra in columns]
+        cols += [c.format(user=user) for c in constraints]
+        out.append(f"CREATE TABLE{exists} {table} (\n    {', '.join(cols)});\n")
+        if table == "meta":
+            out.append(dialect.after_meta)
+        for name, unique, on, what, where in INDEXES.get(table, ()):
+            kind = "UNIQUE INDEX" if unique else "INDEX"
+            cond = f" WHERE {where}" if where else ""
+            out.append(f"CREATE {kind}{exists} {name} ON {on} ({what.format(user=user)}){cond};\n")
+    return "".join(out)
