@@ -348,7 +348,7 @@ def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
 
 def test_from_config_in_mem0_shape_and_refusals(oss, tmp_path):
     from kvmem import AsyncMemory, Memory, MemoryInputError
-    from kvmem.extract import OpenAIExtractor
+    from kvmem.memory.extract import OpenAIExtractor
 
     cfg = {
         "vector_store": {"provider": "faiss", "config": {"path": str(oss.store.root)}},

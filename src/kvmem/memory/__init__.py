@@ -25,16 +25,15 @@ from collections import Counter
 from datetime import UTC, date, datetime
 from pathlib import Path
 
-from . import grounding, scopes
-from .compose import check_text
-from .config import config_kwargs
-from .extract import DECISIONS_PROMPT, FACTS_PROMPT, Decision, make_extractor
-from .ingest import open_or_create_store, write_facts
-from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
-from .policy import Encoding, check_user
-from .retrieve import Embedder, IndexCache
-from .scopes import Scope, ScopeError
-from .store import (
+from .. import scopes
+from ..compose import check_text
+from ..config import config_kwargs
+from ..ingest import open_or_create_store, write_facts
+from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
+from ..policy import Encoding, check_user
+from ..retrieve import Embedder, IndexCache
+from ..scopes import Scope, ScopeError
+from ..store import (
     CACHE_BYTES,
     FactRecord,
     Store,
@@ -44,6 +43,8 @@ from .store import (
     check_segments_url,
     is_url,
 )
+from . import grounding
+from .extract import DECISIONS_PROMPT, FACTS_PROMPT, Decision, make_extractor
 
 logger = logging.getLogger("kvmem.memory")
 
