@@ -1,10 +1,11 @@
 """``Memory``, ``AsyncMemory``: the facade, Mem0's open-source ``Memory`` over a kvmem store.
 
-Every write (``add``, ``update``, ``delete``, ...) goes through the one write path (``ingest.write_facts``): a
-new fact is encoded behind the ``window`` conversation turns before it (context-window encoding, paper §3.2),
-embedded, and committed with its KV segment in one store transaction, so the vector index and the KV store never
-disagree; the scope's memory version changes on every commit (the vLLM connector's checks and cache salt key on
-it). Deletes are tombstones; an update is a delete plus an add that keeps the id; ``compact`` drops dead rows.
+Every commit (``add``, ``update``, ``delete``, ``delete_all``, ``import_memories``) goes through one method,
+``Memory._write``, and from there through the one write path (``ingest.write_facts``): a new fact is encoded
+behind the ``window`` conversation turns before it (context-window encoding, paper §3.2), embedded, and committed
+with its KV segment in one store transaction, so the vector index and the KV store never disagree; the scope's
+memory version changes on every commit (the vLLM connector's checks and cache salt key on it). Deletes are
+tombstones; an update is a delete plus an add that keeps the id; ``compact`` drops dead rows.
 
 The API is mem0ai 2.2.1's ``Memory`` / ``AsyncMemory``: entity scopes (``user_id``, ``agent_id``, ``run_id``;
 each combination is one store partition, ``scopes``), Mem0's filters applied before the top-k, its defaults
@@ -34,6 +35,7 @@ from ..policy import Encoding
 from ..retrieve import Embedder, IndexCache
 from ..scopes import Scope
 from ..store import (
+    ALL,
     CACHE_BYTES,
     FactRecord,
     Store,
@@ -389,19 +391,25 @@ class Memory:
     def _write(
         self,
         user: str,
-        new: list[tuple[str, str | None, dict]],
-        delete: list[str],
-        turns: list[dict],
-        contexts: list[str],
-        events: list[tuple],
-        now: float,
+        new: list[tuple[str, str | None, dict]] = (),
+        delete: list[str] = (),
+        turns: list[dict] = (),
+        contexts: list[str] = (),
+        events: list[tuple] = (),
+        now: float | None = None,
         created: dict[str, float] | None = None,
         dated: bool = False,
+        window: int | None = None,
     ) -> tuple[str, list[FactRecord]]:
-        """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids
-        (``dated``: also each fact's date, as for imported memories; else the date is now's)."""
+        """Every commit of this facade: through the one write path (``ingest.write_facts``), in one store
+        transaction. new: (text, fact id or None for a fresh uuid, metadata); ``delete``: ids, or ``store.ALL``
+        (what is live when the commit runs); ``created``: kept creation times of updated ids (``dated``: also
+        each fact's date, as for imported memories; else the date is now's); ``now``: None, the commit's time;
+        ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``). The model and
+        embedder load only for a write with new facts. Returns (the new version, the new facts' records)."""
 
-        window, neighbours, history = self._encoding(user)
+        scope_window, neighbours, history = self._encoding(user)
+        window = scope_window if window is None else window
         created = created or {}
         records = [
             FactRecord(
@@ -421,12 +429,12 @@ class Memory:
         ]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(
-            self.lm,
-            self.embedder,
+            self.lm if records else None,
+            self.embedder if records else None,
             self.store,
             user,
             records,
-            contexts,
+            list(contexts),
             rendered,
             delete=delete,
             turns=turns,
@@ -478,10 +486,7 @@ class Memory:
             kept = [(i, m) for i, m in enumerate(msgs) if m["role"] != "system"]  # as Mem0: never a memory
             new = [(m["content"], None, {**meta, "role": m["role"]} | mem0.actor(m)) for _, m in kept]
             contexts = [self._context(user, turns, i) for i, _ in kept]
-            if not new:
-                self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
-                return {"results": []}
-            _, records = self._write(user, new, [], turns, contexts, [], now)
+            _, records = self._write(user, new, turns=turns, contexts=contexts, now=now)
             return {"results": mem0.added(records)}
         return self._infer(user, msgs, turns, meta, now, prompt or self.custom_instructions)
 
@@ -517,17 +522,11 @@ class Memory:
         ukv = self._snapshot([user])  # read after the extraction, just before the decisions
         similar = lambda text, k: self._similar(ukv, text, k)
         plan = reconcile.decide(got, extractor, similar, metadata, self.extraction_counts)
-        context = self._context(user, turns, len(turns) - 1)
-        results = plan.results
-        if plan.new or plan.delete:
-            created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
-            contexts = [context] * len(plan.new)
-            _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created)
-            added = [r for r, n in zip(records, plan.new) if n[1] is None]
-            results = mem0.added(added) + results
-        else:  # nothing to remember: the turns are still the context of later facts
-            self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
-        out: dict = {"results": results}
+        contexts = [self._context(user, turns, len(turns) - 1)] * len(plan.new)
+        created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
+        _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created)
+        added = [r for r, n in zip(records, plan.new) if n[1] is None]
+        out: dict = {"results": mem0.added(added) + plan.results}
         if not out["results"]:
             self.extraction_counts["empty"] += 1
             why = (
@@ -585,7 +584,7 @@ class Memory:
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
-            self.store.commit(f.user, delete=[f.fact_id], window=self._encoding(f.user)[0])
+            self._write(f.user, delete=[f.fact_id])
         except StoreError as exc:  # a concurrent delete of the same id won the race
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory deleted successfully!"}
@@ -602,7 +601,7 @@ class Memory:
         mem0.check_delete_all(user_id, agent_id, run_id)
         users, _ = self._read_scopes(None, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace)
         for user in users:
-            self.store.delete_user(user)  # what is live when the commit runs
+            self._write(user, delete=ALL, window=0)  # what is live when the commit runs (as Store.delete_user)
         return {"message": "Memories deleted successfully!"}
 
     def import_memories(self, export, namespace: str | None = None) -> dict:
