@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import http_server
-from kvmem.extract import Extractor
+from kvmem.memory.extract import Extractor
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
@@ -44,8 +44,8 @@ def mem(tmp_path_factory):
 
 
 def test_grounding_rules():
-    from kvmem.extract import DECISIONS_PROMPT, FACTS_PROMPT
-    from kvmem.grounding import chatter, correction, forget_request, grounded
+    from kvmem.memory.extract import DECISIONS_PROMPT, FACTS_PROMPT
+    from kvmem.memory.grounding import chatter, correction, forget_request, grounded
 
     prompt = dict(prompts=[FACTS_PROMPT, DECISIONS_PROMPT, "1 December, 2026"])
     said = ["I moved to Porto, my cat died, and I discovered jazz."]
@@ -106,7 +106,7 @@ def test_a_forget_request_deletes_the_memory_it_is_about(mem):
 
 def test_a_forget_request_on_the_real_model(mem):
     """With the real extractor on the rest of the message, the request still deletes and adds nothing of itself."""
-    from kvmem.extract import LocalExtractor
+    from kvmem.memory.extract import LocalExtractor
 
     mem.extractor = LocalExtractor(mem.lm, max_new_tokens=48)
     addr = mem.add("My home address is 12 Elm Street.", user_id="g3", infer=False)["results"][0]["id"]

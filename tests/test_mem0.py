@@ -326,12 +326,12 @@ def test_mem0_quickstart_and_documented_calls(oss):
 
 
 def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
-    import kvmem.memory as km
+    import kvmem.memory.mem0 as km
 
     m = oss
     mid = m.add("Gil's parking code is 4411.", user_id="gil", infer=False, expiration_date="2030-01-01")["results"][0]
     assert m.search("parking code", filters={"user_id": "gil"})["results"]
-    monkeypatch.setattr(km, "_today", lambda: "2030-01-02")
+    monkeypatch.setattr(km, "today", lambda: "2030-01-02")
     assert m.search("parking code", filters={"user_id": "gil"})["results"] == []
     assert [r["id"] for r in m.search("parking code", filters={"user_id": "gil"}, show_expired=True)["results"]] == [
         mid["id"]
@@ -348,7 +348,7 @@ def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
 
 def test_from_config_in_mem0_shape_and_refusals(oss, tmp_path):
     from kvmem import AsyncMemory, Memory, MemoryInputError
-    from kvmem.extract import OpenAIExtractor
+    from kvmem.memory.extract import OpenAIExtractor
 
     cfg = {
         "vector_store": {"provider": "faiss", "config": {"path": str(oss.store.root)}},

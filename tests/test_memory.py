@@ -177,7 +177,7 @@ def test_infer_add_update_delete_none(tmp_path, shared):
     decisions refer to those numbers (an unknown number becomes NONE)."""
     import re
 
-    from kvmem.extract import Extractor
+    from kvmem.memory.extract import Extractor
 
     lm, emb = shared
     seed = Memory(tmp_path / "s", model=lm, embedder=emb, window=2)
@@ -233,7 +233,7 @@ def test_infer_add_update_delete_none(tmp_path, shared):
 
 
 def test_unusable_extractor_output_is_none_not_an_exception(mem):
-    from kvmem.extract import Extractor
+    from kvmem.memory.extract import Extractor
 
     class Garbage(Extractor):
         def complete(self, prompt, schema):
@@ -248,7 +248,7 @@ def test_local_extractor_output_always_parses(mem):
     """The real model under xgrammar's JSON-schema grammar: whatever it writes parses (or is cut and counted as
     nothing); events are valid, and every ADD is retrievable."""
     mem.extractor = None
-    from kvmem.extract import LocalExtractor
+    from kvmem.memory.extract import LocalExtractor
 
     mem.extractor = LocalExtractor(mem.lm, max_new_tokens=48)
     out = mem.add("My name is Omar and I was born in Cairo in 1990.", "omar", infer=True)
@@ -392,7 +392,7 @@ def test_reads_never_create_a_store(tmp_path):
 
 
 def test_repeated_extracted_facts_are_added_once(mem):
-    from kvmem.extract import Extractor
+    from kvmem.memory.extract import Extractor
 
     class Repeats(Extractor):
         def complete(self, prompt, schema):

@@ -28,7 +28,7 @@ from .encode import encode_chain, encode_spans
 from .models import LoadedModel, fingerprint
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import CACHE_BYTES, FactRecord, Store, StoreError, check_kv_format, check_segments_url
+from .store import ALL, CACHE_BYTES, FactRecord, Store, StoreError, check_kv_format, check_segments_url
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
@@ -234,14 +234,14 @@ def encode_facts(
 
 
 def write_facts(
-    lm: LoadedModel,
-    embedder: Embedder,
+    lm: LoadedModel | None,
+    embedder: Embedder | None,
     store: Store,
     user: str,
     facts: list[FactRecord],
     contexts: list[str],
     rendered: list[str],
-    delete: list[str] = (),
+    delete: list[str] | str = (),
     replace: bool = False,
     turns: list[dict] = (),
     events: list[tuple] = (),
@@ -251,13 +251,15 @@ def write_facts(
     progress=None,
     now: float | None = None,
 ) -> tuple[str, dict]:
-    """The one write path (``ingest-locomo`` and ``Memory.add/update/delete`` both end here): embed the new facts
+    """The one write path (``ingest-locomo`` and every ``Memory`` commit end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
     facts of the user: ``neighbour_prefixes``; or, with ``history``, behind every live fact of the user written
     before them: ``encode_facts``) in one batched pass, and commit facts, tombstones, turns and history in one
     store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
     None; ``encoding``: window, neighbours and history (``policy.Encoding``; the window's turns are already in
-    ``contexts``). Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    ``contexts``). ``delete``: fact ids, or ``store.ALL`` (every fact live when the commit runs). With no
+    ``facts`` (a delete, or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit
+    then records the window alone. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
     window, neighbours, history = encoding.window, encoding.neighbours, encoding.history
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
@@ -280,8 +282,10 @@ def write_facts(
             new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
             prefixes, _ = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
     t2 = time.perf_counter()
-    ids, kvs, n_tokens = encode_facts(
-        lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress, prefixes, earlier
+    ids, kvs, n_tokens = (
+        encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress, prefixes, earlier)
+        if facts
+        else ([], [], 0)
     )
     t3 = time.perf_counter()
     facts = [dataclasses.replace(f, token_ids=i) for f, i in zip(facts, ids)]
@@ -291,7 +295,7 @@ def write_facts(
         [kv.keys.cpu() for kv in kvs],
         [kv.values.cpu() for kv in kvs],
         emb,
-        delete=list(delete),
+        delete=delete if delete is ALL else list(delete),
         replace=replace,
         turns=list(turns),
         events=list(events),

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from ..compose import HEADER_TEXT
-from ..extract import DECISIONS_PROMPT, FACTS_PROMPT
+from ..memory.extract import DECISIONS_PROMPT, FACTS_PROMPT
 from .common import free_port, machine, median, p95, pyplot, served, table, write_summary_and_records
 from .extraction_cases import CASES, Case
 

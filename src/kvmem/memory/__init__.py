@@ -1,40 +1,41 @@
-"""``Memory``: online memory with Mem0's open-source ``Memory`` shapes, over a kvmem store.
+"""``Memory``, ``AsyncMemory``: the facade, Mem0's open-source ``Memory`` over a kvmem store.
 
-Every write (``add``, ``update``, ``delete``, ...) goes through the one write path (``ingest.write_facts``): a
-new fact is encoded behind the ``window`` conversation turns before it (context-window encoding, paper §3.2),
-embedded, and committed with its KV segment in one store transaction, so the vector index and the KV store never
-disagree; the scope's memory version changes on every commit (the vLLM connector's checks and cache salt key on
-it). Deletes are tombstones; an update is a delete plus an add that keeps the id; ``compact`` drops dead rows.
+Every commit (``add``, ``update``, ``delete``, ``delete_all``, ``import_memories``) goes through one method,
+``Memory._write``, and from there through the one write path (``ingest.write_facts``): a new fact is encoded
+behind the ``window`` conversation turns before it (context-window encoding, paper §3.2), embedded, and committed
+with its KV segment in one store transaction, so the vector index and the KV store never disagree; the scope's
+memory version changes on every commit (the vLLM connector's checks and cache salt key on it). Deletes are
+tombstones; an update is a delete plus an add that keeps the id; ``compact`` drops dead rows.
 
 The API is mem0ai 2.2.1's ``Memory`` / ``AsyncMemory``: entity scopes (``user_id``, ``agent_id``, ``run_id``;
 each combination is one store partition, ``scopes``), Mem0's filters applied before the top-k, its defaults
 (``top_k`` 20, ``threshold`` 0.1) and return shapes. ``infer=True`` uses the local answer model (or an
 OpenAI-compatible endpoint) with schema-constrained JSON. The README's Mem0 table lists what still differs.
+
+The rooms: ``mem0`` (Mem0's input checks and output shapes), ``extract`` (the model's facts and decisions),
+``grounding`` (checks on what it returns), ``reconcile`` (ADD / UPDATE / DELETE, forgets, corrections),
+``importer`` (a Mem0 export, checked and grouped by scope).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import logging
 import os
 import time
 import uuid
 from collections import Counter
-from datetime import UTC, date, datetime
 from pathlib import Path
 
-from . import grounding, scopes
-from .compose import check_text
-from .config import config_kwargs
-from .extract import DECISIONS_PROMPT, FACTS_PROMPT, Decision, make_extractor
-from .ingest import open_or_create_store, write_facts
-from .models import DEFAULT_MODEL, LoadedModel, fingerprint, load
-from .policy import Encoding, check_user
-from .retrieve import Embedder, IndexCache
-from .scopes import Scope, ScopeError
-from .store import (
+from .. import scopes
+from ..config import config_kwargs
+from ..ingest import open_or_create_store, write_facts
+from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
+from ..policy import Encoding
+from ..retrieve import Embedder, IndexCache
+from ..scopes import Scope
+from ..store import (
+    ALL,
     CACHE_BYTES,
     FactRecord,
     Store,
@@ -44,124 +45,31 @@ from .store import (
     check_segments_url,
     is_url,
 )
+from . import importer, mem0, reconcile
+from .extract import make_extractor
+from .mem0 import (
+    MAX_MESSAGE_CHARS,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MemoryInputError,
+    check_messages,
+    check_user_id,
+)
+from .mem0 import date_label as _date  # bench.extraction dates its prompts as an add does
 
-logger = logging.getLogger("kvmem.memory")
+__all__ = [
+    "MAX_MESSAGES",
+    "MAX_MESSAGE_CHARS",
+    "MAX_NAME_CHARS",
+    "AsyncMemory",
+    "Memory",
+    "MemoryInputError",
+    "check_messages",
+    "check_user_id",
+    "default_store",
+]
 
-MAX_MESSAGE_CHARS = 8000
-MAX_MESSAGES = 64
-MAX_NAME_CHARS = 64
 MAX_CONTEXT_CHARS = 4000  # the encoding window's text, nearest turns kept: one add's cost stays bounded
-
-
-class MemoryInputError(ValueError):
-    """Bad input (unknown memory id, empty or oversized message, malformed message list, bad user_id, empty
-    update): nothing is changed. The CLI prints it as one ``error:`` line and exits 2."""
-
-
-def _date(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).strftime("%-d %B, %Y")
-
-
-def check_messages(messages) -> list[dict]:
-    """A string or an OpenAI-style list of {role, content} -> checked messages. Raises MemoryInputError."""
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    if isinstance(messages, dict):
-        messages = [messages]
-    if not isinstance(messages, list) or not messages:
-        raise MemoryInputError("messages must be a non-empty string or a list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise MemoryInputError(f"at most {MAX_MESSAGES} messages per add, got {len(messages)}")
-    out = []
-    for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or not isinstance(m.get("content"), str)
-            or not isinstance(m.get("role", "user"), str)
-        ):
-            raise MemoryInputError(f"message {i} must be an object with a string 'content' (and 'role')")
-        for key in ("role", "name"):
-            v = m.get(key)
-            if v is not None and (not isinstance(v, str) or not v.strip() or len(v) > MAX_NAME_CHARS):
-                raise MemoryInputError(
-                    f"message {i}: '{key}' must be a non-empty string of at most {MAX_NAME_CHARS} characters"
-                )
-            if v is not None:
-                _text(v, f"message {i} {key}", MAX_NAME_CHARS)
-        if not m["content"].strip():
-            raise MemoryInputError(f"message {i} is empty")
-        text = _text(m["content"], f"message {i}")
-        out.append({"role": m.get("role", "user"), "content": text, "name": m.get("name")})
-    return out
-
-
-def check_user_id(user_id) -> str:
-    try:
-        return check_user(user_id)
-    except ValueError as exc:
-        raise MemoryInputError(str(exc)) from None
-
-
-def _text(text, what: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """A non-empty, valid-Unicode string of at most ``limit`` characters, stripped. Raises MemoryInputError."""
-    if not isinstance(text, str) or not text.strip():
-        raise MemoryInputError(f"{what} must be a non-empty string")
-    if len(text) > limit:
-        raise MemoryInputError(f"{what} has {len(text)} characters; at most {limit}")
-    try:
-        return check_text(text.strip(), what)
-    except ValueError as exc:
-        raise MemoryInputError(str(exc)) from None
-
-
-def _metadata(metadata) -> str:
-    """Metadata as JSON: an object of JSON values. Raises MemoryInputError."""
-    if metadata is None:
-        return "{}"
-    if not isinstance(metadata, dict):
-        raise MemoryInputError("metadata must be an object")
-
-    def strings(x):
-        if isinstance(x, str):
-            yield x
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                yield from strings(k)
-                yield from strings(v)
-        elif isinstance(x, list):
-            for v in x:
-                yield from strings(v)
-
-    try:
-        for text in strings(metadata):  # a lone surrogate would be stored, then break every read
-            check_text(text, "metadata")
-        out = json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise MemoryInputError(f"metadata must hold JSON values only ({exc})") from None
-    if len(out) > MAX_MESSAGE_CHARS:
-        raise MemoryInputError(f"metadata is {len(out)} characters of JSON; at most {MAX_MESSAGE_CHARS}")
-    return out
-
-
-def _timestamp(timestamp) -> float:
-    if timestamp is None:
-        return time.time()
-    try:
-        ts = float(timestamp)
-    except (TypeError, ValueError):
-        raise MemoryInputError(f"timestamp must be Unix seconds, not {timestamp!r}") from None
-    if not 0 <= ts < 32503680000:  # year 3000
-        raise MemoryInputError(f"timestamp {timestamp!r} is out of range (Unix seconds)")
-    return ts
-
-
-# cosine scores (all-MiniLM-L6-v2) for acting on a cue without the model: the memory a correction or a request to
-# forget is about must be at least this similar (a forget: and name a word the request names); a forget also takes
-# runners-up within the margin, or as similar as "sure"
-CORRECTION_MIN_SCORE = 0.4
-FORGET_MIN_SCORE, FORGET_MARGIN, FORGET_SURE_SCORE = 0.3, 0.03, 0.6
-PROMOTED = ("role", "actor_id", "expiration_date")  # stored in a memory's metadata, shown beside it (as Mem0)
-IDENTITY = frozenset({"user_id", "agent_id", "run_id", "actor_id"})  # set by the scope, never by metadata
 _UNSET = object()
 
 
@@ -172,78 +80,6 @@ def default_store() -> str | Path:
     if env:
         return env
     return Path(os.environ.get("XDG_DATA_HOME") or "~/.local/share").expanduser() / "kvmem" / "memory"
-
-
-def _user_metadata(metadata) -> dict:
-    """The caller's metadata, checked (``_metadata``), without identity keys (a scope is set by ids only)."""
-    _metadata(metadata)
-    out = {k: v for k, v in (metadata or {}).items() if k not in IDENTITY}
-    if len(out) < len(metadata or {}):
-        logger.warning("ignoring identity keys in metadata: scopes are set by user_id, agent_id and run_id")
-    return out
-
-
-def _today() -> str:
-    return datetime.now(UTC).date().isoformat()
-
-
-def _expiration(value, past: bool = False) -> str | None:
-    """An expiration date as YYYY-MM-DD (a ``date``, ``datetime`` or ISO string), today or later (``past``: or
-    earlier, as an imported memory that has expired already)."""
-    if value is None:
-        return None
-    if isinstance(value, datetime):
-        value = value.date()
-    if isinstance(value, date):
-        value = value.isoformat()
-    try:
-        out = date.fromisoformat(value).isoformat() if isinstance(value, str) else None
-    except ValueError:
-        out = None
-    if out is None:
-        raise MemoryInputError(f"expiration_date must be a date in YYYY-MM-DD format, not {value!r}")
-    if out < _today() and not past:
-        raise MemoryInputError(f"expiration_date {out} is in the past (today is {_today()} UTC)")
-    return out
-
-
-def _actor(message: dict) -> dict:
-    return {"actor_id": message["name"]} if message.get("name") else {}
-
-
-def _times(f: FactRecord) -> dict:
-    return {"created_at": _iso(f.created_at), "updated_at": _iso(f.updated_at)}
-
-
-def _parse_time(value) -> float:
-    """An export's ``created_at`` (ISO 8601, naive read as UTC; or Unix seconds) as Unix seconds; now if absent."""
-    if value is None:
-        return time.time()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _timestamp(value)
-    try:
-        t = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-    except ValueError:
-        raise MemoryInputError(f"created_at {value!r} is not an ISO 8601 time") from None
-    return _timestamp((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp())
-
-
-def _count(value, name: str, default: int) -> int:
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise MemoryInputError(f"{name} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _refuse(unsupported: dict, method: str) -> None:
-    """Mem0 arguments kvmem does not implement, and unknown ones: one sentence naming them."""
-    if not unsupported:
-        return
-    names = ", ".join(sorted(unsupported))
-    raise MemoryInputError(
-        f"{method}() does not support {names} (kvmem scores by cosine similarity alone; see the README's Mem0 table)"
-    )
 
 
 class Memory:
@@ -374,37 +210,11 @@ class Memory:
 
     # --- scopes and filters ---------------------------------------------------------------------------------
 
-    def _scope(self, user_id=None, agent_id=None, run_id=None) -> Scope:
-        try:
-            return Scope.of(user_id, agent_id, run_id)
-        except ScopeError as exc:
-            raise MemoryInputError(str(exc)) from None
-
     def _read_scopes(self, filters, ids: dict, namespace) -> tuple[list[str], dict]:
         """The store users a read of ``filters`` (plus top-level entity ids ``ids``) covers, and the checked
-        filters. Raises MemoryInputError for conflicting ids, no entity id, or a malformed filter."""
-        if filters is not None and not isinstance(filters, dict):
-            raise MemoryInputError("filters must be an object")
-        filters = dict(filters or {})
-        try:
-            for name, value in ids.items():
-                if value is None:
-                    continue
-                have = scopes.entity_constraints(filters).get(name)
-                if name in filters and have is None or have is not None and str(have) != str(value):
-                    raise MemoryInputError(f"conflicting scopes: {name}={value!r} and filters say {have!r}")
-                filters[name] = value
-            want = scopes.entity_constraints(filters)
-        except ScopeError as exc:
-            raise MemoryInputError(str(exc)) from None
-        if not want:
-            raise MemoryInputError(
-                "filters must contain at least one of: user_id, agent_id, run_id (e.g. filters={'user_id': 'u1'})"
-            )
-        named = self._scope(**want)
-        for name in want:
-            filters[name] = getattr(named, name)
-        if len(want) == 3:
+        filters (``mem0.read_filters``). Raises MemoryInputError."""
+        filters, named = mem0.read_filters(filters, ids)
+        if len(named.ids()) == len(scopes.ENTITIES):  # one scope: no need to list the store's
             return [named.key(namespace)], filters
         found = []
         for key in self.store.users(with_no_live_facts=True):
@@ -422,17 +232,15 @@ class Memory:
             return None
 
     def _fields_of(self, ukv, namespace) -> tuple[list[dict], set[str]]:
-        """Each fact's filterable fields (entity ids, builtin fields, metadata) and every field name any of them
-        has, cached per scope version."""
+        """Each fact's filterable fields (``mem0.filter_fields``) and every field name any of them has, cached per
+        scope version."""
         out, names = [], set(scopes.BUILTIN_FIELDS)
         for part in ukv.parts or (ukv,):
             key = (part.user, part.version, namespace)
             got = self._fields.get(key)
             if got is None:
                 s = scopes.parse_key(part.user, namespace) or Scope(user_id=part.user)
-                rows = [
-                    {**json.loads(f.metadata or "{}"), **s.ids(), "memory": f.text, **_times(f)} for f in part.facts
-                ]
+                rows = [mem0.filter_fields(f, s) for f in part.facts]
                 got = (rows, set().union(*(r.keys() for r in rows)))
                 if len(self._fields) > 256:
                     self._fields.clear()
@@ -444,19 +252,14 @@ class Memory:
     def _selected(self, ukv, filters: dict, show_expired: bool, namespace) -> set[int] | None:
         """Store row ids of ``ukv``'s facts that pass ``filters`` (and are not expired, unless ``show_expired``),
         or None when every fact does. Raises MemoryInputError for an unknown operator or field."""
-        try:
-            pred, used = scopes.compile_filters(filters)
-        except ScopeError as exc:
-            raise MemoryInputError(str(exc)) from None
-        if all(k in scopes.ENTITIES and not isinstance(v, dict) and v != "*" for k, v in filters.items()):
+        pred, used = mem0.compile_filters(filters)
+        if mem0.by_ids_only(filters):
             # the scopes were picked by exactly these ids: only expiry is left to check
-            return None if show_expired else ukv.unexpired(_today())
+            return None if show_expired else ukv.unexpired(mem0.today())
         fields, known = self._fields_of(ukv, namespace)
-        unknown = sorted(used - known)
-        if unknown:
-            raise MemoryInputError(f"filter on {unknown[0]!r}: no memory in this scope has that field")
+        mem0.check_fields(used, known)
         keep = {f.row for f, x in zip(ukv.facts, fields) if pred(x)}
-        live = None if show_expired else ukv.unexpired(_today())
+        live = None if show_expired else ukv.unexpired(mem0.today())
         if live is not None:
             keep &= live
         return None if len(keep) == len(ukv.facts) else keep
@@ -468,24 +271,6 @@ class Memory:
         users, filters = self._read_scopes(filters, ids, namespace)
         ukv = self._snapshot(users)
         return ukv, (None if ukv is None else self._selected(ukv, filters, show_expired, namespace))
-
-    def _item(self, f: FactRecord, namespace=None, score: float | None = None) -> dict:
-        """Mem0's memory item (``MemoryItem`` plus the promoted entity ids, role and expiration date)."""
-        meta = json.loads(f.metadata or "{}")
-        s = scopes.parse_key(f.user, namespace) or Scope(user_id=f.user)
-        out = {
-            "id": f.fact_id,
-            "memory": f.text,
-            "hash": hashlib.md5(f.text.encode()).hexdigest(),
-            "metadata": {k: v for k, v in meta.items() if k not in PROMOTED} or None,
-            "created_at": _iso(f.created_at),
-            "updated_at": _iso(f.updated_at),
-            **s.ids(),
-            **{k: meta[k] for k in PROMOTED if k in meta},
-        }
-        if score is not None:
-            out["score"] = round(float(score), 6)
-        return out
 
     # --- reads ----------------------------------------------------------------------------------------------
 
@@ -513,15 +298,12 @@ class Memory:
         top-k (FAISS ``IDSelectorBatch``), so ``top_k`` results come back whenever that many match. Top-level
         ``user_id`` / ``agent_id`` / ``run_id`` and ``limit`` (for ``top_k``) are kvmem's older spelling.
         Expired memories are left out unless ``show_expired``. Raises MemoryInputError."""
-        _refuse(unsupported, "search")
+        mem0.refuse(unsupported, "search")
         if rerank:
             raise MemoryInputError("rerank is not supported by kvmem (no reranker ships offline); search without it")
-        query = _text(query, "query")
-        top_k = _count(top_k if top_k is not None else limit, "top_k", 20)
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-            raise MemoryInputError(f"threshold must be a number between 0 and 1, got {threshold!r}")
-        if threshold is not None and not 0 <= threshold <= 1:
-            raise MemoryInputError(f"Invalid threshold: {threshold}. Must be between 0 and 1 (inclusive).")
+        query = mem0.check_text(query, "query")
+        top_k = mem0.check_count(top_k if top_k is not None else limit, "top_k", 20)
+        mem0.check_threshold(threshold)
         ukv, allowed = self._read(filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id},
                                   show_expired, namespace)  # fmt: skip
         if ukv is None or top_k == 0:
@@ -529,7 +311,7 @@ class Memory:
         scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([query])[0], top_k, allowed)
         return {
             "results": [
-                self._item(ukv.facts[r], namespace, s)
+                mem0.item(ukv.facts[r], namespace, s)
                 for r, s in zip(rows, scores)
                 if threshold is None or float(s) >= threshold
             ]
@@ -544,7 +326,7 @@ class Memory:
     def get(self, memory_id: str, namespace: str | None = None) -> dict | None:
         """One memory by id (Mem0's item, ``score`` None), or None."""
         f = self._fact(memory_id)
-        return None if f is None else {**self._item(f, namespace), "score": None}
+        return None if f is None else {**mem0.item(f, namespace), "score": None}
 
     def get_all(
         self,
@@ -561,29 +343,20 @@ class Memory:
     ) -> dict:
         """``{"results": [...]}``: up to ``top_k`` (default 20) live memories that ``filters`` select, oldest
         first (filters and the older top-level ids as in ``search``). Raises MemoryInputError."""
-        _refuse(unsupported, "get_all")
-        top_k = _count(top_k if top_k is not None else limit, "top_k", 20)
+        mem0.refuse(unsupported, "get_all")
+        top_k = mem0.check_count(top_k if top_k is not None else limit, "top_k", 20)
         ukv, allowed = self._read(filters, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id},
                                   show_expired, namespace)  # fmt: skip
         if ukv is None:
             return {"results": []}
         facts = [f for f in ukv.facts if allowed is None or f.row in allowed]
         facts.sort(key=lambda f: (f.created_at, f.row))
-        return {"results": [self._item(f, namespace) for f in facts[:top_k]]}
+        return {"results": [mem0.item(f, namespace) for f in facts[:top_k]]}
 
     def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
-        """Every event of a memory, oldest first (Mem0's history rows: id, memory_id, old_memory, new_memory,
-        event, created_at, updated_at, is_deleted, actor_id, role; plus the store's user_id). Raises
+        """Every event of a memory, oldest first (Mem0's history rows, ``mem0.history_rows``). Raises
         MemoryInputError for an id that never existed."""
-        events = self.store.history(str(memory_id))
-        if not events:
-            raise MemoryInputError(f"memory {memory_id!r} not found")
-        if len({e["user_id"] for e in events}) > 1:
-            raise MemoryInputError(f"memory id {memory_id!r} belongs to several scopes")
-        for e in events:
-            e["created_at"] = e["updated_at"] = _iso(e["created_at"])
-            e.update(is_deleted=e["event"] == "DELETE", actor_id=None, role=None)
-        return events
+        return mem0.history_rows(self.store.history(str(memory_id)), memory_id)
 
     # --- writes ---------------------------------------------------------------------------------------------
 
@@ -618,19 +391,25 @@ class Memory:
     def _write(
         self,
         user: str,
-        new: list[tuple[str, str | None, dict]],
-        delete: list[str],
-        turns: list[dict],
-        contexts: list[str],
-        events: list[tuple],
-        now: float,
+        new: list[tuple[str, str | None, dict]] = (),
+        delete: list[str] = (),
+        turns: list[dict] = (),
+        contexts: list[str] = (),
+        events: list[tuple] = (),
+        now: float | None = None,
         created: dict[str, float] | None = None,
         dated: bool = False,
+        window: int | None = None,
     ) -> tuple[str, list[FactRecord]]:
-        """new: (text, fact id or None for a fresh uuid, metadata); ``created``: kept creation times of updated ids
-        (``dated``: also each fact's date, as for imported memories; else the date is now's)."""
+        """Every commit of this facade: through the one write path (``ingest.write_facts``), in one store
+        transaction. new: (text, fact id or None for a fresh uuid, metadata); ``delete``: ids, or ``store.ALL``
+        (what is live when the commit runs); ``created``: kept creation times of updated ids (``dated``: also
+        each fact's date, as for imported memories; else the date is now's); ``now``: None, the commit's time;
+        ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``). The model and
+        embedder load only for a write with new facts. Returns (the new version, the new facts' records)."""
 
-        window, neighbours, history = self._encoding(user)
+        scope_window, neighbours, history = self._encoding(user)
+        window = scope_window if window is None else window
         created = created or {}
         records = [
             FactRecord(
@@ -643,19 +422,19 @@ class Memory:
                 (),
                 0,
                 window,
-                metadata=_metadata(meta),
+                metadata=mem0.check_metadata(meta),
                 created_at=created.get(fid, now),
             )
             for text, fid, meta in new
         ]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(
-            self.lm,
-            self.embedder,
+            self.lm if records else None,
+            self.embedder if records else None,
             self.store,
             user,
             records,
-            contexts,
+            list(contexts),
             rendered,
             delete=delete,
             turns=turns,
@@ -691,31 +470,24 @@ class Memory:
         messages are stored as the scope's turns (the context of later facts). Returns ``{"results": [{"id",
         "memory", "event", "previous_memory"?}]}``. Raises MemoryInputError for bad input (procedural memory
         included: kvmem stores facts, not agent procedures)."""
-        scope = self._scope(user_id, agent_id, run_id)
+        scope = mem0.scope_of(user_id, agent_id, run_id)
         user = scope.key(namespace)
-        if memory_type is not None:
-            raise MemoryInputError(
-                f"memory_type {memory_type!r} is not supported: kvmem stores facts (procedural memory, an agent's "
-                "summarised run, is not kept); add without memory_type"
-            )
+        mem0.check_memory_type(memory_type)
         msgs = check_messages(messages)
-        meta = _user_metadata(metadata)
-        exp = _expiration(expiration_date)
+        meta = mem0.user_metadata(metadata)
+        exp = mem0.check_expiration(expiration_date)
         if exp is not None:
             meta["expiration_date"] = exp
-        now = _timestamp(timestamp)
+        now = mem0.check_timestamp(timestamp)
         if prompt is not None:
-            prompt = _text(prompt, "prompt")
+            prompt = mem0.check_text(prompt, "prompt")
         turns = [{"speaker": m.get("name") or m["role"], "content": m["content"], "time": now} for m in msgs]
         if not infer:
             kept = [(i, m) for i, m in enumerate(msgs) if m["role"] != "system"]  # as Mem0: never a memory
-            new = [(m["content"], None, {**meta, "role": m["role"]} | _actor(m)) for _, m in kept]
+            new = [(m["content"], None, {**meta, "role": m["role"]} | mem0.actor(m)) for _, m in kept]
             contexts = [self._context(user, turns, i) for i, _ in kept]
-            if not new:
-                self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
-                return {"results": []}
-            _, records = self._write(user, new, [], turns, contexts, [], now)
-            return {"results": [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in records]}
+            _, records = self._write(user, new, turns=turns, contexts=contexts, now=now)
+            return {"results": mem0.added(records)}
         return self._infer(user, msgs, turns, meta, now, prompt or self.custom_instructions)
 
     @property
@@ -735,112 +507,33 @@ class Memory:
         """The ``k`` live memories of ``ukv`` most similar to ``text``: (cosine score, fact), best first."""
         if ukv is None:
             return []
-        scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([text])[0], k, ukv.unexpired(_today()))
+        emb = self.embedder.embed([text])[0]
+        scores, rows = self.indexes.search(self.store, ukv, emb, k, ukv.unexpired(mem0.today()))
         return [(float(s), ukv.facts[r]) for s, r in zip(scores, rows)]
 
     def _infer(self, user, msgs, turns, metadata, now, prompt=None) -> dict:
-        """``add(infer=True)``: extract, check, reconcile, then one commit. What the model returns is checked on
-        the output (``grounding``): a fact whose words are not the user's own is dropped; an explicit request to
-        forget deletes the memory it is about; a correction turns the ADD of the corrected fact into an UPDATE of
-        the memory it corrects. The result says when nothing was extracted or kept (``message``)."""
-        kept = []  # the messages without their requests to forget: such a request is no fact to remember
-        forgets = []
-        for m in msgs:
-            parts = grounding.sentences(m["content"]) if m["role"] == "user" else [m["content"]]
-            forgets += [p for p in parts if m["role"] == "user" and grounding.forget_request(p)]
-            rest = " ".join(p for p in parts if p not in forgets)
-            if rest:
-                kept.append({**m, "content": rest})
-        sources = [m["content"] for m in kept if m["role"] == "user"]
-        shown = kept
-        found = self.extractor.facts(shown, _date(now), prompt) if sources else []
-        others = [m["content"] for m in msgs if m["role"] != "user"]
-        prompts = [FACTS_PROMPT, DECISIONS_PROMPT, prompt or "", _date(now)]
-        facts = [
-            f
-            for f in {_norm(f): f for f in found}.values()
-            if grounding.grounded(f, sources, others, prompts) and not grounding.chatter(f)
-        ]
-        rejected = len({_norm(f) for f in found}) - len(facts)
-        if rejected:
-            logger.info("extractor: %d facts not in the user's messages were dropped", rejected)
-        ukv = self._snapshot([user])
-        existing: dict[str, str] = {}
-        for f in facts:  # the most similar existing memories of each new fact
-            for _, fact in self._similar(ukv, f, 5):
-                existing[fact.fact_id] = fact.text
-        decisions = self.extractor.reconcile(facts, list(existing.items())) if facts else []
-        # a correction: the memory its sentence is about is replaced by the corrected fact (the model's ADD of it,
-        # else a fact it extracted, else the user's own sentence), also where the model deleted it or did nothing
-        updated = {d.target for d in decisions if d.event == "UPDATE"}
-        for c in [p for t in sources for p in grounding.sentences(t) if grounding.correction(p)]:
-            best = self._similar(ukv, c, 1)
-            if not best or best[0][0] < CORRECTION_MIN_SCORE or best[0][1].fact_id in updated:
-                continue
-            fact = best[0][1]
-            adds = [i for i, d in enumerate(decisions) if d.event == "ADD" and grounding.shares_words(d.text, c)]
-            if adds:
-                text = decisions.pop(adds[0]).text
-            else:
-                text = next((f for f in facts if grounding.shares_words(f, c)), c)
-            decisions = [d for d in decisions if d.target != fact.fact_id] + [Decision("UPDATE", text, fact.fact_id)]
-            existing[fact.fact_id] = fact.text
-            updated.add(fact.fact_id)
-            self.extraction_counts["corrections"] += 1
-        for t in forgets:  # what an explicit request to forget is about, if the model did not delete it
-            about = grounding.topic(t)
-            hits = self._similar(ukv, about, 3)
-            best = hits[0][0] if hits else 0.0
-            for score, fact in hits:
-                close = score >= best - FORGET_MARGIN or score >= FORGET_SURE_SCORE
-                if score >= FORGET_MIN_SCORE and close and grounding.shares_words(about, fact.text):
-                    existing[fact.fact_id] = fact.text
-                    decisions = [d for d in decisions if d.target != fact.fact_id]
-                    decisions.append(Decision("DELETE", fact.text, fact.fact_id))
-                    self.extraction_counts["forgotten"] += 1
-        context = self._context(user, turns, len(turns) - 1)
-        new, delete, events, results = [], [], [], []
-        known = {_norm(t) for t in existing.values()}
-        for d in decisions:
-            if d.target is not None and (d.target in delete or any(n[1] == d.target for n in new)):
-                continue  # one decision per memory per add
-            if d.event in ("ADD", "UPDATE") and not grounding.grounded(
-                d.text, sources + ([existing[d.target]] if d.event == "UPDATE" else []), others, prompts
-            ):
-                logger.info("extractor: %s %r is not in the user's messages: dropped", d.event, d.text)
-                rejected += 1
-                continue
-            if d.event == "ADD" and _norm(d.text) in known | {_norm(n[0]) for n in new}:
-                logger.info("extractor: %r is already known: NONE", d.text)
-                continue
-            if d.event == "ADD":
-                new.append((d.text, None, metadata))
-            elif d.event == "UPDATE":
-                new.append((d.text, d.target, metadata))
-                delete.append(d.target)
-                events.append((d.target, "UPDATE", existing[d.target], d.text))
-                results.append(
-                    {"id": d.target, "memory": d.text, "event": "UPDATE", "previous_memory": existing[d.target]}
-                )
-            elif d.event == "DELETE":
-                delete.append(d.target)
-                results.append({"id": d.target, "memory": existing[d.target], "event": "DELETE"})
-            else:
-                logger.info("extractor: NONE for %r", d.text)
-        self.extraction_counts["adds"] += 1
-        self.extraction_counts["facts_extracted"] += len({_norm(f) for f in found})
-        self.extraction_counts["facts_rejected"] += rejected
-        if new or delete:
-            created = {t: f.created_at for t in delete if (f := self.store.fact(t, user)) is not None}
-            _, records = self._write(user, new, delete, turns, [context] * len(new), events, now, created)
-            added = [r for r, n in zip(records, new) if n[1] is None]
-            results = [{"id": r.fact_id, "memory": r.text, "event": "ADD"} for r in added] + results
-        else:  # nothing to remember: the turns are still the context of later facts
-            self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
-        out: dict = {"results": results}
-        if not results:
+        """``add(infer=True)``: extract, check, reconcile (``reconcile``), then one commit: a fact whose words are
+        not the user's own is dropped; an explicit request to forget deletes the memory it is about; a
+        correction turns the ADD of the corrected fact into an UPDATE of the memory it corrects. With nothing to
+        change the turns are still committed (the context of later facts). The result says when nothing was
+        extracted or kept (``message``)."""
+        extractor = lambda: self.extractor  # made (and the model loaded) only when there is text to extract from
+        got = reconcile.extract(msgs, extractor, _date(now), prompt)
+        ukv = self._snapshot([user])  # read after the extraction, just before the decisions
+        similar = lambda text, k: self._similar(ukv, text, k)
+        plan = reconcile.decide(got, extractor, similar, metadata, self.extraction_counts)
+        contexts = [self._context(user, turns, len(turns) - 1)] * len(plan.new)
+        created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
+        _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created)
+        added = [r for r, n in zip(records, plan.new) if n[1] is None]
+        out: dict = {"results": mem0.added(added) + plan.results}
+        if not out["results"]:
             self.extraction_counts["empty"] += 1
-            why = f"{rejected} extracted facts were not in the user's messages" if rejected else "no facts found"
+            why = (
+                f"{plan.rejected} extracted facts were not in the user's messages"
+                if plan.rejected
+                else "no facts found"
+            )
             out["message"] = f"nothing remembered: {why}"
         return out
 
@@ -857,18 +550,17 @@ class Memory:
         metadata, and/or set or clear (None) its ``expiration_date``; keeps its id, scope and creation time.
         ``data``: Mem0's older name for ``text``. Raises MemoryInputError."""
         text = data if text is None else text
-        if text is None and metadata is None and expiration_date is _UNSET:
-            raise MemoryInputError("At least one of text, metadata, or expiration_date must be provided.")
-        text = None if text is None else _text(text, "update text")
+        mem0.check_update(text, metadata, expiration_date is not _UNSET)
+        text = None if text is None else mem0.check_text(text, "update text")
         f = self._fact(memory_id)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         meta = json.loads(f.metadata or "{}")
-        meta.update(_user_metadata(metadata))
+        meta.update(mem0.user_metadata(metadata))
         if expiration_date is not _UNSET:
             meta.pop("expiration_date", None)
             if expiration_date is not None:
-                meta["expiration_date"] = _expiration(expiration_date)
+                meta["expiration_date"] = mem0.check_expiration(expiration_date)
         new_text = f.text if text is None else text
         now = time.time()
         try:
@@ -892,7 +584,7 @@ class Memory:
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
-            self.store.commit(f.user, delete=[f.fact_id], window=self._encoding(f.user)[0])
+            self._write(f.user, delete=[f.fact_id])
         except StoreError as exc:  # a concurrent delete of the same id won the race
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory deleted successfully!"}
@@ -906,65 +598,31 @@ class Memory:
     ) -> dict:
         """Delete every memory whose scope has all the given ids (``delete_all(user_id="u")`` also deletes u's
         memories with an agent or run), each scope in one commit. Raises MemoryInputError without any id."""
-        if user_id is None and agent_id is None and run_id is None:
-            raise MemoryInputError(
-                "At least one filter is required to delete all memories. If you want to delete all memories, "
-                "use the `reset()` method."
-            )
+        mem0.check_delete_all(user_id, agent_id, run_id)
         users, _ = self._read_scopes(None, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace)
         for user in users:
-            self.store.delete_user(user)  # what is live when the commit runs
+            self._write(user, delete=ALL, window=0)  # what is live when the commit runs (as Store.delete_user)
         return {"message": "Memories deleted successfully!"}
 
     def import_memories(self, export, namespace: str | None = None) -> dict:
         """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
         ``{"results": [...]}`` page or a list of items) verbatim, keeping their ids, scopes, metadata, role,
         expiration date and creation times; each scope's memories are encoded and committed at once, in creation
-        order. Every record is checked first: a malformed one (by index), an id already live here or repeated,
-        and nothing is written. Returns ``{"count": n, "scopes": {"user_id=alice": 3, ...}}``."""
-        records = export.get("results") if isinstance(export, dict) else export
-        if not isinstance(records, list) or not records:
-            raise MemoryInputError("an export is a non-empty list of memories, or an object with 'results'")
-        by_scope: dict[str, list] = {}
-        errors, seen = [], set()
-        for i, rec in enumerate(records):
-            try:
-                if not isinstance(rec, dict):
-                    raise MemoryInputError("is not an object")
-                scope = self._scope(rec.get("user_id"), rec.get("agent_id"), rec.get("run_id"))
-                text = _text(rec.get("memory"), "'memory'")
-                fid = rec.get("id") or str(uuid.uuid4())
-                if not isinstance(fid, str) or fid in seen:
-                    raise MemoryInputError(f"id {fid!r} is not a string or appears twice")
-                seen.add(fid)
-                if self._fact(fid) is not None:
-                    raise MemoryInputError(f"memory {fid!r} already exists")
-                meta = _user_metadata(rec.get("metadata"))
-                for key in ("role", "actor_id", "categories"):
-                    if rec.get(key) is not None:
-                        meta[key] = rec[key]
-                if rec.get("expiration_date") is not None:
-                    meta["expiration_date"] = _expiration(rec["expiration_date"], past=True)
-                created = _parse_time(rec.get("created_at"))
-                by_scope.setdefault(scope.key(namespace), []).append((created, text, fid, meta))
-            except MemoryInputError as exc:
-                errors.append(f"record {i}: {exc}")
-        if errors:
-            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-            raise MemoryInputError("nothing imported: " + "; ".join(errors[:5]) + more)
+        order. Every record is checked first (``importer.read_export``): a malformed one (by index), an id
+        already live here or repeated, and nothing is written. Returns ``{"count": n, "scopes":
+        {"user_id=alice": 3, ...}}``."""
+        by_scope = importer.read_export(export, namespace, lambda fid: self._fact(fid) is not None)
         counts = {}
         for user, items in by_scope.items():
-            items.sort(key=lambda x: x[0])
             new = [(text, fid, meta) for _, text, fid, meta in items]
             contexts = [self._context(user, [], 0)] * len(new)
             self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
-            label = "&".join(f"{k}={v}" for k, v in scopes.parse_key(user, namespace).ids().items())
-            counts[label] = len(new)
+            counts[importer.scope_label(user, namespace)] = len(new)
         return {"count": sum(counts.values()), "scopes": counts}
 
     def compact(self, user_id: str | None = None, agent_id=None, run_id=None, namespace: str | None = None) -> dict:
         """Rewrite one scope's KV segments without dead rows; what search and get_all return is unchanged."""
-        user = self._scope(user_id, agent_id, run_id).key(namespace)
+        user = mem0.scope_of(user_id, agent_id, run_id).key(namespace)
         if self._snapshot([user]) is None:
             return {"message": "nothing to compact"}
         return {"message": "Memory compacted", "version": self.store.compact(user)}
@@ -1004,11 +662,3 @@ class AsyncMemory:
     async def __aexit__(self, *exc) -> bool:
         self.sync.close()
         return False
-
-
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split()).rstrip(".")
-
-
-def _iso(ts: float | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from .engines.select import reference_engine
+from ..engines.select import reference_engine
 
 logger = logging.getLogger("kvmem.extract")
 
