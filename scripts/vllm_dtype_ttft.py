@@ -28,7 +28,7 @@ def main() -> None:
 
     import torch
 
-    from kvmem.engines.vllm_engine import VLLMEngine, cold_salt
+    from kvmem.engines.vllm.engine import VLLMEngine, cold_salt
     from kvmem.hardware import cpu_facts, plan
     from kvmem.models import model_dir
 

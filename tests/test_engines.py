@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvmem"
 def _vllm_classes():
     if vllm_problem(cpu_facts()):
         pytest.skip("vLLM cannot run here")
-    from kvmem.engines.vllm_engine import AsyncVLLMEngine, VLLMEngine
+    from kvmem.engines.vllm.engine import AsyncVLLMEngine, VLLMEngine
 
     return VLLMEngine, AsyncVLLMEngine
 
@@ -78,7 +78,7 @@ def test_one_stop_rule_never_ends_an_answer_on_a_leading_line_break():
     a line break (Gemma 3 often opens so) is kept and decoding goes on. Both engines apply the same rule."""
     from conftest import tiny_model
     from kvmem.engines.base import Sampling, ends_answer
-    from kvmem.engines.vllm_engine import line_stop_at
+    from kvmem.engines.vllm.engine import line_stop_at
 
     lines = frozenset({10, 11})
     s = Sampling(stop_token_ids=(2,), line_stop_ids=lines)

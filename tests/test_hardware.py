@@ -151,7 +151,7 @@ def test_kv_cache_sizing_per_dtype(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     import transformers as tf
 
-    from kvmem.engines.vllm_engine import fit_max_model_len, kv_bytes_per_token
+    from kvmem.engines.vllm.engine import fit_max_model_len, kv_bytes_per_token
 
     cfg = tf.Gemma3TextConfig(
         num_hidden_layers=18,
@@ -201,7 +201,7 @@ def test_connector_refuses_what_it_does_not_implement():
 
     import transformers as tf
 
-    from kvmem.engines.vllm_connector import check_engine_config
+    from kvmem.engines.vllm.config import check_engine_config
 
     def cfg(tp=1, cache_dtype="auto", rope=None):
         hf = tf.LlamaConfig(rope_scaling=rope) if rope else tf.LlamaConfig()
@@ -240,14 +240,17 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     from types import SimpleNamespace as NS
 
     import store_worker as sw
-    from kvmem.engines import vllm_connector as vc
+    from kvmem.engines.vllm import scheduler as vs
+    from kvmem.engines.vllm.config import Settings
+    from kvmem.engines.vllm.params import MemoryRef, kvmem_cache_salt
 
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
     version = st.commit("u", facts, kv, kv.copy(), emb)
-    conn = vc.KvmemConnector.scheduler_only([st.root], {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
-    params = vc.kvmem_params(str(st.root), "u", version, [f.fact_id for f in facts])
-    salt = vc.kvmem_cache_salt(st.manifest["store_id"], "u", version)
+    identity = {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")}
+    conn = vs.KvmemScheduler(Settings(stores=[st.root], identity=identity))
+    params = MemoryRef(str(st.root), st.manifest["store_id"], "u", version, [f.fact_id for f in facts]).to_params()
+    salt = kvmem_cache_salt(st.manifest["store_id"], "u", version)
     ids = st.header_token_ids + [t for f in facts for t in f.token_ids]
 
     def request(p=params):
@@ -272,7 +275,7 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
         def boom(p, fault=fault):
             raise fault
 
-        monkeypatch.setattr(vc, "memory_token_ids", boom)
+        monkeypatch.setattr(vs, "memory_token_ids", boom)
         assert conn.get_num_new_matched_tokens(request(), 0) == (0, False)
     monkeypatch.undo()
     assert conn.get_num_new_matched_tokens(request({"kvmem": "not an object"}), 0) == (0, False)
@@ -294,27 +297,33 @@ def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tm
     from dataclasses import replace
 
     import store_worker as sw
-    from kvmem.engines import vllm_connector as vc
+    from kvmem.engines.vllm.config import Settings
+    from kvmem.engines.vllm.metadata import KvmemLoad
+    from kvmem.engines.vllm.params import MemoryRef
+    from kvmem.engines.vllm.reader import LoadReader
 
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
     version = st.commit("u", facts, kv, kv.copy(), emb)
-    conn = vc.KvmemConnector.scheduler_only([st.root], {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
+    settings = Settings(stores=[st.root], identity={k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
+    reader = LoadReader(settings)
     ids = [f.fact_id for f in facts][::-1]
-    params = vc.kvmem_params(str(st.root), "u", version, ids)["kvmem"]
-    ld = vc.KvmemLoad("r", params, [0], 0, 4, 8, "", True, st.manifest["store_id"])
-    assert conn._untrusted(str(st.root)) is None  # the store open in this process and judged trusted
-    assert conn._fetch_from_memory(ld) is None  # but none of its facts read yet
-    read = conn._fetch(ld)
-    got = conn._fetch_from_memory(ld)
-    assert got is not None and got["rows"] == read["rows"] == [len(ids) - 1 - i for i in range(len(ids))]
-    assert all(a is b for a, b in zip(got["spans"], read["spans"], strict=True))
-    assert got["user_kv"].version == version and got["stages"]["snapshot"] == 0.0
+    ref = MemoryRef(str(st.root), st.manifest["store_id"], "u", version, ids)
+    ld = KvmemLoad("r", ref, [0], 0, 4, 8, "", True)
+    assert reader.trust.why_untrusted(str(st.root)) is None  # the store open in this process and judged trusted
+    assert reader.read_from_memory(ld) is None  # but none of its facts read yet
+    read = reader.read(ld)
+    got = reader.read_from_memory(ld)
+    assert got is not None and got.rows == read.rows == [len(ids) - 1 - i for i in range(len(ids))]
+    assert all(a is b for a, b in zip(got.spans, read.spans, strict=True))
+    assert got.user_kv.version == version and got.stages["snapshot"] == 0.0
     for p in ({"cold": "n1"}, {"version": "0ld"}, {"fact_ids": [*ids, "nope"]}, {"kv_format": "int8"}):
-        assert conn._fetch_from_memory(replace(ld, params={**ld.params, **p})) is None, p
+        assert reader.read_from_memory(replace(ld, ref=replace(ref, **p))) is None, p
     # a store re-created at the same path since the scheduler checked the request: neither path serves it
-    assert conn._fetch_from_memory(replace(ld, store_id="another store")) is None
+    assert reader.read_from_memory(replace(ld, ref=replace(ref, store_id="another store"))) is None
     with pytest.raises(LookupError, match="re-created"):
-        conn._fetch(replace(ld, store_id="another store"))
-    conn._delays = {"u": 1.0}  # a read held back on purpose goes to a loader thread
-    assert conn._fetch_from_memory(ld) is None
+        reader.read(replace(ld, ref=replace(ref, store_id="another store")))
+    # a read held back on purpose goes to a loader thread
+    slow = LoadReader(replace(settings, load_delay_s={"u": 1.0}))
+    assert slow.trust.why_untrusted(str(st.root)) is None
+    assert slow.read_from_memory(ld) is None

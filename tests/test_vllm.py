@@ -229,7 +229,8 @@ def _row(g, out) -> dict:
 
 def run_mode(spec_path: str, run: str) -> None:
     """Subprocess entry: one engine, all cases, results to <spec dir>/result-<run>.json."""
-    from kvmem.engines.vllm_engine import MemoryRef, VLLMEngine
+    from kvmem.engines.vllm.engine import VLLMEngine
+    from kvmem.engines.vllm.params import MemoryRef
 
     _, mode, opts = RUNS[run]
     spec = json.loads(Path(spec_path).read_text())
@@ -302,15 +303,15 @@ def run_mode(spec_path: str, run: str) -> None:
     # Requests that name a memory but must not get it: a foreign cache salt, and a stale memory version.
     from vllm import SamplingParams
 
-    from kvmem.engines.vllm_connector import kvmem_cache_salt, kvmem_params
+    from kvmem.engines.vllm.params import kvmem_cache_salt
 
     ids = spec["memory"] + spec["query"]
     v = spec["versions"]["indep"]
     for name, params, salt in [
-        ("unsalted", kvmem_params(spec["store"], "indep", v, fact_ids), "someone-else"),
+        ("unsalted", MemoryRef(spec["store"], sid[spec["store"]], "indep", v, fact_ids).to_params(), "someone-else"),
         (
             "stale",
-            kvmem_params(spec["store"], "indep", "0ld", fact_ids),
+            MemoryRef(spec["store"], sid[spec["store"]], "indep", "0ld", fact_ids).to_params(),
             kvmem_cache_salt(sid[spec["store"]], "indep", "0ld"),
         ),
     ]:
@@ -571,7 +572,8 @@ def test_preempted_requests_resume_exactly(run, spec):
 
 def shared_mode(spec_path: str, url: str) -> None:
     """Subprocess entry: one engine whose only store is the shared one at ``url``; prompt and joint injection."""
-    from kvmem.engines.vllm_engine import MemoryRef, VLLMEngine
+    from kvmem.engines.vllm.engine import VLLMEngine
+    from kvmem.engines.vllm.params import MemoryRef
     from kvmem.store import Store
 
     spec = json.loads(Path(spec_path).read_text())

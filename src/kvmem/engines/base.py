@@ -4,8 +4,8 @@ kvmem owns retrieval, composition and the memory plan; an engine owns prefill an
 the two roles below:
 
 * ``hf``: transformers, the exact reference; one request at a time (``hf.HFEngine`` / ``hf.AsyncHFEngine``);
-* ``vllm``: stock vLLM with the kvmem KV connector; continuous batching (``vllm_engine.VLLMEngine`` /
-  ``vllm_engine.AsyncVLLMEngine``).
+* ``vllm``: stock vLLM with the kvmem KV connector; continuous batching (``vllm.engine.VLLMEngine`` /
+  ``vllm.engine.AsyncVLLMEngine``).
 
 ``Engine`` is the synchronous role (``kvmem ask``, benchmarks), ``AsyncEngine`` the one shared by concurrent
 requests (the HTTP server). ``engines.select`` builds both; everything else receives one and never asks which

@@ -133,7 +133,7 @@ def _vllm(
     options: dict,
 ):
     try:  # vLLM imports in ~5 s: only where it is the engine
-        from .vllm_engine import AsyncVLLMEngine, VLLMEngine
+        from .vllm.engine import AsyncVLLMEngine, VLLMEngine
     except ImportError as exc:
         raise EngineUnavailable(f"vLLM does not import ({type(exc).__name__}: {exc})") from exc
 

@@ -87,7 +87,7 @@ class Metrics:
             ["counter"],
             registry=r,
         )
-        self._worker_reads: dict = {}  # the vLLM worker's, read once per render (engines.vllm_connector writes them)
+        self._worker_reads: dict = {}  # the vLLM worker's, read once per render (engines.vllm.worker writes them)
         for name in ("kv_hits", "kv_misses", "kv_read_bytes", "kv_evictions", "kv_evicted_bytes", "disk_hits",
                      "disk_misses", "disk_fetched_bytes", "disk_cache_bytes", "disk_evictions"):  # fmt: skip
             store_reads.labels(name).set_function(

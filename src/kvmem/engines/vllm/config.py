@@ -1,0 +1,105 @@
+"""What the engine fixes at start for both connector sides: the settings, the engine's identity, and what is refused.
+
+``Settings`` is read from ``kv_connector_extra_config`` (written by ``engine.engine_kwargs``); each side gets one
+at construction. Imports nothing of vLLM: its configuration arrives as an argument.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...models import MANIFEST, head_dim, weights_hash
+from ...rope import LENGTH_DEPENDENT, rope_type
+from ...store import canonical
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The connector's settings, the same on both sides.
+
+    stores: the store directories (or folders holding stores) this engine may inject from, canonical.
+    identity: the engine model's side of the store fingerprint (``engine_identity``); a store whose fingerprint
+        differs in any of these keys is not injected.
+    metrics_file: where the scheduler side writes its counters (and the worker side ``.loads`` and ``.worker``).
+    async_load: loads run asynchronously (vLLM's ``load_kv_async``); False: inside the step that needs them.
+    profile: the worker writes each load's stages to ``<metrics_file>.loads``.
+    load_delay_s: ``{user: seconds}`` added to each read of that user's memory (a slow store, for tests).
+    cache_bytes, cache_dir: each process's store read cache bound (bytes) and its disk cache of remote segments.
+    """
+
+    stores: tuple[str, ...] = ()
+    identity: Mapping[str, object] = field(default_factory=dict)
+    metrics_file: str | None = None
+    async_load: bool = True
+    profile: bool = False
+    load_delay_s: Mapping[str, float] = field(default_factory=dict)
+    cache_bytes: int | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self):
+        set_ = object.__setattr__  # a frozen dataclass normalises its own fields this way
+        set_(self, "stores", tuple(canonical(p) for p in self.stores))
+        set_(self, "identity", dict(self.identity))
+        set_(self, "load_delay_s", {str(u): float(s) for u, s in self.load_delay_s.items()})
+
+    @classmethod
+    def of(cls, vllm_config) -> Settings:
+        """The settings vLLM's config carries (``kv_transfer_config.kv_connector_extra_config``), with the engine's
+        identity."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        return cls(
+            stores=tuple(extra.get("stores") or ()),
+            identity=engine_identity(vllm_config),
+            metrics_file=extra.get("metrics_file"),
+            async_load=bool(extra.get("async_load", True)),
+            profile=bool(extra.get("profile", False)),
+            load_delay_s=extra.get("load_delay_s") or {},
+            cache_bytes=int(extra["cache_bytes"]) if extra.get("cache_bytes") else None,
+            cache_dir=str(extra["cache_dir"]) if extra.get("cache_dir") else None,
+        )
+
+
+def engine_identity(vllm_config) -> dict:
+    """The engine model's side of the store fingerprint: weights hash, dtype and KV shapes."""
+    mc = vllm_config.model_config
+    folder = Path(mc.model)
+    manifest = folder / MANIFEST
+    weights = json.loads(manifest.read_text())["weights_sha256"] if manifest.exists() else weights_hash(folder)
+    cfg = getattr(mc.hf_config, "text_config", None) or mc.hf_config
+    return {
+        "weights_sha256": weights,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "num_layers": cfg.num_hidden_layers,
+        "num_kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim(cfg),
+    }
+
+
+def check_engine_config(vllm_config, kv_cache_config=None) -> None:
+    """Refuse, with one clear error (ValueError) at engine start, what the connector does not implement: tensor or
+    pipeline parallelism > 1, fp8 KV caches, more than one KV-cache group, and length-dependent RoPE (keys rotated
+    for one served length would enter the prefix cache and be reused at another)."""
+    par = vllm_config.parallel_config
+    if getattr(par, "tensor_parallel_size", 1) > 1 or getattr(par, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("kvmem connector: tensor/pipeline parallelism > 1 is not supported yet")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype.startswith("fp8"):
+        raise ValueError(
+            f"kvmem connector: kv_cache_dtype={cache_dtype!r} is not supported yet (its scale would "
+            f"be skipped); use the model dtype"
+        )
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(
+            f"kvmem connector: {len(groups)} KV-cache groups (hybrid/sliding-window manager) are not supported yet"
+        )
+    cfg = vllm_config.model_config.hf_config
+    rt = rope_type(getattr(cfg, "text_config", None) or cfg)
+    if any(x in rt for x in LENGTH_DEPENDENT):
+        raise ValueError(
+            f"kvmem connector: RoPE scaling {rt!r} depends on the served length, and injected blocks "
+            f"enter vLLM's prefix cache keyed by tokens only; use the transformers engine (--engine hf)"
+        )
