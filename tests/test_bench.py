@@ -201,6 +201,8 @@ def test_bench_latency(tiny):
     res = cli(
         "bench",
         "latency",
+        "--engine",
+        "hf",
         "--k",
         "1,2",
         "--window",
@@ -235,7 +237,21 @@ def test_bench_latency(tiny):
 
 def test_bench_throughput(tiny):
     out = tiny["root"] / "throughput"
-    cli("bench", "throughput", "--users", "1,2", "--k", 2, "--window", 0, "--tokens", 4, *common(tiny, out, 4))
+    cli(
+        "bench",
+        "throughput",
+        "--engine",
+        "hf",
+        "--users",
+        "1,2",
+        "--k",
+        2,
+        "--window",
+        0,
+        "--tokens",
+        4,
+        *common(tiny, out, 4),
+    )
     s = check_outputs(out, "qps_vs_users.png")
     assert set(s["qps"]["kv"]) == {"1", "2"} and set(s["qps"]["prompt"]) == {"1", "2"}
     assert all(v > 0 for m in ("kv", "prompt") for v in s["qps"][m].values())
@@ -249,7 +265,7 @@ def test_bench_throughput(tiny):
 
 def test_bench_footprint(tiny):
     out = tiny["root"] / "footprint"
-    cli("bench", "footprint", "--window", 0, *common(tiny, out))
+    cli("bench", "footprint", "--engine", "hf", "--window", 0, *common(tiny, out))
     s = check_outputs(out, "footprint.png")
     # SmolLM2-135M: 30 layers, 3 KV heads, head dim 64: 2*30*3*64*b bytes per token (b: the machine's dtype).
     # Measured on disk: the safetensors file holds that plus a header of a few hundred bytes, nothing else.
@@ -268,7 +284,7 @@ def test_bench_footprint(tiny):
 
 def test_bench_encode(tiny):
     out = tiny["root"] / "encode"
-    cli("bench", "encode", "--window", "0,2", *common(tiny, out))
+    cli("bench", "encode", "--engine", "hf", "--window", "0,2", *common(tiny, out))
     s = check_outputs(out, "encode.png")
     assert set(s["by_window"]) == {"0", "2"}
     for w in s["by_window"].values():

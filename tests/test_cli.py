@@ -375,3 +375,84 @@ def test_two_installs_of_one_model_at_once_give_one_whole_install(tmp_path):
     assert (target / "model.safetensors").stat().st_size > 100_000_000
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f".{FAST}.lock", FAST]
     assert not any(p.is_dir() for p in target.iterdir())
+
+
+# --- the command line itself: no model loads ---------------------------------------------------------------------
+
+
+def _commands():
+    """(path, click command) for every command and group of ``kvmem``."""
+    import typer
+
+    from kvmem.cli import app
+
+    todo = [(["kvmem"], typer.main.get_command(app))]
+    while todo:
+        path, cmd = todo.pop()
+        yield path, cmd
+        todo += [(path + [name], sub) for name, sub in getattr(cmd, "commands", {}).items()]
+
+
+def test_help_loads_no_engine():
+    """``kvmem --help``, every command built and every group's help: no torch, transformers or vLLM imported."""
+    code = (
+        "import sys, typer\n"
+        "from typer.testing import CliRunner\n"
+        "from kvmem.cli import app\n"
+        "typer.main.get_command(app)\n"
+        "for args in ([], ['serve'], ['ask'], ['memory'], ['store'], ['models'], ['bench'], ['eval'], ['demo']):\n"
+        "    assert CliRunner().invoke(app, [*args, '--help']).exit_code == 0, args\n"
+        "print(sorted({'torch', 'transformers', 'vllm', 'matplotlib'} & set(sys.modules)))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr[-2000:]
+
+
+def test_one_engine_option_defaults_to_auto():
+    """Every command's --engine defaults to auto and is spelled alike; the demo alone defaults to hf and says why."""
+    engines = {" ".join(path): p for path, cmd in _commands() for p in getattr(cmd, "params", []) if p.name == "engine"}
+    assert len(engines) >= 10
+    for name, p in engines.items():
+        assert p.opts == ["--engine"] and p.help.startswith("auto (vLLM where it runs here"), name
+        if name == "kvmem demo":
+            assert p.default == "hf" and "The demo defaults to hf" in p.help
+        else:
+            assert p.default == "auto", name
+
+
+def test_cli_default_model_is_the_registry_default():
+    from kvmem.cli.common import DEFAULT_MODEL
+    from kvmem.models import DEFAULT_MODEL as REGISTRY_DEFAULT
+
+    assert DEFAULT_MODEL == REGISTRY_DEFAULT
+
+
+def test_bench_without_its_extra_is_one_error_line(monkeypatch):
+    """A missing ``bench`` extra (here matplotlib, hidden as an uninstalled package is): one ``error:`` line that
+    names the install, exit code 2, before any benchmark runs."""
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
+    res = CliRunner().invoke(app, ["bench", "scale", "--users", "1000"])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "pip install 'kvmem[bench]'" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and "matplotlib" in res.output
+
+
+def test_memory_add_reads_json_messages_or_plain_text(tmp_path):
+    from kvmem.cli.memory import read_messages
+
+    (tmp_path / "m.json").write_text('[{"role": "user", "content": "I keep bees."}]')
+    (tmp_path / "m.txt").write_text("  I keep bees.\n")
+    assert read_messages(tmp_path / "m.json", None) == [{"role": "user", "content": "I keep bees."}]
+    assert read_messages(tmp_path / "m.txt", None) == "I keep bees."
+    assert read_messages(None, '["-m is always text"]') == '["-m is always text"]'
+    for file, message, why in (
+        (tmp_path / "m.txt", "x", "not both"),
+        (tmp_path, None, "is a directory"),
+        (tmp_path / "none.txt", None, "--message/-m TEXT"),
+        (None, "  ", "no messages given"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            read_messages(file, message)

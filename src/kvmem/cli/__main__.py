@@ -1,0 +1,7 @@
+"""``python -m kvmem.cli``: the ``kvmem`` command."""
+
+import sys
+
+from . import app
+
+sys.exit(app())
