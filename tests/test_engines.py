@@ -1,13 +1,15 @@
 """The engine seam is real: both engines satisfy both roles (``engines.base.check_implements``: every abstract
-method implemented, the same parameters), what differs between them is a declared capability, and the one
-module that builds engines is the only place that names them."""
+method implemented, the same parameters), what differs between them is a capability declared once
+(``engines.registry``), and the one module that builds engines is the only place that names them."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvmem.engines import select
+from kvmem.engines import registry
 from kvmem.engines.base import AsyncEngine, Engine, EngineRequest, check_implements
 from kvmem.engines.hf import AsyncHFEngine, HFEngine
 from kvmem.hardware import cpu_facts, vllm_problem
@@ -41,7 +43,7 @@ def test_both_engines_satisfy_both_roles():
             asyn.selective_recompute,
             asyn.batches,
         )
-        assert select.SELECTIVE_RECOMPUTE[sync.name] == sync.selective_recompute  # checked before engines start
+        assert registry.ENGINES[sync.name].selective_recompute == sync.selective_recompute  # checked before start
 
 
 def test_check_implements_finds_what_is_missing():
@@ -109,7 +111,34 @@ def test_only_the_engine_package_names_an_engine():
 
 
 def test_selective_recompute_is_refused_before_an_engine_starts():
+    from kvmem.service import check_methods
+
     with pytest.raises(ValueError, match="--engine hf"):
-        select.check_methods(["kv", "kv-sel20"], "vllm")
-    select.check_methods(["kv", "kv-sel20"], "hf")
-    select.check_methods(["kv", "prompt", "kv-tail2"], "vllm")
+        check_methods(["kv", "kv-sel20"], "vllm")
+    check_methods(["kv", "kv-sel20"], "hf")
+    check_methods(["kv", "prompt", "kv-tail2"], "vllm")
+
+
+def test_the_capability_registry_imports_no_engine():
+    """The CLI and the server check methods against the registry before an engine starts: it must load none."""
+    code = (
+        "import sys, kvmem.engines.registry; "
+        "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'vllm') "
+        "or m.startswith('kvmem.engines.') and m != 'kvmem.engines.registry'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_method_is_parsed_once_and_written_back_the_same():
+    from kvmem.policy import Method
+
+    for spelled in ("kv", "prompt", "kv-tail3", "kv-sel20", "kv-sel100"):
+        assert str(Method.parse(spelled)) == spelled
+    assert Method.parse("kv-sel20") == Method("kv", 0, 0.2) and Method.parse("kv", 2) == Method("kv", 2)
+    assert Method.parse(Method.of("kv", None, 20)) == Method.parse("kv-sel20")
+    assert Method.parse(Method.of("kv", 1)) == Method("kv", 1) and str(Method.of("off")) == "off"
+    with pytest.raises(ValueError, match="do not combine"):
+        Method.parse(Method.of("kv", None, 20), tail_recompute=1)
+    with pytest.raises(ValueError, match="not 'off'"):
+        Method.parse(Method.of("off"))

@@ -2,7 +2,8 @@
 which user ids are allowed. No heavy imports, so the CLI checks its arguments before torch loads.
 
 * ``Encoding``: what each fact's stored KV is computed behind (window, neighbours, history) and its defaults;
-* ``parse_mode``: a serving method (``kv``, ``prompt``, ``kv-tail<r>``, ``kv-sel<p>``);
+* ``Method``: a serving method (``kv``, ``prompt``, ``kv-tail<r>``, ``kv-sel<p>``; ``off``: a bare chat), parsed
+  once from its spelling;
 * ``check_user``: a user id, NFC-normalised.
 """
 
@@ -71,24 +72,71 @@ def check_neighbours(neighbours) -> int:
 MODES_HELP = (
     "kv, prompt, kv-tail<r> (tail recompute of r facts) or kv-sel<p> (selective recompute of p% of fact tokens)"
 )
+_TAIL = re.compile(r"kv-tail(0|[1-9][0-9]*)")
+_SELECTIVE = re.compile(r"kv-sel([1-9][0-9]?|100)")
 
 
-def parse_mode(mode: str, tail_recompute: int | None = None) -> tuple[str, int | None, float]:
-    """A serving method -> (mode, tail recompute r, selective-recompute fraction): "kv", "prompt",
-    "kv-tail<r>" (tail recompute r) or "kv-sel<p>" (query-aware selective recompute of p% of the fact tokens,
-    transformers engine; ``engines.hf.selective_recompute``). ``tail_recompute``: the r a plain ``kv`` gets.
-    Raises ValueError otherwise, and for selective with tail recompute."""
-    tail = re.fullmatch(r"kv-tail(0|[1-9][0-9]*)", mode) if isinstance(mode, str) else None
-    if tail:
-        return "kv", int(tail[1]), 0.0
-    sel = re.fullmatch(r"kv-sel([1-9][0-9]?|100)", mode) if isinstance(mode, str) else None
-    if sel:
-        if tail_recompute:
-            raise ValueError("kv-sel (selective recompute) and tail recompute do not combine; use one of them")
-        return "kv", 0, int(sel[1]) / 100
-    if mode not in ("kv", "prompt"):
-        raise ValueError(f"mode must be 'kv', 'prompt', 'kv-tail<r>' or 'kv-sel<1-100>', not {mode!r}")
-    return mode, tail_recompute, 0.0
+@dataclass(frozen=True)
+class Method:
+    """How a request's memory reaches the model: the one structured form of a serving method.
+
+    ``mode``: "kv" (KV injection), "prompt" (prompt injection) or "off" (a bare chat, no memory); ``tail``: kv
+    mode prefills the last r retrieved facts with the query instead of injecting them (tail recompute; None: the
+    service's default r); ``recompute``: the fraction in (0, 1] of the injected fact tokens that the query
+    attends to most, recomputed (query-aware selective recompute; 0 = off), in percent steps.
+
+    ``Method.parse`` reads the user-facing spelling (``kv``, ``prompt``, ``kv-tail<r>``, ``kv-sel<p>``), ``str``
+    writes it back, and ``Method.of`` builds one from the options a request or a command gives (mode, tail
+    recompute, selective-recompute percentage)."""
+
+    mode: str = "kv"
+    tail: int | None = None
+    recompute: float = 0.0
+
+    @classmethod
+    def parse(cls, method: str | Method, tail_recompute: int | None = None) -> Method:
+        """``method`` (its spelling, or a ``Method``) checked, with ``tail_recompute`` as the r of a ``kv`` or
+        ``prompt`` that names none. Raises ValueError for another spelling ("off" included: a bare chat is no
+        serving method), and for selective with tail recompute."""
+        if isinstance(method, Method):
+            tail_recompute = tail_recompute if method.tail is None else method.tail
+            if method.recompute or method.mode not in ("kv", "prompt"):
+                return cls.parse(str(method), tail_recompute)
+            return cls(method.mode, tail_recompute)
+        tail = _TAIL.fullmatch(method) if isinstance(method, str) else None
+        if tail:
+            return cls("kv", int(tail[1]))
+        sel = _SELECTIVE.fullmatch(method) if isinstance(method, str) else None
+        if sel:
+            if tail_recompute:
+                raise ValueError("kv-sel (selective recompute) and tail recompute do not combine; use one of them")
+            return cls("kv", 0, int(sel[1]) / 100)
+        if method not in ("kv", "prompt"):
+            raise ValueError(f"mode must be 'kv', 'prompt', 'kv-tail<r>' or 'kv-sel<1-100>', not {method!r}")
+        return cls(method, tail_recompute)
+
+    @classmethod
+    def of(cls, mode: str = "kv", tail_recompute: int | None = None, selective_recompute: int = 0) -> Method:
+        """The method a request's options name: ``mode`` kv | prompt | off, ``tail_recompute`` r (None: the
+        service's default), ``selective_recompute`` p% of the fact tokens (kv mode; 0 = off). Not yet checked:
+        ``parse`` (the service's ``plan``) refuses selective with tail recompute."""
+        if mode == "kv" and selective_recompute:
+            return cls("kv", tail_recompute, selective_recompute / 100)
+        return cls(mode, tail_recompute)
+
+    def __str__(self) -> str:
+        """The user-facing spelling: ``kv``, ``prompt``, ``off``, ``kv-sel<p>``; ``kv`` with a tail r is
+        ``kv-tail<r>``."""
+        if self.recompute:
+            return f"kv-sel{round(self.recompute * 100)}"
+        return f"kv-tail{self.tail}" if self.mode == "kv" and self.tail else self.mode
+
+
+def parse_mode(mode: str | Method, tail_recompute: int | None = None) -> tuple[str, int | None, float]:
+    """``Method.parse`` as a tuple (mode, tail recompute r, selective-recompute fraction), for callers that
+    unpack it. Raises what ``Method.parse`` raises."""
+    m = Method.parse(mode, tail_recompute)
+    return m.mode, m.tail, m.recompute
 
 
 def check_user(user) -> str:

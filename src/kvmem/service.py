@@ -1,7 +1,12 @@
-"""Serving: question -> embed -> top-k retrieval -> compose (chunked RoPE) -> inject or prompt -> answer.
+"""The one chat pipeline: question -> embed -> top-k retrieval -> compose (chunked RoPE) -> inject or prompt.
 
 One request reads as one straight line: ``plan`` (embed, retrieve, order, check the budget), the engine's
 ``memory`` (composition, by the engine: rotated KV or a connector reference), then the engine call, in ``ask``.
+The rules every caller shares live here and only here: the method a request asks for (``policy.Method``) and
+whether the engine can serve it (``check_methods`` before an engine starts, ``plan`` after), the retry when a
+write replaces the memory between retrieval and the KV read, and the plain chat a server request falls back to
+(mode off, an empty question, a user without memories). ``ask`` / ``prepare`` serve synchronous engines,
+``prepare_chat`` the server's; both run ``_pipeline``.
 Paper §3.3 (serving path) and §5.1 (position policy).
 """
 
@@ -9,16 +14,33 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .compose import ContextOverflow, PromptFormat, check_text, max_facts_that_fit
 from .engines.base import AsyncEngine, Engine, EngineRequest, Generation, MemoryPlan, Sampling
-from .engines.select import open_engine
+from .engines.registry import refusal
+from .engines.select import engine_name, open_engine
 from .models import LoadedModel, fingerprint, line_stop_ids, stop_token_ids
-from .policy import parse_mode
+from .policy import Method
 from .retrieve import Embedder, IndexCache, Retrieved, order_reverse_proximity
-from .store import Store, StoreError
+from .store import Store, StoreError, UnknownUser
+
+PLANS = 3  # a request is planned at most this often while writes keep replacing its memory (then StoreError)
+
+
+def check_methods(methods: Iterable[str | Method], engine: str | None = "auto") -> list[Method]:
+    """``methods`` (spellings or ``Method``s) as ``Method``s, checked before any engine starts: ValueError for
+    a bad one or one that ``engine`` (auto | vllm | hf; ``auto`` as it resolves on this machine) cannot serve
+    (``engines.registry.refusal``), e.g. selective recompute off the transformers engine."""
+    name = engine_name(engine)
+    parsed = [Method.parse(m) for m in methods]
+    for m in parsed:
+        why = refusal(m, name, started=False)
+        if why is not None:
+            raise ValueError(why)
+    return parsed
 
 
 @dataclass
@@ -111,7 +133,7 @@ class MemoryService:
         user: str | list[str],
         question: str,
         top_k: int,
-        mode: str = "kv",
+        mode: str | Method = "kv",
         max_new_tokens: int = 32,
         messages: list[dict] | None = None,
         tail_recompute: int | None = None,
@@ -119,7 +141,7 @@ class MemoryService:
     ) -> Prepared:
         """Everything before composition: embed, retrieve, order, check the budget.
 
-        ``mode``: a serving method (``policy.parse_mode``). ``messages``: a multi-turn chat (OpenAI-style,
+        ``mode``: a serving method (``policy.Method``, or its spelling). ``messages``: a multi-turn chat (OpenAI-style,
         checked) that follows the memory instead of the single ``question`` (which is still what retrieval
         embeds: the last user message). ``tail_recompute`` r (default ``self.tail_recompute``): inject the header
         and all but the last r facts; the engine prefills those r facts (the most relevant, nearest the query)
@@ -138,16 +160,9 @@ class MemoryService:
         check_text(question, "the question")  # before anything tokenizes or embeds it
         if top_k < 1:
             raise ValueError(f"k must be >= 1, got {top_k}")
-        mode, tail_recompute, recompute = parse_mode(
-            mode, self.tail_recompute if tail_recompute is None else tail_recompute
-        )
-        if recompute and not self.engine.selective_recompute:
-            raise ValueError(
-                f"kv-sel (query-aware selective recompute) runs on the transformers engine only, not "
-                f"on {self.engine.name}: its KV connector can report an injected prefix, not tokens to "
-                f"recompute inside it"
-            )
-        r = int(tail_recompute or 0)
+        method = self.method(mode, tail_recompute)
+        mode, recompute = method.mode, method.recompute
+        r = int(method.tail or 0)
         if r < 0:
             raise ValueError(f"tail_recompute must be >= 0, got {r}")
         t0 = time.perf_counter()
@@ -231,25 +246,110 @@ class MemoryService:
         self.check_budget(0, [], len(ids), max_new_tokens)
         return Prepared("", question or "", "off", ids, ids, [], None, {})
 
+    def method(self, mode: str | Method, tail_recompute: int | None = None) -> Method:
+        """``mode`` as a ``Method`` this service's engine serves; ``tail_recompute``: the r a plain ``kv`` gets
+        (default ``self.tail_recompute``). Raises ValueError for a bad method, selective with tail recompute,
+        or one the engine cannot serve (``engines.registry.refusal``)."""
+        method = Method.parse(mode, self.tail_recompute if tail_recompute is None else tail_recompute)
+        why = refusal(method, self.engine.name)
+        if why is not None:
+            raise ValueError(why)
+        return method
+
     def prepare(
         self,
         user: str,
         question: str,
         top_k: int,
-        mode: str = "kv",
+        mode: str | Method = "kv",
         max_new_tokens: int = 32,
         messages: list[dict] | None = None,
         tail_recompute: int | None = None,
     ) -> Prepared:
         """``plan``, then the engine's memory (synchronous engines). Raises what ``plan`` raises."""
-        for attempt in range(3):
-            req = self.plan(user, question, top_k, mode, max_new_tokens, messages, tail_recompute)
+        return _run_now(
+            self._pipeline(
+                user,
+                question,
+                top_k,
+                mode,
+                max_new_tokens,
+                messages,
+                tail_recompute,
+                False,
+                plain_fallback=False,
+                run=_call,
+                memory=_returning(self.engine.memory),
+            )
+        )
+
+    async def prepare_chat(
+        self,
+        user: str | list[str] | None,
+        messages: list[dict],
+        top_k: int,
+        method: Method,
+        max_new_tokens: int,
+        cold: bool = False,
+        *,
+        run: Callable[..., Awaitable],
+    ) -> Prepared:
+        """One chat request of the server (an ``AsyncEngine``): retrieval for the last message, then the
+        engine's memory. ``method`` "off", an empty last message, or a user with no memories yet: the plain
+        chat (``bare``). ``run(fn, *args)``: awaits blocking work (retrieval) off the event loop. Raises what
+        ``plan`` raises (ValueError, ContextOverflow, StoreError)."""
+        return await self._pipeline(
+            user,
+            messages[-1]["content"],
+            top_k,
+            method,
+            max_new_tokens,
+            messages,
+            None,
+            cold,
+            plain_fallback=True,
+            run=run,
+            memory=self.engine.memory,
+        )
+
+    async def _pipeline(
+        self,
+        user,
+        question: str,
+        top_k: int,
+        method: str | Method,
+        max_new_tokens: int,
+        messages: list[dict] | None,
+        tail_recompute: int | None,
+        cold: bool,
+        *,
+        plain_fallback: bool,
+        run: Callable[..., Awaitable],
+        memory: Callable[[MemoryPlan], Awaitable],
+    ) -> Prepared:
+        """``plan``, then the engine's ``memory``; planned again (at most ``PLANS`` times, then StoreError) when
+        a write replaced the memory version between retrieval and the KV read (LookupError). With
+        ``plain_fallback`` (the server's chats), method "off", an empty question or a user without memories
+        is the plain chat instead (``bare``)."""
+        bare = lambda: self.bare(max_new_tokens=max_new_tokens, messages=messages)
+        if plain_fallback and (str(method) == "off" or not question.strip()):
+            return await run(bare)
+        for attempt in range(PLANS):
+            try:
+                req = await run(
+                    self.plan, user, question, top_k, method, max_new_tokens, messages, tail_recompute, cold
+                )
+            except UnknownUser:  # no memories yet: answer without any
+                if not plain_fallback:
+                    raise
+                return await run(bare)
+            if req.plan is None:
+                return req
             t = time.perf_counter()
             try:
-                if req.plan is not None:
-                    req.attach(self.engine.memory(req.plan))
+                req.attach(await memory(req.plan))
             except LookupError:  # a write replaced the version between retrieval and the KV read: again
-                if attempt == 2:
+                if attempt == PLANS - 1:
                     raise StoreError(f"the memory of {user!r} kept changing while being read") from None
                 continue
             req.timings_ms["compose"] += (time.perf_counter() - t) * 1e3
@@ -267,7 +367,7 @@ class MemoryService:
             **options,
         )
 
-    def ask(self, user: str, question: str, top_k: int, mode: str = "kv", max_new_tokens: int = 32) -> Answer:
+    def ask(self, user: str, question: str, top_k: int, mode: str | Method = "kv", max_new_tokens: int = 32) -> Answer:
         """Answer ``question`` from ``user``'s memory with the ``top_k`` most relevant facts (``prepare`` + the
         engine call). Raises what ``prepare`` raises."""
         req = self.prepare(user, question, top_k, mode, max_new_tokens)
@@ -325,6 +425,31 @@ class Prepared:
         if self.plan is not None and self.memory is None:
             raise ValueError("a kv-mode request needs its memory (MemoryService.prepare, or the engine's memory)")
         return EngineRequest(self.prompt_ids, self.memory, len(self.query_ids), sampling)
+
+
+async def _call(fn, *args):
+    """``run`` of the synchronous pipeline: blocking work, here and now."""
+    return fn(*args)
+
+
+def _returning(fn):
+    """A synchronous engine's ``memory`` in the pipeline's awaitable shape."""
+
+    async def call(plan):
+        return fn(plan)
+
+    return call
+
+
+def _run_now(coro: Coroutine):
+    """The result of a coroutine that never suspends (the pipeline over a synchronous engine): its awaits all
+    finish at once, so it runs to its end on this thread without an event loop, and raises what it raises."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the synchronous pipeline waited on something")
 
 
 def same_prompt(a: Answer, b: Answer) -> None:

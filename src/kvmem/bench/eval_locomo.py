@@ -31,8 +31,8 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from ..engines.select import check_methods
 from ..policy import MODES_HELP, Encoding, parse_mode
+from ..service import check_methods
 from .common import (
     Setup,
     answer_batch,

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines.select import check_methods
-from ..service import same_prompt
+from ..service import check_methods, same_prompt
 from .common import (
     Setup,
     bare,

@@ -55,9 +55,8 @@ def ask(
         raise ValueError("--tail-recompute works in --mode kv only")
     if selective_recompute and (mode != "kv" or tail_recompute):
         raise ValueError("--selective-recompute works in --mode kv without --tail-recompute")
-    from ..engines.select import check_methods
     from ..hardware import resolve_dtype
-    from ..service import MemoryService
+    from ..service import MemoryService, check_methods
     from ..store import Store
 
     method = f"kv-sel{selective_recompute}" if selective_recompute else mode

@@ -13,8 +13,7 @@ it is. What differs between engines is a method or a capability here:
 
 * how memory reaches it: ``memory(plan)`` turns the service's ``MemoryPlan`` into what ``EngineRequest.memory``
   carries: composed, rotated KV (hf) or a reference the connector's worker reads from the store (vLLM);
-* ``selective_recompute``: whether it can recompute tokens inside an injected prefix;
-* ``batches``: whether concurrent requests run in one batch (continuous batching) or one at a time.
+* what it can do (``capabilities``: selective recompute, batching, ...), declared once in ``registry``.
 
 Paper §3.3 (serving path).
 """
@@ -29,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..hardware import EngineUnavailable
+from . import registry
+from .registry import Capabilities
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncEngine",
+    "Capabilities",
     "Delta",
     "Engine",
     "EngineBusy",
@@ -179,11 +181,27 @@ class Delta:
 
 
 class _Capabilities:
+    """What both roles share: ``name`` (a key of ``registry.ENGINES``) and the abilities declared there for it.
+
+    ``capabilities`` and the ``selective_recompute`` / ``batches`` shorthands are filled in from the registry
+    when an engine class is defined; a class that states one of them otherwise is refused (TypeError), so an
+    engine and the checks made before it starts cannot disagree."""
+
     name: str = ""
     max_model_len: int = 0
+    capabilities: Capabilities = registry.NONE
     selective_recompute: bool = False
     batches: bool = False
     metrics_file: str | None = None  # where the engine writes its own counters (JSON), if it does
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        caps = registry.capabilities(cls.name)
+        for attr in ("selective_recompute", "batches"):
+            if attr in cls.__dict__ and cls.__dict__[attr] != getattr(caps, attr):
+                raise TypeError(f"{cls.__name__}.{attr} disagrees with engines.registry.ENGINES[{cls.name!r}]")
+            setattr(cls, attr, getattr(caps, attr))
+        cls.capabilities = caps
 
 
 class Engine(_Capabilities, ABC):

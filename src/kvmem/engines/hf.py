@@ -228,9 +228,7 @@ class HFEngine(Engine):
     request at a time, on the model's device. ``eos_token_ids``: where answers end (default: the model's EOS);
     ``max_model_len``: context limit (default: the model's)."""
 
-    name = "hf"
-    selective_recompute = True
-    batches = False
+    name = "hf"  # its abilities: engines.registry.ENGINES["hf"]
 
     def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None, tokenizer=None):
         use_gqa_sdpa(model)
@@ -480,9 +478,7 @@ class AsyncHFEngine(AsyncEngine):
     event: decoding stops at the next token. ``pool``: a one-thread executor shared with other work on the same
     model (the server's writes), so the model and its RoPE state serve one caller at a time; default: its own."""
 
-    name = "hf"
-    selective_recompute = True
-    batches = False
+    name = "hf"  # its abilities: engines.registry.ENGINES["hf"]
 
     def __init__(self, engine: HFEngine, max_queue: int = 64, pool: ThreadPoolExecutor | None = None):
         self.engine, self.max_model_len, self.max_queue = engine, engine.max_model_len, max_queue

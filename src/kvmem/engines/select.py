@@ -3,7 +3,8 @@
 ``open_engine`` resolves ``--engine`` (``auto``: vLLM where it runs, else transformers, with a one-line note),
 loads the answer model (with its weights only where this process computes with them: the transformers engine;
 vLLM loads its own) and starts the engine in the synchronous (``Engine``) or the concurrent (``AsyncEngine``)
-role. Everything else receives the engine and never asks which one it is.
+role. Everything else receives the engine and never asks which one it is: what an engine can do is declared in
+``registry`` (which imports no engine), and checked by the service (``service.check_methods``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from pathlib import Path
 
 from ..hardware import resolve_engine
 from ..models import REGISTRY, LoadedModel, load, model_dir, stop_token_ids
-from ..policy import parse_mode
 from .base import AsyncEngine, Engine, EngineUnavailable
 
 VLLM_MAX_MODEL_LEN = 32768  # vLLM's context is capped here (and then to what its KV cache holds)
@@ -90,16 +90,10 @@ def open_engine(
     return Opened(lm, _hf(lm, serving, max_model_len, max_queue, pool), note)
 
 
-SELECTIVE_RECOMPUTE = {"hf": True, "vllm": False}  # each engine class's ``selective_recompute`` (tested)
-
-
-def check_methods(modes, engine: str) -> None:
-    """ValueError, before any engine starts, when a serving method in ``modes`` (``policy.parse_mode``) needs
-    what ``engine`` (auto | vllm | hf, as resolved here) cannot do: selective recompute off the transformers
-    engine."""
-    name, _ = resolve_engine(engine) if engine in (None, "auto") else (engine, None)
-    if not SELECTIVE_RECOMPUTE.get(name, False) and any(parse_mode(m)[2] for m in modes):
-        raise ValueError("kv-sel (selective recompute) runs on the transformers engine only: add --engine hf")
+def engine_name(engine: str | None = "auto") -> str:
+    """The engine ``open_engine`` starts for ``engine`` (auto | vllm | hf): ``auto`` as it resolves on this
+    machine (it may still fall back to transformers if vLLM then fails to start)."""
+    return resolve_engine(engine)[0] if engine in (None, "auto") else engine
 
 
 def reference_engine(model, eos_token_ids: list[int] | None = None, tokenizer=None):

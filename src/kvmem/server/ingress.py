@@ -1,5 +1,6 @@
 """The ingress of ``kvmem serve --replicas N`` (in the ``kvmem serve`` process): it reads each HTTP request,
-derives its route key (``route_key``), and streams the chosen replica's ASGI response back (``replicas``).
+derives its route key (``route_key``, the one rule of which replica a request prefers), and streams the chosen
+replica's ASGI response back (``replicas``).
 
 Reads and chats whose replica died before answering are retried on another replica; a write whose replica died
 answers 503 ``replica_lost`` (it may or may not have landed). Ray's queue bound per caller
@@ -22,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from ..scopes import Scope, ScopeError, parse_key
 from .replicas import LIVE, ROUTED, Replicas
 from .routes import body_limit_error
 from .schemas import APIError
-from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
 
@@ -38,8 +39,11 @@ BODY_ROUTED = ("/v1/chat/completions", "/v1/memories", "/v1/memories/search", "/
 
 
 async def route_key(cluster: Replicas, method: str, path: str, query: bytes, headers, body: bytes) -> str | None:
-    """The store user a request is for (tenant-salted), or None: the chat's ``user``, the memories API's
-    ``user_id`` (body or query), or the owner of ``/v1/memories/{id}``. Only a hint: errors are the replica's."""
+    """The one rule of which replica a request prefers (``replicas.UserAffinityRouter`` hashes what this
+    returns): the store user of the request's user alone in the caller's tenant (``user_key``), whatever scope
+    (agent, run) it also names, so one user's chats and memories stay on one replica. The user is the chat's
+    ``user``, the memories API's ``user_id`` (body, filters or query), or the user of ``/v1/memories/{id}``'s
+    owner. None without one (the router spreads such requests). Only a hint: errors are the replica's."""
     try:
         tenant = cluster.tenants.tenant(headers.get("authorization"))
     except APIError:
@@ -58,12 +62,20 @@ async def route_key(cluster: Replicas, method: str, path: str, query: bytes, hea
     elif path == "/v1/memories":
         user = (parse_qs(query.decode("latin-1")).get("user_id") or [None])[0]
     elif path.startswith("/v1/memories/"):
-        return await cluster.owner(path.split("/")[3])
+        owner = await cluster.owner(path.split("/")[3])
+        scope = parse_key(owner, tenant) if owner is not None else None
+        user = scope.user_id if scope is not None else None
+    return user_key(tenant, user)
+
+
+def user_key(tenant: str | None, user) -> str | None:
+    """The store user of ``user`` (an id as a request gives it) alone in ``tenant``'s namespace, as chats and
+    writes name it (``scopes.Scope.key``); None for no id or a bad one."""
     if not isinstance(user, str):
         return None
     try:
-        return Tenants.user(tenant, user)
-    except APIError:
+        return Scope.of(user_id=user).key(tenant)
+    except ScopeError:
         return None
 
 

@@ -6,10 +6,11 @@ to the replica that holds their memory warm (paper §7, "route each request to w
   REST API, tenants, errors and limits are the same code. Every replica opens the one shared store: versions are
   checked against it on every request, so any replica serves any user correctly; a write is durable in the store
   before it is acknowledged.
-* **Routing** (``UserAffinityRouter``, Ray Serve's request-router API): rendezvous hashing of the store user
-  (tenant-salted, ``Tenants.user``) over the live replicas. The preferred replica comes first; when it is full
-  (``max_ongoing_requests``) the others follow in hash order, so load falls back without reshuffling other
-  users. A dead replica leaves the set at once; its users hash to the others until Ray has restarted it.
+* **Routing** (``UserAffinityRouter``, Ray Serve's request-router API): rendezvous hashing of the request's
+  route key (its user's store user, tenant-salted: ``ingress.route_key``) over the live replicas. The preferred
+  replica comes first; when it is full (``max_ongoing_requests``) the others follow in hash order, so load falls
+  back without reshuffling other users. A dead replica leaves the set at once; its users hash to the others
+  until Ray has restarted it.
 * **Ingress** (``ingress.create_ingress``, in the ``kvmem serve`` process) reads each request, names its route
   key, and streams the replica's answer back.
 """

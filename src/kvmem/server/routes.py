@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..policy import Method
 from ..scopes import Scope, ScopeError
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
@@ -189,10 +190,9 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
                 param="memory.cache",
             )
         sel = server.selective_recompute if opts.selective_recompute is None else opts.selective_recompute
+        method = Method.of(mode, opts.tail_recompute, sel)
         prep = await asyncio.wait_for(
-            prepare_chat(
-                server, user, messages, top_k, mode, max_tokens, opts.tail_recompute, sel, opts.cache == "cold"
-            ),
+            prepare_chat(server, user, messages, top_k, method, max_tokens, opts.cache == "cold"),
             limits.request_timeout_s,
         )
 

@@ -20,13 +20,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..engines.base import AsyncEngine
-from ..engines.select import check_methods, open_engine
+from ..engines.select import open_engine
 from ..ingest import open_or_create_store
 from ..memory import Memory
 from ..models import DEFAULT_MODEL, load
-from ..policy import parse_mode
+from ..policy import Method
 from ..retrieve import Embedder, IndexCache
-from ..service import MemoryService
+from ..service import MemoryService, check_methods
 from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
@@ -143,10 +143,8 @@ def preflight(
     """What ``KvmemServer.start`` refuses before it loads anything: methods the engine cannot serve, and for an
     existing store another model or dtype, or a ``--segments`` it was not created with. Also where the servers
     start elsewhere (``replicas``), so a bad option is one line here. Raises ValueError, StoreError."""
-    methods = [f"kv-sel{selective_recompute}"] if selective_recompute else []
-    for m in methods:
-        parse_mode(m, tail_recompute)  # ValueError: selective and tail recompute do not combine
-    check_methods(methods, engine)  # refused before any engine starts
+    # the default method of chat requests, refused before any engine starts (e.g. selective with tail recompute)
+    check_methods([Method.of("kv", tail_recompute, selective_recompute)], engine)
     if not Store.exists(store):
         return
     st = Store.open(store)

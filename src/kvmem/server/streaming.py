@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from ..engines.base import Sampling
+from ..policy import Method
 from ..service import Prepared
-from ..store import StoreError, UnknownUser
 from .schemas import APIError, engine_dead, error_of
 
 if TYPE_CHECKING:
@@ -22,43 +22,16 @@ if TYPE_CHECKING:
 
 async def prepare_chat(
     server: KvmemServer,
-    user: str | None,
+    user: str | list[str] | None,
     messages: list[dict],
     top_k: int,
-    mode: str,
+    method: Method,
     max_tokens: int,
-    tail_recompute: int | None = None,
-    selective_recompute: int = 0,
     cold: bool = False,
 ) -> Prepared:
-    """Retrieval (off the event loop), then the engine's memory for one chat request. ``mode`` "off", an empty
-    last message or a user with no memories yet: the bare chat. ``selective_recompute`` p (kv mode): the
-    ``kv-sel<p>`` method (``policy.parse_mode``; ValueError -> HTTP 400 where the engine cannot, or with tail
-    recompute)."""
-    svc = server.service
-    question = messages[-1]["content"]
-    if mode == "off" or not question.strip():
-        return await server.off_loop(lambda: svc.bare(max_new_tokens=max_tokens, messages=messages))
-    method = f"kv-sel{selective_recompute}" if mode == "kv" and selective_recompute else mode
-    for attempt in range(3):
-        try:
-            p = await server.off_loop(
-                svc.plan, user, question, top_k, method, max_tokens, messages, tail_recompute, cold
-            )
-        except UnknownUser:  # no memories yet: answer without any
-            return await server.off_loop(lambda: svc.bare(max_new_tokens=max_tokens, messages=messages))
-        if p.plan is None:
-            return p
-        t = time.perf_counter()
-        try:
-            p.attach(await server.engine.memory(p.plan))
-        except LookupError:  # a write replaced the version between retrieval and the KV read
-            if attempt == 2:
-                raise StoreError(f"the memory of {user!r} kept changing while being read") from None
-            continue
-        p.timings_ms["compose"] += (time.perf_counter() - t) * 1e3
-        return p
-    raise AssertionError("unreachable")
+    """The service's chat pipeline (``MemoryService.prepare_chat``: fallbacks, retrieval, the engine's memory,
+    the retry) with retrieval off the event loop. ValueError (HTTP 400) for a method the engine cannot serve."""
+    return await server.service.prepare_chat(user, messages, top_k, method, max_tokens, cold, run=server.off_loop)
 
 
 POLL_S = 0.25  # how often a wait on the engine checks that the engine and the client are still there

@@ -9,7 +9,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..policy import check_user
 from .schemas import APIError
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -54,24 +53,6 @@ class Tenants:
         if found is None:
             raise APIError(401, "invalid API key", "invalid_api_key")
         return found
-
-    @staticmethod
-    def user(tenant: str | None, user_id) -> str:
-        """The store's user for ``user_id`` in ``tenant``'s namespace. Raises APIError 400 for a bad user_id."""
-        try:
-            user_id = check_user(user_id)
-            if tenant is not None:
-                check_user(f"{tenant}:{user_id}")
-        except ValueError:
-            limit = 256 - (len(tenant) + 1 if tenant is not None else 0)
-            raise APIError(
-                400,
-                f"user_id {str(user_id)[:40]!r} is not allowed: a non-empty string of at most {limit} "
-                "characters, no path or control characters",
-                "invalid_user",
-                "user",
-            ) from None
-        return user_id if tenant is None else f"{tenant}:{user_id}"
 
     @staticmethod
     def owns(tenant: str | None, store_user: str) -> bool:

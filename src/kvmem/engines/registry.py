@@ -1,0 +1,74 @@
+"""What each engine can do, declared once, and the one refusal of a method an engine cannot serve.
+
+This module imports no engine (nor torch, transformers or vLLM): the CLI and the server check a request's
+method against it before any engine starts, and the engine classes take their capability attributes from it
+(``base.Engine`` / ``base.AsyncEngine`` fill them in from ``name``). Code that holds an engine asks its
+``capabilities``, never which engine it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..policy import Method
+
+__all__ = ["ENGINES", "Capabilities", "capabilities", "refusal"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One engine's abilities.
+
+    ``label``: how messages name it; ``kv_injection``: injects stored KV and prefills only the query (kv mode);
+    ``prompt_injection``: prefills the facts' text (prompt mode); ``tail_recompute``: injects a prefix of the
+    memory and prefills the rest with the query (``kv-tail<r>``); ``selective_recompute``: recomputes chosen
+    tokens inside the injected memory (``kv-sel<p>``); ``batches``: concurrent requests run in one batch
+    (continuous batching) rather than one at a time; ``async_loads``: memory KV is read while the engine runs
+    other requests (a loader thread) rather than inside the request's own step; ``why_not``: per ability this
+    engine lacks, the reason, as users read it."""
+
+    label: str
+    kv_injection: bool = True
+    prompt_injection: bool = True
+    tail_recompute: bool = True
+    selective_recompute: bool = False
+    batches: bool = False
+    async_loads: bool = False
+    why_not: dict[str, str] = field(default_factory=dict)
+
+
+ENGINES: dict[str, Capabilities] = {
+    "hf": Capabilities("the transformers engine", selective_recompute=True),
+    "vllm": Capabilities(
+        "vLLM",
+        batches=True,
+        async_loads=True,
+        why_not={
+            "selective_recompute": "its KV connector can report an injected prefix, not tokens to recompute inside it"
+        },
+    ),
+}
+
+NONE = Capabilities("an unregistered engine", False, False, False)  # an engine not in ENGINES (tests' stand-ins)
+
+
+def capabilities(engine: str) -> Capabilities:
+    """The abilities of engine ``engine`` (a name in ``ENGINES``; anything else can do nothing)."""
+    return ENGINES.get(engine, NONE)
+
+
+def refusal(method: Method, engine: str, *, started: bool = True) -> str | None:
+    """Why ``engine`` cannot serve ``method``, as the ValueError message users read, or None when it can.
+
+    ``started``: the engine is running (a request's check, naming the engine and the reason); False: the check
+    of a command's options before any engine starts, which names the option that picks an engine that can."""
+    if not method.recompute or capabilities(engine).selective_recompute:
+        return None
+    able = [name for name, caps in ENGINES.items() if caps.selective_recompute]
+    labels = " or ".join(ENGINES[name].label for name in able)
+    if not started:
+        return f"kv-sel (selective recompute) runs on {labels} only: add " + " or ".join(
+            f"--engine {name}" for name in able
+        )
+    reason = capabilities(engine).why_not.get("selective_recompute", "it cannot recompute inside injected memory")
+    return f"kv-sel (query-aware selective recompute) runs on {labels} only, not on {engine}: {reason}"
