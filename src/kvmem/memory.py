@@ -58,7 +58,8 @@ class MemoryInputError(ValueError):
     update): nothing is changed. The CLI prints it as one ``error:`` line and exits 2."""
 
 
-def _date(ts: float) -> str:
+def fact_date(ts: float) -> str:
+    """A UNIX time as the date a memory is dated with and the extraction prompt shows ("3 December, 2026", UTC)."""
     return datetime.fromtimestamp(ts, UTC).strftime("%-d %B, %Y")
 
 
@@ -606,7 +607,7 @@ class Memory:
         # otherwise h is the constructor's method, whose defaults these are
         return self.encoding.window if w is None else w, self.encoding.neighbours if m is None else m, h
 
-    def _context(self, user: str, new_turns: list[dict], upto: int) -> str:
+    def encoding_context(self, user: str, new_turns: list[dict], upto: int) -> str:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
         window = self._encoding(user)[0]
         if window == 0:
@@ -639,7 +640,7 @@ class Memory:
                 text,
                 "",
                 "",
-                _date(created.get(fid, now) if dated else now),
+                fact_date(created.get(fid, now) if dated else now),
                 (),
                 0,
                 window,
@@ -710,7 +711,7 @@ class Memory:
         if not infer:
             kept = [(i, m) for i, m in enumerate(msgs) if m["role"] != "system"]  # as Mem0: never a memory
             new = [(m["content"], None, {**meta, "role": m["role"]} | _actor(m)) for _, m in kept]
-            contexts = [self._context(user, turns, i) for i, _ in kept]
+            contexts = [self.encoding_context(user, turns, i) for i, _ in kept]
             if not new:
                 self.store.commit(user, turns=turns, window=self._encoding(user)[0], now=now)
                 return {"results": []}
@@ -753,9 +754,9 @@ class Memory:
                 kept.append({**m, "content": rest})
         sources = [m["content"] for m in kept if m["role"] == "user"]
         shown = kept
-        found = self.extractor.facts(shown, _date(now), prompt) if sources else []
+        found = self.extractor.facts(shown, fact_date(now), prompt) if sources else []
         others = [m["content"] for m in msgs if m["role"] != "user"]
-        prompts = [FACTS_PROMPT, DECISIONS_PROMPT, prompt or "", _date(now)]
+        prompts = [FACTS_PROMPT, DECISIONS_PROMPT, prompt or "", fact_date(now)]
         facts = [
             f
             for f in {_norm(f): f for f in found}.values()
@@ -798,7 +799,7 @@ class Memory:
                     decisions = [d for d in decisions if d.target != fact.fact_id]
                     decisions.append(Decision("DELETE", fact.text, fact.fact_id))
                     self.extraction_counts["forgotten"] += 1
-        context = self._context(user, turns, len(turns) - 1)
+        context = self.encoding_context(user, turns, len(turns) - 1)
         new, delete, events, results = [], [], [], []
         known = {_norm(t) for t in existing.values()}
         for d in decisions:
@@ -877,7 +878,7 @@ class Memory:
                 [(new_text, f.fact_id, meta)],
                 [f.fact_id],
                 [],
-                [self._context(f.user, [], 0)],
+                [self.encoding_context(f.user, [], 0)],
                 [(f.fact_id, "UPDATE", f.text, new_text)],
                 now,
                 {f.fact_id: f.created_at},
@@ -956,7 +957,7 @@ class Memory:
         for user, items in by_scope.items():
             items.sort(key=lambda x: x[0])
             new = [(text, fid, meta) for _, text, fid, meta in items]
-            contexts = [self._context(user, [], 0)] * len(new)
+            contexts = [self.encoding_context(user, [], 0)] * len(new)
             self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
             label = "&".join(f"{k}={v}" for k, v in scopes.parse_key(user, namespace).ids().items())
             counts[label] = len(new)
