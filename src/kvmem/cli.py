@@ -40,13 +40,14 @@ app.add_typer(memory_app, name="memory")
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .compose import ContextOverflow
+    from .extras import MissingExtra
     from .locomo import LocomoError
     from .models import ModelError
     from .retrieve import RetrievalError
     from .store import StoreError
 
     # OSError: a directory or unreadable path given where a file was expected (and the reverse).
-    return (ContextOverflow, LocomoError, ModelError, RetrievalError, StoreError, ValueError, OSError)
+    return (ContextOverflow, LocomoError, MissingExtra, ModelError, RetrievalError, StoreError, ValueError, OSError)
 
 
 @app.callback()

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
+from .extras import require
 from .segments import fsync_dir
 
 SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
@@ -411,6 +412,7 @@ class PostgresRows(Rows):
     tokens_sql = "json_array_length(token_ids::json)"
 
     def __init__(self, url: str):
+        require("postgres", "a postgresql:// store")
         self.location, self.name = url, redact(url)
         self._conn = self._connect()
         self._used = time.monotonic()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from ..extras import require
 from .common import free_port, log_err, machine, pyplot, served, table, write_json
 from .serve_load import Tree, User, facts_pool, load_phase, setup_users
 
@@ -147,10 +148,15 @@ def run(
     cache_bytes: int = 512 << 20,
     neighbours: int = 0,
 ) -> dict:
-    """Raises ValueError for an unknown server name or too few facts in ``data``."""
+    """Raises ValueError for an unknown server name or too few facts in ``data``; MissingExtra without Ray (a Ray
+    server) or psycopg (``postgres``)."""
     bad = [s for s in servers if s not in SERVERS]
     if bad or not servers:
         raise ValueError(f"--servers: choose from {', '.join(SERVERS)}, not {', '.join(bad) or 'nothing'}")
+    if any(s != "single" for s in servers):
+        require("replicas", "kvmem bench serve --servers ray1/ray2")
+    if postgres is not None:
+        require("postgres", "kvmem bench serve --postgres")
     out.mkdir(parents=True, exist_ok=True)
     pool = facts_pool(data)
     if len(pool) < users * facts:
