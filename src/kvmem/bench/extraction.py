@@ -123,9 +123,9 @@ def run_arm(base: str, model: str, name: str, cases: list[Case], echo=print) -> 
     """Every case against the server at ``base`` (serving ``model``): records of adds and of answers."""
     import httpx
 
-    from ..memory import _date
+    from ..memory.mem0 import date_label
 
-    today = _date(time.time())
+    today = date_label(time.time())
     rows, answers = [], []
     with httpx.Client(base_url=base, timeout=900) as c:
         for case in cases:

@@ -55,7 +55,7 @@ def run(
             t0 = time.perf_counter()
             mem.add(msg, "u", agent_id="a", infer=False)
             scoped_ms = (time.perf_counter() - t0) * 1e3
-            context = mem._context("u", [], 0)
+            context = mem.encoding_context("u", [], 0)
             t0 = time.perf_counter()
             mem.add(msg, "u", infer=False)
             add_ms = (time.perf_counter() - t0) * 1e3

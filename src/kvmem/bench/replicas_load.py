@@ -33,8 +33,9 @@ from pathlib import Path
 
 import httpx
 
+from ..extras import require
 from .common import free_port, log_err, machine, pyplot, served, table, write_json
-from .serve_load import Tree, User, _facts_pool, _phase, setup_users
+from .serve_load import Tree, User, facts_pool, load_phase, setup_users
 
 SERVERS = {"single": [], "ray1": ["--ray"], "ray2": ["--replicas", "2"]}
 
@@ -61,7 +62,7 @@ def _ready_pids(base: str, key: str, replicas: set[str]) -> dict[str, int]:
 
 
 def _killer(base: str, key: str, at_s: float, record: dict):
-    """A ``during`` coroutine for ``serve_load._phase``: SIGKILL one replica ``at_s`` seconds in."""
+    """A ``during`` coroutine for ``serve_load.load_phase``: SIGKILL one replica ``at_s`` seconds in."""
 
     async def run(stats: dict):
         await asyncio.sleep(at_s)
@@ -147,12 +148,17 @@ def run(
     cache_bytes: int = 512 << 20,
     neighbours: int = 0,
 ) -> dict:
-    """Raises ValueError for an unknown server name or too few facts in ``data``."""
+    """Raises ValueError for an unknown server name or too few facts in ``data``; MissingExtra without Ray (a Ray
+    server) or psycopg (``postgres``)."""
     bad = [s for s in servers if s not in SERVERS]
     if bad or not servers:
         raise ValueError(f"--servers: choose from {', '.join(SERVERS)}, not {', '.join(bad) or 'nothing'}")
+    if any(s != "single" for s in servers):
+        require("replicas", "kvmem bench serve --servers ray1/ray2")
+    if postgres is not None:
+        require("postgres", "kvmem bench serve --postgres")
     out.mkdir(parents=True, exist_ok=True)
-    pool = _facts_pool(data)
+    pool = facts_pool(data)
     if len(pool) < users * facts:
         raise ValueError(f"{data} has {len(pool)} distinct facts; {users} users x {facts} facts need more")
     keys = {f"bench-key-{i:03d}-{secrets.token_hex(8)}": f"tenant{i % 4}" for i in range(users)}
@@ -187,7 +193,7 @@ def run(
                 log_err(f"bench serve [{name}]: {users} users x {facts + 1} memories added in {setup_s:.0f} s")
             before = httpx.get(f"{base}/metrics", timeout=60).text
             phase = (base, all_users, "kv", k, duration, max_tokens, ready["model"], add_every, delete_every, tree)
-            row = asyncio.run(_phase(*phase))
+            row = asyncio.run(load_phase(*phase))
             row.pop("served")
             metrics = httpx.get(f"{base}/metrics", timeout=60).text
             (out / f"metrics-{name}.txt").write_text(metrics)
@@ -220,7 +226,7 @@ def run(
             if fault and name == last_ray and name != "ray1":
                 record: dict = {}
                 killer = _killer(base, key_list[0], duration / 2, record)
-                frow = asyncio.run(_phase(*phase, during=killer))
+                frow = asyncio.run(load_phase(*phase, during=killer))
                 served_log = frow.pop("served")
                 lost = asyncio.run(_lost_writes(base, all_users))
                 fault_row = {

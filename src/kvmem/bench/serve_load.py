@@ -69,7 +69,7 @@ WORDS = [
 ]
 
 
-def _facts_pool(data: Path) -> list[str]:
+def facts_pool(data: Path) -> list[str]:
 
     seen, out = set(), []
     for c in load_locomo(data):
@@ -250,7 +250,7 @@ async def _delete(client, u: User, stats: dict) -> None:
     stats["deletes"] += 1
 
 
-async def _phase(
+async def load_phase(
     base: str,
     users: list[User],
     mode: str,
@@ -360,7 +360,7 @@ def run(
 
     out.mkdir(parents=True, exist_ok=True)
     n_users = max(users)
-    pool = _facts_pool(data)
+    pool = facts_pool(data)
     if len(pool) < n_users * facts:
         raise ValueError(
             f"{data} has {len(pool)} distinct facts; {n_users} users x {facts} facts need more (lower --facts)"
@@ -415,7 +415,9 @@ def run(
             d = duration if n == max(users) else (sweep_duration or duration)
             for mode in ("kv", "prompt"):
                 row = asyncio.run(
-                    _phase(base, all_users[:n], mode, k, d, max_tokens, ready["model"], add_every, delete_every, tree)
+                    load_phase(
+                        base, all_users[:n], mode, k, d, max_tokens, ready["model"], add_every, delete_every, tree
+                    )
                 )
                 row.pop("served")
                 log_err(
@@ -430,7 +432,7 @@ def run(
 
             def phase(send_cold: bool) -> dict:
                 r = asyncio.run(
-                    _phase(
+                    load_phase(
                         base, all_users[:n], "kv", k, duration, max_tokens, ready["model"], add_every, delete_every,
                         tree, cold_every=cold_every, send_cold=send_cold,
                     )

@@ -39,6 +39,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import httpx
 
+from ..extras import require
 from ..locomo import get_conversation
 from ..memory import Memory
 from ..models import head_dim, load
@@ -105,6 +106,9 @@ def run(
     sample: str = "conv-26",
     echo=print,
 ) -> dict:
+    """Raises MissingExtra without psycopg or obstore (the shared store's rows and segments)."""
+    require("postgres", "kvmem bench store")
+    require("s3", "kvmem bench store")
     conv = get_conversation(data, sample)
     turns = [t.text for t in conv.turns][:adds]
     questions = [q.question for q in conv.questions]

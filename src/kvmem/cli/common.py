@@ -20,13 +20,14 @@ from ..policy import DEFAULT_NEIGHBOURS, DEFAULT_WINDOW, MAX_NEIGHBOURS
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from ..compose import ContextOverflow
+    from ..extras import MissingExtra
     from ..locomo import LocomoError
     from ..models import ModelError
     from ..retrieve import RetrievalError
     from ..store import StoreError
 
     # OSError: a directory or unreadable path given where a file was expected (and the reverse).
-    return (ContextOverflow, LocomoError, ModelError, RetrievalError, StoreError, ValueError, OSError)
+    return (ContextOverflow, LocomoError, MissingExtra, ModelError, RetrievalError, StoreError, ValueError, OSError)
 
 
 def friendly(fn):
@@ -56,23 +57,18 @@ def check_kv_format(kv_format: str | None) -> None:
         check_format(kv_format)
 
 
-# The `bench` extra: what kvmem.bench needs beyond a bare install (PNG plots, process memory).
-BENCH_EXTRA = ("matplotlib", "psutil")
-
-
 def bench_module(name: str) -> ModuleType:
     """``kvmem.bench.<name>``, imported when a bench or eval command runs, never at ``kvmem --help``.
 
     Without the ``bench`` extra: one ``error:`` line naming ``pip install 'kvmem[bench]'``, exit code 2, before
     any model loads (matplotlib is imported only when the plot is drawn, after the run)."""
-    missing = [m for m in BENCH_EXTRA if importlib.util.find_spec(m) is None]
-    if missing:
-        typer.echo(
-            f"error: benchmarks need the bench extra ({', '.join(missing)} not installed): pip install 'kvmem[bench]'",
-            err=True,
-        )
-        raise typer.Exit(2)
-    return importlib.import_module(f"kvmem.bench.{name}")
+    from ..extras import MissingExtra
+
+    try:
+        return importlib.import_module(f"kvmem.bench.{name}")  # kvmem.bench checks its extra on import
+    except MissingExtra as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 # --- options used by more than one command --------------------------------------------------------------------

@@ -54,8 +54,8 @@ from .mem0 import (
     MemoryInputError,
     check_messages,
     check_user_id,
+    date_label,
 )
-from .mem0 import date_label as _date  # bench.extraction dates its prompts as an add does
 
 __all__ = [
     "MAX_MESSAGES",
@@ -379,7 +379,7 @@ class Memory:
         # otherwise h is the constructor's method, whose defaults these are
         return self.encoding.window if w is None else w, self.encoding.neighbours if m is None else m, h
 
-    def _context(self, user: str, new_turns: list[dict], upto: int) -> str:
+    def encoding_context(self, user: str, new_turns: list[dict], upto: int) -> str:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
         window = self._encoding(user)[0]
         if window == 0:
@@ -418,7 +418,7 @@ class Memory:
                 text,
                 "",
                 "",
-                _date(created.get(fid, now) if dated else now),
+                date_label(created.get(fid, now) if dated else now),
                 (),
                 0,
                 window,
@@ -485,7 +485,7 @@ class Memory:
         if not infer:
             kept = [(i, m) for i, m in enumerate(msgs) if m["role"] != "system"]  # as Mem0: never a memory
             new = [(m["content"], None, {**meta, "role": m["role"]} | mem0.actor(m)) for _, m in kept]
-            contexts = [self._context(user, turns, i) for i, _ in kept]
+            contexts = [self.encoding_context(user, turns, i) for i, _ in kept]
             _, records = self._write(user, new, turns=turns, contexts=contexts, now=now)
             return {"results": mem0.added(records)}
         return self._infer(user, msgs, turns, meta, now, prompt or self.custom_instructions)
@@ -518,11 +518,11 @@ class Memory:
         change the turns are still committed (the context of later facts). The result says when nothing was
         extracted or kept (``message``)."""
         extractor = lambda: self.extractor  # made (and the model loaded) only when there is text to extract from
-        got = reconcile.extract(msgs, extractor, _date(now), prompt)
+        got = reconcile.extract(msgs, extractor, date_label(now), prompt)
         ukv = self._snapshot([user])  # read after the extraction, just before the decisions
         similar = lambda text, k: self._similar(ukv, text, k)
         plan = reconcile.decide(got, extractor, similar, metadata, self.extraction_counts)
-        contexts = [self._context(user, turns, len(turns) - 1)] * len(plan.new)
+        contexts = [self.encoding_context(user, turns, len(turns) - 1)] * len(plan.new)
         created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
         _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created)
         added = [r for r, n in zip(records, plan.new) if n[1] is None]
@@ -569,7 +569,7 @@ class Memory:
                 [(new_text, f.fact_id, meta)],
                 [f.fact_id],
                 [],
-                [self._context(f.user, [], 0)],
+                [self.encoding_context(f.user, [], 0)],
                 [(f.fact_id, "UPDATE", f.text, new_text)],
                 now,
                 {f.fact_id: f.created_at},
@@ -615,7 +615,7 @@ class Memory:
         counts = {}
         for user, items in by_scope.items():
             new = [(text, fid, meta) for _, text, fid, meta in items]
-            contexts = [self._context(user, [], 0)] * len(new)
+            contexts = [self.encoding_context(user, [], 0)] * len(new)
             self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
             counts[importer.scope_label(user, namespace)] = len(new)
         return {"count": sum(counts.values()), "scopes": counts}

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..extras import require
 from ..store import redact
 from .routes import create_app
 from .runtime import KvmemServer, Limits
@@ -73,6 +74,7 @@ def serve(
 
     _handle()  # before start: a stop while engines load unwinds them too
     if replicas > 1 or ray_address or use_ray:
+        require("replicas", "serving on Ray Serve (kvmem serve --replicas, --ray, --ray-address)")
         from .ingress import create_ingress
         from .replicas import Replicas
 

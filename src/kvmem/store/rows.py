@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
 
+from ..extras import require
 from .location import POSTGRES_SCHEMES, StoreBusy, StoreError, StoreUnavailable, is_url, password, redact
 from .schema import POSTGRES, SCHEMA_VERSION, SQLITE, render
 from .segments import fsync_dir
@@ -314,6 +315,7 @@ class PostgresRows(Rows):
     shared = True
 
     def __init__(self, url: str):
+        require("postgres", "a postgresql:// store")
         self.location, self.name = url, redact(url)
         self._conn = self._connect()
         self._used = time.monotonic()

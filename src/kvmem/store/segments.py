@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kvformat
+from ..extras import require
 from .tiers import DiskTier
 
 DTYPES = {
@@ -591,6 +592,7 @@ class ObjectSegments(SegmentStore):
     Credentials come from the environment, as obstore reads them; the URL is never logged with them."""
 
     def __init__(self, url: str):
+        require("s3", "KV segments by URL (--segments)")
         import obstore
         from obstore.store import from_url
 
