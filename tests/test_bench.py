@@ -126,6 +126,8 @@ def check_outputs(out: Path, png: str) -> dict:
     return summary
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_engine_flag(tiny, tmp_path):
     from kvmem.hardware import cpu_facts, vllm_kernels, vllm_problem
 
@@ -427,6 +429,7 @@ def test_bench_store(tiny, postgres):
     assert left == []
 
 
+@pytest.mark.vllm
 def test_sigterm_stops_the_vllm_engine(tiny):
     """A terminated `kvmem eval` takes vLLM's engine-core process with it (before cli.exit_on_signals it kept
     running, orphaned, holding its KV cache)."""

@@ -15,6 +15,7 @@ FAST = "smollm2-135m-instruct"
 DEFAULT = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma3-270m"
 KVMEM = [sys.executable, "-m", "kvmem.cli"]
+SLOW = pytest.mark.slow  # a model larger than the smallest
 
 
 def require(name: str) -> None:
@@ -186,7 +187,7 @@ def test_store_in_another_dtype_is_refused_with_how_to_reencode(store):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
+@pytest.mark.parametrize("name", [FAST, pytest.param(DEFAULT, marks=SLOW), pytest.param(GEMMA, marks=SLOW)])
 def test_bos_and_eos_follow_the_gguf(name):
     """The prompt starts with BOS exactly when the GGUF says add_bos (Gemma 3's converted tokenizer
     had lost it), and the GGUF's EOS is a stop id of the service."""
@@ -204,6 +205,7 @@ def test_bos_and_eos_follow_the_gguf(name):
     assert meta["eos_token_id"] in ([eos] if isinstance(eos, int) else eos)
 
 
+@pytest.mark.vllm  # auto is vLLM wherever it runs
 def test_ask_default_engine_is_auto(store):
     """The default engine is auto: stock vLLM with the kvmem connector where it runs (only the query is
     prefilled), and --json names the engine that answered."""
@@ -253,6 +255,7 @@ def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_store_refuses_other_model(store, small_locomo):
     require(DEFAULT)
     before = (store / "meta.sqlite").read_bytes()
@@ -261,7 +264,7 @@ def test_store_refuses_other_model(store, small_locomo):
     assert (store / "meta.sqlite").read_bytes() == before  # nothing stored was touched
 
 
-@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
+@pytest.mark.parametrize("name", [FAST, pytest.param(DEFAULT, marks=SLOW), pytest.param(GEMMA, marks=SLOW)])
 def test_check_exactness_real_model(name):
     require(name)
     p = run("check-exactness", "--model", name, "--json")
@@ -271,6 +274,8 @@ def test_check_exactness_real_model(name):
     assert r["rel_key_diff_window"] <= 1e-5 and r["memory_tokens"] > 300
 
 
+@pytest.mark.vllm  # and vLLM wherever it runs
+@pytest.mark.slow
 def test_gemma3_end_to_end(tmp_path, small_locomo):
     """Gemma 3 (sliding-window layers, two RoPE bases, completion-style prompt) through ingest and ask."""
     require(GEMMA)
