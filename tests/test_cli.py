@@ -84,6 +84,7 @@ def test_store_copy_round_trips_through_a_shared_store(store, tmp_path, postgres
     assert "non-empty directory that holds no store" in p.stderr
 
 
+@pytest.mark.slow
 def test_ask_both_modes_same_prompt(store):
     from kvmem.store import Store
 
@@ -129,6 +130,7 @@ def test_bad_input_is_one_line_exit_2(store, args, needle):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_budget_reserves_the_answer(store):
     """A context exactly as long as the composed prompt leaves no room for the answer: refused
     with kvmem's own "at most k" error, not accepted (and decoded past the context)."""
@@ -227,6 +229,7 @@ def test_ask_default_engine_is_auto(store):
     assert kv["prefilled_tokens"] == hf["prefilled_tokens"]  # the query alone, as vLLM counts it
 
 
+@pytest.mark.slow
 def test_missing_store_and_bad_file(tmp_path, store):
     p = run("ask", "--store", tmp_path / "none", "--user", "x", "--k", "3", "q?", check_rc=2)
     assert "no kvmem store" in p.stderr and "Traceback" not in p.stderr
@@ -236,6 +239,7 @@ def test_missing_store_and_bad_file(tmp_path, store):
     assert "not found" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small_locomo):
     """``--store postgresql://…`` used to create a local directory ``postgresql:`` and write the store there. Now
     it is a shared store's database (here, nothing listens on that port), and another URL is refused."""
@@ -360,6 +364,7 @@ def test_undecodable_question_is_one_error_line(store):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_two_installs_of_one_model_at_once_give_one_whole_install(tmp_path):
     """Two ``kvmem models install`` of the same model started together (two set-up scripts, say): one converts,
     the other waits for it and finds the model installed; both exit 0 and the folder is one whole install
