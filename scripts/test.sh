@@ -1,13 +1,27 @@
 #!/usr/bin/env bash
-# Set up (venv, packages, the two test models) and run the test suite. This is README command (2); .ci/run runs it.
+# Set up (venv, packages, the test models) and run the test suite. This is README command (2); .ci/run runs it.
+#   bash scripts/test.sh            everything (vLLM, Ray, PostgreSQL, all three models)
+#   bash scripts/test.sh --fast     the fast tier: no vLLM, no Ray, no PostgreSQL, nothing slow, the smallest model
+# Other arguments pass through to pytest (e.g. -x, -k name, tests/test_store.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+args=()
+for a in "$@"; do
+  if [ "$a" = --fast ]; then fast=1; else args+=("$a"); fi
+done
 bash scripts/setup.sh
 .venv/bin/kvmem models install smollm2-135m-instruct
-.venv/bin/kvmem models install qwen2.5-coder-0.5b-instruct
-.venv/bin/kvmem models install gemma3-270m
+if [ $fast = 0 ]; then
+  .venv/bin/kvmem models install qwen2.5-coder-0.5b-instruct
+  .venv/bin/kvmem models install gemma3-270m
+fi
 # Habits first (seconds): lint, format and the import structure (layers, no cycles; pyproject.toml).
 .venv/bin/ruff check src tests scripts
 .venv/bin/ruff format --check src tests scripts
 .venv/bin/lint-imports
-exec .venv/bin/python -m pytest -q "$@"
+if [ $fast = 1 ]; then
+  # markers: pyproject.toml and tests/conftest.py
+  exec .venv/bin/python -m pytest -q -m "not vllm and not ray and not postgres and not slow" ${args[@]+"${args[@]}"}
+fi
+exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}

@@ -206,6 +206,8 @@ def check_outputs(out: Path, png: str) -> dict:
     return summary
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_engine_flag(tiny, tmp_path):
     from kvmem.hardware import cpu_facts, vllm_kernels, vllm_problem
 
@@ -276,6 +278,7 @@ def test_vllm_engine_flag(tiny, tmp_path):
         assert check_outputs(out, "accuracy_vs_k.png")["f1"]["0"]["2"]["kv"]["overall"] is not None
 
 
+@pytest.mark.slow
 def test_bench_latency(tiny):
     out = tiny["root"] / "latency"
     res = cli(
@@ -393,6 +396,7 @@ class _Judge(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_eval_locomo_scores_judges_and_resumes(tiny):
     out = tiny["root"] / "eval"
     srv = http.server.HTTPServer(("127.0.0.1", 0), _Judge)
@@ -523,6 +527,8 @@ def test_bench_store(tiny, postgres):
     assert left == []
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_sigterm_stops_the_vllm_engine(tiny):
     """A terminated `kvmem eval` takes vLLM's engine-core process with it (before cli.exit_on_signals it kept
     running, orphaned, holding its KV cache)."""

@@ -15,6 +15,7 @@ FAST = "smollm2-135m-instruct"
 DEFAULT = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma3-270m"
 KVMEM = [sys.executable, "-m", "kvmem.cli"]
+SLOW = pytest.mark.slow  # a model larger than the smallest
 
 
 def require(name: str) -> None:
@@ -83,6 +84,7 @@ def test_store_copy_round_trips_through_a_shared_store(store, tmp_path, postgres
     assert "non-empty directory that holds no store" in p.stderr
 
 
+@pytest.mark.slow
 def test_ask_both_modes_same_prompt(store):
     from kvmem.store import Store
 
@@ -128,6 +130,7 @@ def test_bad_input_is_one_line_exit_2(store, args, needle):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_budget_reserves_the_answer(store):
     """A context exactly as long as the composed prompt leaves no room for the answer: refused
     with kvmem's own "at most k" error, not accepted (and decoded past the context)."""
@@ -186,7 +189,7 @@ def test_store_in_another_dtype_is_refused_with_how_to_reencode(store):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
+@pytest.mark.parametrize("name", [FAST, pytest.param(DEFAULT, marks=SLOW), pytest.param(GEMMA, marks=SLOW)])
 def test_bos_and_eos_follow_the_gguf(name):
     """The prompt starts with BOS exactly when the GGUF says add_bos (Gemma 3's converted tokenizer
     had lost it), and the GGUF's EOS is a stop id of the service."""
@@ -204,6 +207,7 @@ def test_bos_and_eos_follow_the_gguf(name):
     assert meta["eos_token_id"] in ([eos] if isinstance(eos, int) else eos)
 
 
+@pytest.mark.vllm  # auto is vLLM wherever it runs
 def test_ask_default_engine_is_auto(store):
     """The default engine is auto: stock vLLM with the kvmem connector where it runs (only the query is
     prefilled), and --json names the engine that answered."""
@@ -225,6 +229,7 @@ def test_ask_default_engine_is_auto(store):
     assert kv["prefilled_tokens"] == hf["prefilled_tokens"]  # the query alone, as vLLM counts it
 
 
+@pytest.mark.slow
 def test_missing_store_and_bad_file(tmp_path, store):
     p = run("ask", "--store", tmp_path / "none", "--user", "x", "--k", "3", "q?", check_rc=2)
     assert "no kvmem store" in p.stderr and "Traceback" not in p.stderr
@@ -234,6 +239,7 @@ def test_missing_store_and_bad_file(tmp_path, store):
     assert "not found" in p.stderr
 
 
+@pytest.mark.slow
 def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small_locomo):
     """``--store postgresql://…`` used to create a local directory ``postgresql:`` and write the store there. Now
     it is a shared store's database (here, nothing listens on that port), and another URL is refused."""
@@ -253,6 +259,7 @@ def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_store_refuses_other_model(store, small_locomo):
     require(DEFAULT)
     before = (store / "meta.sqlite").read_bytes()
@@ -261,7 +268,7 @@ def test_store_refuses_other_model(store, small_locomo):
     assert (store / "meta.sqlite").read_bytes() == before  # nothing stored was touched
 
 
-@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
+@pytest.mark.parametrize("name", [FAST, pytest.param(DEFAULT, marks=SLOW), pytest.param(GEMMA, marks=SLOW)])
 def test_check_exactness_real_model(name):
     require(name)
     p = run("check-exactness", "--model", name, "--json")
@@ -271,6 +278,8 @@ def test_check_exactness_real_model(name):
     assert r["rel_key_diff_window"] <= 1e-5 and r["memory_tokens"] > 300
 
 
+@pytest.mark.vllm  # and vLLM wherever it runs
+@pytest.mark.slow
 def test_gemma3_end_to_end(tmp_path, small_locomo):
     """Gemma 3 (sliding-window layers, two RoPE bases, completion-style prompt) through ingest and ask."""
     require(GEMMA)
@@ -355,6 +364,7 @@ def test_undecodable_question_is_one_error_line(store):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_two_installs_of_one_model_at_once_give_one_whole_install(tmp_path):
     """Two ``kvmem models install`` of the same model started together (two set-up scripts, say): one converts,
     the other waits for it and finds the model installed; both exit 0 and the folder is one whole install

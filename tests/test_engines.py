@@ -18,8 +18,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvmem"
 
 
 def _vllm_classes():
-    if vllm_problem(cpu_facts()):
-        pytest.skip("vLLM cannot run here")
+    why = vllm_problem(cpu_facts())
+    if why:
+        pytest.skip(f"vLLM cannot run here: {why}")
     from kvmem.engines.vllm.engine import AsyncVLLMEngine, VLLMEngine
 
     return VLLMEngine, AsyncVLLMEngine

@@ -44,6 +44,7 @@ def base(tmp_path_factory):
         yield url
 
 
+@pytest.mark.slow
 def test_no_operation_answers_a_5xx_or_breaks_its_schema(base):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

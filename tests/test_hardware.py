@@ -136,6 +136,7 @@ def _doctor(env: dict) -> dict:
     return json.loads(p.stdout)
 
 
+@pytest.mark.slow
 def test_doctor_under_avx2_emulation_says_fp32():
     """The real detection, with the variables that emulate an AVX2 machine on a native-bf16 one."""
     d = _doctor({"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})

@@ -144,6 +144,7 @@ def test_history_and_neighbours_do_not_combine(tmp_path, lm_emb):
     assert Memory(tmp_path / "y", model=lm, embedder=emb).encoding == Encoding(5, 4, False)
 
 
+@pytest.mark.slow
 def test_ingest_locomo_history_cli(tmp_path, small_locomo):
     """``ingest-locomo --history --window 0`` runs every fact once, in one pass behind the header (encoded tokens =
     header + fact tokens, against m + 1 fact lengths per fact for neighbours), stores the same tokens, and the

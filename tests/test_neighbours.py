@@ -112,6 +112,7 @@ def test_bad_neighbours_is_an_input_error(tmp_path, stores):
         Memory(tmp_path / "x", model=lm, embedder=emb, neighbours=-1)
 
 
+@pytest.mark.slow
 def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
     """``ingest-locomo`` runs each fact behind m other facts (default 4; ``--neighbours 0`` turns it off): m fact
     lengths more encoded tokens than m = 0 at the same window, the same stored tokens, and the store records m."""
@@ -159,6 +160,7 @@ def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
     assert "less than or equal to 32" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_bad_neighbours_refused_before_loading(tmp_path):
     """Every command's ``--neighbours`` is range-checked by the CLI itself (exit 2), before a model loads or a
     store is created; the CLI's bound is ingest's."""

@@ -21,6 +21,8 @@ import pytest
 
 from conftest import postgres_schema
 
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
 

@@ -19,6 +19,8 @@ pytest.importorskip("vllm")
 
 from kvmem.models import MANIFEST, model_dir
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
 

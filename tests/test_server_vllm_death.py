@@ -12,6 +12,8 @@ import pytest
 
 from test_server_vllm import KEY_A, free_port, serve_cmd
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 
 def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_path):
     """kill -9 of vLLM's engine core under a running server: /ready and chats answer 503 at once, one log line
@@ -20,8 +22,9 @@ def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_p
 
     from kvmem.hardware import cpu_facts, vllm_problem
 
-    if vllm_problem(cpu_facts()):
-        pytest.skip("vLLM cannot run here")
+    why = vllm_problem(cpu_facts())
+    if why:
+        pytest.skip(f"vLLM cannot run here: {why}")
     (tmp_path / "keys.json").write_text(json.dumps({KEY_A: "acme"}))
     port = free_port()
     with open(tmp_path / "server.log", "w") as log:

@@ -155,6 +155,7 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
     assert st.fsck()["removed"] == []  # two writers, serialized: no orphan
 
 
+@pytest.mark.slow
 def test_kill_dash_9_during_writes(store, backend):
     """Kill a writer at random points, 20 times (8 on the object backend: the commit protocol is the same). After
     each kill the store opens, the user is at the last committed generation or the one in flight, its KV passes

@@ -24,6 +24,8 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import random_ids, tiny_model
 
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
 STEPS = 20
 BLOCK = 32
 SLOW_S = 2.0  # each load of user "slow"'s memory takes this long (a slow store)
