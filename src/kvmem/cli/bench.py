@@ -480,7 +480,9 @@ def eval_locomo(
     engine: str = ENGINE,
     model: str = MODEL,
     samples: str = typer.Option(
-        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids (the README's headline conversations)."
+        "conv-26,conv-49",
+        "--samples",
+        help="Comma-separated LoCoMo sample ids (the conversations of docs/benchmarks.md's headline F1).",
     ),
     questions: int = typer.Option(
         40,

@@ -10,7 +10,7 @@ tombstones; an update is a delete plus an add that keeps the id; ``compact`` dro
 The API is mem0ai 2.2.1's ``Memory`` / ``AsyncMemory``: entity scopes (``user_id``, ``agent_id``, ``run_id``;
 each combination is one store partition, ``scopes``), Mem0's filters applied before the top-k, its defaults
 (``top_k`` 20, ``threshold`` 0.1) and return shapes. ``infer=True`` uses the local answer model (or an
-OpenAI-compatible endpoint) with schema-constrained JSON. The README's Mem0 table lists what still differs.
+OpenAI-compatible endpoint) with schema-constrained JSON. docs/mem0.md lists what still differs.
 
 The rooms: ``mem0`` (Mem0's input checks and output shapes), ``extract`` (the model's facts and decisions),
 ``grounding`` (checks on what it returns), ``reconcile`` (ADD / UPDATE / DELETE, forgets, corrections),

@@ -198,7 +198,7 @@ def refuse(unsupported: dict, method: str) -> None:
         return
     names = ", ".join(sorted(unsupported))
     raise MemoryInputError(
-        f"{method}() does not support {names} (kvmem scores by cosine similarity alone; see the README's Mem0 table)"
+        f"{method}() does not support {names} (kvmem scores by cosine similarity alone; see docs/mem0.md)"
     )
 
 

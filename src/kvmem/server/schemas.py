@@ -104,7 +104,7 @@ UNSUPPORTED_FIELDS = (
     "modalities",
     "prediction",
 )
-# Sampling hints that change only the distribution; accepted and ignored (README, "Serving over HTTP").
+# Sampling hints that change only the distribution; accepted and ignored (docs/server.md).
 IGNORED_FIELDS = (
     "frequency_penalty",
     "presence_penalty",
