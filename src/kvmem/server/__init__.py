@@ -2,11 +2,13 @@
 REST API in Mem0's platform shapes (FastAPI + uvicorn, pydantic models, prometheus_client metrics).
 
 Request path (chat): key -> tenant (``tenants``); the request's ``user`` is the memory owner inside the
-tenant's namespace; ``service.MemoryService.plan`` embeds the last user message, retrieves ``top_k`` facts and
-orders them; the engine's ``memory`` composes them (``engines.base.AsyncEngine``), and the engine prefills only
-the conversation in ``kv`` mode, everything in ``prompt`` mode, and the bare chat in ``off`` mode
-(``streaming``). Writes (``POST /v1/memories`` ...) go through ``memory.Memory``'s one write path and are
-visible to the next chat request (a new memory version).
+tenant's namespace; the route names the request's method once (``policy.Method``) and hands it to the service's
+one chat pipeline (``service.MemoryService.prepare_chat``: ``plan`` embeds the last user message, retrieves
+``top_k`` facts and orders them; the engine's ``memory`` composes them (``engines.base.AsyncEngine``); the retry
+and the plain-chat fallbacks are the service's), and the engine prefills only the conversation in ``kv`` mode,
+everything in ``prompt`` mode, and the bare chat in ``off`` mode (``streaming``). Writes (``POST /v1/memories``
+...) go through ``memory.Memory``'s one write path and are visible to the next chat request (a new memory
+version).
 
 Modules: ``schemas`` (request models, errors), ``tenants``, ``runtime`` (wiring: ``KvmemServer.start``, metrics),
 ``streaming`` (one chat generation, SSE), ``routes`` (the FastAPI app); with ``--replicas``: ``replicas`` (the Ray
