@@ -67,11 +67,11 @@ def test_tail_recompute_spans_plain_injection_to_prompt_injection(svc):
 def test_tail_recompute_cli_and_bad_values(svc):
     with pytest.raises(ValueError, match="tail_recompute"):
         svc.prepare("maya", "Who is Tom?", 3, "kv", 8, tail_recompute=-1)
-    from kvmem.policy import parse_mode
+    from kvmem.policy import Method
 
-    assert parse_mode("kv-tail4") == ("kv", 4, 0.0) and parse_mode("prompt") == ("prompt", None, 0.0)
+    assert Method.parse("kv-tail4") == Method("kv", 4, 0.0) and Method.parse("prompt") == Method("prompt", None, 0.0)
     with pytest.raises(ValueError):
-        parse_mode("kv-tailx")
+        Method.parse("kv-tailx")
 
 
 def test_caches_smaller_than_one_entry_serve_uncached(svc):

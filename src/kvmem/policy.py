@@ -132,13 +132,6 @@ class Method:
         return f"kv-tail{self.tail}" if self.mode == "kv" and self.tail else self.mode
 
 
-def parse_mode(mode: str | Method, tail_recompute: int | None = None) -> tuple[str, int | None, float]:
-    """``Method.parse`` as a tuple (mode, tail recompute r, selective-recompute fraction), for callers that
-    unpack it. Raises what ``Method.parse`` raises."""
-    m = Method.parse(mode, tail_recompute)
-    return m.mode, m.tail, m.recompute
-
-
 def check_user(user) -> str:
     """A store user id, NFC-normalised (two spellings of one name are one user). Raises ValueError for a
     non-string, an empty one, more than 256 characters, path or control characters."""

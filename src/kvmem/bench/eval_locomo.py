@@ -31,7 +31,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from ..policy import MODES_HELP, Encoding, parse_mode
+from ..policy import MODES_HELP, Encoding, Method
 from ..service import check_methods
 from .common import (
     Setup,
@@ -211,7 +211,7 @@ def run(
     neighbours = Encoding.of(None, neighbours, history).neighbours
     try:
         for m in modes:
-            parse_mode(m)
+            Method.parse(m)
     except ValueError:
         raise ValueError(
             f"--mode must be a comma-separated subset of {MODES_HELP}, not {','.join(modes) or '(empty)'}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..policy import Method
 from ..service import check_methods, same_prompt
 from .common import (
     Setup,
@@ -171,10 +172,10 @@ def run(
     methods: list[str] = (),
 ) -> dict:
     """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
-    any further serving methods (``policy.parse_mode``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
+    any further serving methods (``policy.Method``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
 
     note = store_device_note(store_device)
-    modes = MODES + tuple(dict.fromkeys([f"kv-tail{r}" for r in tails if r > 0] + list(methods)))
+    modes = MODES + tuple(dict.fromkeys([str(Method("kv", r)) for r in tails if r > 0] + list(methods)))
     check_methods(modes, engine)
     setup = Setup.load(data, samples, model, engine, show_progress)
     qs = select_questions(setup.convs, questions)

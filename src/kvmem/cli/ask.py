@@ -56,10 +56,11 @@ def ask(
     if selective_recompute and (mode != "kv" or tail_recompute):
         raise ValueError("--selective-recompute works in --mode kv without --tail-recompute")
     from ..hardware import resolve_dtype
+    from ..policy import Method
     from ..service import MemoryService, check_methods
     from ..store import Store
 
-    method = f"kv-sel{selective_recompute}" if selective_recompute else mode
+    method = Method.of(mode, None, selective_recompute)
     check_methods([method], engine)  # --selective-recompute where the engine cannot: before anything loads
     dtype = resolve_dtype(dtype)
     with_store = Store.open(store)  # unknown store/user fail here, before any engine starts

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from ..policy import MODES_HELP, Encoding, parse_mode
+from ..policy import MODES_HELP, Encoding, Method
 from .common import (
     DEFAULT_MODEL,
     DTYPE,
@@ -70,11 +70,13 @@ def bench_latency(
     latency = bench_module("latency")
     from ..bench.common import int_list, str_list
 
-    extra = [f"kv-tail{r}" for r in (int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else [])]
+    tails = int_list(tail_recompute, "--tail-recompute", 1) if tail_recompute else []
+    extra = [str(Method("kv", r)) for r in tails]
     for m in str_list(methods):
-        if parse_mode(m)[0] != "kv" or m == "kv":
+        method = Method.parse(m)
+        if method.mode != "kv" or not (method.tail or method.recompute):
             raise ValueError(f"--methods takes kv-tail<r> and kv-sel<p>, not {m!r}")
-        extra.append(m)
+        extra.append(str(method))
     latency.run(
         data,
         out,

@@ -28,6 +28,7 @@ from vllm.config import KVTransferConfig  # imported here, so that a missing vLL
 
 from ...hardware import resolve_dtype
 from ...models import head_dim
+from ...policy import Method
 from ...store import canonical, password
 from ..base import (
     AsyncEngine,
@@ -41,6 +42,7 @@ from ..base import (
     Sampling,
     TokenLogprob,
 )
+from ..registry import refusal
 from .params import MemoryRef, cold_salt
 
 CONNECTOR = "KvmemConnector"
@@ -57,13 +59,10 @@ class VLLMGeneration(Generation):
 
 def memory_ref(plan: MemoryPlan) -> MemoryRef:
     """The connector's reference for ``plan``: the worker reads and composes the facts' KV itself. Raises
-    ValueError for selective recompute (vLLM's connector can report an injected prefix, not tokens to recompute
-    inside it)."""
-    if plan.recompute:
-        raise ValueError(
-            "kv-sel (query-aware selective recompute) runs on the transformers engine only: vLLM's "
-            "KV connector can report an injected prefix, not tokens to recompute inside it"
-        )
+    ValueError for selective recompute (``registry.refusal``: vLLM declares it cannot)."""
+    why = refusal(Method("kv", 0, plan.recompute), "vllm")
+    if why:
+        raise ValueError(why)
     store = plan.store
     return MemoryRef(
         canonical(store.root),
@@ -271,8 +270,6 @@ class VLLMEngine(Engine):
     """
 
     name = "vllm"
-    selective_recompute = False
-    batches = True
 
     def __init__(self, model: str | Path, **options):
         kwargs = engine_kwargs(model, **options)
@@ -388,8 +385,6 @@ class AsyncVLLMEngine(AsyncEngine):
     Raises EngineUnavailable (one line) if vLLM cannot start."""
 
     name = "vllm"
-    selective_recompute = False
-    batches = True
 
     def __init__(self, model: str | Path, max_queue: int = 256, **options):
         kwargs = engine_kwargs(model, **{**options, "skip_tokenizer_init": False})
