@@ -28,6 +28,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "s3": ("obstore", "diskcache"),
 }
 
+BENCH_FEATURE = "benchmarking (kvmem bench, kvmem eval)"  # what needs the bench extra, as its error names it
+
 
 class MissingExtra(ImportError):
     """A feature needs an optional dependency that is not installed. The message is one line that names the

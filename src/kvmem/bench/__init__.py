@@ -3,6 +3,6 @@
 They plot (matplotlib) and measure processes (psutil): the ``bench`` extra. Importing this package without it
 raises ``extras.MissingExtra`` at once, before a run that would fail only at its plot."""
 
-from ..extras import require
+from ..extras import BENCH_FEATURE, require
 
-require("bench", "benchmarking (kvmem bench, kvmem eval)")
+require("bench", BENCH_FEATURE)

@@ -62,10 +62,11 @@ def bench_module(name: str) -> ModuleType:
 
     Without the ``bench`` extra: one ``error:`` line naming ``pip install 'kvmem[bench]'``, exit code 2, before
     any model loads (matplotlib is imported only when the plot is drawn, after the run)."""
-    from ..extras import MissingExtra
+    from ..extras import BENCH_FEATURE, MissingExtra, require
 
     try:
-        return importlib.import_module(f"kvmem.bench.{name}")  # kvmem.bench checks its extra on import
+        require("bench", BENCH_FEATURE)  # each run: kvmem.bench checks only on import
+        return importlib.import_module(f"kvmem.bench.{name}")
     except MissingExtra as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
