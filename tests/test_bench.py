@@ -353,6 +353,7 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         srv.shutdown()
 
 
+@pytest.mark.slow
 def test_bench_memory(tiny):
     out = tiny["root"] / "memory"
     cli(
