@@ -236,6 +236,7 @@ def test_bench_latency(tiny):
     assert "pr/kv" in res.output
 
 
+@pytest.mark.slow
 def test_bench_throughput(tiny):
     out = tiny["root"] / "throughput"
     cli("bench", "throughput", "--users", "1,2", "--k", 2, "--window", 0, "--tokens", 4, *common(tiny, out, 4))
