@@ -318,6 +318,7 @@ def test_bench_latency(tiny):
     assert "pr/kv" in res.output
 
 
+@pytest.mark.slow
 def test_bench_throughput(tiny):
     out = tiny["root"] / "throughput"
     cli(
@@ -449,6 +450,7 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         srv.shutdown()
 
 
+@pytest.mark.slow
 def test_bench_memory(tiny):
     out = tiny["root"] / "memory"
     cli(

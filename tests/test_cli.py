@@ -118,8 +118,16 @@ def test_ask_both_modes_same_prompt(store):
         (["--user", "nobody", "--k", "3", "q?"], "unknown user 'nobody'"),
         (["--user", "conv-26", "--k", "0", "q?"], "--k must be >= 1"),
         (["--user", "conv-26", "--k", "3", "  "], "empty question"),
-        (["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"], "at most k="),
-        (["--user", "conv-26", "--k", "8", "--max-context", "10", "What did Caroline research?"], "no memory fits"),
+        pytest.param(  # these two load the model and compose: ~9 s each
+            ["--user", "conv-26", "--k", "8", "--max-context", "120", "What did Caroline research?"],
+            "at most k=",
+            marks=SLOW,
+        ),
+        pytest.param(
+            ["--user", "conv-26", "--k", "8", "--max-context", "10", "What did Caroline research?"],
+            "no memory fits",
+            marks=SLOW,
+        ),
         (["--user", "conv-26", "--k", "3", "--max-context", "0", "q?"], "--max-context must be >= 1"),
         (["--user", "conv-26", "--k", "3", "--max-new-tokens", "0", "q?"], "--max-new-tokens must be >= 1"),
     ],
@@ -268,7 +276,8 @@ def test_store_refuses_other_model(store, small_locomo):
     assert (store / "meta.sqlite").read_bytes() == before  # nothing stored was touched
 
 
-@pytest.mark.parametrize("name", [FAST, pytest.param(DEFAULT, marks=SLOW), pytest.param(GEMMA, marks=SLOW)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [FAST, DEFAULT, GEMMA])
 def test_check_exactness_real_model(name):
     require(name)
     p = run("check-exactness", "--model", name, "--json")

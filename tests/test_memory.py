@@ -244,6 +244,7 @@ def test_unusable_extractor_output_is_none_not_an_exception(mem):
     assert [t["content"] for t in mem.store.turns("g")] == ["I like tea."]  # the turn is kept as context
 
 
+@pytest.mark.slow
 def test_local_extractor_output_always_parses(mem):
     """The real model under xgrammar's JSON-schema grammar: whatever it writes parses (or is cut and counted as
     nothing); events are valid, and every ADD is retrievable."""

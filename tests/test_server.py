@@ -438,6 +438,7 @@ def test_health_ready_and_metrics(server, alice):
     assert "500" not in statuses and "200" in statuses
 
 
+@pytest.mark.slow
 def test_logprobs_and_response_format_are_honoured(server, alice):
     """``logprobs`` / ``top_logprobs`` come back per generated token, the same in the non-streamed and the
     streamed response; ``response_format`` json_schema / json_object constrain the
@@ -560,6 +561,7 @@ def test_text_parts_developer_role_and_refused_fields(server, alice):
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_concurrent_searches_and_writes_never_duplicate_an_id(server):
     """Rounds of one add followed by 8 concurrent searches (and a chat): no result list holds an id twice, and
     afterwards a search returns exactly the live memories."""

@@ -2,7 +2,8 @@
 isolation, fallback and preemption, in vLLM's default multi-process mode and in-process mode.
 
 Runs: Llama in multi-process and in in-process mode; Qwen2 in-process with a KV cache of a few blocks, so that
-the batched requests are preempted mid-decode and resumed.
+the batched requests are preempted mid-decode and resumed. The in-process Llama engine also reads a shared store
+(rows in the session's PostgreSQL), after all its other cases: three engine starts in all.
 
 Each mode runs in its own subprocess (this file run as a script) holding one engine for all cases; the test
 process builds the tiny model and store, computes the transformers-engine references and asserts.
@@ -24,7 +25,7 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import random_ids, tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.postgres]
 
 STEPS = 20
 BLOCK = 32
@@ -35,7 +36,7 @@ ORDER = ["f2", "f0", "f3", "f1"]  # injected order differs from stored order
 RUNS = {  # run name -> (family, mode, engine options)
     # this run's worker keeps facts in its read cache, so a load of facts read before reads nothing
     "llama-multiproc": ("llama", "multiproc", {"cache_bytes": 64 << 20}),
-    "llama-inproc": ("llama", "inproc", {}),
+    "llama-inproc": ("llama", "inproc", {"shared": True}),  # and the shared store's cases, last
     # 8 blocks of 32 tokens (one is vLLM's null block): two 93+20-token requests cannot both finish unpreempted.
     "qwen2-inproc-preempt": ("qwen2", "inproc", {"kv_blocks": 8, "max_model_len": 128}),
 }
@@ -229,8 +230,9 @@ def _row(g, out) -> dict:
     }
 
 
-def run_mode(spec_path: str, run: str) -> None:
-    """Subprocess entry: one engine, all cases, results to <spec dir>/result-<run>.json."""
+def run_mode(spec_path: str, run: str, shared_url: str | None = None) -> None:
+    """Subprocess entry: one engine, all cases, results to <spec dir>/result-<run>.json. ``shared_url``: a shared
+    store the engine also reads, whose cases (``shared_cases``) run last."""
     from kvmem.engines.vllm.engine import VLLMEngine
     from kvmem.engines.vllm.params import MemoryRef
 
@@ -247,7 +249,7 @@ def run_mode(spec_path: str, run: str) -> None:
         in_process=(mode == "inproc"),
         skip_tokenizer_init=True,
         metrics_file=str(out_dir / f"metrics-{run}.json"),
-        stores=[spec["store"], spec["foreign"], spec["twin"], spec["int8"]],
+        stores=[spec["store"], spec["foreign"], spec["twin"], spec["int8"], *([shared_url] if shared_url else [])],
         cache_bytes=opts.get("cache_bytes", 1),  # by default no fact KV cached in the worker: every load reads
         load_delay_s={"slow": SLOW_S},
         profile=True,  # each load's stages, and its token count, to <metrics_file>.loads
@@ -391,16 +393,27 @@ def run_mode(spec_path: str, run: str) -> None:
             eng.generate_ids(mem_ids, MemoryRef(*main, "replaced", new_version, fact_ids), STEPS, ignore_eos=True), None
         )
     ]
+    if shared_url:
+        results["shared"] = shared_cases(eng, spec, shared_url)
     (out_dir / f"result-{run}.json").write_text(json.dumps(results))
 
 
 _SPECS: dict[str, dict] = {}
 
 
+_RESULTS: dict[str, dict] = {}
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request, tmp_path_factory):
-    name = request.param
-    family = RUNS[name][0]
+    return engine_run(request, tmp_path_factory, request.param)
+
+
+def engine_run(request, tmp_path_factory, name: str) -> dict:
+    """The results of run ``name``: its engine started once (in a subprocess) for every test that reads them."""
+    if name in _RESULTS:
+        return _RESULTS[name]
+    family, _, opts = RUNS[name]
     if family not in _SPECS:
         tmp = tmp_path_factory.mktemp(f"vllm-{family}")
         s = build(tmp, family)
@@ -408,6 +421,14 @@ def run(request, tmp_path_factory):
         s["dir"] = tmp
         _SPECS[family] = s
     spec = _SPECS[family]
+    shared = []
+    if opts.get("shared"):  # a copy of the jointly encoded memory in a shared store, for shared_cases
+        from conftest import postgres_schema
+        from kvmem.store import copy_store
+
+        url = postgres_schema(request.getfixturevalue("postgres"), "vllm_shared")
+        copy_store(spec["store"], url, segments_url=(spec["dir"] / "kv-shared").as_uri(), users=["joint"])
+        shared = [url]
     env = dict(
         os.environ,
         VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -415,7 +436,7 @@ def run(request, tmp_path_factory):
         VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     )
     proc = subprocess.Popen(
-        [sys.executable, __file__, str(spec["dir"] / "spec.json"), name],
+        [sys.executable, __file__, str(spec["dir"] / "spec.json"), name, *shared],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -433,6 +454,7 @@ def run(request, tmp_path_factory):
     mpath = spec["dir"] / f"metrics-{name}.json"
     res["_metrics"] = json.loads(mpath.read_text()) if mpath.exists() else {}
     res["_name"] = name
+    _RESULTS[name] = res
     return res
 
 
@@ -572,48 +594,27 @@ def test_preempted_requests_resume_exactly(run, spec):
     assert a["tokens"] == spec["hf"]["indep"] and b["tokens"] == spec["hf"]["other"]
 
 
-def shared_mode(spec_path: str, url: str) -> None:
-    """Subprocess entry: one engine whose only store is the shared one at ``url``; prompt and joint injection."""
-    from kvmem.engines.vllm.engine import VLLMEngine
+def shared_cases(eng, spec: dict, url: str) -> dict:
+    """The engine reads the shared store at ``url`` (a copy of the main store's user "joint", so its own store id
+    and cache salt: nothing of it is in vLLM's prefix cache); prompt and joint injection."""
     from kvmem.engines.vllm.params import MemoryRef
     from kvmem.store import Store
 
-    spec = json.loads(Path(spec_path).read_text())
-    eng = VLLMEngine(
-        spec["model"], dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024, block_size=BLOCK,
-        in_process=True, skip_tokenizer_init=True, stores=[url], cache_bytes=1,
-    )  # fmt: skip
     st = Store.open(url)
     ids = spec["memory"] + spec["query"]
     ref = MemoryRef(url, st.manifest["store_id"], "joint", st.version("joint"), ORDER)
-    rows = {
+    return {
         "prompt": _row(eng.generate_ids(ids, None, STEPS, ignore_eos=True, salt="cold-shared"), None),
         "joint": _row(eng.generate_ids(ids, ref, STEPS, ignore_eos=True), None),
     }
-    (Path(spec_path).parent / "result-shared.json").write_text(json.dumps(rows))
 
 
-def test_injects_from_a_shared_store(tmp_path, postgres):
+def test_injects_from_a_shared_store(request, tmp_path_factory):
     """The connector's scheduler and worker sides read a shared store (rows in PostgreSQL, segments through
     obstore) exactly as a local one: a copy of the jointly encoded memory is injected (vLLM's own cached-token
-    count covers it) and the answer equals vLLM's prompt prefill."""
-    from conftest import postgres_schema
-    from kvmem.store import copy_store
-
-    spec = build(tmp_path, "llama")
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    url = postgres_schema(postgres, "vllm_shared")
-    copy_store(spec["store"], url, segments_url=(tmp_path / "kv").as_uri(), users=["joint"])
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="2", VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tmp_path / "spec.json"), "--shared", url],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = json.loads((tmp_path / "result-shared.json").read_text())
+    count covers it) and the answer equals vLLM's prompt prefill. (The in-process Llama run's engine.)"""
+    res = engine_run(request, tmp_path_factory, "llama-inproc")["shared"]
+    spec = _SPECS["llama"]
     m, q = len(spec["memory"]), len(spec["query"])
     assert (res["prompt"]["cached"], res["prompt"]["prefilled"]) == (0, m + q)
     assert (res["joint"]["cached"], res["joint"]["prefilled"]) == (m, q)
@@ -621,7 +622,4 @@ def test_injects_from_a_shared_store(tmp_path, postgres):
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "--shared":
-        shared_mode(sys.argv[1], sys.argv[3])
-    else:
-        run_mode(sys.argv[1], sys.argv[2])
+    run_mode(*sys.argv[1:])
