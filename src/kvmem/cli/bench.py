@@ -19,7 +19,7 @@ from .common import (
     MODEL,
     WINDOW_HELP,
     bench_module,
-    check_kv_format,
+    check_kv_format_name,
     friendly,
 )
 
@@ -151,7 +151,7 @@ def bench_profile(
     profile = bench_module("profile")
     from ..bench.common import int_list
 
-    check_kv_format(kv_format)
+    check_kv_format_name(kv_format)
     profile.run(
         data,
         out,

@@ -49,8 +49,9 @@ def emit(obj, as_json: bool) -> None:
     typer.echo(json.dumps(obj, ensure_ascii=False) if as_json else obj)
 
 
-def check_kv_format(kv_format: str | None) -> None:
-    """A bad --kv-format is one line before any model loads."""
+def check_kv_format_name(kv_format: str | None) -> None:
+    """A --kv-format that names no format is one line before any model loads (``kvformat.check_format``); whether it
+    matches an existing store is ``store.check_kv_format``."""
     if kv_format is not None:
         from ..kvformat import check_format
 

@@ -20,7 +20,7 @@ from .common import (
     USER_HISTORY,
     USER_NEIGHBOURS,
     USER_WINDOW,
-    check_kv_format,
+    check_kv_format_name,
     emit,
     extractor,
     friendly,
@@ -149,7 +149,7 @@ def memory_add(
 
     check_messages(messages)  # bad input fails before a model loads or a store is created
     Scope.of(user, agent, run)
-    check_kv_format(kv_format)
+    check_kv_format_name(kv_format)
     mem = _memory(
         store,
         model,
@@ -189,7 +189,7 @@ def memory_import(
         export = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file} is not JSON ({exc})") from None
-    check_kv_format(kv_format)
+    check_kv_format_name(kv_format)
     mem = _memory(store, model, None, dtype, None, None, create=True, segments=segments, kv_format=kv_format)
     out = mem.import_memories(export)
     if as_json:

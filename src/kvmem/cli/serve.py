@@ -17,7 +17,7 @@ from .common import (
     USER_HISTORY,
     USER_NEIGHBOURS,
     USER_WINDOW,
-    check_kv_format,
+    check_kv_format_name,
     extractor,
     friendly,
     store_option,
@@ -115,7 +115,7 @@ def serve_cmd(
         )
     if window is not None or neighbours is not None or history is not None:
         Encoding.of(window, neighbours, history)
-    check_kv_format(kv_format)
+    check_kv_format_name(kv_format)
     serve(
         store,
         host,

@@ -16,7 +16,7 @@ from .common import (
     MODEL,
     SEGMENTS,
     WINDOW_HELP,
-    check_kv_format,
+    check_kv_format_name,
     emit,
     friendly,
     store_option,
@@ -49,7 +49,7 @@ def ingest_locomo(
 
     enc = Encoding.of(window, neighbours, history)
     window, neighbours = enc.window, enc.neighbours
-    check_kv_format(kv_format)
+    check_kv_format_name(kv_format)
     if batch_tokens < 1:
         raise ValueError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     conv = get_conversation(file, sample)
@@ -122,7 +122,7 @@ def store_copy(
     history, each segment verified against its checksum and the counts compared."""
     from ..store import copy_store
 
-    check_kv_format(kv_format)
+    check_kv_format_name(kv_format)
     report = copy_store(src, dst, segments_url=segments, force=force, users=users or None, kv_format=kv_format)
     if as_json:
         emit(report, True)
