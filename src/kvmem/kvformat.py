@@ -68,7 +68,7 @@ def _quantize(x: torch.Tensor, block: tuple[int, ...], fmt: str) -> tuple[torch.
 
 
 def quantize(keys: torch.Tensor, values: torch.Tensor, fact_tokens: list[int], fmt: str) -> dict[str, torch.Tensor]:
-    """A segment's tensors in format ``fmt`` (token-major, as ``segments.to_file`` writes them).
+    """A segment's tensors in format ``fmt`` (token-major, as ``store.segments.to_file`` writes them).
 
     Args:
         keys, values: [n, L, H, D] pre-RoPE keys and raw values, n = sum(fact_tokens).

@@ -331,7 +331,7 @@ class VLLMEngine(Engine):
 
     def complete_json(self, prompt_ids: list[int], schema: dict, max_tokens: int = 256) -> list[int]:
         """Greedy token ids for ``prompt_ids`` under vLLM's guided decoding to the JSON ``schema`` (no memory, a
-        fresh cache salt). Used by fact extraction (``extract.LocalExtractor``)."""
+        fresh cache salt). Used by fact extraction (``memory.extract.LocalExtractor``)."""
         sp = sampling_params(Sampling(max_tokens=max_tokens), None, schema)
         out = self.llm.generate([{"prompt_token_ids": list(prompt_ids), "cache_salt": cold_salt()}], sp, use_tqdm=False)
         return list(out[0].outputs[0].token_ids)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger("kvmem.vllm_connector")
+logger = logging.getLogger("kvmem.vllm_connector")  # the name log configurations already select
 
 
 class KvmemScheduler:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
 
-logger = logging.getLogger("kvmem.vllm_connector")
+logger = logging.getLogger("kvmem.vllm_connector")  # the name log configurations already select
 
 LOADERS = 4  # worker threads for asynchronous loads: a slow read holds up one, never the others
 
