@@ -153,7 +153,10 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     """OpenAI chat completions with memory: retrieval, the engine's memory, then a streamed or whole answer."""
     limits = server.limits
 
-    @app.post("/v1/chat/completions")
+    # a whole answer is JSON; with "stream": true it is server-sent events, as OpenAI's
+    answers = {"application/json": {}, "text/event-stream": {}}
+
+    @app.post("/v1/chat/completions", responses={200: {"description": "the answer", "content": answers}})
     async def chat(body: ChatRequest, request: Request):
         t_arrive = time.perf_counter()
         tenant = tenant_of(request)
