@@ -17,23 +17,15 @@ __all__ = ["ENGINES", "Capabilities", "capabilities", "refusal"]
 
 @dataclass(frozen=True)
 class Capabilities:
-    """One engine's abilities.
+    """One engine's abilities, where engines differ (every engine serves kv, prompt and kv-tail<r>).
 
-    ``label``: how messages name it; ``kv_injection``: injects stored KV and prefills only the query (kv mode);
-    ``prompt_injection``: prefills the facts' text (prompt mode); ``tail_recompute``: injects a prefix of the
-    memory and prefills the rest with the query (``kv-tail<r>``); ``selective_recompute``: recomputes chosen
-    tokens inside the injected memory (``kv-sel<p>``); ``batches``: concurrent requests run in one batch
-    (continuous batching) rather than one at a time; ``async_loads``: memory KV is read while the engine runs
-    other requests (a loader thread) rather than inside the request's own step; ``why_not``: per ability this
-    engine lacks, the reason, as users read it."""
+    ``label``: how messages name it; ``selective_recompute``: recomputes chosen tokens inside the injected memory
+    (``kv-sel<p>``); ``batches``: concurrent requests run in one batch (continuous batching) rather than one at a
+    time; ``why_not``: per ability this engine lacks, the reason, as users read it."""
 
     label: str
-    kv_injection: bool = True
-    prompt_injection: bool = True
-    tail_recompute: bool = True
     selective_recompute: bool = False
     batches: bool = False
-    async_loads: bool = False
     why_not: dict[str, str] = field(default_factory=dict)
 
 
@@ -42,18 +34,18 @@ ENGINES: dict[str, Capabilities] = {
     "vllm": Capabilities(
         "vLLM",
         batches=True,
-        async_loads=True,
         why_not={
             "selective_recompute": "its KV connector can report an injected prefix, not tokens to recompute inside it"
         },
     ),
 }
 
-NONE = Capabilities("an unregistered engine", False, False, False)  # an engine not in ENGINES (tests' stand-ins)
+NONE = Capabilities("an unregistered engine")  # an engine not in ENGINES (tests' stand-ins): no selective recompute
 
 
 def capabilities(engine: str) -> Capabilities:
-    """The abilities of engine ``engine`` (a name in ``ENGINES``; anything else can do nothing)."""
+    """The abilities of engine ``engine`` (a name in ``ENGINES``; anything else gets ``NONE``: no selective
+    recompute, no batching)."""
     return ENGINES.get(engine, NONE)
 
 

@@ -344,9 +344,6 @@ class Reader:
             "source": row[2],
         }
 
-    def facts(self, user: str) -> list[FactRecord]:
-        return self.snapshot(user).facts
-
     @_locked
     def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
         """The live fact with this id (of ``user``, if given), or None. Ids are unique per user (``Memory`` ids
