@@ -468,7 +468,7 @@ class Reader:
         empty=None,
         spans: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``UserKV.gather``'s reader: the facts as stored (``_read_spans``, unless given), dequantised together
+        """``UserKV.gather``'s reader: the facts as stored (``read_spans``, unless given), dequantised together
         into the store's dtype."""
         parts = self.read_spans(ukv, facts, timings) if spans is None else spans
         if not parts and prefix is not None:
