@@ -129,8 +129,9 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         tenant = tenant_of(request)
         if entity_type not in ENTITY_TYPES:
             raise APIError(400, f"entity type {entity_type!r}: one of {', '.join(ENTITY_TYPES)}")
-        await write(server.memory.delete_all, **{ENTITY_TYPES[entity_type]: name}, namespace=tenant)
-        return {"message": "Entity deleted successfully."}
+        got = await write(server.memory.delete_all, **{ENTITY_TYPES[entity_type]: name}, namespace=tenant)
+        # erasure: facts erased, turns erased, facts re-encoded (or deferred) because their KV was behind them
+        return {"message": "Entity deleted successfully.", "erasure": got["erasure"]}
 
     # --- reads ---------------------------------------------------------------------------------------------
 
