@@ -76,12 +76,13 @@ def _message(out: dict, as_json: bool) -> None:
         typer.echo(json.dumps(out))
         return
     e = out.get("erasure")
-    more = (
-        f" (erased {e['erased']} memories and {e['turns']} turns; re-encoded {e['reencoded']} memories computed "
-        f"behind them{f', {e["deferred"]} deferred' if e['deferred'] else ''})"
-        if e
-        else ""
-    )
+    more = ""
+    if e:
+        later = f", {e['deferred']} deferred" if e["deferred"] else ""
+        more = (
+            f" (erased {e['erased']} memories and {e['turns']} turns; re-encoded {e['reencoded']} memories computed "
+            f"behind them{later})"
+        )
     typer.echo(out["message"] + more)
 
 
