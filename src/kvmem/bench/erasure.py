@@ -126,6 +126,7 @@ def run(
     seed: int = 0,
     echo=print,
 ) -> dict:
+    """Both parts (``counts`` empty: the LoCoMo part alone; ``check`` < 0: the delete part alone)."""
     lm, emb = load(model), Embedder()
     conv = get_conversation(data, sample)
     rows = []
@@ -148,7 +149,7 @@ def run(
         "model": model,
         "encoding": {"window": 5, "neighbours": 4},
         "delete": table,
-        "locomo": cascade(lm, emb, data, sample, check, seed, echo),
+        "locomo": cascade(lm, emb, data, sample, check, seed, echo) if check >= 0 else None,
     }
     write_summary_and_records(out, summary, rows)
     return summary
