@@ -390,7 +390,7 @@ def erase_facts(lm, store: Store, user: str, delete, turns: list[int] = (), defe
     got = store.erase(user, delete, turns, defer_s=defer_s or 0.0)
     segments, n = set(got["segments"]), 0
     if got["stale"] and defer_s is None:
-        n, old = reencode_stale(lm(), store, user, set(got["stale"]))
+        n, old = reencode_stale(lm(), store, user)  # and any a concurrent write left behind erased text
         segments |= set(old)
     version = got["version"]
     if segments:

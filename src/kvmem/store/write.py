@@ -304,6 +304,8 @@ class Writer:
                     ],
                 )
                 set_meta(db, [(f"turns:{user}", first + len(turns))])  # turn indexes are never reused
+            if add:
+                mark_behind_erased(db, user, version, now)
             db.executemany(
                 'INSERT INTO history ("user", fact_id, event, old_memory, new_memory, time, version) '
                 "VALUES (?,?,?,?,?,?,?)",
@@ -544,6 +546,7 @@ class Writer:
                     version = db.next_version()
                     db.executemany('UPDATE facts SET deleted=? WHERE "row"=?', [(version, r) for r in rows])
                     insert_facts(db, user, facts, embeddings, segment, digest, version, now, 0)
+                    mark_behind_erased(db, user, version, now)
                     db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
             except _Changed:
                 self.segments.delete(name)
@@ -628,3 +631,29 @@ def insert_facts(
         "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         rows,
     )
+
+
+def mark_behind_erased(db: Rows, user: str, version: int, now: float) -> None:
+    """Inside the transaction that added facts at ``version``: a fact encoded behind a turn or fact that an
+    erasure removed while it was being encoded (its provenance names a turn that is gone, or a fact with no live
+    row) is marked stale at once, so it is re-encoded like the facts the erasure found."""
+    rows = db.execute(
+        'SELECT "row", provenance FROM facts WHERE "user"=? AND added=? AND provenance IS NOT NULL', (user, version)
+    ).fetchall()
+    prov = {r: json.loads(p) for r, p in rows}
+    turns = sorted({t for p in prov.values() for t in p["turns"]})
+    facts = sorted({f for p in prov.values() for f in p["facts"]})
+    have_turns, have_facts = set(), set()
+    for i in range(0, len(turns), 500):
+        chunk = turns[i : i + 500]
+        marks = ",".join("?" * len(chunk))
+        have_turns |= {r[0] for r in db.execute(
+            f'SELECT idx FROM turns WHERE "user"=? AND idx IN ({marks})', (user, *chunk))}  # fmt: skip
+    for i in range(0, len(facts), 500):
+        chunk = facts[i : i + 500]
+        have_facts |= {r[0] for r in db.execute(
+            f'SELECT fact_id FROM facts WHERE "user"=? AND deleted IS NULL AND fact_id IN '
+            f'({",".join("?" * len(chunk))})', (user, *chunk))}  # fmt: skip
+    gone = lambda p: not have_turns.issuperset(p["turns"]) or not have_facts.issuperset(p["facts"])
+    stale = [(now, r) for r, p in prov.items() if gone(p)]
+    db.executemany('UPDATE facts SET stale=? WHERE "row"=?', stale)
