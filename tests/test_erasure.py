@@ -113,6 +113,17 @@ def test_a_deleted_secret_is_erased_and_what_follows_never_saw_it(where, shared)
     assert report["derived"] == {} and report["bad"] == {}
     assert a.store.segment_name("u", held) not in a.store.segments.names()  # the secret's own KV is gone
     assert_no_byte_of(a, SECRET)
+    if where[0][1] is None:  # a copy keeps what each fact was computed behind, turn indexes renumbered
+        from kvmem.store import Store, copy_store
+
+        copy_store(a.store.root, a.store.root.with_name("copy"))
+
+        def behind(st):
+            text = {t["idx"]: t["content"] for t in st.turns("u")}
+            return {f.text: ([text[t] for t in f.context_turns], f.context_facts) for f in st.facts("u")}
+
+        assert behind(Store.open(a.store.root.with_name("copy"))) == behind(a.store)
+        assert behind(a.store)["I play chess on Sundays."][0] == ["I like green tea.", "I walk my dog every morning."]
 
 
 def test_deferred_reencoding_is_bounded_and_reported(tmp_path, shared):
