@@ -360,8 +360,9 @@ class Writer:
 
     def compact(self, user: str, segments: list[str] | None = None) -> str:
         """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
-        ``segments``: only the live facts of these segments, and only their dead rows (an erasure's: the
-        segments that held erased or re-encoded KV); a segment left without live facts is retired by ``gc``.
+        ``segments``: only these segments, each into a new one of its own (what an erasure rewrites: the segments
+        that held erased or re-encoded KV), and only their dead rows; a segment left without live facts is
+        retired by ``gc``.
         What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it. Raises
         UnknownUser (no ``segments``, no live fact)."""
         with self.writer(user):
@@ -373,24 +374,27 @@ class Writer:
                     raise
                 ukv, facts = None, []
             db = self.rows
-            segment, digest, n = uuid.uuid4().hex[:12], "", 0
-            if facts:
-                rows = [ukv.position[f.row] for f in facts]
-                keys, values = ukv.gather(rows, dtype=self.reads.rewrite_dtype())
+            # one new segment for each one rewritten (all: one in all), so a rewrite costs what it rewrites
+            groups: dict[str, list[FactRecord]] = {}
+            for f in facts:
+                groups.setdefault("" if segments is None else f.segment, []).append(f)
+            written, moves = [], []
+            for group in groups.values():
+                segment = uuid.uuid4().hex[:12]
+                keys, values = ukv.gather([ukv.position[f.row] for f in group], dtype=self.reads.rewrite_dtype())
                 # lossy formats re-quantise with the same key groups (facts): the same integers and scales come back
-                tensors, meta = seg_files.to_file(keys, values, self.kv_format, [f.num_tokens for f in facts])
-                digest, n = self.segments.put(segment_name(user, segment), tensors, meta), keys.shape[2]
-            with db.transaction():
-                version = db.next_version()
-                if facts:
-                    db.execute(
-                        'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
-                        (user, segment, digest, n),
-                    )
-                offset, moves = 0, []
-                for f in facts:
+                tensors, meta = seg_files.to_file(keys, values, self.kv_format, [f.num_tokens for f in group])
+                written.append((user, segment, self.segments.put(segment_name(user, segment), tensors, meta),
+                                keys.shape[2]))  # fmt: skip
+                offset = 0
+                for f in group:
                     moves.append((segment, offset, f.row))
                     offset += f.num_tokens
+            with db.transaction():
+                version = db.next_version()
+                db.executemany(
+                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)', written
+                )
                 db.executemany('UPDATE facts SET segment=?, token_offset=? WHERE "row"=?', moves)
                 if segments is None:
                     db.execute('DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL', (user,))
