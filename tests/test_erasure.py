@@ -126,6 +126,22 @@ def test_a_deleted_secret_is_erased_and_what_follows_never_saw_it(where, shared)
         assert behind(a.store)["I play chess on Sundays."][0] == ["I like green tea.", "I walk my dog every morning."]
 
 
+def test_deleting_a_user_erases_its_scopes(where, shared):
+    """``delete_all(user_id=...)`` (what ``DELETE /v2/entities/user/{id}`` and mem0's ``delete_users`` call; through
+    the real client in ``tests/test_mem0.py``): every scope of the user loses its facts, turns and history text,
+    and the user's next memory is encoded as in a store that never saw them."""
+    a, b = memory(where[0], shared), memory(where[1], shared)
+    a.add(f"My social security number is {SECRET}.", "u", infer=False)
+    a.add("I walk my dog every morning.", "u", agent_id="coach", infer=False)
+    out = a.delete_all(user_id="u")
+    assert out["erasure"] == {"erased": 2, "turns": 2, "reencoded": 0, "deferred": 0}
+    a.add("I play chess on Sundays.", "u", infer=False)
+    b.add("I play chess on Sundays.", "u", infer=False)
+    assert_same_kv(a, b, "u")
+    assert [t["content"] for t in a.store.turns("u")] == ["I play chess on Sundays."]
+    assert_no_byte_of(a, SECRET)
+
+
 def test_deferred_reencoding_is_bounded_and_reported(tmp_path, shared):
     """With re-encoding deferred the derived KV stays until the background job runs: fsck names its segment,
     ``stale`` its deadline, and ``reencode_pending`` makes it equal the eager result."""
