@@ -144,6 +144,35 @@ def test_memory_client_every_call_against_kvmem_serve(server):
     assert client.reset()["message"] and client.users()["results"] == []
 
 
+def test_delete_users_erases_and_what_follows_never_saw_it(server, tmp_path):
+    """mem0ai's ``delete_users`` (``DELETE /v2/entities/user/{id}``) erases the user: the next memory it adds is
+    encoded behind none of the erased turns or facts (its stored KV equals a store's that never saw them, fp32),
+    and no byte of the secret is left in the store's files (SQLite and its WAL) or rows."""
+    import torch
+    from mem0 import MemoryClient
+
+    from kvmem.memory import Memory
+
+    srv, base = server
+    secret = "X9081726"
+    client = MemoryClient(api_key=KEY_A, host=base)
+    client.add(f"My passport number is {secret}.", user_id="erin", infer=False)
+    client.add("I collect old stamps.", user_id="erin", infer=False)
+    assert client.delete_users(user_id="erin") == {"message": "Entity deleted successfully."}
+    client.add("I play chess on Sundays.", user_id="erin", infer=False)
+    mem = srv.memory
+    (key,) = [u for u in mem.store.users() if "erin" in u]
+    ref = Memory(tmp_path / "ref", model=mem.lm, embedder=mem.embedder, window=2)
+    ref.add("I play chess on Sundays.", "erin", infer=False)
+    got, want = mem.store.snapshot(key), ref.store.snapshot("erin")
+    assert [f.text for f in got.facts] == [f.text for f in want.facts] == ["I play chess on Sundays."]
+    for a, b in zip(got.fact_kv(0), want.fact_kv(0)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert [t["content"] for t in mem.store.turns(key)] == ["I play chess on Sundays."]
+    for path in mem.store.root.rglob("*"):
+        assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+
+
 def test_async_memory_client(server):
     from mem0 import AsyncMemoryClient
 

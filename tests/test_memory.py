@@ -59,7 +59,9 @@ def test_round_trip_events_and_history(mem):
     assert mem.update(lisbon, "I moved to Porto in April.") == {"message": "Memory updated successfully!"}
     got = mem.get(lisbon)
     assert got["memory"] == "I moved to Porto in April." and got["id"] == lisbon
-    assert mem.delete(ana) == {"message": "Memory deleted successfully!"}
+    # Ana's fact and her turn; the update to Porto was encoded behind both, so it is re-encoded without them
+    erased = {"erased": 1, "turns": 1, "reencoded": 1, "deferred": 0}
+    assert mem.delete(ana) == {"message": "Memory deleted successfully!", "erasure": erased}
     assert mem.get(ana) is None
     assert [m["id"] for m in mem.get_all("alice")["results"]] == [lisbon]
     assert all(h["id"] != ana for h in mem.search("cello", "alice", limit=10)["results"])
@@ -120,8 +122,9 @@ def test_adds_are_incremental_and_compaction_keeps_what_is_served(mem):
     before = (mem.get_all("dan"), mem.search("garden fact 3", "dan", limit=3))
     version = mem.store.version("dan")
     mem.compact("dan")
-    # replaced segments outlive the commit (readers of the old version), then go: fsck removes them at once
-    assert mem.store.version("dan") != version and len(list(users.iterdir())) == 6
+    # replaced segments outlive the commit (readers of the old version), then go: fsck removes them at once. 7: the
+    # 5 adds', the one the delete re-encoded the later facts into (encoded behind the erased one), the compacted one
+    assert mem.store.version("dan") != version and len(list(users.iterdir())) == 7
     assert mem.store.fsck()["removed"] == [] and len(list(users.iterdir())) == 1
     assert (mem.get_all("dan"), mem.search("garden fact 3", "dan", limit=3)) == before
     db = sqlite3.connect(mem.store.root / "meta.sqlite")
@@ -305,9 +308,9 @@ def test_memory_cli(tmp_path, shared):
         app, ["memory", "search", "Where do I live?", "--store", root, "--user", "alice", "--limit", "1", "--json"]
     )
     assert res.exit_code == 0 and json.loads(res.output)["results"][0]["id"] == porto
-    assert (
-        run.invoke(app, ["memory", "delete", porto, "--store", root]).output.strip() == "Memory deleted successfully!"
-    )
+    assert run.invoke(app, ["memory", "delete", porto, "--store", root]).output.strip() == (
+        "Memory deleted successfully! (erased 1 memories and 1 turns; re-encoded 1 memories computed behind them)"
+    )  # the second message was encoded behind the first: re-encoded without it
     res = run.invoke(app, ["memory", "history", porto, "--store", root, "--json"])
     assert [e["event"] for e in json.loads(res.output)] == ["ADD", "DELETE"]
     for args, needle in (

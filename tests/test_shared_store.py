@@ -89,7 +89,7 @@ def test_postgres_store_opens_without_writing_and_checks_its_schema(tmp_path, po
             opened.turns("u")
         assert conn.execute("SELECT to_regclass('turns')").fetchone()[0] is None  # not re-created
         conn.execute("UPDATE kvmem_manifest SET schema_version = 1")
-    with pytest.raises(StoreError, match="schema version 1 is not 3"):
+    with pytest.raises(StoreError, match="schema version 1 is not 4"):
         Store.open(url)
 
 

@@ -150,11 +150,12 @@ def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
         Store.open(root, FP).user_kv("u1").fact_kv(0)  # KV is read (and verified) when gathered
 
 
-# The schema as commit 0cc4d45 created it (``rows.SQLITE_SCHEMA``, ``rows.POSTGRES_SCHEMA``), kept verbatim: the
-# rendered schema must be these statements, so stores created before and after are the same.
+# The schema as commit 0cc4d45 created it (``rows.SQLITE_SCHEMA``, ``rows.POSTGRES_SCHEMA``), kept verbatim but for
+# schema 4's two columns (facts.provenance, facts.stale; ``schema.MIGRATIONS`` adds them to an older store): the
+# rendered schema must be these statements.
 OLD_SQLITE_SCHEMA = """
 PRAGMA journal_mode=WAL;
-PRAGMA user_version=3;
+PRAGMA user_version=4;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta (key, value) VALUES ('version', 0);
 CREATE TABLE IF NOT EXISTS users (
@@ -167,7 +168,8 @@ CREATE TABLE IF NOT EXISTS facts (
     row INTEGER PRIMARY KEY AUTOINCREMENT, user TEXT NOT NULL, fact_id TEXT NOT NULL, text TEXT NOT NULL,
     speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{}', token_ids TEXT NOT NULL,
     segment TEXT NOT NULL, token_offset INTEGER NOT NULL, window INTEGER NOT NULL, embedding BLOB NOT NULL,
-    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+    added INTEGER NOT NULL, deleted INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL, provenance TEXT,
+    stale REAL);
 CREATE UNIQUE INDEX IF NOT EXISTS live_fact ON facts (user, fact_id) WHERE deleted IS NULL;
 CREATE INDEX IF NOT EXISTS facts_id ON facts (fact_id);
 CREATE INDEX IF NOT EXISTS facts_user ON facts (user, deleted);
@@ -196,7 +198,7 @@ CREATE TABLE facts (
     text TEXT NOT NULL, speaker TEXT, source_turn TEXT, date TEXT, metadata TEXT NOT NULL DEFAULT '{}',
     token_ids TEXT NOT NULL, segment TEXT NOT NULL, token_offset INTEGER NOT NULL, "window" INTEGER NOT NULL,
     embedding BYTEA NOT NULL, added BIGINT NOT NULL, deleted BIGINT, created_at DOUBLE PRECISION NOT NULL,
-    updated_at DOUBLE PRECISION NOT NULL);
+    updated_at DOUBLE PRECISION NOT NULL, provenance TEXT, stale DOUBLE PRECISION);
 CREATE UNIQUE INDEX live_fact ON facts ("user", fact_id) WHERE deleted IS NULL;
 CREATE INDEX facts_id ON facts (fact_id);
 CREATE INDEX facts_user ON facts ("user", deleted);
@@ -251,7 +253,8 @@ def test_a_store_written_before_the_layout_change_opens_and_answers(tmp_path):
     assert [(t["content"], t["speaker"]) for t in st.turns("v")] == [("hi", "A")]
     assert [e["event"] for e in st.events("u")] == ["ADD"] * 3 + ["DELETE"]
     assert st.user_info("u")["num_tokens"] == 8 and st.header_token_ids == [1, 2, 3]
-    assert st.fsck() == {"users": 2, "ok": ["u", "v"], "bad": {}, "removed": [], "replaced": []}
+    assert st.fsck() == {"users": 2, "ok": ["u", "v"], "bad": {}, "removed": [], "replaced": [], "derived": {}}
+    assert st.facts("v")[0].context_turns is None  # migrated: provenance unknown
     facts, kv, emb = sw.generation("u", 2)
     st.put_user("u", facts, kv, kv, emb, window=0)
     assert sw.check(Store.open(root, sw.FP).snapshot("u")) == 2

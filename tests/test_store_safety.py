@@ -74,7 +74,7 @@ def test_sqlite_wal_busy_timeout_schema_version(store, sqlite_only):
     assert store.busy_timeout_s >= 10
     db.execute("PRAGMA user_version=1")
     db.commit()
-    with pytest.raises(StoreError, match="schema version 1 is not 3"):
+    with pytest.raises(StoreError, match="schema version 1 is not 4"):
         Store.open(store.root)
 
 
@@ -240,7 +240,14 @@ def test_fsck_command(store):
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.root), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
-    assert report == {"users": 1, "ok": ["u"], "bad": {}, "removed": ["u.deadbeef0000.kv.safetensors"], "replaced": []}
+    assert report == {
+        "users": 1,
+        "ok": ["u"],
+        "bad": {},
+        "removed": ["u.deadbeef0000.kv.safetensors"],
+        "replaced": [],
+        "derived": {},
+    }
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(store.segment_path("u", "x").parent / "nope")])
     assert res.exit_code == 2 and "no kvmem store" in res.output
 

@@ -32,6 +32,14 @@ from .store import ALL, CACHE_BYTES, FactRecord, Store, StoreError, check_kv_for
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
+MAX_CONTEXT_CHARS = 4000  # the encoding window's text, nearest turns kept: one add's cost stays bounded
+
+
+def render_turns(turns: list[dict]) -> str:
+    """A window's turns as the encoder reads them (``speaker: content`` lines, LoCoMo's rendering), the last
+    ``MAX_CONTEXT_CHARS`` characters. ``turns``: dicts with ``content`` and ``speaker`` (None: ``user``)."""
+    text = "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns)
+    return text[-MAX_CONTEXT_CHARS:]
 
 
 def open_or_create_store(
@@ -257,16 +265,18 @@ def write_facts(
     before them: ``encode_facts``) in one batched pass, and commit facts, tombstones, turns and history in one
     store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
     None; ``encoding``: window, neighbours and history (``policy.Encoding``; the window's turns are already in
-    ``contexts``). ``delete``: fact ids, or ``store.ALL`` (every fact live when the commit runs). With no
-    ``facts`` (a delete, or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit
-    then records the window alone. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    ``contexts``). Provenance: each fact's ``context_turns`` and ``source_turns`` are the caller's (None:
+    unknown); its ``context_facts`` are set here, the neighbour or earlier facts it is encoded behind.
+    ``delete``: fact ids, or ``store.ALL`` (every fact live when the commit runs). With no ``facts`` (a delete,
+    or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit then
+    records the window alone. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
     window, neighbours, history = encoding.window, encoding.neighbours, encoding.history
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
-    prefixes, earlier = None, None
+    prefixes, earlier, behind = None, None, [() for _ in facts]  # behind: each fact's context facts' ids
     if (neighbours or history) and facts:
-        pool_emb, pool_ids = None, []
+        pool_emb, pool_ids, pool_fids = None, [], []
         if not replace and store.version(user) is not None:
             gone = set(delete)
             try:
@@ -276,11 +286,15 @@ def write_facts(
             if ukv is not None:
                 keep = [i for i, f in enumerate(ukv.facts) if f.fact_id not in gone]
                 pool_emb, pool_ids = ukv.embeddings[keep], [list(ukv.facts[i].token_ids) for i in keep]
+                pool_fids = [ukv.facts[i].fact_id for i in keep]
         if history:
             earlier = pool_ids
+            behind = [tuple(pool_fids + [f.fact_id for f in facts[:j]]) for j in range(len(facts))]
         else:
             new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
-            prefixes, _ = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
+            prefixes, chosen = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
+            fids = pool_fids + [f.fact_id for f in facts]
+            behind = [tuple(fids[c] for c in row) for row in chosen]
     t2 = time.perf_counter()
     ids, kvs, n_tokens = (
         encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress, prefixes, earlier)
@@ -288,7 +302,10 @@ def write_facts(
         else ([], [], 0)
     )
     t3 = time.perf_counter()
-    facts = [dataclasses.replace(f, token_ids=i) for f, i in zip(facts, ids)]
+    facts = [
+        dataclasses.replace(f, token_ids=i, context_facts=() if f.context_turns is None else b)
+        for f, i, b in zip(facts, ids, behind)
+    ]
     version = store.commit(
         user,
         facts,
@@ -306,3 +323,82 @@ def write_facts(
         history=history if facts else None,
     )
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
+
+
+def reencode_stale(
+    lm: LoadedModel, store: Store, user: str, only: set[str] | None = None, max_batch_tokens: int = 2048
+) -> tuple[int, list[str]]:
+    """Re-encode ``user``'s stale facts (``Store.stale``; of ``only``, if given) behind what is left of their
+    context after an erasure: the window turns and neighbour or history facts of their provenance that still
+    exist, in the same order, so each is encoded as it would have been had the erased text never been there. A
+    fact of unknown provenance is encoded behind its ``window`` latest turns said before it was written and its
+    scope's ``neighbours`` most similar other live facts. One batched pass, one versioned commit
+    (``Store.reencode``; tried again, up to 3 times, when a fact changed meanwhile).
+
+    Returns (facts re-encoded, the segments that held their old KV: ``Store.compact`` them). Raises StoreError."""
+    for _ in range(3):
+        pending = {fid: seg for u, fid, seg, _ in store.stale(user) if only is None or fid in only}
+        if not pending:
+            return 0, []
+        ukv = store.snapshot(user)
+        todo = [f for f in ukv.facts if f.fact_id in pending]
+        live = {f.fact_id: f for f in ukv.facts}
+        turns = {t["idx"]: t for t in store.turns(user)}
+        header = store.header_token_ids
+        m = store.user_info(user).get("neighbours", 0)
+        seqs, spans, recs = [], [], []
+        for f in todo:
+            if f.context_turns is None:  # unknown: its window before it was written, its nearest facts now
+                said = [t for t in turns.values() if t["time"] is None or t["time"] <= f.updated_at]
+                ctx = [t["idx"] for t in said[len(said) - f.window :]] if f.window else []
+                i = ukv.position[f.row]
+                others = [j for j, g in enumerate(ukv.facts) if g.fact_id != f.fact_id]
+                _, chosen = neighbour_prefixes(
+                    ukv.embeddings[i : i + 1], [list(f.token_ids)], ukv.embeddings[others],
+                    [list(ukv.facts[j].token_ids) for j in others], m,
+                )  # fmt: skip
+                behind = [ukv.facts[others[c]].fact_id for c in chosen[0]]
+            else:
+                ctx = [t for t in f.context_turns if t in turns]
+                behind = [b for b in f.context_facts if b in live and b != f.fact_id]
+            prefix = [t for b in behind for t in live[b].token_ids]
+            if len(prefix) > MAX_HISTORY_TOKENS // 2:  # a history-encoded fact: its newest earlier facts
+                prefix = prefix[-(MAX_HISTORY_TOKENS // 2) :]
+            text = render_turns([turns[t] for t in ctx]) if ctx else ""
+            ctx_ids = text_ids(lm.tokenizer, text) if text else []
+            start = len(header) + len(prefix) + len(ctx_ids)
+            seqs.append(list(header) + prefix + ctx_ids + list(f.token_ids))
+            spans.append((start, start + f.num_tokens))
+            recs.append(dataclasses.replace(f, context_turns=tuple(ctx), context_facts=tuple(behind)))
+        kvs = encode_spans(lm.model, seqs, spans, max_batch_tokens)
+        emb = ukv.embeddings[[ukv.position[f.row] for f in todo]]
+        version = store.reencode(user, recs, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb)
+        if version is not None:
+            return len(recs), sorted({pending[f.fact_id] for f in todo})
+    raise StoreError(f"user {user!r}: facts kept changing while they were re-encoded; try again")
+
+
+def erase_facts(lm, store: Store, user: str, delete, turns: list[int] = (), defer_s: float | None = None) -> dict:
+    """Erasure (``Store.erase``), then its cascade: unless deferred, every fact whose KV was computed behind the
+    erased text is re-encoded without it (``reencode_stale``), and the segments that held erased or replaced KV
+    are rewritten without it (``Store.compact``), so once ``gc`` runs no file holds it. ``lm``: a callable
+    returning the ``LoadedModel`` (called only when there is something to re-encode); ``defer_s``: None, at
+    once; else leave re-encoding to a background job (``reencode_stale``) that must run within ``defer_s``
+    seconds (the erased facts' own KV is rewritten away now either way).
+
+    Returns ``{"version", "erased": n facts, "turns": n turns, "reencoded": n, "deferred": n}``."""
+    got = store.erase(user, delete, turns, defer_s=defer_s or 0.0)
+    segments, n = set(got["segments"]), 0
+    if got["stale"] and defer_s is None:
+        n, old = reencode_stale(lm(), store, user)  # and any a concurrent write left behind erased text
+        segments |= set(old)
+    version = got["version"]
+    if segments:
+        version = store.compact(user, sorted(segments))
+    return {
+        "version": version,
+        "erased": len(got["erased"]),
+        "turns": got["turns"],
+        "reencoded": n,
+        "deferred": len(got["stale"]) - n,
+    }

@@ -40,6 +40,15 @@ def conversation_inputs(conv: Conversation, window: int) -> tuple[list[str], lis
     return contexts, [f.render() for f in conv.facts]
 
 
+def provenance(conv: Conversation, fact, window: int) -> dict:
+    """A LoCoMo fact's provenance (``FactRecord``): its window's turns and its source turn, as references to the
+    ingest commit's new turns (``-(i + 1)`` for ``conv.turns[i]``)."""
+    pos = {t.dia_id: i for i, t in enumerate(conv.turns)}
+    at = pos.get(fact.source_turn)
+    ctx = () if at is None or window <= 0 else tuple(-(i + 1) for i in range(max(0, at - window), at))
+    return {"context_turns": ctx, "source_turns": () if at is None else (-(at + 1),)}
+
+
 def context_sequences(tok, header_ids: list[int], conv: Conversation, window: int):
     """``build_sequences`` for a LoCoMo conversation's facts (what ``ingest_conversation`` encodes)."""
     return build_sequences(tok, header_ids, *conversation_inputs(conv, window))
@@ -78,7 +87,18 @@ def ingest_conversation(
     store, fmt = open_or_create_store(store_root, lm, embedder, segments_url=segments_url, kv_format=kv_format)
     contexts, rendered = conversation_inputs(conv, window)
     records = [
-        FactRecord(f.fact_id, conv.sample_id, f.text, f.speaker, f.source_turn, f.date, (), 0, window)
+        FactRecord(
+            f.fact_id,
+            conv.sample_id,
+            f.text,
+            f.speaker,
+            f.source_turn,
+            f.date,
+            (),
+            0,
+            window,
+            **provenance(conv, f, window),
+        )
         for f in conv.facts
     ]
     bar = None

@@ -276,6 +276,30 @@ def bench_memory(
     online_memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
 
 
+@bench_app.command("erasure")
+@friendly
+def bench_erasure(
+    data: Path = DATA,
+    sample: str = typer.Option("conv-26", help="LoCoMo sample: the memories' text, and the conversation ingested."),
+    counts: str = typer.Option(
+        "100,1000", "--counts", help="Comma-separated memory counts of the user ('': the LoCoMo part alone)."
+    ),
+    deletes: int = typer.Option(10, "--deletes", help="Deletes timed per count and mode."),
+    check: int = typer.Option(
+        5, "--check", help="Erasures run for real on the LoCoMo store to confirm the count (-1: skip that part)."
+    ),
+    model: str = typer.Option("smollm2-135m-instruct", "--model"),
+    out: Path = typer.Option(Path("runs/bench/erasure"), "--out"),
+):
+    """Erasure: the time to delete one memory (re-encoding at once, and deferred) and the facts re-encoded per
+    deleted fact on a LoCoMo conversation (w=5, m=4)."""
+    from ..bench.common import int_list
+
+    erasure = bench_module("erasure")
+    sizes = int_list(counts, "--counts", 1) if counts else []
+    erasure.run(data, out, sample, sizes, model, deletes, check=check, echo=typer.echo)
+
+
 @bench_app.command("extract")
 @friendly
 def bench_extract(

@@ -71,8 +71,19 @@ def _memory(
 
 
 def _message(out: dict, as_json: bool) -> None:
-    """A Mem0-style ``{"message": ...}`` reply: the JSON, or its message."""
-    typer.echo(json.dumps(out) if as_json else out["message"])
+    """A Mem0-style ``{"message": ...}`` reply: the JSON, or its message (and what an erasure covered)."""
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    e = out.get("erasure")
+    more = ""
+    if e:
+        later = f", {e['deferred']} deferred" if e["deferred"] else ""
+        more = (
+            f" (erased {e['erased']} memories and {e['turns']} turns; re-encoded {e['reencoded']} memories computed "
+            f"behind them{later})"
+        )
+    typer.echo(out["message"] + more)
 
 
 def _print_memories(items: list[dict], as_json: bool) -> None:

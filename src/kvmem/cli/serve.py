@@ -94,6 +94,14 @@ def serve_cmd(
     use_ray: bool = typer.Option(False, "--ray", help="Serve through Ray even with one replica."),
     extractor_url: str | None = EXTRACTOR_URL,
     extractor_model: str | None = EXTRACTOR_MODEL,
+    defer_reencode: float | None = typer.Option(
+        None,
+        "--defer-reencode",
+        min=1.0,
+        help="Seconds: an erasure (a deleted memory, user or expiry, a request to forget) leaves re-encoding the "
+        "memories computed behind the erased text to a background task, which runs within this bound (the derived "
+        "KV is served until then). Default: re-encode at once, in the erasing request.",
+    ),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from ..hardware import resolve_dtype
@@ -144,4 +152,5 @@ def serve_cmd(
         ray_address=ray_address,
         use_ray=use_ray,
         extractor=extractor(extractor_url, extractor_model),
+        defer_reencode_s=defer_reencode,
     )

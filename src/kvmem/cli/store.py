@@ -82,8 +82,9 @@ def ingest_locomo(
 @store_app.command("fsck")
 @friendly
 def store_fsck(store: str = store_option(), as_json: bool = JSON):
-    """Check every user's rows, files and KV checksum; remove files left by a killed writer. Exit 1 if a user
-    is bad."""
+    """Check every user's rows, files and KV checksum; remove files left by a killed writer and segments commits
+    replaced; name every segment still holding KV of erased text or computed behind it (an erasure whose
+    re-encoding is deferred or was cut short). Exit 1 if a user is bad or such a segment is left."""
     from ..store import Store
 
     report = Store.open(store).fsck()
@@ -96,7 +97,9 @@ def store_fsck(store: str = store_option(), as_json: bool = JSON):
         )
         for user, why in report["bad"].items():
             typer.echo(f"  {user}: {why}")
-    if report["bad"]:
+        for name, facts in report["derived"].items():
+            typer.echo(f"  {name}: holds KV derived from erased text ({len(facts)} facts: {', '.join(facts[:5])})")
+    if report["bad"] or report["derived"]:
         raise typer.Exit(1)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import scopes
 from ..config import config_kwargs
-from ..ingest import open_or_create_store, write_facts
+from ..ingest import erase_facts, open_or_create_store, reencode_stale, render_turns, write_facts
 from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from ..policy import Encoding
 from ..retrieve import Embedder, IndexCache
@@ -45,7 +45,7 @@ from ..store import (
     check_segments_url,
     is_url,
 )
-from . import importer, mem0, reconcile
+from . import grounding, importer, mem0, reconcile
 from .extract import make_extractor
 from .mem0 import (
     MAX_MESSAGE_CHARS,
@@ -69,7 +69,6 @@ __all__ = [
     "default_store",
 ]
 
-MAX_CONTEXT_CHARS = 4000  # the encoding window's text, nearest turns kept: one add's cost stays bounded
 _UNSET = object()
 
 
@@ -110,6 +109,9 @@ class Memory:
         custom_instructions: the default ``prompt`` of ``add`` (Mem0's config field of that name).
         kv_format: how a new store keeps KV (``kvformat``: ``native``, the default and lossless; ``int8``; ``fp8``);
             an existing store must already hold it (None: whatever it holds).
+        defer_reencode_s: None (default): an erasure re-encodes at once every fact whose KV was computed behind
+            the erased text; a number of seconds: it leaves that to ``reencode_pending`` (the server's background
+            job), which must run within that bound; the derived KV is served until then.
 
     Memories belong to entity scopes (``scopes.Scope``: a ``user_id``, ``agent_id``, ``run_id`` or several).
     Every method takes ``namespace`` too: the tenant whose ids these are (``kvmem serve`` passes it; None for a
@@ -133,6 +135,7 @@ class Memory:
         segments_url: str | None = None,
         custom_instructions: str | None = None,
         kv_format: str | None = None,
+        defer_reencode_s: float | None = None,
     ):
 
         try:  # a new scope's encoding; checked here, before any model loads
@@ -160,6 +163,7 @@ class Memory:
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
         self.custom_instructions = custom_instructions
+        self.defer_reencode_s = defer_reencode_s
         self._fields: dict[tuple, tuple] = {}  # (scope key, version, namespace) -> each fact's filter fields
         self.extraction_counts: Counter = Counter()  # infer=True adds: facts extracted / rejected, empty adds, ...
 
@@ -381,12 +385,18 @@ class Memory:
 
     def encoding_context(self, user: str, new_turns: list[dict], upto: int) -> str:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
+        return self._context(user, new_turns, upto)[0]
+
+    def _context(self, user: str, new_turns: list[dict], upto: int) -> tuple[str, tuple[int, ...]]:
+        """``encoding_context`` and its turns' references (provenance: stored turns by index, this add's ``i``-th
+        new turn as ``-(i + 1)``)."""
         window = self._encoding(user)[0]
         if window == 0:
-            return ""
-        turns = self.store.turns(user, last=window) + new_turns[:upto]
-        text = "".join(f"{t.get('speaker') or 'user'}: {t['content']}\n" for t in turns[-window:])
-        return text[-MAX_CONTEXT_CHARS:]
+            return "", ()
+        stored = self.store.turns(user, last=window)
+        turns = [(t, t["idx"]) for t in stored] + [(t, -(i + 1)) for i, t in enumerate(new_turns[:upto])]
+        turns = turns[-window:]
+        return render_turns([t for t, _ in turns]), tuple(r for _, r in turns)
 
     def _write(
         self,
@@ -400,13 +410,16 @@ class Memory:
         created: dict[str, float] | None = None,
         dated: bool = False,
         window: int | None = None,
+        provenance: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> tuple[str, list[FactRecord]]:
         """Every commit of this facade: through the one write path (``ingest.write_facts``), in one store
         transaction. new: (text, fact id or None for a fresh uuid, metadata); ``delete``: ids, or ``store.ALL``
         (what is live when the commit runs); ``created``: kept creation times of updated ids (``dated``: also
         each fact's date, as for imported memories; else the date is now's); ``now``: None, the commit's time;
-        ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``). The model and
-        embedder load only for a write with new facts. Returns (the new version, the new facts' records)."""
+        ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``);
+        ``provenance``: per new fact (its window's turn references, the turns it came from), as ``_context``
+        gives them (None: unknown). The model and embedder load only for a write with new facts. Returns (the new
+        version, the new facts' records)."""
 
         scope_window, neighbours, history = self._encoding(user)
         window = scope_window if window is None else window
@@ -424,8 +437,10 @@ class Memory:
                 window,
                 metadata=mem0.check_metadata(meta),
                 created_at=created.get(fid, now),
+                context_turns=None if provenance is None else provenance[i][0],
+                source_turns=() if provenance is None else provenance[i][1],
             )
-            for text, fid, meta in new
+            for i, (text, fid, meta) in enumerate(new)
         ]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
         version, _ = write_facts(
@@ -485,8 +500,9 @@ class Memory:
         if not infer:
             kept = [(i, m) for i, m in enumerate(msgs) if m["role"] != "system"]  # as Mem0: never a memory
             new = [(m["content"], None, {**meta, "role": m["role"]} | mem0.actor(m)) for _, m in kept]
-            contexts = [self.encoding_context(user, turns, i) for i, _ in kept]
-            _, records = self._write(user, new, turns=turns, contexts=contexts, now=now)
+            ctx = [self._context(user, turns, i) for i, _ in kept]
+            prov = [(refs, (-(i + 1),)) for (i, _), (_, refs) in zip(kept, ctx)]
+            _, records = self._write(user, new, turns=turns, contexts=[c for c, _ in ctx], now=now, provenance=prov)
             return {"results": mem0.added(records)}
         return self._infer(user, msgs, turns, meta, now, prompt or self.custom_instructions)
 
@@ -522,11 +538,28 @@ class Memory:
         ukv = self._snapshot([user])  # read after the extraction, just before the decisions
         similar = lambda text, k: self._similar(ukv, text, k)
         plan = reconcile.decide(got, extractor, similar, metadata, self.extraction_counts)
-        contexts = [self.encoding_context(user, turns, len(turns) - 1)] * len(plan.new)
+        kept = {n[1] for n in plan.new}
+        gone = [t for t in plan.delete if t not in kept]  # deleted for good (an UPDATE's id is re-added)
+        erasure = self._erase(user, gone) if gone else None  # first: nothing new is encoded behind it
+        if got.forgets:  # a request to forget is not kept as a turn: it may repeat what it asks to forget
+            turns = [
+                {**t, "content": " ".join(p for p in grounding.sentences(t["content"]) if p not in got.forgets)}
+                if m["role"] == "user" else t
+                for t, m in zip(turns, msgs)
+            ]  # fmt: skip
+            turns = [t for t in turns if t["content"]]
+        text, refs = self._context(user, turns, len(turns) - 1)
+        source = tuple(-(i + 1) for i in range(len(turns)))
         created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
-        _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created)
+        deleted = [t for t in plan.delete if t in kept]
+        _, records = self._write(
+            user, plan.new, deleted, turns, [text] * len(plan.new), plan.events, now, created,
+            provenance=[(refs, source)] * len(plan.new),
+        )  # fmt: skip
         added = [r for r, n in zip(records, plan.new) if n[1] is None]
         out: dict = {"results": mem0.added(added) + plan.results}
+        if erasure is not None:
+            out["erasure"] = erasure
         if not out["results"]:
             self.extraction_counts["empty"] += 1
             why = (
@@ -563,31 +596,35 @@ class Memory:
                 meta["expiration_date"] = mem0.check_expiration(expiration_date)
         new_text = f.text if text is None else text
         now = time.time()
+        ctx, refs = self._context(f.user, [], 0)
         try:
             self._write(
                 f.user,
                 [(new_text, f.fact_id, meta)],
                 [f.fact_id],
                 [],
-                [self.encoding_context(f.user, [], 0)],
+                [ctx],
                 [(f.fact_id, "UPDATE", f.text, new_text)],
                 now,
                 {f.fact_id: f.created_at},
+                provenance=[(refs, f.source_turns)],
             )
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory updated successfully!"}
 
     def delete(self, memory_id: str, namespace: str | None = None) -> dict:
-        """Tombstone one memory: it is never retrieved or injected again. Raises MemoryInputError if unknown."""
+        """Erase one memory: it is never retrieved or injected again, and nothing keeps its words (``_erase``).
+        Returns ``{"message", "erasure": {"erased", "turns", "reencoded", "deferred"}}``. Raises MemoryInputError
+        if unknown."""
         f = self._fact(memory_id)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
-            self._write(f.user, delete=[f.fact_id])
+            erasure = self._erase(f.user, [f.fact_id])
         except StoreError as exc:  # a concurrent delete of the same id won the race
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
-        return {"message": "Memory deleted successfully!"}
+        return {"message": "Memory deleted successfully!", "erasure": erasure}
 
     def delete_all(
         self,
@@ -596,13 +633,53 @@ class Memory:
         run_id: str | None = None,
         namespace: str | None = None,
     ) -> dict:
-        """Delete every memory whose scope has all the given ids (``delete_all(user_id="u")`` also deletes u's
-        memories with an agent or run), each scope in one commit. Raises MemoryInputError without any id."""
+        """Erase every memory whose scope has all the given ids (``delete_all(user_id="u")`` also erases u's
+        memories with an agent or run), each scope in one commit, with all of its turns and its history's text
+        (``_erase``). Returns ``{"message", "erasure": {...}}`` (counts summed over the scopes). Raises
+        MemoryInputError without any id."""
         mem0.check_delete_all(user_id, agent_id, run_id)
         users, _ = self._read_scopes(None, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace)
+        total = Counter()
         for user in users:
-            self._write(user, delete=ALL, window=0)  # what is live when the commit runs (as Store.delete_user)
-        return {"message": "Memories deleted successfully!"}
+            total.update(self._erase(user, ALL))  # what is live when the commit runs, and every turn
+        return {"message": "Memories deleted successfully!", "erasure": _counts(total)}
+
+    def _erase(self, user: str, delete) -> dict:
+        """Erase facts ``delete`` (ids, or ``ALL``: then every turn of the scope too) of scope key ``user``
+        (``ingest.erase_facts``): rows, source turns and history text go; the facts whose KV was computed behind
+        them are re-encoded without them now, or, with ``defer_reencode_s``, by the background job
+        (``reencode_pending``) within that bound. Returns ``{"erased", "turns", "reencoded", "deferred"}``."""
+        got = erase_facts(lambda: self.lm, self.store, user, delete, defer_s=self.defer_reencode_s)
+        return _counts(got)
+
+    def reencode_pending(self, due_within_s: float | None = None) -> dict:
+        """The background half of a deferred erasure: re-encode every scope's stale facts (those due within
+        ``due_within_s`` seconds; None: all) and rewrite the segments that held their old KV. Returns
+        ``{"reencoded": n, "scopes": n}``."""
+        horizon = None if due_within_s is None else time.time() + due_within_s
+        users = sorted({u for u, _, _, by in self.store.stale() if horizon is None or by <= horizon})
+        n = 0
+        for user in users:
+            got, old = reencode_stale(self.lm, self.store, user)
+            n += got
+            if old:
+                self.store.compact(user, old)
+        return {"reencoded": n, "scopes": len(users)}
+
+    def expire(self, today: str | None = None) -> dict:
+        """Erase every memory whose ``expiration_date`` has passed (before ``today``, YYYY-MM-DD; default
+        today), in every scope, as ``delete`` erases one. Returns the summed ``{"erased", "turns", "reencoded",
+        "deferred"}``."""
+        today = today or mem0.today()
+        total = Counter()
+        for user in self.store.users():
+            ukv = self._snapshot([user])
+            live = None if ukv is None else ukv.unexpired(today)
+            if live is not None:
+                gone = [f.fact_id for f in ukv.facts if f.row not in live]
+                if gone:
+                    total.update(self._erase(user, gone))
+        return _counts(total)
 
     def import_memories(self, export, namespace: str | None = None) -> dict:
         """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
@@ -615,8 +692,11 @@ class Memory:
         counts = {}
         for user, items in by_scope.items():
             new = [(text, fid, meta) for _, text, fid, meta in items]
-            contexts = [self.encoding_context(user, [], 0)] * len(new)
-            self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
+            ctx, refs = self._context(user, [], 0)
+            self._write(
+                user, new, [], [], [ctx] * len(new), [], time.time(), {fid: t for t, _, fid, _ in items}, True,
+                provenance=[(refs, ())] * len(new),
+            )  # fmt: skip
             counts[importer.scope_label(user, namespace)] = len(new)
         return {"count": sum(counts.values()), "scopes": counts}
 
@@ -627,11 +707,21 @@ class Memory:
             return {"message": "nothing to compact"}
         return {"message": "Memory compacted", "version": self.store.compact(user)}
 
-    def reset(self) -> None:
-        """Delete every memory, turn and history row of the store (the model and header stay)."""
+    def reset(self) -> dict:
+        """Delete every memory, turn and history row of the store (the model and header stay); nothing is left
+        to re-encode. Returns ``{"message", "erasure": {"erased", "turns", "reencoded": 0, "deferred": 0}}``."""
+        with self.store.writer():
+            facts = self.store.rows.execute("SELECT COUNT(*) FROM facts WHERE deleted IS NULL").fetchone()[0]
+            turns = self.store.rows.execute("SELECT COUNT(*) FROM turns").fetchone()[0]
         self.store.reset()
         self.indexes.clear()
         self._fields.clear()
+        return {"message": "Memory reset", "erasure": _counts({"erased": facts, "turns": turns})}
+
+
+def _counts(got) -> dict:
+    """What an erasure covered, as the API reports it."""
+    return {k: int(got.get(k, 0)) for k in ("erased", "turns", "reencoded", "deferred")}
 
 
 class AsyncMemory:

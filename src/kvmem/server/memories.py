@@ -50,6 +50,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     async def write(fn, *args, **kwargs):
         """Writes queue on the model thread, at most ``max_queue`` at a time (then 429). A queued write is never
         timed out: a write that answered 503 must not land later (a retry would duplicate it)."""
+        server.start_upkeep(asyncio.get_running_loop())
         if server.pending_writes >= server.max_writes:
             raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
         server.pending_writes += 1
@@ -129,8 +130,9 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         tenant = tenant_of(request)
         if entity_type not in ENTITY_TYPES:
             raise APIError(400, f"entity type {entity_type!r}: one of {', '.join(ENTITY_TYPES)}")
-        await write(server.memory.delete_all, **{ENTITY_TYPES[entity_type]: name}, namespace=tenant)
-        return {"message": "Entity deleted successfully."}
+        got = await write(server.memory.delete_all, **{ENTITY_TYPES[entity_type]: name}, namespace=tenant)
+        # erasure: facts erased, turns erased, facts re-encoded (or deferred) because their KV was behind them
+        return {"message": "Entity deleted successfully.", "erasure": got["erasure"]}
 
     # --- reads ---------------------------------------------------------------------------------------------
 

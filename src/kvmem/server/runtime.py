@@ -32,6 +32,8 @@ from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
+UPKEEP_S = 30.0  # the upkeep task's round: deferred re-encodings due before the next round, then expiry
+EXPIRE_EVERY_S = 600.0  # expired memories are erased at least this often
 
 
 @dataclass
@@ -204,6 +206,7 @@ class KvmemServer:
         cache_dir: str | None = None,
         extractor: dict | None = None,
         kv_format: str | None = None,
+        defer_reencode_s: float | None = None,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -214,7 +217,9 @@ class KvmemServer:
         local disk cache of those segments here and in the vLLM worker (for a shared store's readers); ``extractor``:
         ``{"base_url", "model", "api_key"}`` of an OpenAI-compatible endpoint for fact extraction (None: this
         server's engine, with its batching and guided decoding); ``kv_format``: how a new store keeps KV
-        (``kvformat``), which an existing store must already hold. Raises
+        (``kvformat``), which an existing store must already hold; ``defer_reencode_s``: an erasure leaves the
+        re-encoding of what was computed behind the erased text to the upkeep task, within this many seconds
+        (None: at once, in the erasing request; ``Memory``). Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
@@ -267,6 +272,7 @@ class KvmemServer:
             indexes=indexes,
             store_cache_bytes=cache_bytes,
             extractor=extractor,
+            defer_reencode_s=defer_reencode_s,
         )
         mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
         return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
@@ -277,6 +283,29 @@ class KvmemServer:
             n = self.service.store.disk_bytes()
             self._store_bytes = (time.monotonic(), n)
         return n
+
+    def start_upkeep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start (once, at the first write) the upkeep task on ``loop``: on the model thread, re-encode what
+        deferred erasures left (``Memory.reencode_pending``: the facts due before the next round, so none outlives
+        its bound by more than one re-encoding) and erase expired memories (``Memory.expire``, every
+        ``EXPIRE_EVERY_S``)."""
+        if getattr(self, "_upkeep", None) is not None:
+            return
+        every = UPKEEP_S if self.memory.defer_reencode_s is None else min(UPKEEP_S, self.memory.defer_reencode_s / 2)
+
+        async def upkeep():
+            last_expiry = 0.0
+            while True:
+                await asyncio.sleep(every)
+                try:
+                    await self.on_model_thread(self.memory.reencode_pending, 2 * every)
+                    if time.monotonic() - last_expiry >= EXPIRE_EVERY_S:
+                        await self.on_model_thread(self.memory.expire)
+                        last_expiry = time.monotonic()
+                except Exception:  # a busy store, a closed pool: the next round tries again
+                    logger.exception("upkeep: re-encoding or expiry failed; tried again in %.0f s", every)
+
+        self._upkeep = loop.create_task(upkeep())
 
     def attach_extraction(self, loop: asyncio.AbstractEventLoop) -> None:
         """Let writes (on the model thread) decode extraction JSON on the engine (``AsyncEngine.sync_json``)."""

@@ -27,7 +27,8 @@ The parts, each with one job (``Store`` composes them; nothing outside this pack
 * ``segments``: KV segment files and where they live; ``tiers``: the read tiers (memory, disk).
 
 One ``Store`` object may be shared by threads (a lock guards its connection). Stored KV carries the model
-fingerprint; opening a store with another model is refused (``StoreMismatch``). Opening never writes (no DDL): the
+fingerprint; opening a store with another model is refused (``StoreMismatch``). Opening never writes (no DDL), but for
+one thing: a schema of an older version is migrated (``schema.MIGRATIONS``: columns added) when it is opened; the
 schema is made by ``create`` and its version checked on open.
 """
 
@@ -503,13 +504,29 @@ class Store:
         """``Writer.put_user``: replace ``user``'s memory atomically. Returns the new version."""
         return self.writes.put_user(user, facts, keys, values, embeddings, window, source, neighbours, history)
 
-    def compact(self, user: str) -> str:
-        """``Writer.compact``: rewrite ``user``'s live facts into one segment. Returns the new version."""
-        return self.writes.compact(user)
+    def compact(self, user: str, segments: list[str] | None = None) -> str:
+        """``Writer.compact``: rewrite ``user``'s live facts (of ``segments`` only, if given) into one segment.
+        Returns the new version."""
+        return self.writes.compact(user, segments)
 
     def delete_user(self, user: str) -> str:
-        """``Writer.delete_user``: tombstone every live fact of ``user``. Returns the new version."""
+        """``Writer.delete_user``: erase every fact of ``user``, its turns and history text. Returns the new
+        version."""
         return self.writes.delete_user(user)
+
+    def erase(self, user: str, delete, turns: list[int] = (), now: float | None = None, defer_s: float = 0.0) -> dict:
+        """``Writer.erase``: erase facts (ids or ``ALL``), the turns they came from and their history text, and
+        mark the facts computed behind them stale. Returns ``{"version", "erased", "turns", "stale",
+        "segments"}``."""
+        return self.writes.erase(user, delete, turns, now, defer_s)
+
+    def stale(self, user: str | None = None) -> list[tuple[str, str, str, float]]:
+        """``Writer.stale``: (user, fact_id, segment, re-encode by) of facts whose KV awaits re-encoding."""
+        return self.writes.stale(user)
+
+    def reencode(self, user: str, facts: list[FactRecord], keys, values, embeddings, now=None) -> str | None:
+        """``Writer.reencode``: replace live facts' KV (versioned; None when any changed meanwhile)."""
+        return self.writes.reencode(user, facts, keys, values, embeddings, now)
 
     def reset(self) -> None:
         """``Writer.reset``: delete every user's facts, turns and history."""

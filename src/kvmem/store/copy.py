@@ -85,7 +85,15 @@ def copy_store(
                 turns, events = source.turns(user), source.events(user)
                 parts = [ukv.gather([i], dtype=source.reads.rewrite_dtype()) for i in range(len(ukv.facts))]
                 had = len(target.events(user))
-                facts = [FactRecord(**{**f.__dict__, "row": 0, "segment": "", "token_offset": 0}) for f in ukv.facts]
+                pos = {t["idx"]: i for i, t in enumerate(turns)}  # provenance: a turn is the copy's new turn i
+                facts = [
+                    FactRecord(**{
+                        **f.__dict__, "row": 0, "segment": "", "token_offset": 0,
+                        "context_turns": None if f.context_turns is None else _refs(f.context_turns, pos),
+                        "source_turns": _refs(f.source_turns, pos),
+                    })
+                    for f in ukv.facts
+                ]  # fmt: skip
                 target.commit(
                     user,
                     facts,
@@ -121,3 +129,8 @@ def copy_store(
         return report
     finally:
         source.close()
+
+
+def _refs(turns, pos: dict[int, int]) -> tuple[int, ...]:
+    """Turn indexes of the source as references to the copy commit's new turns (``-(i + 1)``)."""
+    return tuple(-(pos[t] + 1) for t in turns if t in pos)

@@ -36,7 +36,12 @@ VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having 
 @dataclass(frozen=True)
 class FactRecord:
     """One stored fact. ``token_offset`` indexes its ``segment``'s [.., n, ..] tensors; ``row`` is the store's
-    stable row id (the vector index id); times are Unix seconds."""
+    stable row id (the vector index id); times are Unix seconds.
+
+    Provenance (what its KV was computed behind; ``facts.provenance``): ``context_turns``, the turn indexes of its
+    window (a negative ``-(i + 1)`` given to a commit names that commit's ``i``-th new turn); ``context_facts``,
+    the ids of its neighbour or history facts, in encoding order; ``source_turns``, the turns it came from (what
+    erasing it erases). ``context_turns`` None: unknown (a fact written before provenance was recorded)."""
 
     fact_id: str
     user: str
@@ -52,10 +57,21 @@ class FactRecord:
     metadata: str = "{}"  # JSON
     created_at: float = 0.0
     updated_at: float = 0.0
+    context_turns: tuple[int, ...] | None = None
+    context_facts: tuple[str, ...] = ()
+    source_turns: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def provenance(self) -> str | None:
+        """The ``facts.provenance`` column's JSON (None: unknown)."""
+        if self.context_turns is None:
+            return None
+        return json.dumps(
+            {"turns": list(self.context_turns), "facts": list(self.context_facts), "source": list(self.source_turns)}
+        )
 
 
 @dataclass
@@ -178,7 +194,7 @@ class UserKV:
 
 FACT_COLS = (
     'fact_id, "user", text, speaker, source_turn, date, token_ids, token_offset, "window", segment, "row", '
-    "metadata, created_at, updated_at"
+    "metadata, created_at, updated_at, provenance"
 )
 
 
@@ -198,7 +214,15 @@ def fact_of_row(r) -> FactRecord:
         r[11],
         r[12],
         r[13],
+        *_provenance(r[14]),
     )
+
+
+def _provenance(text: str | None) -> tuple:
+    if text is None:
+        return None, (), ()
+    p = json.loads(text)
+    return tuple(p["turns"]), tuple(p["facts"]), tuple(p.get("source", ()))
 
 
 def _fact_key(f: FactRecord) -> tuple:

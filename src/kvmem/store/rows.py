@@ -33,7 +33,7 @@ from urllib.parse import quote
 
 from ..extras import require
 from .location import POSTGRES_SCHEMES, StoreBusy, StoreError, StoreUnavailable, is_url, password, redact
-from .schema import POSTGRES, SCHEMA_VERSION, SQLITE, render
+from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, SQLITE, migration, render
 from .segments import fsync_dir
 
 BUSY_TIMEOUT_S = 30.0
@@ -104,6 +104,12 @@ class Rows(ABC):
         """Whether the store here was deleted or created again since this object opened it."""
         return False
 
+    def scrub(self) -> None:
+        """After an erasure: leave no copy of erased rows' bytes in the backend's own files where it can (SQLite:
+        deleted content is zeroed as it is freed, ``secure_delete``; the WAL, which still holds the old pages, is
+        checkpointed and truncated). PostgreSQL's dead tuples go at its next (auto)vacuum."""
+        return None
+
     @property
     def busy_timeout_s(self) -> float | None:
         """How long a statement waits for another process's write lock, s; None where the backend has no such
@@ -147,14 +153,31 @@ class SQLiteRows(Rows):
                 got = self._db.execute("PRAGMA user_version").fetchone()[0]
             except sqlite3.DatabaseError as exc:
                 raise StoreError(f"{db} is corrupt: {exc}") from None
-            if got != SCHEMA_VERSION:
+            if got in MIGRATIONS:
+                self._migrate(got)
+            elif got != SCHEMA_VERSION:
                 raise StoreError(f"{db}: schema version {got} is not {SCHEMA_VERSION}; re-ingest into a new store")
         return self._db
 
+    def _migrate(self, got: int) -> None:
+        """Bring an older schema to ``SCHEMA_VERSION`` in one transaction (the only write an open makes; another
+        process migrating at once finds the new version inside the lock and does nothing)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            if self._db.execute("PRAGMA user_version").fetchone()[0] == got:
+                for stmt in migration(SQLITE, got):
+                    self._db.execute(stmt)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(
+        db = sqlite3.connect(
             self.root / "meta.sqlite", isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
         )
+        db.execute("PRAGMA secure_delete=ON")  # freed content is zeroed: an erased text leaves no bytes behind
+        return db
+
+    def scrub(self) -> None:
+        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def exists(self) -> bool:
         return (self.root / "manifest.json").exists()
@@ -423,12 +446,23 @@ class PostgresRows(Rows):
                 f"no kvmem store at {self.name} (the database is reachable but holds no store; `kvmem memory add`, "
                 f"`kvmem serve` or `kvmem ingest-locomo` with --store {self.name} --segments URL create one)"
             )
-        if m[0] != SCHEMA_VERSION:
+        if m[0] in MIGRATIONS:
+            self._migrate(m[0])
+        elif m[0] != SCHEMA_VERSION:
             raise StoreError(f"{self.name}: schema version {m[0]} is not {SCHEMA_VERSION}; re-ingest into a new store")
         try:
             return json.loads(m[1])
         except json.JSONDecodeError as exc:
             raise StoreError(f"{self.name}: the manifest is corrupt: {exc}") from None
+
+    def _migrate(self, got: int) -> None:
+        """Bring an older schema to ``SCHEMA_VERSION`` in one transaction, serialized with other migrators."""
+        with self._errors(), self.conn.transaction():
+            self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (_lock_key(self._store_id or "", "migrate"),))
+            if self.conn.execute("SELECT schema_version FROM kvmem_manifest WHERE id=1").fetchone()[0] == got:
+                for stmt in migration(POSTGRES, got):
+                    self.conn.execute(stmt)
+                self.conn.execute("UPDATE kvmem_manifest SET schema_version=%s WHERE id=1", (SCHEMA_VERSION,))
 
     def header(self) -> bytes:
         with self._errors():

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 3  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
+SCHEMA_VERSION = 4  # meta.sqlite PRAGMA user_version; kvmem_manifest.schema_version
+# 4: facts.provenance (what a fact's KV was computed behind) and facts.stale (its KV awaits re-encoding)
 
 # (name, type, constraints): a column. A table: (name, columns, table constraints).
 TABLES: tuple[tuple[str, tuple[tuple[str, str, str], ...], tuple[str, ...]], ...] = (
@@ -58,6 +59,11 @@ TABLES: tuple[tuple[str, tuple[tuple[str, str, str], ...], tuple[str, ...]], ...
             ("deleted", "BIG", ""),
             ("created_at", "REAL", "NOT NULL"),
             ("updated_at", "REAL", "NOT NULL"),
+            # JSON {"turns": [idx], "facts": [fact_id], "source": [idx]}: the window turns and the neighbour or
+            # history facts its KV was computed behind, and the turns it came from; NULL: unknown (written before
+            # schema 4), read as "behind every earlier turn and fact"
+            ("provenance", "TEXT", ""),
+            ("stale", "REAL", ""),  # its KV was computed behind erased text: re-encode by this time (Unix s)
         ),
         (),
     ),
@@ -97,6 +103,10 @@ INDEXES: dict[str, tuple[tuple[str, bool, str, str, str], ...]] = {
         ("facts_segment", False, "facts", "{user}, segment", "deleted IS NULL"),
     ),
     "history": (("history_fact", False, "history", "fact_id", ""),),
+}
+# schema version -> the columns added by the next version ((table, column, type)), for stores written before
+MIGRATIONS: dict[int, tuple[tuple[str, str, str], ...]] = {
+    3: (("facts", "provenance", "TEXT"), ("facts", "stale", "REAL")),
 }
 RESERVED = ("user", "window", "row")  # quoted in PostgreSQL, where they are reserved words
 
@@ -171,3 +181,14 @@ def render(dialect: Dialect, **values) -> str:
             cond = f" WHERE {where}" if where else ""
             out.append(f"CREATE {kind}{exists} {name} ON {on} ({what.format(user=user)}){cond};\n")
     return "".join(out)
+
+
+def migration(dialect: Dialect, version: int) -> list[str]:
+    """The statements that bring a schema of ``version`` to ``SCHEMA_VERSION`` (columns added, so a migration
+    rewrites no row). Raises ValueError for a version with no migration."""
+    out = []
+    for v in range(version, SCHEMA_VERSION):
+        if v not in MIGRATIONS:
+            raise ValueError(f"schema version {version} cannot be migrated to {SCHEMA_VERSION}")
+        out += [f"ALTER TABLE {t} ADD COLUMN {dialect.name(c)} {dialect.types[ty]}" for t, c, ty in MIGRATIONS[v]]
+    return out

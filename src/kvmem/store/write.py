@@ -12,6 +12,7 @@ dead rows. Writers serialize per user (``Rows.locked``). A segment that a commit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -23,13 +24,17 @@ import torch
 
 from ..policy import check_store_user
 from . import segments as seg_files
-from .location import StoreError
+from .location import StoreError, UnknownUser
 from .read import FactRecord, Reader, segment_name, user_prefix
 from .rows import Rows
 
 RETIRE_AFTER_S = 60.0  # a replaced segment's file is removed this long after its last live fact, s
 ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
 logger = logging.getLogger("kvmem.store")
+
+
+class _Changed(Exception):
+    """A re-encoding found a fact changed since it was read."""
 
 
 class Writer:
@@ -108,9 +113,18 @@ class Writer:
         """Check every user (rows, files, KV checksums) and remove orphaned files. Returns a report:
         ``{"users": n, "ok": [...], "bad": {user: why}, "removed": [file names], "replaced": [file names]}``:
         ``removed`` a killed writer's leftovers (no row ever named them), ``replaced`` segments that commits
-        replaced, removed now rather than after ``retire_after_s``."""
+        replaced, removed now rather than after ``retire_after_s``; ``derived``: the segments still holding KV of
+        erased facts or KV computed behind erased text (``{file name: [fact ids]}``; empty once every erasure's
+        re-encoding and compaction has run)."""
         with self.writer():
             removed, replaced = self.gc()
+            derived: dict[str, list[str]] = {}
+            for user, segment, fid in self.rows.execute(
+                'SELECT "user", segment, fact_id FROM facts WHERE (deleted IS NULL AND stale IS NOT NULL) OR '
+                "(deleted IS NOT NULL AND token_ids='[]') ORDER BY \"row\""
+            ).fetchall():
+                if self.rows.execute('SELECT 1 FROM segments WHERE "user"=? AND segment=?', (user, segment)).fetchone():
+                    derived.setdefault(segment_name(user, segment), []).append(fid)
             ok, bad = [], {}
             for user in self.reads.users():
                 self.reads.forget(user, kv=True)
@@ -128,6 +142,7 @@ class Writer:
             "bad": bad,
             "removed": removed,
             "replaced": replaced,
+            "derived": derived,
         }
 
     def commit(
@@ -269,50 +284,18 @@ class Writer:
                 events = [
                     (fid, "DELETE", live[fid], None) for fid in gone if not any(e[0] == fid for e in events)
                 ] + events
+            if replace:
+                db.execute('DELETE FROM turns WHERE "user"=?', (user,))
+            first = next_turn(db, user)  # this commit's first new turn; a new fact's window names it as -1
             if add:
                 taken = [f.fact_id for f in add if f.fact_id in live and f.fact_id not in gone]
                 if taken:
                     raise StoreError(f"memory id {taken[0]!r} is already in use")
-                db.execute(
-                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
-                    (user, segment, digest, sum(f.num_tokens for f in add)),
-                )
-                offset, rows = 0, []
-                emb = embeddings.float().contiguous()
-                for i, f in enumerate(add):
-                    rows.append(
-                        (
-                            user,
-                            f.fact_id,
-                            f.text,
-                            f.speaker,
-                            f.source_turn,
-                            f.date,
-                            f.metadata,
-                            json.dumps(list(f.token_ids)),
-                            segment,
-                            offset,
-                            f.window,
-                            emb[i].numpy().tobytes(),
-                            version,
-                            f.created_at or now,
-                            now,
-                        )
-                    )
-                    offset += f.num_tokens
-                db.executemany(
-                    'INSERT INTO facts ("user", fact_id, text, speaker, source_turn, date, metadata, token_ids, '
-                    'segment, token_offset, "window", embedding, added, created_at, updated_at) '
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    rows,
-                )
+                insert_facts(db, user, add, embeddings, segment, digest, version, now, first)
                 events = events + [
                     (f.fact_id, "ADD", None, f.text) for f in add if not any(e[0] == f.fact_id for e in events)
                 ]
-            if replace:
-                db.execute('DELETE FROM turns WHERE "user"=?', (user,))
             if turns:
-                first = db.execute('SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE "user"=?', (user,)).fetchone()[0]
                 db.executemany(
                     'INSERT INTO turns ("user", idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)',
                     [
@@ -320,6 +303,9 @@ class Writer:
                         for i, t in enumerate(turns)
                     ],
                 )
+                set_meta(db, [(f"turns:{user}", first + len(turns))])  # turn indexes are never reused
+            if add:
+                mark_behind_erased(db, user, version, now)
             db.executemany(
                 'INSERT INTO history ("user", fact_id, event, old_memory, new_memory, time, version) '
                 "VALUES (?,?,?,?,?,?,?)",
@@ -372,29 +358,51 @@ class Writer:
             history=history,
         )
 
-    def compact(self, user: str) -> str:
+    def compact(self, user: str, segments: list[str] | None = None) -> str:
         """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
-        What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it."""
+        ``segments``: only these segments, each into a new one of its own (what an erasure rewrites: the segments
+        that held erased or re-encoded KV), and only their dead rows; a segment left without live facts is
+        retired by ``gc``.
+        What ``search`` and ``get_all`` return is unchanged; the version changes. Returns it. Raises
+        UnknownUser (no ``segments``, no live fact)."""
         with self.writer(user):
-            ukv = self.reads.snapshot(user)
-            segment = uuid.uuid4().hex[:12]
-            keys, values = ukv.gather(list(range(len(ukv.facts))), dtype=self.reads.rewrite_dtype())
-            # lossy formats re-quantise with the same key groups (facts): the same integers and scales come back
-            tensors, meta = seg_files.to_file(keys, values, self.kv_format, [f.num_tokens for f in ukv.facts])
-            digest = self.segments.put(segment_name(user, segment), tensors, meta)
+            try:
+                ukv = self.reads.snapshot(user)
+                facts = [f for f in ukv.facts if segments is None or f.segment in segments]
+            except UnknownUser:
+                if segments is None:
+                    raise
+                ukv, facts = None, []
             db = self.rows
-            with db.transaction():
-                version = db.next_version()
-                db.execute(
-                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
-                    (user, segment, digest, keys.shape[2]),
-                )
-                offset, moves = 0, []
-                for f in ukv.facts:
+            # one new segment for each one rewritten (all: one in all), so a rewrite costs what it rewrites
+            groups: dict[str, list[FactRecord]] = {}
+            for f in facts:
+                groups.setdefault("" if segments is None else f.segment, []).append(f)
+            written, moves = [], []
+            for group in groups.values():
+                segment = uuid.uuid4().hex[:12]
+                keys, values = ukv.gather([ukv.position[f.row] for f in group], dtype=self.reads.rewrite_dtype())
+                # lossy formats re-quantise with the same key groups (facts): the same integers and scales come back
+                tensors, meta = seg_files.to_file(keys, values, self.kv_format, [f.num_tokens for f in group])
+                written.append((user, segment, self.segments.put(segment_name(user, segment), tensors, meta),
+                                keys.shape[2]))  # fmt: skip
+                offset = 0
+                for f in group:
                     moves.append((segment, offset, f.row))
                     offset += f.num_tokens
+            with db.transaction():
+                version = db.next_version()
+                db.executemany(
+                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)', written
+                )
                 db.executemany('UPDATE facts SET segment=?, token_offset=? WHERE "row"=?', moves)
-                db.execute('DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL', (user,))
+                if segments is None:
+                    db.execute('DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL', (user,))
+                else:
+                    db.executemany(
+                        'DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL AND segment=?',
+                        [(user, s) for s in segments],
+                    )
                 db.execute(
                     'UPDATE users SET version=?, compacted=?, updated=? WHERE "user"=?',
                     (version, version, time.time(), user),
@@ -404,9 +412,156 @@ class Writer:
         return str(version)
 
     def delete_user(self, user: str) -> str:
-        """Tombstone every live fact of ``user``, whatever is live when the commit runs (history records each
-        DELETE; the turns stay). Returns the new version; a user with nothing live is a no-op commit."""
-        return self.commit(user, delete=ALL)
+        """Erase every fact of ``user`` (``erase(user, ALL)``): the facts, their turns and history text.
+        Returns the new version; a user with nothing live is a no-op commit."""
+        return self.erase(user, ALL)["version"]
+
+    def erase(self, user: str, delete, turns: list[int] = (), now: float | None = None, defer_s: float = 0.0) -> dict:
+        """Erase facts ``delete`` (ids of live facts of ``user``, or ``ALL``) in one commit: each fact is
+        tombstoned and its row's text, token ids, metadata and embedding blanked (every row of its id: an
+        update's older rows too); its history events keep the event with the text removed; the turns it came
+        from (its provenance's ``source``; with ``ALL`` every turn of the user) and ``turns`` (indexes) are
+        deleted. Every live fact whose KV was computed behind an erased turn or fact (its provenance; an unknown
+        one: behind every turn and every fact written before it) is marked stale: its KV must be re-encoded
+        (``stale``, ``reencode``) by ``now + defer_s``.
+
+        Returns ``{"version", "erased": [fact ids], "turns": n erased, "stale": [fact ids], "segments":
+        [segments that held erased KV]}``. Raises StoreError, with nothing written, for an id that is not a live
+        fact of ``user``."""
+        check_store_user(user)
+        now = time.time() if now is None else now
+        with self.writer(user):
+            db = self.rows
+            with db.transaction():
+                version = db.next_version()
+                cols = '"row", fact_id, provenance, segment, added, source_turn, text'
+                live = {r[1]: r for r in db.execute(
+                    f'SELECT {cols} FROM facts WHERE "user"=? AND deleted IS NULL', (user,))}  # fmt: skip
+                gone = list(live) if delete is ALL else list(dict.fromkeys(delete))
+                for fid in gone:
+                    if fid not in live:
+                        raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
+                all_turns = db.execute('SELECT idx, dia_id, content FROM turns WHERE "user"=?', (user,)).fetchall()
+                erased = {t[0] for t in all_turns} if delete is ALL else set(turns)
+                for fid in gone:
+                    _, _, prov, _, _, dia, text = live[fid]
+                    if prov is not None:
+                        erased |= set(json.loads(prov).get("source", ()))
+                    else:  # unknown: the turns that hold its words, and its LoCoMo source turn
+                        erased |= {i for i, d, c in all_turns if (dia and d == dia) or (text and text in c)}
+                erased &= {t[0] for t in all_turns}
+                gone_set, first_gone = set(gone), min((live[f][4] for f in gone), default=None)
+                stale = []
+                for fid, (_, _, prov, _, added, _, _) in live.items():
+                    if fid in gone_set:
+                        continue
+                    if prov is None:  # unknown: behind every earlier turn and fact
+                        hit = bool(erased) or (first_gone is not None and first_gone <= added)
+                    else:
+                        p = json.loads(prov)
+                        hit = bool(erased.intersection(p["turns"])) or bool(gone_set.intersection(p["facts"]))
+                    if hit:
+                        stale.append(fid)
+                set_meta(db, [(f"turns:{user}", next_turn(db, user))])  # the erased indexes stay taken
+                for i in range(0, len(gone), 500):
+                    chunk = gone[i : i + 500]
+                    marks = ",".join("?" * len(chunk))
+                    db.execute(
+                        "UPDATE facts SET deleted=COALESCE(deleted, ?), updated_at=?, text='', token_ids='[]', "
+                        f"metadata='{{}}', embedding=?, provenance=NULL, stale=NULL WHERE \"user\"=? AND fact_id IN "
+                        f"({marks})",
+                        (version, now, b"", user, *chunk),
+                    )
+                    db.execute(
+                        f'UPDATE history SET old_memory=NULL, new_memory=NULL WHERE "user"=? AND fact_id IN ({marks})',
+                        (user, *chunk),
+                    )
+                db.executemany(
+                    'INSERT INTO history ("user", fact_id, event, old_memory, new_memory, time, version) '
+                    "VALUES (?,?,?,?,?,?,?)",
+                    [(user, fid, "DELETE", None, None, now, version) for fid in gone],
+                )
+                db.executemany('DELETE FROM turns WHERE "user"=? AND idx=?', [(user, t) for t in sorted(erased)])
+                by = now + max(defer_s, 0.0)
+                db.executemany(
+                    'UPDATE facts SET stale=? WHERE "user"=? AND fact_id=? AND deleted IS NULL AND '
+                    "(stale IS NULL OR stale > ?)",
+                    [(by, user, fid, by) for fid in stale],
+                )
+                db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
+            db.scrub()
+            self.gc(user)
+            self.reads.forget(user)
+        return {
+            "version": str(version),
+            "erased": gone,
+            "turns": len(erased),
+            "stale": stale,
+            "segments": sorted({live[f][3] for f in gone}),
+        }
+
+    def stale(self, user: str | None = None) -> list[tuple[str, str, str, float]]:
+        """Live facts whose KV awaits re-encoding after an erasure: (user, fact_id, segment, re-encode by (Unix
+        s)), soonest first; of ``user``, or of every user."""
+        q = 'SELECT "user", fact_id, segment, stale FROM facts WHERE deleted IS NULL AND stale IS NOT NULL'
+        with self._lock:
+            got = self.rows.execute(q + (' AND "user"=?' if user else ""), (user,) if user else ()).fetchall()
+        return sorted((tuple(r) for r in got), key=lambda r: r[3])
+
+    def reencode(
+        self,
+        user: str,
+        facts: list[FactRecord],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        embeddings,
+        now: float | None = None,
+    ) -> str | None:
+        """Replace the KV of live facts ``facts`` (as read, ``row`` their current rows; their provenance the
+        context they were re-encoded behind) with ``keys`` / ``values`` (one [L, H, n_i, D] each) in one commit:
+        each old row is tombstoned and a new row with the same id, text, metadata, times and ``embeddings``
+        ([F, E]) added, not stale; history records nothing (the memory did not change). Returns the new version,
+        or None (nothing written) when any of them changed since it was read. Raises StoreError for bad shapes."""
+        if not facts:
+            return None
+        for f, k in zip(facts, keys, strict=True):
+            if k.shape[2] != f.num_tokens:
+                raise StoreError(f"fact {f.fact_id}: keys {tuple(k.shape)} for {f.num_tokens} token ids")
+        now = time.time() if now is None else now
+        with self.writer(user):
+            segment = uuid.uuid4().hex[:12]
+            name = segment_name(user, segment)
+            tensors, meta = seg_files.to_file(
+                torch.cat(keys, dim=2), torch.cat(values, dim=2), self.kv_format, [f.num_tokens for f in facts]
+            )
+            digest = self.segments.put(name, tensors, meta)
+            db = self.rows
+            try:
+                with db.transaction():
+                    rows = [f.row for f in facts]
+                    found = set()
+                    for i in range(0, len(rows), 500):
+                        chunk = rows[i : i + 500]
+                        found |= {r[0] for r in db.execute(
+                            f'SELECT "row" FROM facts WHERE "user"=? AND deleted IS NULL AND "row" IN '
+                            f"({','.join('?' * len(chunk))})", (user, *chunk))}  # fmt: skip
+                    if found != set(rows):
+                        raise _Changed
+                    version = db.next_version()
+                    db.executemany('UPDATE facts SET deleted=? WHERE "row"=?', [(version, r) for r in rows])
+                    insert_facts(db, user, facts, embeddings, segment, digest, version, now, 0)
+                    mark_behind_erased(db, user, version, now)
+                    db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
+            except _Changed:
+                self.segments.delete(name)
+                return None
+            except BaseException:
+                if not self.segment_committed(user, segment):
+                    self.segments.delete(name)
+                raise
+            self.gc(user)
+            self.reads.forget(user)
+        return str(version)
 
     def reset(self) -> None:
         """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
@@ -416,6 +571,93 @@ class Writer:
                 self.rows.next_version()
                 for table in ("facts", "history", "turns", "users"):
                     self.rows.execute(f"DELETE FROM {table}")
-                self.rows.execute("DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%'")
+                self.rows.execute(
+                    "DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%' OR key LIKE 'turns:%'"
+                )
+            self.rows.scrub()
             self.gc()
             self.reads.forget()
+
+
+def set_meta(db: Rows, items: list[tuple[str, float]]) -> None:
+    db.executemany(
+        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", items
+    )
+
+
+def next_turn(db: Rows, user: str) -> int:
+    """Inside a transaction: the index ``user``'s next turn gets. Indexes are never reused (an erased last turn's
+    index stays taken: ``meta`` keeps ``turns:<user>``), so a fact's provenance never names another turn."""
+    top = db.execute('SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE "user"=?', (user,)).fetchone()[0]
+    kept = db.execute("SELECT value FROM meta WHERE key=?", (f"turns:{user}",)).fetchone()
+    return max(int(top), int(kept[0]) if kept else 0)
+
+
+def resolve(f: FactRecord, first: int) -> str | None:
+    """``f``'s provenance JSON with its references to the commit's new turns (``-(i + 1)``) made indexes."""
+    if f.context_turns is None:
+        return None
+    fix = lambda ts: [first - t - 1 if t < 0 else t for t in ts]
+    return dataclasses.replace(f, context_turns=fix(f.context_turns), source_turns=fix(f.source_turns)).provenance()
+
+
+def insert_facts(
+    db: Rows,
+    user: str,
+    add: list[FactRecord],
+    embeddings,
+    segment: str,
+    digest: str,
+    version: int,
+    now: float,
+    first: int,
+) -> None:
+    """Inside a transaction: ``add``'s rows (embeddings [F, E]) in new segment ``segment`` (its SHA-256
+    ``digest``), added at ``version``; ``first``: the index the commit's first new turn gets."""
+    db.execute(
+        'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
+        (user, segment, digest, sum(f.num_tokens for f in add)),
+    )
+    offset, rows = 0, []
+    emb = embeddings.float().contiguous()
+    for i, f in enumerate(add):
+        rows.append(
+            (
+                user, f.fact_id, f.text, f.speaker, f.source_turn, f.date, f.metadata, json.dumps(list(f.token_ids)),
+                segment, offset, f.window, emb[i].numpy().tobytes(), version, f.created_at or now, now,
+                resolve(f, first),
+            )
+        )  # fmt: skip
+        offset += f.num_tokens
+    db.executemany(
+        'INSERT INTO facts ("user", fact_id, text, speaker, source_turn, date, metadata, token_ids, '
+        'segment, token_offset, "window", embedding, added, created_at, updated_at, provenance) '
+        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        rows,
+    )
+
+
+def mark_behind_erased(db: Rows, user: str, version: int, now: float) -> None:
+    """Inside the transaction that added facts at ``version``: a fact encoded behind a turn or fact that an
+    erasure removed while it was being encoded (its provenance names a turn that is gone, or a fact with no live
+    row) is marked stale at once, so it is re-encoded like the facts the erasure found."""
+    rows = db.execute(
+        'SELECT "row", provenance FROM facts WHERE "user"=? AND added=? AND provenance IS NOT NULL', (user, version)
+    ).fetchall()
+    prov = {r: json.loads(p) for r, p in rows}
+    turns = sorted({t for p in prov.values() for t in p["turns"]})
+    facts = sorted({f for p in prov.values() for f in p["facts"]})
+    have_turns, have_facts = set(), set()
+    for i in range(0, len(turns), 500):
+        chunk = turns[i : i + 500]
+        marks = ",".join("?" * len(chunk))
+        have_turns |= {r[0] for r in db.execute(
+            f'SELECT idx FROM turns WHERE "user"=? AND idx IN ({marks})', (user, *chunk))}  # fmt: skip
+    for i in range(0, len(facts), 500):
+        chunk = facts[i : i + 500]
+        have_facts |= {r[0] for r in db.execute(
+            f'SELECT fact_id FROM facts WHERE "user"=? AND deleted IS NULL AND fact_id IN '
+            f'({",".join("?" * len(chunk))})', (user, *chunk))}  # fmt: skip
+    gone = lambda p: not have_turns.issuperset(p["turns"]) or not have_facts.issuperset(p["facts"])
+    stale = [(now, r) for r, p in prov.items() if gone(p)]
+    db.executemany('UPDATE facts SET stale=? WHERE "row"=?', stale)
