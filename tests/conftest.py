@@ -120,11 +120,18 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_collection_modifyitems(config, items):
     """The ``postgres`` marker follows the fixture: a test that uses ``postgres`` directly, or a backend fixture
-    parametrized ``"postgres"`` (which asks for the cluster at run time), starts it."""
+    parametrized ``"postgres"`` (which asks for the cluster at run time), starts it. The tests on the session's
+    vLLM server (``vllm_server``) run last, together: the server starts before the first of them and stops at
+    the end, so no other vLLM engine (the one the engine-death test kills, say) runs beside it."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "postgres" in item.fixturenames or any(v == "postgres" for v in params.values() if isinstance(v, str)):
             item.add_marker(pytest.mark.postgres)
+        if "vllm_server" in item.fixturenames:
+            item.add_marker(pytest.mark.vllm)
+    items[:] = [i for i in items if "vllm_server" not in i.fixturenames] + [
+        i for i in items if "vllm_server" in i.fixturenames
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -163,20 +170,28 @@ def locomo_path() -> Path:
     return LOCOMO
 
 
-@pytest.fixture(scope="session")
-def small_locomo(tmp_path_factory, locomo_path) -> Path:
-    """conv-26 cut to its first three sessions of facts (keeps the test fast; same format)."""
+def _conv26_sessions(tmp_path_factory, locomo_path: Path, sessions: int) -> Path:
+    """conv-26 with only its first ``sessions`` sessions of facts, as a LoCoMo file (same format)."""
     import json
 
+    keep = {f"session_{i}_observation" for i in range(1, sessions + 1)}
     sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
-    sample["observation"] = {
-        k: v
-        for k, v in sample["observation"].items()
-        if k in ("session_1_observation", "session_2_observation", "session_3_observation")
-    }
-    path = tmp_path_factory.mktemp("data") / "small.json"
+    sample["observation"] = {k: v for k, v in sample["observation"].items() if k in keep}
+    path = tmp_path_factory.mktemp("data") / f"conv26-{sessions}.json"
     path.write_text(json.dumps([sample]))
     return path
+
+
+@pytest.fixture(scope="session")
+def small_locomo(tmp_path_factory, locomo_path) -> Path:
+    """conv-26 cut to its first three sessions of facts (28 facts: keeps the test fast; same format)."""
+    return _conv26_sessions(tmp_path_factory, locomo_path, 3)
+
+
+@pytest.fixture(scope="session")
+def tiny_locomo(tmp_path_factory, locomo_path) -> Path:
+    """conv-26 cut to its first two sessions of facts (14 facts), for tests whose point is the plumbing."""
+    return _conv26_sessions(tmp_path_factory, locomo_path, 2)
 
 
 def assert_is_prefill(model, seq: list[int], keys, values, atol: float = 1e-4) -> None:
@@ -223,3 +238,109 @@ def http_server(srv):
     finally:
         uv.should_exit = True
         th.join(timeout=10)
+
+
+# --- one vLLM server for the session ------------------------------------------------------------------------------
+
+FAST_MODEL = "smollm2-135m-instruct"  # the smallest model: the one the fast tier installs
+VLLM_KEYS = {"key-acme-0123456789abcdef": "acme", "key-globex-0123456789abcdef": "globex"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_cmd(tmp: Path, port: int) -> list[str]:
+    """``kvmem serve --engine vllm`` on the smallest model in fp32 (injection is exact), its store in ``tmp``/store
+    and its API keys in ``tmp``/keys.json."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "kvmem.cli",
+        "serve",
+        "--store",
+        str(tmp / "store"),
+        "--model",
+        FAST_MODEL,
+        "--engine",
+        "vllm",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--api-keys",
+        str(tmp / "keys.json"),
+        "--window",
+        "2",
+        "--kv-cache-bytes",
+        str(256 << 20),
+    ]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 600) -> None:
+    """Until ``url``/ready answers 200; fails with the log's tail if ``proc`` exits or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"server not ready in {timeout_s:g} s"
+        time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory) -> str:
+    """The session's one ``kvmem serve --engine vllm`` (``serve_cmd``; tenants acme and globex, ``VLLM_KEYS``): its
+    base URL. Every test that needs a vLLM server but not a server of its own uses this one; the tests using it
+    run last (``pytest_collection_modifyitems``), so no other vLLM engine starts while it runs. Stopping it is
+    checked as well: SIGTERM (twice) stops vLLM's engine processes, exit 0, no traceback in its log.
+    Skips where vLLM cannot run on this CPU; fails if the smallest model is not installed."""
+    import signal
+
+    import psutil
+
+    from kvmem.hardware import cpu_facts, vllm_problem
+    from kvmem.models import MANIFEST, model_dir
+
+    why = vllm_problem(cpu_facts())
+    if why:
+        pytest.skip(f"vLLM cannot run here: {why}")
+    if not (model_dir(FAST_MODEL) / MANIFEST).exists():
+        pytest.fail(f"{FAST_MODEL} is not installed; run: kvmem models install {FAST_MODEL}")
+    import json
+
+    tmp = tmp_path_factory.mktemp("serve-vllm")
+    (tmp / "keys.json").write_text(json.dumps(VLLM_KEYS))
+    port = free_port()
+    log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
+    proc = subprocess.Popen(serve_cmd(tmp, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, tmp / "server.log")
+        yield url
+        # SIGTERM to the server alone (docker stop, systemd): it must stop vLLM's engine processes too
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        assert any("VLLM" in " ".join(k.cmdline()) or "EngineCore" in k.name() for k in kids if k.is_running())
+        proc.terminate()
+        time.sleep(0.3)
+        proc.terminate()  # an impatient second signal must not break the shutdown the first one started
+        assert proc.wait(timeout=120) == 0
+        gone, alive = psutil.wait_procs(kids, timeout=60)
+        assert not alive, [k.pid for k in alive]
+        log.flush()
+        assert "Traceback" not in (tmp / "server.log").read_text()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+        except ProcessLookupError:
+            pass
+        log.close()

@@ -235,26 +235,8 @@ def test_vllm_engine_flag(tiny, tmp_path):
         s = check_outputs(out, "latency_vs_k.png")
         assert s["engine"] == "vllm" and s["ttft_ms"]["bare"] > 0
         assert set(s["ttft_ms"]["kv"]) == {"1", "2"} and all(v > 0 for v in s["ttft_ms"]["prompt"].values())
-        out = tmp_path / "vllm-throughput"
-        cli(
-            "bench",
-            "throughput",
-            "--engine",
-            "vllm",
-            "--users",
-            "1,2",
-            "--k",
-            2,
-            "--window",
-            0,
-            "--tokens",
-            4,
-            *common(tiny, out, 4),
-        )
-        s = check_outputs(out, "qps_vs_users.png")
-        assert set(s["qps"]["kv"]) == {"1", "2"} and all(v > 0 for v in s["qps"]["prompt"].values())
-        assert "batching" in s["concurrency_note"]
-        # eval: requests batched through the one engine; same rows and fields as the hf engine writes
+        # eval: requests batched through the one engine (``answer_batch``, as ``bench throughput`` batches them:
+        # not run here, an engine start each); same rows and fields as the hf engine writes
         out = tmp_path / "vllm-eval"
         res = cli(
             "eval",

@@ -26,25 +26,24 @@ def _vllm_classes():
     return VLLMEngine, AsyncVLLMEngine
 
 
-def test_both_engines_satisfy_both_roles():
-    sync_vllm, async_vllm = _vllm_classes()
-    for impl, role in (
-        (HFEngine, Engine),
-        (sync_vllm, Engine),
-        (AsyncHFEngine, AsyncEngine),
-        (async_vllm, AsyncEngine),
-    ):
-        assert check_implements(impl, role) == [], impl
-    # the pair of one engine agrees on what it can do
-    assert HFEngine.selective_recompute and not sync_vllm.selective_recompute
-    assert (HFEngine.batches, sync_vllm.batches) == (False, True)
-    for sync, asyn in ((HFEngine, AsyncHFEngine), (sync_vllm, async_vllm)):
-        assert (sync.name, sync.selective_recompute, sync.batches) == (
-            asyn.name,
-            asyn.selective_recompute,
-            asyn.batches,
-        )
-        assert registry.ENGINES[sync.name].selective_recompute == sync.selective_recompute  # checked before start
+def _engine_classes(name: str):
+    """(sync, async) engine classes of ``name``; vLLM's skip where it cannot run here."""
+    return (HFEngine, AsyncHFEngine) if name == "hf" else _vllm_classes()
+
+
+@pytest.mark.parametrize("name", ["hf", "vllm"])
+def test_each_engine_satisfies_both_roles(name):
+    """The same conformance check for each engine: its sync class is an ``Engine``, its async class an
+    ``AsyncEngine`` (every abstract method, the same parameters), the pair agrees on what it can do, and the
+    registry declares that before any engine starts."""
+    sync, asyn = _engine_classes(name)
+    assert check_implements(sync, Engine) == [], sync
+    assert check_implements(asyn, AsyncEngine) == [], asyn
+    assert sync.name == asyn.name == name
+    assert (sync.selective_recompute, sync.batches) == (asyn.selective_recompute, asyn.batches)
+    assert registry.ENGINES[name].selective_recompute == sync.selective_recompute  # checked before start
+    # what differs between the two engines
+    assert (sync.selective_recompute, sync.batches) == {"hf": (True, False), "vllm": (False, True)}[name]
 
 
 def test_check_implements_finds_what_is_missing():

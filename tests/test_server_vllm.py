@@ -4,12 +4,6 @@ prefilling it), streams, and a second tenant's request is never injected with th
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,91 +11,18 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvmem.models import MANIFEST, model_dir
+from conftest import FAST_MODEL as FAST
+from conftest import VLLM_KEYS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FAST = "smollm2-135m-instruct"
-KEY_A, KEY_B = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
+KEY_A, KEY_B = VLLM_KEYS  # acme's, globex's
 
 
-def serve_cmd(tmp, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "kvmem.cli",
-        "serve",
-        "--store",
-        str(tmp / "store"),
-        "--model",
-        FAST,
-        "--engine",
-        "vllm",
-        "--dtype",
-        "float32",
-        "--port",
-        str(port),
-        "--api-keys",
-        str(tmp / "keys.json"),
-        "--window",
-        "2",
-        "--kv-cache-bytes",
-        str(256 << 20),
-    ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    from kvmem.hardware import cpu_facts, vllm_problem
-
-    why = vllm_problem(cpu_facts())
-    if why:
-        pytest.skip(f"vLLM cannot run here: {why}")
-    if not (model_dir(FAST) / MANIFEST).exists():
-        pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
-    tmp = tmp_path_factory.mktemp("serve-vllm")
-    (tmp / "keys.json").write_text(json.dumps({KEY_A: "acme", KEY_B: "globex"}))
-    port = free_port()
-    log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen(serve_cmd(tmp, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server not ready in 600 s"
-            time.sleep(1)
-        yield url
-        # SIGTERM to the server alone (docker stop, systemd): it must stop vLLM's engine processes too
-        import psutil
-
-        kids = psutil.Process(proc.pid).children(recursive=True)
-        assert any("VLLM" in " ".join(k.cmdline()) or "EngineCore" in k.name() for k in kids if k.is_running())
-        proc.terminate()
-        time.sleep(0.3)
-        proc.terminate()  # an impatient second signal must not break the shutdown the first one started
-        assert proc.wait(timeout=120) == 0
-        gone, alive = psutil.wait_procs(kids, timeout=60)
-        assert not alive, [k.pid for k in alive]
-        log.flush()
-        assert "Traceback" not in (tmp / "server.log").read_text()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
-        except ProcessLookupError:
-            pass
-        log.close()
+@pytest.fixture
+def base(vllm_server):
+    """The session's ``kvmem serve --engine vllm`` (tests/conftest.py): tenants acme (KEY_A) and globex (KEY_B)."""
+    return vllm_server
 
 
 def test_vllm_server_injects_memory_and_isolates_tenants(base):

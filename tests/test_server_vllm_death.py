@@ -1,5 +1,6 @@
 """``kvmem serve --engine vllm`` when its engine dies: visible at once, then the process exits for a restart.
-Its own module, so its server never runs beside ``test_server_vllm``'s."""
+It starts a server of its own, and the tests on the session's shared vLLM server (``vllm_server``) run after
+it (tests/conftest.py), so no other engine runs beside the one it kills."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from test_server_vllm import KEY_A, free_port, serve_cmd
+from conftest import VLLM_KEYS, free_port, serve_cmd, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -25,22 +26,14 @@ def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_p
     why = vllm_problem(cpu_facts())
     if why:
         pytest.skip(f"vLLM cannot run here: {why}")
-    (tmp_path / "keys.json").write_text(json.dumps({KEY_A: "acme"}))
+    (tmp_path / "keys.json").write_text(json.dumps(VLLM_KEYS))
+    key = next(iter(VLLM_KEYS))  # tenant acme
     port = free_port()
     with open(tmp_path / "server.log", "w") as log:
         proc = subprocess.Popen(serve_cmd(tmp_path, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline
-            time.sleep(1)
+        wait_ready(proc, url, tmp_path / "server.log")
         core = [
             k
             for k in psutil.Process(proc.pid).children(recursive=True)
@@ -57,7 +50,7 @@ def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_p
                 c = httpx.post(
                     f"{url}/v1/chat/completions",
                     timeout=10,
-                    headers={"Authorization": f"Bearer {KEY_A}"},
+                    headers={"Authorization": f"Bearer {key}"},
                     json={"messages": [{"role": "user", "content": "hi"}], "memory": {"mode": "off"}},
                 )
                 if r.status_code == 503:  # the death seen by /ready (it may take a chat to notice it)
