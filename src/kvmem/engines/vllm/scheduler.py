@@ -78,7 +78,7 @@ class KvmemScheduler:
                 return None
             st = open_store(ref.store)
             ref.check_store_kv_format(st)
-            mem = memory_token_ids(ref)
+            mem = memory_token_ids(ref, st)  # O(1) store work: versions, and the named facts' rows if not cached
             ref = replace(ref, store_id=st.manifest["store_id"])
             if ref.memory_tokens is not None and ref.memory_tokens != len(mem):
                 raise ValueError(f"memory_tokens {ref.memory_tokens} != the composed memory's {len(mem)}")

@@ -1,0 +1,134 @@
+"""kv TTFT on vLLM for users with few and with many memories ("crowded users"): the connector's scheduler side
+must do the same store work per request whatever the user's memory count.
+
+    flock /tmp/kvmem-heavy.lock .venv/bin/python scripts/crowded_ttft.py \
+        [--model qwen2.5-coder-0.5b-instruct] [--counts 64,10000] [--chats 40] [--k 20] [--store DIR]
+
+One store for the model (kept in ``--store`` when given, so a second run, e.g. of another checkout with
+``PYTHONPATH=<it>/src``, reuses it): user ``n<count>`` gets that many memories of ``--fact-tokens`` tokens (random KV
+of the model's shape, random unit embeddings, through ``Store.commit``: ``kvmem.bench.chat_cost.fill``, in a child
+process). One vLLM engine (multi-process, as ``kvmem serve`` runs it: the scheduler side in vLLM's engine core)
+then answers ``--chats`` LoCoMo questions per user at ``--k`` facts, one new token each, the users alternating
+question by question so drift hits both alike, after one warm-up chat per user (the worker's first snapshot of a
+version). Per chat: TTFT (engine call -> first token, ``Answer.timings_ms["ttft"]``) and the tokens vLLM prefilled
+(the query alone when the memory was injected). Also times, in this process, the scheduler side's per-request check
+of each user's memory (``stores.memory_token_ids`` with its cache warm). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CREATE = """
+import sys
+from kvmem.bench.chat_cost import fill
+from kvmem.engines.select import open_engine
+from kvmem.ingest import open_or_create_store
+from kvmem.models import head_dim
+from kvmem.retrieve import Embedder
+from kvmem.store import Store
+
+root, model, dtype, fact_tokens, counts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]
+lm, emb = open_engine(model, "hf", dtype).lm, Embedder()
+st, _ = open_or_create_store(root, lm, emb)
+have = set(st.users())
+st.close()
+cfg = lm.config
+shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg))
+for n in map(int, counts):
+    if f"n{n}" not in have:
+        fill(root, f"n{n}", n, fact_tokens, emb.dim, shape, str(lm.dtype).removeprefix("torch."))
+"""
+
+
+def stats(xs: list[float]) -> dict:
+    return {"p50": round(statistics.median(xs), 2), "p95": round(float(np.percentile(xs, 95)), 2), "n": len(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--counts", default="64,10000")
+    ap.add_argument("--fact-tokens", type=int, default=16)
+    ap.add_argument("--chats", type=int, default=40)
+    ap.add_argument("--k", type=int, default=20)
+    ap.add_argument("--store", default="", help="Keep the store here (reused if it exists).")
+    ap.add_argument("--data", default="../shared/data/locomo/locomo7.json")
+    args = ap.parse_args()
+
+    import kvmem
+    from kvmem.bench.common import machine
+    from kvmem.engines.vllm import stores
+    from kvmem.engines.vllm.params import MemoryRef
+    from kvmem.locomo import get_conversation
+    from kvmem.service import MemoryService
+
+    counts = [int(c) for c in args.counts.split(",")]
+    tmp = None if args.store else tempfile.TemporaryDirectory(prefix="kvmem-crowded-")
+    root = str(Path(args.store).resolve() if args.store else Path(tmp.name, "s"))
+    t0 = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", CREATE, root, args.model, args.dtype, str(args.fact_tokens), *map(str, counts)],
+        check=True,
+    )
+    fill_s = time.perf_counter() - t0
+    questions = [q.question for q in get_conversation(Path(args.data), "conv-26").questions]
+    svc = MemoryService.open(root, args.model, engine="vllm", dtype=args.dtype)
+    users = [f"n{n}" for n in counts]
+    ttft: dict[str, list[float]] = {u: [] for u in users}
+    prefilled: dict[str, list[int]] = {u: [] for u in users}
+    for u in users:  # warm-up: the worker's snapshot of this version, the index
+        svc.ask(u, questions[0], args.k, "kv", max_new_tokens=1)
+    for i in range(args.chats):
+        q = questions[(i + 1) % len(questions)]
+        for u in users if i % 2 == 0 else reversed(users):
+            ans = svc.ask(u, q, args.k, "kv", max_new_tokens=1)
+            ttft[u].append(ans.timings_ms["ttft"])
+            prefilled[u].append(ans.prefilled_tokens)
+    # the scheduler side's check alone, in this process (its token cache warm after the first call)
+    check_ms = {}
+    st = svc.store
+    for u in users:
+        ukv = st.snapshot(u)
+        ids = [f.fact_id for f in ukv.facts[: args.k]]
+        ref = MemoryRef(root, st.manifest["store_id"], u, ukv.version, ids)
+        stores.memory_token_ids(ref)
+        times = []
+        for _ in range(200):
+            t = time.perf_counter()
+            stores.memory_token_ids(ref)
+            times.append((time.perf_counter() - t) * 1e3)
+        check_ms[u] = stats(times)
+    lo, hi = statistics.median(ttft[users[0]]), statistics.median(ttft[users[-1]])
+    out = {
+        "kvmem": str(Path(kvmem.__file__).parent),
+        "model": args.model,
+        "dtype": args.dtype,
+        "k": args.k,
+        "fact_tokens": args.fact_tokens,
+        "fill_s": round(fill_s, 1),
+        "ttft_ms": {u: stats(ttft[u]) for u in users},
+        "prefilled_tokens_p50": {u: statistics.median(prefilled[u]) for u in users},
+        "largest_over_smallest_p50": round(hi / lo, 3),
+        "scheduler_check_ms": check_ms,
+        "machine": machine(),
+    }
+    svc.engine.close()
+    svc.close()
+    print(json.dumps(out, indent=1))
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
