@@ -40,7 +40,9 @@ from kvmem.store import Store
 root, model, dtype, fact_tokens, counts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]
 lm, emb = open_engine(model, "hf", dtype).lm, Embedder()
 st, _ = open_or_create_store(root, lm, emb)
-have = set(st.users())
+have = {u for u in st.users() if st.user_info(u)["num_facts"] == int(u[1:])}
+for u in set(st.users()) - have:  # a fill cut short: written again
+    st.delete_user(u)
 st.close()
 cfg = lm.config
 shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg))
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--store", default="", help="Keep the store here (reused if it exists).")
     ap.add_argument("--data", default="../shared/data/locomo/locomo7.json")
+    ap.add_argument("--fill-only", action="store_true", help="Write the store's users, then stop.")
     args = ap.parse_args()
 
     import kvmem
@@ -82,6 +85,9 @@ def main() -> None:
         check=True,
     )
     fill_s = time.perf_counter() - t0
+    if args.fill_only:
+        print(json.dumps({"store": root, "fill_s": round(fill_s, 1)}))
+        return
     questions = [q.question for q in get_conversation(Path(args.data), "conv-26").questions]
     svc = MemoryService.open(root, args.model, engine="vllm", dtype=args.dtype)
     users = [f"n{n}" for n in counts]
