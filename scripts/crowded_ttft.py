@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+LOCOMO = ("../shared/data/locomo/locomo7.json", "/work/shared/data/locomo/locomo7.json")
 CREATE = """
 import sys
 from kvmem.bench.chat_cost import fill
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=40)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--store", default="", help="Keep the store here (reused if it exists).")
-    ap.add_argument("--data", default="../shared/data/locomo/locomo7.json")
+    ap.add_argument("--data", default="", help="LoCoMo file (default: $KVMEM_LOCOMO, or the team's shared data).")
     ap.add_argument("--fill-only", action="store_true", help="Write the store's users, then stop.")
     args = ap.parse_args()
 
@@ -88,7 +90,8 @@ def main() -> None:
     if args.fill_only:
         print(json.dumps({"store": root, "fill_s": round(fill_s, 1)}))
         return
-    questions = [q.question for q in get_conversation(Path(args.data), "conv-26").questions]
+    data = next(p for p in [args.data, os.environ.get("KVMEM_LOCOMO"), *LOCOMO] if p and Path(p).exists())
+    questions = [q.question for q in get_conversation(Path(data), "conv-26").questions]
     svc = MemoryService.open(root, args.model, engine="vllm", dtype=args.dtype)
     users = [f"n{n}" for n in counts]
     ttft: dict[str, list[float]] = {u: [] for u in users}
