@@ -10,8 +10,12 @@ of the model's shape, random unit embeddings, through ``Store.commit``: ``kvmem.
 process). One vLLM engine (multi-process, as ``kvmem serve`` runs it: the scheduler side in vLLM's engine core)
 then answers ``--chats`` LoCoMo questions per user at ``--k`` facts, one new token each, the users alternating
 question by question so drift hits both alike, after one warm-up chat per user (the worker's first snapshot of a
-version). Per chat: TTFT (engine call -> first token, ``Answer.timings_ms["ttft"]``) and the tokens vLLM prefilled
-(the query alone when the memory was injected). Also times, in this process, the scheduler side's per-request check
+version), twice: ``first``, each question's facts read by the worker for the first time (from the page cache or
+disk: at 10,000 memories they are not in its read cache); then each user gets a new version holding the same facts
+(one memory added and deleted: a new cache salt, so vLLM's prefix cache has none of it) and ``seen`` asks the same
+questions again, the facts now in the worker's read cache, so only the per-request work differs between the users.
+Per chat: TTFT (engine call -> first token, ``Answer.timings_ms["ttft"]``) and the tokens vLLM prefilled (the query
+alone when the memory was injected). Also times, in this process, the scheduler side's per-request check
 of each user's memory (``stores.memory_token_ids`` with its cache warm). Prints one JSON object.
 """
 
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +82,7 @@ def main() -> None:
     from kvmem.engines.vllm.params import MemoryRef
     from kvmem.locomo import get_conversation
     from kvmem.service import MemoryService
+    from kvmem.store import FactRecord
 
     counts = [int(c) for c in args.counts.split(",")]
     tmp = None if args.store else tempfile.TemporaryDirectory(prefix="kvmem-crowded-")
@@ -94,16 +100,29 @@ def main() -> None:
     questions = [q.question for q in get_conversation(Path(data), "conv-26").questions]
     svc = MemoryService.open(root, args.model, engine="vllm", dtype=args.dtype)
     users = [f"n{n}" for n in counts]
-    ttft: dict[str, list[float]] = {u: [] for u in users}
+    asked = [questions[(i + 1) % len(questions)] for i in range(args.chats)]
+    ttft: dict[str, dict[str, list[float]]] = {p: {u: [] for u in users} for p in ("first", "seen")}
     prefilled: dict[str, list[int]] = {u: [] for u in users}
+
+    def ask_all(phase: str) -> None:
+        for i, q in enumerate(asked):
+            for u in users if i % 2 == 0 else reversed(users):
+                ans = svc.ask(u, q, args.k, "kv", max_new_tokens=1)
+                ttft[phase][u].append(ans.timings_ms["ttft"])
+                prefilled[u].append(ans.prefilled_tokens)
+
     for u in users:  # warm-up: the worker's snapshot of this version, the index
         svc.ask(u, questions[0], args.k, "kv", max_new_tokens=1)
-    for i in range(args.chats):
-        q = questions[(i + 1) % len(questions)]
-        for u in users if i % 2 == 0 else reversed(users):
-            ans = svc.ask(u, q, args.k, "kv", max_new_tokens=1)
-            ttft[u].append(ans.timings_ms["ttft"])
-            prefilled[u].append(ans.prefilled_tokens)
+    ask_all("first")  # each question's facts read by the worker for the first time
+    st = svc.store
+    for u in users:  # a new version with the same facts: a new cache salt, so no prefix-cache hit follows
+        ukv = st.snapshot(u)
+        f, (keys, values) = ukv.facts[0], ukv.fact_kv(0)
+        bump = FactRecord(f"bump-{uuid.uuid4().hex}", u, f.text, "", "", "", f.token_ids)
+        st.commit(u, [bump], [keys], [values], ukv.embeddings[:1].clone())
+        st.commit(u, delete=[bump.fact_id])
+        svc.ask(u, questions[0], args.k, "kv", max_new_tokens=1)  # the worker's snapshot of the new version
+    ask_all("seen")  # the same facts again: in the worker's read cache, injected anew under the new salt
     # the scheduler side's check alone, in this process (its token cache warm after the first call)
     check_ms = {}
     st = svc.store
@@ -118,7 +137,7 @@ def main() -> None:
             stores.memory_token_ids(ref)
             times.append((time.perf_counter() - t) * 1e3)
         check_ms[u] = stats(times)
-    lo, hi = statistics.median(ttft[users[0]]), statistics.median(ttft[users[-1]])
+    ratios = {p: round(statistics.median(t[users[-1]]) / statistics.median(t[users[0]]), 3) for p, t in ttft.items()}
     out = {
         "kvmem": str(Path(kvmem.__file__).parent),
         "model": args.model,
@@ -126,9 +145,9 @@ def main() -> None:
         "k": args.k,
         "fact_tokens": args.fact_tokens,
         "fill_s": round(fill_s, 1),
-        "ttft_ms": {u: stats(ttft[u]) for u in users},
+        "ttft_ms": {p: {u: stats(t[u]) for u in users} for p, t in ttft.items()},
         "prefilled_tokens_p50": {u: statistics.median(prefilled[u]) for u in users},
-        "largest_over_smallest_p50": round(hi / lo, 3),
+        "largest_over_smallest_p50": ratios,
         "scheduler_check_ms": check_ms,
         "machine": machine(),
     }
