@@ -105,7 +105,12 @@ class UserKV:
         return self.segments[(user, segment) if self.parts else segment]
 
     def row_of(self) -> dict[str, int]:
-        """fact_id -> position in ``facts`` (and in ``embeddings``)."""
+        """fact_id -> position in ``facts`` (and in ``embeddings``); built once per snapshot (a snapshot's facts never
+        change), so a request that looks up its k facts costs O(k), not O(facts). Read-only."""
+        return self._row_of
+
+    @functools.cached_property
+    def _row_of(self) -> dict[str, int]:
         return {f.fact_id: i for i, f in enumerate(self.facts)}
 
     @functools.cached_property
