@@ -6,8 +6,8 @@ must do the same store work per request whatever the user's memory count.
 
 One store for the model (kept in ``--store`` when given, so a second run, e.g. of another checkout with
 ``PYTHONPATH=<it>/src``, reuses it): user ``n<count>`` gets that many memories of ``--fact-tokens`` tokens (random KV
-of the model's shape, random unit embeddings, through ``Store.commit``: ``kvmem.bench.chat_cost.fill``, in a child
-process). One vLLM engine (multi-process, as ``kvmem serve`` runs it: the scheduler side in vLLM's engine core)
+of the model's shape, random unit embeddings, random distinct token ids, through ``Store.commit`` in commits of
+100, in a child process). One vLLM engine (multi-process, as ``kvmem serve`` runs it: the scheduler side in vLLM's engine core)
 then answers ``--chats`` LoCoMo questions per user at ``--k`` facts, one new token each, the users alternating
 question by question so drift hits both alike, after one warm-up chat per user (the worker's first snapshot of a
 version), twice: ``first``, each question's facts read by the worker for the first time (from the page cache or
@@ -37,12 +37,12 @@ import numpy as np
 LOCOMO = ("../shared/data/locomo/locomo7.json", "/work/shared/data/locomo/locomo7.json")
 CREATE = """
 import sys
-from kvmem.bench.chat_cost import fill
+import torch
 from kvmem.engines.select import open_engine
 from kvmem.ingest import open_or_create_store
 from kvmem.models import head_dim
 from kvmem.retrieve import Embedder
-from kvmem.store import Store
+from kvmem.store import FactRecord, Store
 
 root, model, dtype, fact_tokens, counts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]
 lm, emb = open_engine(model, "hf", dtype).lm, Embedder()
@@ -50,12 +50,20 @@ st, _ = open_or_create_store(root, lm, emb)
 have = {u for u in st.users() if st.user_info(u)["num_facts"] == int(u[1:])}
 for u in set(st.users()) - have:  # a fill cut short: written again
     st.delete_user(u)
-st.close()
 cfg = lm.config
-shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg))
+L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg)
 for n in map(int, counts):
-    if f"n{n}" not in have:
-        fill(root, f"n{n}", n, fact_tokens, emb.dim, shape, str(lm.dtype).removeprefix("torch."))
+    user, g = f"n{n}", torch.Generator().manual_seed(n)
+    if user in have:
+        continue
+    for start in range(0, n, 100):  # distinct token ids per fact: no two prompts share a prefix-cache block
+        m = min(100, n - start)
+        ids = torch.randint(1000, 20000, (m, fact_tokens), generator=g).tolist()
+        recs = [FactRecord(f"m{start + j}", user, f"memory {start + j}", "", "", "", tuple(ids[j])) for j in range(m)]
+        keys = [torch.randn(L, H, fact_tokens, D, generator=g).to(lm.dtype) for _ in range(m)]
+        vecs = torch.nn.functional.normalize(torch.randn(m, emb.dim, generator=g), dim=1)
+        st.commit(user, recs, keys, keys, vecs)
+st.close()
 """
 
 
