@@ -6,17 +6,17 @@ must do the same store work per request whatever the user's memory count.
 
 One store for the model (kept in ``--store`` when given, so a second run, e.g. of another checkout with
 ``PYTHONPATH=<it>/src``, reuses it): user ``n<count>`` gets that many memories of ``--fact-tokens`` tokens (random KV
-of the model's shape, random unit embeddings, random distinct token ids, through ``Store.commit`` in commits of
-100, in a child process). One vLLM engine (multi-process, as ``kvmem serve`` runs it: the scheduler side in vLLM's engine core)
-then answers ``--chats`` LoCoMo questions per user at ``--k`` facts, one new token each, the users alternating
+of the model's shape, random unit embeddings, random distinct token ids, through ``Store.commit`` in commits of 100,
+in a child process). One vLLM engine (multi-process, as ``kvmem serve`` runs it: the scheduler side in vLLM's engine
+core) then answers ``--chats`` LoCoMo questions per user at ``--k`` facts, one new token each, the users alternating
 question by question so drift hits both alike, after one warm-up chat per user (the worker's first snapshot of a
-version), twice: ``first``, each question's facts read by the worker for the first time (from the page cache or
-disk: at 10,000 memories they are not in its read cache); then each user gets a new version holding the same facts
-(one memory added and deleted: a new cache salt, so vLLM's prefix cache has none of it) and ``seen`` asks the same
+version), twice: ``first``, each question's facts read by the worker for the first time (from the page cache or disk:
+at 10,000 memories they are not in its read cache); then each user gets a new version holding the same facts (one
+memory added and deleted: a new cache salt, so vLLM's prefix cache has none of it) and ``seen`` asks the same
 questions again, the facts now in the worker's read cache, so only the per-request work differs between the users.
 Per chat: TTFT (engine call -> first token, ``Answer.timings_ms["ttft"]``) and the tokens vLLM prefilled (the query
-alone when the memory was injected). Also times, in this process, the scheduler side's per-request check
-of each user's memory (``stores.memory_token_ids`` with its cache warm). Prints one JSON object.
+alone when the memory was injected). Also times, in this process, the scheduler side's per-request check of each
+user's memory (``stores.memory_token_ids`` with its cache warm). Prints one JSON object.
 """
 
 from __future__ import annotations
