@@ -273,7 +273,7 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
     assert conn.get_num_new_matched_tokens(request(), 0) == (len(ids), True)
     for fault in (sqlite3.OperationalError("database is locked"), FileNotFoundError("users/u.x.kv.safetensors")):
 
-        def boom(p, fault=fault):
+        def boom(p, *_, fault=fault):
             raise fault
 
         monkeypatch.setattr(vs, "memory_token_ids", boom)

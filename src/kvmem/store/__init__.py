@@ -394,8 +394,14 @@ class Store:
         return self.reads.users(with_no_live_facts)
 
     def version(self, user: str) -> str | None:
-        """The user's current memory version (changes on every committed write), or None if never written."""
+        """The user's current memory version (changes on every committed write), or None if never written: one
+        row read by the users table's primary key, whatever the user's or the store's fact count."""
         return self.reads.version(user)
+
+    def fact_token_ids(self, user: str, version: str, fact_ids: list[str]) -> dict[str, tuple[int, ...]]:
+        """``Reader.fact_token_ids``: token ids of the named live facts of ``user`` at ``version`` (rows of those
+        facts only, one read transaction); LookupError if ``version`` is not current."""
+        return self.reads.fact_token_ids(user, version, fact_ids)
 
     def user_info(self, user: str) -> dict:
         """``Reader.user_info``: version, window, neighbours, history, num_facts, num_tokens, source."""

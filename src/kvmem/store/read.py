@@ -31,6 +31,7 @@ from .rows import Rows
 from .tiers import MemoryTier, put_bounded
 
 VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
+ID_BATCH = 500  # fact ids bound into one statement (SQLite allows 32,766 parameters)
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,12 @@ class UserKV:
         return self.segments[(user, segment) if self.parts else segment]
 
     def row_of(self) -> dict[str, int]:
-        """fact_id -> position in ``facts`` (and in ``embeddings``)."""
+        """fact_id -> position in ``facts`` (and in ``embeddings``); built once per snapshot (a snapshot's facts never
+        change), so a request that looks up its k facts costs O(k), not O(facts). Read-only."""
+        return self._row_of
+
+    @functools.cached_property
+    def _row_of(self) -> dict[str, int]:
         return {f.fact_id: i for i, f in enumerate(self.facts)}
 
     @functools.cached_property
@@ -336,6 +342,27 @@ class Reader:
         """The user's current memory version (changes on every committed write), or None if never written."""
         row = self.rows.execute('SELECT version FROM users WHERE "user"=?', (user,)).fetchone()
         return None if row is None else str(row[0])
+
+    @_locked
+    def fact_token_ids(self, user: str, version: str, fact_ids: list[str]) -> dict[str, tuple[int, ...]]:
+        """fact_id -> token ids of those of ``fact_ids`` that are live facts of ``user`` at ``version`` (ids not
+        found are left out). One read transaction: the version's row, then these facts' rows alone, by the
+        (user, fact_id) index of live facts, so the cost follows ``len(fact_ids)``, never the user's or the store's
+        fact count. Raises LookupError if ``version`` is not the user's current one."""
+        wanted = list(dict.fromkeys(fact_ids))
+        out: dict[str, tuple[int, ...]] = {}
+        with self.rows.snapshot():
+            if self.version(user) != version:
+                raise LookupError(f"memory version {version} of {user!r} is no longer current")
+            for i in range(0, len(wanted), ID_BATCH):
+                chunk = wanted[i : i + ID_BATCH]
+                q = (
+                    'SELECT fact_id, token_ids FROM facts WHERE "user"=? AND deleted IS NULL AND fact_id IN '
+                    f"({', '.join('?' * len(chunk))})"
+                )
+                for fid, ids in self.rows.execute(q, (user, *chunk)):
+                    out[fid] = tuple(json.loads(ids))
+        return out
 
     @_locked
     def user_info(self, user: str) -> dict:

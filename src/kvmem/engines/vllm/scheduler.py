@@ -7,7 +7,9 @@ then it reports the memory tokens (minus the last prompt token, which vLLM must 
 prefix-cache hit as externally computed, loaded asynchronously (vLLM's ``load_kv_async``: the request waits in
 WAITING_FOR_REMOTE_KVS while the engine steps the others) unless ``Settings.async_load`` is False. Anything else
 is a normal prefill, counted in ``metrics`` (logged, and written to ``Settings.metrics_file`` when set). It reads
-store metadata only, never KV; the worker side (``worker``) reads and writes the KV.
+store metadata only, never KV, and O(1) of it per request (``stores.memory_token_ids``: each scope's version row,
+and the named facts' rows when not cached): it runs in vLLM's engine core, where nothing else is scheduled
+meanwhile. The worker side (``worker``) reads and writes the KV.
 
 Built without vLLM's configuration (``KvmemScheduler(settings)``), so its rules can be checked on their own.
 """
@@ -78,7 +80,7 @@ class KvmemScheduler:
                 return None
             st = open_store(ref.store)
             ref.check_store_kv_format(st)
-            mem = memory_token_ids(ref)
+            mem = memory_token_ids(ref, st)  # O(1) store work: versions, and the named facts' rows if not cached
             ref = replace(ref, store_id=st.manifest["store_id"])
             if ref.memory_tokens is not None and ref.memory_tokens != len(mem):
                 raise ValueError(f"memory_tokens {ref.memory_tokens} != the composed memory's {len(mem)}")

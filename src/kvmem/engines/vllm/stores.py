@@ -3,6 +3,13 @@
 Both connector sides open a store themselves (nothing is shared with the API process but what a request carries);
 a process keeps one handle per store root, reopened when the store is re-created at the same path. The trust rule
 (allow-listed at engine start, built by this engine's model) is judged once per store instance.
+
+The scheduler side checks every kv request's prompt against the token ids of the facts it names
+(``memory_token_ids``). That costs O(1) store work per request, whatever the user's or the store's size: one
+version read per scope (``Store.version``, one row by primary key), and the rows of the named facts only
+(``Store.fact_token_ids``) for those not in this process's token cache. The cache is an LRU bounded by
+``TOKEN_CACHE_TOKENS`` token ids (about 40 MB of Python ints at most), keyed by store instance, user, version and
+fact id, so it holds what recent requests named, never every user served.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from cachetools import LRUCache
+
 from ...store import Store, within
 from .params import MemoryRef
 
@@ -18,16 +27,39 @@ _LOCK = threading.Lock()
 _STORES: dict[str, Any] = {}
 _CACHE_BYTES = [1 << 30]  # each store's cache bound in this process (``configure``)
 _CACHE_DIR: list[str | None] = [None]  # this process's disk cache of remote segments (``configure``)
-_FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
+TOKEN_CACHE_TOKENS = 1 << 20  # token ids the token cache holds, at most (module docstring)
+_TOKENS_LOCK = threading.Lock()
 
 
-def configure(cache_bytes: int | None = None, cache_dir: str | None = None) -> None:
+def _token_cache(max_tokens: int) -> LRUCache:
+    # (root, store_id, user, version, fact_id) -> the fact's token ids, or None: not a live fact of that version
+    return LRUCache(maxsize=max(1, int(max_tokens)), getsizeof=lambda ids: 1 + len(ids or ()))
+
+
+_TOKENS = [_token_cache(TOKEN_CACHE_TOKENS)]
+
+
+def configure(
+    cache_bytes: int | None = None, cache_dir: str | None = None, token_cache_tokens: int | None = None
+) -> None:
     """This process's store read-cache bound (bytes) and disk cache folder, for stores opened from now on (the
-    connector sets them at engine start from ``Settings``; None keeps the current value)."""
+    connector sets them at engine start from ``Settings``), and its token cache's bound (token ids; the cache
+    starts empty). None keeps the current value."""
     if cache_bytes:
         _CACHE_BYTES[0] = int(cache_bytes)
     if cache_dir:
         _CACHE_DIR[0] = str(cache_dir)
+    if token_cache_tokens:
+        with _TOKENS_LOCK:
+            _TOKENS[0] = _token_cache(token_cache_tokens)
+
+
+def token_cache_stats() -> dict[str, int]:
+    """The token cache's size: ``facts`` (entries, a fact of one version each), ``tokens`` (its weight: token ids
+    plus one per entry) and ``max_tokens`` (its bound)."""
+    with _TOKENS_LOCK:
+        cache = _TOKENS[0]
+        return {"facts": len(cache), "tokens": int(cache.currsize), "max_tokens": int(cache.maxsize)}
 
 
 def open_store(root: str) -> Store:
@@ -38,8 +70,6 @@ def open_store(root: str) -> Store:
             if st is not None:
                 st.close()
             st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0], cache_dir=_CACHE_DIR[0])
-            for k in [k for k in _FACT_TOKENS if k[0] == root]:
-                del _FACT_TOKENS[k]
         return st
 
 
@@ -64,35 +94,39 @@ def cache_stats() -> Counter:
     return total
 
 
-def fact_tokens(root: str, user: str, version: str) -> dict[str, tuple[int, ...]]:
-    """fact_id -> token ids for ``user`` at ``version`` (metadata only; no KV is read). The version is checked
-    against the store on every call, cached or not: a replaced memory is never served. Raises LookupError."""
-    key = (root, user, version)
-    st = open_store(root)
-    if st.user_info(user)["version"] != version:
-        raise LookupError(f"memory version {version} of {user!r} is no longer current")
-    got = _FACT_TOKENS.get(key)
-    if got is None:
-        got = {f.fact_id: f.token_ids for f in st.snapshot(user, version).facts}  # rows only
-        with _LOCK:
-            for k in [k for k in _FACT_TOKENS if k[:2] == (root, user)]:
-                del _FACT_TOKENS[k]
-            _FACT_TOKENS[key] = got
-    return got
-
-
-def memory_token_ids(ref: MemoryRef) -> list[int]:
-    """The composed memory token ids ``[header][facts]`` ``ref`` names (from the store's metadata). Raises
-    LookupError for a fact not in the memory, or a version no longer current."""
-    st = open_store(ref.store)
-    facts: dict[str, tuple[int, ...]] = {}
-    for user, version in ref.scopes():
-        facts.update(fact_tokens(ref.store, user, version))
+def memory_token_ids(ref: MemoryRef, st: Store | None = None) -> list[int]:
+    """The composed memory token ids ``[header][facts]`` ``ref`` names, from the metadata of ``st`` (default: this
+    process's handle on ``ref.store``). O(1) store work (module docstring): each scope's version is read, and the
+    rows of the named facts that the token cache lacks. Where scopes share a fact id the last scope's fact is the
+    one named, as in ``UserKV.union``. Raises LookupError for a fact not in the memory, or a version no longer
+    current."""
+    st = st if st is not None else open_store(ref.store)
+    scopes = ref.scopes()
+    sid, wanted = st.manifest["store_id"], list(dict.fromkeys(ref.fact_ids))
+    found: dict[str, tuple[int, ...]] = {}
+    for user, version in scopes:
+        keys = {fid: (ref.store, sid, user, version, fid) for fid in wanted}
+        with _TOKENS_LOCK:
+            cache = _TOKENS[0]
+            known = {fid: cache[key] for fid, key in keys.items() if key in cache}
+        missing = [fid for fid in wanted if fid not in known]
+        if missing:  # the version read and these facts' rows, in one read transaction
+            got = st.fact_token_ids(user, version, missing)
+            with _TOKENS_LOCK:
+                for fid in missing:
+                    known[fid] = got.get(fid)
+                    try:
+                        cache[keys[fid]] = known[fid]  # None too: not a live fact of this version
+                    except ValueError:  # a fact longer than the whole bound: served, not cached
+                        pass
+        elif st.version(user) != version:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
+        found.update({fid: ids for fid, ids in known.items() if ids is not None})
     ids = list(st.header_token_ids)
     for fid in ref.fact_ids:
-        if fid not in facts:
+        if fid not in found:
             raise LookupError(f"fact {fid!r} is not in memory version {ref.version} of {ref.user!r}")
-        ids.extend(facts[fid])
+        ids.extend(found[fid])
     return ids
 
 
