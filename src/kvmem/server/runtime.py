@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService, check_methods
 from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
+from .storesize import StoreSize
 from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
@@ -43,6 +43,7 @@ class Limits:
     default_max_tokens: int = 64
     max_tokens: int = 4096  # a request asking for more new tokens gets a 400
     allow_cold: bool = False  # memory.cache "cold" (load tests: every cache tier bypassed); else a 400
+    send_timeout_s: float = 30.0  # a send the client has not drained by then ends its request (``stalls``)
 
 
 class Metrics:
@@ -62,6 +63,11 @@ class Metrics:
         self.tokens = Counter(
             "kvmem_prompt_tokens", "Prompt tokens: injected (from memory KV) or prefilled", ["kind"], registry=r
         )
+        self.send_timeouts = Counter(
+            "kvmem_send_timeouts",
+            "Requests cut off because their client stopped reading for --send-timeout (their engine request aborted)",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "kvmem_connector_fallbacks",
             "kv-mode requests whose memory was prefilled instead of injected, by reason",
@@ -71,9 +77,8 @@ class Metrics:
         Gauge("kvmem_engine_queue_depth", "Requests waiting for or running in the engine", registry=r).set_function(
             lambda: server.engine.queue_depth()
         )
-        Gauge("kvmem_store_bytes", "Bytes of the store: its rows and KV segments", registry=r).set_function(
-            server.store_bytes
-        )
+        if server.store_size is not None:  # with --replicas, the ingress's (one figure for the shared store)
+            store_bytes_gauge(r, server.store_size)
         cached = Gauge("kvmem_cache_bytes", "Bytes held by the server's LRU caches", ["cache"], registry=r)
         indexes = server.service.indexes
         cached.labels("index").set_function(lambda: indexes.nbytes)
@@ -129,6 +134,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def store_bytes_gauge(registry: CollectorRegistry, size: StoreSize) -> None:
+    """``kvmem_store_bytes`` (the last background measurement, ``storesize``) and its age, in ``registry``."""
+    Gauge(
+        "kvmem_store_bytes",
+        f"Bytes of the store: its rows and KV segments, measured off the event loop every {size.every_s:.0f} s "
+        "or more (NaN until the first measurement)",
+        registry=registry,
+    ).set_function(size.value)
+    Gauge(
+        "kvmem_store_bytes_seconds", "How long the last measurement of kvmem_store_bytes took, s", registry=registry
+    ).set_function(lambda: size.seconds)
+
+
 def preflight(
     store: str | Path,
     model: str | None = None,
@@ -170,6 +188,7 @@ class KvmemServer:
         model_pool: ThreadPoolExecutor,
         max_writes: int = 64,
         selective_recompute: int = 0,
+        measure_store: bool = True,
     ):
         self.service, self.memory, self.engine, self.tenants, self.limits = service, memory, engine, tenants, limits
         self.model_pool = model_pool  # the one thread that runs the transformers model
@@ -178,8 +197,9 @@ class KvmemServer:
         self.pending_writes, self.max_writes = 0, max_writes
         self.selective_recompute = selective_recompute  # default memory.selective_recompute (%)
         self.replica: str | None = None  # this server's name as one of several replicas (``replicas``)
+        # the store's size for /metrics, on a background thread (``storesize``); None: measured elsewhere (replicas)
+        self.store_size = StoreSize(service.store.root) if measure_store else None
         self.metrics = Metrics(self)
-        self._store_bytes = (0.0, 0)
 
     @classmethod
     def start(
@@ -204,6 +224,7 @@ class KvmemServer:
         cache_dir: str | None = None,
         extractor: dict | None = None,
         kv_format: str | None = None,
+        measure_store: bool = True,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -214,7 +235,8 @@ class KvmemServer:
         local disk cache of those segments here and in the vLLM worker (for a shared store's readers); ``extractor``:
         ``{"base_url", "model", "api_key"}`` of an OpenAI-compatible endpoint for fact extraction (None: this
         server's engine, with its batching and guided decoding); ``kv_format``: how a new store keeps KV
-        (``kvformat``), which an existing store must already hold. Raises
+        (``kvformat``), which an existing store must already hold; ``measure_store``: measure the store's size
+        for ``/metrics`` here (off: the ingress of ``--replicas`` measures it once). Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
@@ -269,14 +291,17 @@ class KvmemServer:
             extractor=extractor,
         )
         mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
-        return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
-
-    def store_bytes(self) -> int:
-        at, n = self._store_bytes
-        if time.monotonic() - at > 10:  # a directory walk, at most every 10 s
-            n = self.service.store.disk_bytes()
-            self._store_bytes = (time.monotonic(), n)
-        return n
+        return cls(
+            svc,
+            mem,
+            eng,
+            Tenants(api_keys or {}),
+            limits or Limits(),
+            pool,
+            max_queue,
+            selective_recompute,
+            measure_store,
+        )
 
     def attach_extraction(self, loop: asyncio.AbstractEventLoop) -> None:
         """Let writes (on the model thread) decode extraction JSON on the engine (``AsyncEngine.sync_json``)."""
@@ -290,6 +315,8 @@ class KvmemServer:
     async def aclose(self) -> None:
         """``close`` from inside an event loop."""
         self.ready = False
+        if self.store_size is not None:
+            self.store_size.close()
         try:
             await self.engine.shutdown()
         finally:
