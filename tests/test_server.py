@@ -982,3 +982,38 @@ def test_streamed_text_is_decoded_once_per_token_and_equals_a_full_decode(model)
     assert all("\ufffd" not in p for p in pieces)  # a character is sent whole, never as halves
     k = full.index("🚀") + 1
     assert stream.tokens_for(k) == next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).startswith(full[:k]))
+
+
+def test_the_connector_counters_file_is_private_and_its_names_are_checked(server, tmp_path):
+    """The vLLM connector's counters go to a file in a fresh 0700 directory (never a predictable name in /tmp),
+    and only names of its own shape, with numeric values, 64 at most, become kvmem_connector_events labels."""
+    import os
+    import stat
+    from pathlib import Path
+
+    from kvmem.server.runtime import MAX_CONNECTOR_EVENTS, private_metrics_file
+
+    a, b = Path(private_metrics_file()), Path(private_metrics_file())
+    try:
+        assert a.parent != b.parent and str(os.getpid()) not in str(a)
+        assert stat.S_IMODE(a.parent.stat().st_mode) == 0o700 and a.parent.stat().st_uid == os.getuid()
+    finally:
+        a.parent.rmdir()
+        b.parent.rmdir()
+    srv, base = server
+    path = tmp_path / "connector.json"
+    hostile = {"injected": 5, 'x"} 1\nkvmem_fake 9': 1, "Upper": 2, "text": "n/a", "y" * 100: 3}
+    path.write_text(json.dumps({**hostile, **{f"e{i:03d}": i for i in range(100)}}))
+    srv.metrics._metrics_file = str(path)
+    try:
+        text = httpx.get(f"{base}/metrics").text
+    finally:
+        srv.metrics._metrics_file = None
+    events = {
+        line.split('event="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmem_connector_events{")
+    }
+    assert events["injected"] == 5 and len(events) == MAX_CONNECTOR_EVENTS, sorted(events)
+    assert set(events) <= {"injected"} | {f"e{i:03d}" for i in range(100)}
+    assert "kvmem_fake" not in text

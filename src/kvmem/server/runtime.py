@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
+import re
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,18 @@ class Limits:
     max_tokens: int = 4096  # a request asking for more new tokens gets a 400
     allow_cold: bool = False  # memory.cache "cold" (load tests: every cache tier bypassed); else a 400
     send_timeout_s: float = 30.0  # a send the client has not drained by then ends its request (``stalls``)
+
+
+# the connector's counters file becomes label values of kvmem_connector_events: names of its own shape only, and
+# a bounded number of them
+EVENT_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+MAX_CONNECTOR_EVENTS = 64
+
+
+def private_metrics_file() -> str:
+    """Where the vLLM connector writes its counters (and ``.worker``, ``.loads`` beside them): a fresh directory
+    only this user can enter (``tempfile.mkdtemp``, mode 0700), never a predictable name in a shared /tmp."""
+    return str(Path(tempfile.mkdtemp(prefix="kvmem-metrics-")) / "connector.json")
 
 
 class Metrics:
@@ -116,6 +129,7 @@ class Metrics:
             extraction.labels(name).set_function(lambda n=name: server.memory.extraction_counts[n])
         self._conn = Gauge("kvmem_connector_events", "The vLLM connector's scheduler counters", ["event"], registry=r)
         self._metrics_file = server.engine.metrics_file
+        self._conn_events: dict[str, int] = {}  # the connector's event names seen, in order
 
     def render(self) -> bytes:
 
@@ -123,8 +137,12 @@ class Metrics:
         if path and Path(path).exists():
             try:
                 for k, v in json.loads(Path(path).read_text()).items():
-                    self._conn.labels(k).set(v)
-            except (OSError, ValueError):
+                    if self._conn_events.get(k, len(self._conn_events)) >= MAX_CONNECTOR_EVENTS:
+                        continue  # a bounded set of label values
+                    if isinstance(k, str) and EVENT_RE.match(k) and isinstance(v, (int, float)):
+                        self._conn_events.setdefault(k, len(self._conn_events))
+                        self._conn.labels(k).set(v)
+            except (OSError, ValueError, AttributeError):
                 pass
         if path:
             try:
@@ -260,12 +278,14 @@ class KvmemServer:
             pool=pool,
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
-            metrics_file=str(Path(tempfile.gettempdir()) / f"kvmem-connector-metrics-{os.getpid()}.json"),
+            metrics_file=(metrics_file := private_metrics_file()),
             vllm_options=vllm_options,
         )
         if opened.note:
             logger.warning(opened.note)
         eng, lm = opened.engine, opened.lm
+        if not eng.metrics_file:  # an engine that writes no counters (transformers)
+            shutil.rmtree(Path(metrics_file).parent, ignore_errors=True)
         indexes = IndexCache(cache_bytes)
         svc = MemoryService(
             root,
@@ -321,6 +341,8 @@ class KvmemServer:
             await self.engine.shutdown()
         finally:
             self.model_pool.shutdown(wait=False, cancel_futures=True)
+            if self.engine.metrics_file:  # the private directory of the connector's counters
+                shutil.rmtree(Path(self.engine.metrics_file).parent, ignore_errors=True)
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_pool, fn, *args)
