@@ -771,8 +771,8 @@ def test_a_request_that_timed_out_in_the_queue_never_runs(server, alice):
 
 
 def _stalled_stream(base: str, key: str, max_tokens: int):
-    """A raw socket that asks for a streamed chat (with 20 top logprobs a token: about 2 KB per chunk) and never
-    reads: a 4 KB receive buffer, so the server's sends stop draining after a few hundred tokens."""
+    """A raw socket that asks for a streamed chat (20 top logprobs a token: about 3 KB per chunk; temperature 2,
+    so the answer does not end early) and never reads: a 4 KB receive buffer."""
     import socket
     from urllib.parse import urlsplit
 
@@ -785,7 +785,7 @@ def _stalled_stream(base: str, key: str, max_tokens: int):
             "logprobs": True,
             "top_logprobs": 20,
             "max_tokens": max_tokens,
-            "temperature": 1.0,
+            "temperature": 2.0,
             "seed": 1,
         }
     ).encode()
@@ -801,12 +801,13 @@ def _stalled_stream(base: str, key: str, max_tokens: int):
 
 
 def test_a_client_that_stops_reading_never_holds_an_engine_slot(server, alice, caplog):
-    """Two streamed chats whose clients never read, on an engine with two slots: each send that does not drain
+    """Two streamed chats whose clients never read, on an engine with two slots (the server's kernel send buffer
+    fixed at 4 KB, so the sends stall after a few dozen tokens, not megabytes): each send that does not drain
     within --send-timeout ends its request (the engine stops decoding it), closes its connection, counts in
-    kvmem_send_timeouts_total and is logged once; another tenant's chat is answered meanwhile."""
+    kvmem_send_timeouts_total and is logged once; another tenant's chat is answered."""
     import logging
 
-    srv, base = server
+    srv, _ = server
     eng = srv.engine.engine
     done, real = [], eng.run_request
 
@@ -815,23 +816,24 @@ def test_a_client_that_stops_reading_never_holds_an_engine_slot(server, alice, c
         done.append(request.sampling.max_tokens - len(out.token_ids))  # tokens not decoded (cancelled)
         return out
 
-    def metric(name: str) -> float:
-        for line in httpx.get(f"{base}/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"{name} is not in /metrics")
-
     eng.run_request = recording
     srv.limits.send_timeout_s, srv.engine.max_queue = 1.0, 2
     socks = []
     try:
-        with caplog.at_level(logging.WARNING, logger="kvmem.server"):
+        with http_server(srv, sndbuf=4096) as base, caplog.at_level(logging.WARNING, logger="kvmem.server"):
+
+            def metric(name: str) -> float:
+                for line in httpx.get(f"{base}/metrics").text.splitlines():
+                    if line.startswith(name + " "):
+                        return float(line.split()[1])
+                raise AssertionError(f"{name} is not in /metrics")
+
             t0 = time.perf_counter()
-            socks = [_stalled_stream(base, KEY_A, 1500) for _ in range(2)]
-            while metric("kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 60:
+            socks = [_stalled_stream(base, KEY_A, 400) for _ in range(2)]
+            while metric("kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 30:
                 time.sleep(0.2)
             assert metric("kvmem_send_timeouts_total") == 2
-            while len(done) < 2 and time.perf_counter() - t0 < 60:
+            while len(done) < 2 and time.perf_counter() - t0 < 30:
                 time.sleep(0.1)
             assert len(done) == 2 and min(done) > 0, done  # both stopped decoding before max_tokens
             assert metric("kvmem_engine_queue_depth") == 0

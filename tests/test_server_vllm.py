@@ -47,8 +47,6 @@ def serve_cmd(tmp, port: int) -> list[str]:
         "2",
         "--kv-cache-bytes",
         str(256 << 20),
-        "--send-timeout",
-        "2",
     ]
 
 
@@ -251,34 +249,3 @@ def test_vllm_injects_memory_of_several_scopes_through_the_connector(base):
     again = chat("kv", agent_id="repair")
     assert later in again["kvmem"]["fact_ids"] and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20
     assert fallbacks() == before
-
-
-def test_vllm_frees_the_slot_of_a_client_that_stops_reading(base):
-    """Two streamed chats whose clients never read: each is cut off after --send-timeout (2 s), its vLLM request
-    aborted, so the engine's queue empties (it held the slots until the client closed, before) and another
-    tenant is answered."""
-    from test_server import _stalled_stream
-
-    def metric(name: str) -> float:
-        for line in httpx.get(f"{base}/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"{name} is not in /metrics")
-
-    socks = [_stalled_stream(base, KEY_A, 1500) for _ in range(2)]
-    try:
-        t0 = time.perf_counter()
-        while metric("kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 90:
-            time.sleep(0.2)
-        assert metric("kvmem_send_timeouts_total") == 2
-        assert metric("kvmem_engine_queue_depth") == 0
-        r = httpx.post(
-            f"{base}/v1/chat/completions",
-            headers={"Authorization": f"Bearer {KEY_B}"},
-            json={"messages": [{"role": "user", "content": "Hi"}], "memory": {"mode": "off"}, "max_tokens": 4},
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
-    finally:
-        for s in socks:
-            s.close()
