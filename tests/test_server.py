@@ -872,9 +872,10 @@ def test_deep_filters_and_nul_characters_get_one_clear_4xx(server, alice):
         assert r.status_code == 400 and f"more than {MAX_FILTER_DEPTH} levels" in r.json()["error"]["message"], r.text
     r = c.post("/v3/memories", json={"filters": deep})
     assert r.status_code == 400 and "levels deep" in r.text, r.text
-    ok = {"user_id": "alice"}
-    for _ in range(MAX_FILTER_DEPTH // 2):
-        ok = {"NOT": [{"NOT": [ok]}]}
+    inner = {"user_id": "alice"}
+    for _ in range(MAX_FILTER_DEPTH - 1):
+        inner = {"AND": [inner]}
+    ok = {"user_id": "alice", "AND": [inner]}  # exactly the limit: served
     r = c.post("/v3/memories/search", json={"query": "cat", "filters": ok})
     assert r.status_code == 200 and r.json()["results"], r.text
     for path in ("/v1/memories/%00", "/v1/memories?user_id=al%00ice"):

@@ -71,6 +71,7 @@ def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_p
         assert seen.get("ready") == 503 and seen.get("chat") == (503, "engine_dead"), seen
         assert proc.wait(timeout=120) == 3
         took = time.time() - t_kill
+        print(f"the server exited {took:.1f} s after its engine died")  # for docs/benchmarks.md (pytest -s)
         # DEAD_GRACE_S (2 s) of 503s, uvicorn's drain (5 s at most), the engine's shutdown (3 s at most)
         assert took < 12, f"the server exited {took:.1f} s after its engine died"
         _, alive = psutil.wait_procs(kids, timeout=5)  # and took every engine process with it
