@@ -55,6 +55,8 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
         errs = exc.errors()
+        if any(e.get("type") == "nul_character" for e in errs):
+            return APIError(400, "NUL characters (\\u0000) are not allowed in a body", "invalid_request").response()
         if any(e.get("type") in ("json_invalid", "json_type") or tuple(e.get("loc", ())) == ("body",) for e in errs):
             return APIError(400, "the body is not a valid JSON object", "invalid_json").response()
         e = errs[0] if errs else {}

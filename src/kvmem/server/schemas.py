@@ -12,6 +12,7 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..compose import ContextOverflow
 from ..engines.base import EngineBusy
@@ -97,13 +98,13 @@ def error_responses(*statuses: int) -> dict:
 
 def _check_no_nul(data):
     """Refuses a NUL character in any string of a request body (PostgreSQL cannot store one, so no
-    store takes them), found without recursion. Raises ValueError (HTTP 422 naming it)."""
+    store takes them), found without recursion. Raises PydanticCustomError ``nul_character`` (HTTP 400 naming it)."""
     todo = [data]
     while todo:
         x = todo.pop()
         if isinstance(x, str):
             if "\x00" in x:
-                raise ValueError("NUL characters (\\u0000) are not allowed")
+                raise PydanticCustomError("nul_character", "NUL characters (\\u0000) are not allowed")
         elif isinstance(x, dict):
             todo += list(x.keys()) + list(x.values())
         elif isinstance(x, list):
