@@ -212,19 +212,23 @@ def assert_is_prefill(model, seq: list[int], keys, values, atol: float = 1e-4) -
 
 
 @contextmanager
-def http_server(srv):
+def http_server(srv, sndbuf: int | None = None):
     """``kvmem serve``'s app for the ``KvmemServer`` ``srv`` on a free loopback port (uvicorn in a thread), until
-    the block ends; yields its base URL once ``/health`` answers."""
+    the block ends; yields its base URL once ``/health`` answers. ``sndbuf``: the kernel send buffer of each
+    connection, bytes (fixed, not autotuned: a client that stops reading stalls the server's sends after a few
+    KB instead of megabytes)."""
     import httpx
     import uvicorn
 
     from kvmem.server import create_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    listener = socket.socket()
+    if sndbuf is not None:  # accepted connections inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, daemon=True)
+    th = threading.Thread(target=uv.run, kwargs={"sockets": [listener]}, daemon=True)
     th.start()
     base = f"http://127.0.0.1:{port}"
     for _ in range(200):
@@ -238,6 +242,7 @@ def http_server(srv):
     finally:
         uv.should_exit = True
         th.join(timeout=10)
+        listener.close()
 
 
 # --- one vLLM server for the session ------------------------------------------------------------------------------

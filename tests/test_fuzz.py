@@ -1,6 +1,7 @@
 """Schema fuzzing of ``kvmem serve``'s own OpenAPI document (schemathesis, on loopback): every operation, with
 generated valid and invalid bodies, parameters and keys, answers without a 5xx and with a response that keeps
-to its own schema and content type. The transformers engine and the small test model; ``max_tokens`` is capped
+to its own schema and content type, with a status the document lists (every 4xx/5xx with its body). The
+transformers engine and the small test model; ``max_tokens`` is capped
 by the server's limit, so a generated 4,096-token request is a 400, not minutes of decoding."""
 
 from __future__ import annotations
@@ -50,10 +51,15 @@ def test_no_operation_answers_a_5xx_or_breaks_its_schema(base):
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
     from schemathesis import GenerationMode
-    from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance
+    from schemathesis.checks import (
+        content_type_conformance,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
-    checks = (not_a_server_error, response_schema_conformance, content_type_conformance)
+    checks = (not_a_server_error, status_code_conformance, response_schema_conformance, content_type_conformance)
     headers = {"Authorization": f"Bearer {KEY}"}
 
     def fuzz_operation(op, mode) -> int:

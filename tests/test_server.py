@@ -768,3 +768,256 @@ def test_a_request_that_timed_out_in_the_queue_never_runs(server, alice):
         eng.run_request = real
     assert r.status_code == 503 and r.json()["error"]["code"] == "timeout", r.text
     assert ran == []
+
+
+def _stalled_stream(base: str, key: str, max_tokens: int):
+    """A raw socket that asks for a streamed chat (20 top logprobs a token: about 3 KB per chunk; temperature 2,
+    so the answer does not end early) and never reads: a 4 KB receive buffer."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
+            "memory": {"mode": "off"},
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "max_tokens": max_tokens,
+            "temperature": 2.0,
+            "seed": 1,
+        }
+    ).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((u.hostname, u.port))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    s.sendall(head.encode() + body)
+    return s
+
+
+def test_a_client_that_stops_reading_never_holds_an_engine_slot(server, alice, caplog):
+    """Two streamed chats whose clients never read, on an engine with two slots (the server's kernel send buffer
+    fixed at 4 KB, so the sends stall after a few dozen tokens, not megabytes): each send that does not drain
+    within --send-timeout ends its request (the engine stops decoding it), closes its connection, counts in
+    kvmem_send_timeouts_total and is logged once; another tenant's chat is answered."""
+    import logging
+
+    srv, _ = server
+    eng = srv.engine.engine
+    done, real = [], eng.run_request
+
+    def recording(request, **kw):
+        out = real(request, **kw)
+        done.append(request.sampling.max_tokens - len(out.token_ids))  # tokens not decoded (cancelled)
+        return out
+
+    eng.run_request = recording
+    srv.limits.send_timeout_s, srv.engine.max_queue = 1.0, 2
+    socks = []
+    try:
+        with http_server(srv, sndbuf=4096) as base, caplog.at_level(logging.WARNING, logger="kvmem.server"):
+
+            def metric(name: str) -> float:
+                for line in httpx.get(f"{base}/metrics").text.splitlines():
+                    if line.startswith(name + " "):
+                        return float(line.split()[1])
+                raise AssertionError(f"{name} is not in /metrics")
+
+            t0 = time.perf_counter()
+            socks = [_stalled_stream(base, KEY_A, 400) for _ in range(2)]
+            while metric("kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 30:
+                time.sleep(0.2)
+            assert metric("kvmem_send_timeouts_total") == 2
+            while len(done) < 2 and time.perf_counter() - t0 < 30:
+                time.sleep(0.1)
+            assert len(done) == 2 and min(done) > 0, done  # both stopped decoding before max_tokens
+            assert metric("kvmem_engine_queue_depth") == 0
+            r = httpx.post(
+                f"{base}/v1/chat/completions",
+                headers=_h(KEY_B),
+                json={"messages": [{"role": "user", "content": "Hi"}], "memory": {"mode": "off"}, "max_tokens": 4},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+            for s in socks:  # the server closed the connection: what it had sent, then end of stream
+                s.settimeout(10)
+                while s.recv(1 << 16):
+                    pass
+        said = [r for r in caplog.records if "stopped reading" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        eng.run_request = real
+        srv.limits.send_timeout_s, srv.engine.max_queue = 30.0, 64
+        for s in socks:
+            s.close()
+
+
+def test_deep_filters_and_nul_characters_get_one_clear_4xx(server, alice):
+    """AND / OR / NOT nested 300 levels deep (3 KB) is a 400 naming the depth limit, never a RecursionError's
+    500; a NUL character in a path, a query or a body string is a 400 naming it (no store can hold one)."""
+    from kvmem.scopes import MAX_FILTER_DEPTH
+
+    _, base = server
+    c = httpx.Client(base_url=base, headers=_h(), timeout=60)
+    deep = {"user_id": "alice"}
+    for i in range(300):
+        deep = {"AND": [deep]} if i % 2 else {"NOT": [deep]}
+    deep = {"user_id": "alice", **deep}  # scoped, so the search reaches the filter
+    for path in ("/v1/memories/search", "/v3/memories/search"):
+        r = c.post(path, json={"query": "cat", "filters": deep})
+        assert r.status_code == 400 and f"more than {MAX_FILTER_DEPTH} levels" in r.json()["error"]["message"], r.text
+    r = c.post("/v3/memories", json={"filters": deep})
+    assert r.status_code == 400 and "levels deep" in r.text, r.text
+    inner = {"user_id": "alice"}
+    for _ in range(MAX_FILTER_DEPTH - 1):
+        inner = {"AND": [inner]}
+    ok = {"user_id": "alice", "AND": [inner]}  # exactly the limit: served
+    r = c.post("/v3/memories/search", json={"query": "cat", "filters": ok})
+    assert r.status_code == 200 and r.json()["results"], r.text
+    for path in ("/v1/memories/%00", "/v1/memories?user_id=al%00ice"):
+        r = c.get(path)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("NUL characters"), (path, r.text)
+    r = c.post("/v1/memories", json={"messages": "hi", "metadata": {"k": "a\x00b"}, "user_id": "alice", "infer": False})
+    assert r.status_code == 400 and "NUL characters" in r.json()["error"]["message"], r.text
+
+
+def test_store_errors_never_reach_the_client(tmp_path, postgres, monkeypatch):
+    """A PostgreSQL error (here: a NUL in a looked-up id) names the store's URL and quotes the database; the
+    answer carries neither (logged on the server instead)."""
+    import store_worker as sw
+    from kvmem.server.schemas import error_of
+    from kvmem.store import StoreError
+
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
+    st = sw.create(tmp_path / "s")
+    try:
+        with pytest.raises(StoreError) as raised:
+            st.fact("a\x00b")
+    finally:
+        st.close()
+    assert "postgresql://" in str(raised.value)  # the store's own words
+    resp = error_of(raised.value).response()
+    body = json.loads(resp.body)
+    assert resp.status_code == 409 and body["error"]["code"] == "write_conflict"
+    assert "postgresql" not in resp.body.decode() and "0x00" not in resp.body.decode(), body
+
+
+def test_metrics_never_walk_the_store_on_the_event_loop(server, alice):
+    """A store with 60,000 more files (the walk that sizes it takes most of a second here): /health answers in a
+    few milliseconds while /metrics is scraped, since kvmem_store_bytes is measured on a background thread, and
+    scrapes never repeat the walk."""
+    import concurrent.futures
+    import shutil
+
+    from kvmem.server import KvmemServer
+
+    srv, _ = server
+    junk = srv.service.store.root / "junk"
+    junk.mkdir()
+    try:
+        for i in range(60_000):
+            (junk / f"f{i}").touch()
+        t0 = time.perf_counter()
+        srv.service.store.disk_bytes()
+        walk_s = time.perf_counter() - t0
+        assert walk_s > 0.3, walk_s  # the precondition: a walk that would be felt on the event loop
+        fresh = KvmemServer(srv.service, srv.memory, srv.engine, srv.tenants, srv.limits, srv.model_pool)
+        with http_server(fresh) as base, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            waits = []
+            for _ in range(3):
+                scrape = pool.submit(httpx.get, f"{base}/metrics", timeout=60)
+                time.sleep(0.02)
+                t0 = time.perf_counter()
+                assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+                waits.append(time.perf_counter() - t0)
+                assert scrape.result().status_code == 200
+            assert max(waits) < 0.25 * walk_s, (waits, walk_s)
+            deadline = time.time() + 30
+            while fresh.store_size.measurements < 1 and time.time() < deadline:
+                time.sleep(0.1)
+            text = httpx.get(f"{base}/metrics").text
+            [line] = [x for x in text.splitlines() if x.startswith("kvmem_store_bytes ")]
+            assert float(line.split()[1]) > 0
+            assert fresh.store_size.measurements == 1  # four scrapes, one walk
+        fresh.store_size.close()
+    finally:
+        shutil.rmtree(junk)
+
+
+TRICKY = (
+    "Zoë's café — naïve 日本語のテキスト 🙂🚀👩‍👩‍👧 x² ≠ y; Ελληνικά, עברית, العربية 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 e\u0301\n"
+    "  indented\ttab  . ‘quotes’ «guillemets» ½ ⅞ 한국어 ไทย \u200b zero-width"
+)
+
+
+@pytest.mark.parametrize("model", [FAST, "qwen2.5-coder-0.5b-instruct", "gemma3-270m"])
+def test_streamed_text_is_decoded_once_per_token_and_equals_a_full_decode(model):
+    """The stream's detokenizer (``server.detok``) gives, token by token, exactly what one decode of every id
+    gives, for text whose characters span tokens (emoji sequences, CJK, combining marks, byte-fallback), and
+    never decodes everything so far again: one whole decode per answer, at its end, whatever its length."""
+    from transformers import AutoTokenizer
+
+    from kvmem.server.detok import IncrementalText
+
+    if not (model_dir(model) / MANIFEST).exists():
+        pytest.skip(f"{model} is not installed")
+    tok = AutoTokenizer.from_pretrained(model_dir(model))
+    ids = tok.encode(TRICKY * 40, add_special_tokens=False) + [tok.eos_token_id]
+    decodes = []
+
+    class Counting:  # the real tokenizer, its whole decodes counted
+        backend_tokenizer = tok.backend_tokenizer
+
+        def decode(self, ids, **kw):
+            decodes.append(len(ids))
+            return tok.decode(ids, **kw)
+
+    stream = IncrementalText(Counting())
+    pieces = [stream.push([t]) for t in ids]
+    pieces.append(stream.finish())
+    full = tok.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) == stream.text == full
+    assert len(ids) > 1000 and decodes == [len(ids)]
+    assert all("\ufffd" not in p for p in pieces)  # a character is sent whole, never as halves
+    k = full.index("🚀") + 1
+    assert stream.tokens_for(k) == next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).startswith(full[:k]))
+
+
+def test_the_connector_counters_file_is_private_and_its_names_are_checked(server, tmp_path):
+    """The vLLM connector's counters go to a file in a fresh 0700 directory (never a predictable name in /tmp),
+    and only names of its own shape, with numeric values, 64 at most, become kvmem_connector_events labels."""
+    import os
+    import stat
+    from pathlib import Path
+
+    from kvmem.server.runtime import MAX_CONNECTOR_EVENTS, private_metrics_file
+
+    a, b = Path(private_metrics_file()), Path(private_metrics_file())
+    try:
+        assert a.parent != b.parent and str(os.getpid()) not in str(a)
+        assert stat.S_IMODE(a.parent.stat().st_mode) == 0o700 and a.parent.stat().st_uid == os.getuid()
+    finally:
+        a.parent.rmdir()
+        b.parent.rmdir()
+    srv, base = server
+    path = tmp_path / "connector.json"
+    hostile = {"injected": 5, 'x"} 1\nkvmem_fake 9': 1, "Upper": 2, "text": "n/a", "y" * 100: 3}
+    path.write_text(json.dumps({**hostile, **{f"e{i:03d}": i for i in range(100)}}))
+    srv.metrics._metrics_file = str(path)
+    try:
+        text = httpx.get(f"{base}/metrics").text
+    finally:
+        srv.metrics._metrics_file = None
+    events = {
+        line.split('event="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvmem_connector_events{")
+    }
+    assert events["injected"] == 5 and len(events) == MAX_CONNECTOR_EVENTS, sorted(events)
+    assert set(events) <= {"injected"} | {f"e{i:03d}" for i in range(100)}
+    assert "kvmem_fake" not in text

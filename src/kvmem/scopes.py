@@ -159,9 +159,29 @@ def _condition(key: str, cond) -> Callable[[dict], bool]:
     return lambda m: all(_compare(op, m.get(key), want) for op, want in checks)
 
 
+MAX_FILTER_DEPTH = 32  # AND / OR / NOT nested at most this deep (each level costs the predicate stack frames)
+
+
+def check_filter_depth(filters) -> None:
+    """Raises ScopeError when ``AND`` / ``OR`` / ``NOT`` nest deeper than ``MAX_FILTER_DEPTH`` (checked without
+    recursion, so any depth is refused cleanly, never with a RecursionError)."""
+    todo = [(filters, 0)]
+    while todo:
+        f, depth = todo.pop()
+        if not isinstance(f, dict):
+            continue
+        for key, value in f.items():
+            if key in ("AND", "OR", "NOT") and isinstance(value, list):
+                if depth + 1 > MAX_FILTER_DEPTH:
+                    raise ScopeError(f"filters nest AND / OR / NOT more than {MAX_FILTER_DEPTH} levels deep")
+                todo += [(v, depth + 1) for v in value]
+
+
 def compile_filters(filters: dict | None) -> tuple[Callable[[dict], bool], set[str]]:
     """A predicate over a memory's fields (entity ids, builtin fields, metadata keys; a missing field is None)
-    and the field names it reads. Raises ScopeError for an unknown operator or a malformed filter."""
+    and the field names it reads. Raises ScopeError for an unknown operator, a malformed filter, or ``AND`` /
+    ``OR`` / ``NOT`` nested deeper than ``MAX_FILTER_DEPTH``."""
+    check_filter_depth(filters)
     fields: set[str] = set()
 
     def build(f) -> Callable[[dict], bool]:
@@ -193,7 +213,9 @@ def compile_filters(filters: dict | None) -> tuple[Callable[[dict], bool], set[s
 def entity_constraints(filters: dict | None) -> dict[str, str]:
     """The plain entity equalities at the top level of ``filters`` (``{"user_id": "u1"}`` or ``{"eq": "u1"}``),
     or inside its top-level ``AND``: what picks the partitions a search reads before the predicate runs on their
-    memories. Raises ScopeError when two of them disagree."""
+    memories. Raises ScopeError when two of them disagree, or for filters nested deeper than
+    ``MAX_FILTER_DEPTH``."""
+    check_filter_depth(filters)
     out = {}
     for name in ENTITIES:
         v = (filters or {}).get(name)

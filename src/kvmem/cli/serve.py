@@ -54,6 +54,12 @@ def serve_cmd(
         help="Accept memory.cache 'cold' (load tests: the request's facts are read past every cache tier).",
     ),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
+    send_timeout: float = typer.Option(
+        30.0,
+        "--send-timeout",
+        help="A client that takes none of a response's bytes for this long, s, is cut off: its request ends (a "
+        "streamed chat's engine request is aborted) and its connection is closed.",
+    ),
     write_timeout: float = typer.Option(
         30.0,
         "--write-timeout",
@@ -112,6 +118,7 @@ def serve_cmd(
     if (
         min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1
         or timeout <= 0
+        or send_timeout <= 0
         or write_timeout <= 0
         or (window or 0) < 0
         or tail_recompute < 0
@@ -119,7 +126,7 @@ def serve_cmd(
     ):
         raise ValueError(
             "--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
-            "--timeout, --write-timeout must be positive, --window >= 0, --port in 1-65535"
+            "--timeout, --send-timeout, --write-timeout must be positive, --window >= 0, --port in 1-65535"
         )
     if window is not None or neighbours is not None or history is not None:
         Encoding.of(window, neighbours, history)
@@ -134,7 +141,14 @@ def serve_cmd(
         engine=engine,
         dtype=resolve_dtype(None if dtype == "auto" else dtype),
         limits=Limits(
-            max_body_bytes, timeout, top_k, mode, max_tokens, max_tokens=max(4096, max_tokens), allow_cold=allow_cold
+            max_body_bytes,
+            timeout,
+            top_k,
+            mode,
+            max_tokens,
+            max_tokens=max(4096, max_tokens),
+            allow_cold=allow_cold,
+            send_timeout_s=send_timeout,
         ),
         cache_bytes=cache_bytes,
         kv_cache_memory_bytes=kv_cache_bytes,

@@ -22,7 +22,10 @@ unknown key, 403 another tenant's memory, 404 unknown memory id / model / route,
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +45,8 @@ __all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_a
 
 
 DEAD_GRACE_S = 2.0  # a server whose engine died answers 503 this long, then drains and exits
+DEAD_CLOSE_S = 3.0  # then its engine's shutdown gets this long; the exit follows either way
+# so the process is gone within DEAD_GRACE_S + uvicorn's drain (5 s at most) + DEAD_CLOSE_S of the death
 
 
 def serve(
@@ -111,7 +116,23 @@ def serve(
     try:
         uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
     finally:
-        close()
+        if died.is_set():  # a dead engine's shutdown can wait on processes and sockets that are gone: bounded
+            closer = threading.Thread(target=close, name="kvmem-close", daemon=True)
+            closer.start()
+            closer.join(DEAD_CLOSE_S)
+        else:
+            close()
         log("kvmem serve: stopped" + (" (the engine died)" if died.is_set() else ""))
     if died.is_set():
-        raise SystemExit(EXIT_ENGINE_DIED)
+        _exit_now(EXIT_ENGINE_DIED)
+
+
+def _exit_now(status: int) -> None:
+    """Exit with ``status`` at once: the engine's remaining child processes are killed, logs flushed, and neither
+    the dead engine's threads nor its exit hooks can hold the process (``os._exit``)."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -26,7 +26,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ..scopes import Scope, ScopeError, parse_key
 from .replicas import LIVE, ROUTED, Replicas
 from .routes import body_limit_error
+from .runtime import store_bytes_gauge
 from .schemas import APIError
+from .stalls import SendTimeout
 
 logger = logging.getLogger("kvmem.server")
 
@@ -100,6 +102,7 @@ def create_ingress(cluster: Replicas) -> FastAPI:
         lambda: ROUTED["preferred"] / max(1, ROUTED["preferred"] + ROUTED["fallback"])
     )
     Gauge("kvmem_replicas_live", "Replicas the router routes among", registry=registry).set_function(lambda: len(LIVE))
+    store_bytes_gauge(registry, cluster.store_size)  # once here for the shared store (the replicas skip it)
 
     async def forward(req: dict, key: str | None, pin: str | None, retry: bool):
         """The replica's first message and its stream. ``retry`` (reads and chats): a replica that died before
@@ -214,6 +217,10 @@ def create_ingress(cluster: Replicas) -> FastAPI:
         resp.raw_headers = raw  # the replica's headers as sent (duplicates kept)
         return resp
 
+    # a client that stops reading: its stream is cancelled on its replica too (``stalls``)
+    stalls = Counter("kvmem_send_timeouts", "Requests cut off because their client stopped reading for --send-timeout",
+                     registry=registry)  # fmt: skip
+    app.add_middleware(SendTimeout, timeout_s=lambda: limits.send_timeout_s, on_stall=stalls.inc)
     return app
 
 

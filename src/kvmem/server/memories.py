@@ -19,10 +19,11 @@ from fastapi import FastAPI, Request
 from ..memory import MemoryInputError
 from ..scopes import parse_key
 from .runtime import KvmemServer
-from .schemas import AddMemoryRequest, APIError, ListRequest, SearchRequest, UpdateRequest
+from .schemas import AddMemoryRequest, APIError, ListRequest, SearchRequest, UpdateRequest, error_responses
 from .tenants import Tenants
 
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id"}
+ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503, 507)  # what any memories route may answer
 
 
 def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
@@ -31,7 +32,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
 
         def register(fn):
             for p in (path, path + "/"):
-                app.add_api_route(p, fn, methods=[method])
+                app.add_api_route(p, fn, methods=[method], responses=ERRORS)
             return fn
 
         return register

@@ -33,6 +33,7 @@ from ray.serve.request_router import RequestRouter
 from ..store import Store, canonical, password
 from .routes import create_app
 from .runtime import KvmemServer, Limits, preflight
+from .storesize import StoreSize
 from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
@@ -197,6 +198,7 @@ class Replicas:
         self.limits, self.tenants, self.store_location = limits, tenants, store
         self._store: Store | None = None
         self._owners = LRUCache(maxsize=100_000)  # a memory id's owner never changes
+        self.store_size = StoreSize(store)  # for the ingress's /metrics: once for the shared store
 
     @classmethod
     def start(
@@ -259,7 +261,9 @@ class Replicas:
                 request_router_config=RequestRouterConfig(request_router_class=UserAffinityRouter),
             )
             split = started and not res.get("GPU") and hasattr(os, "sched_setaffinity")
-            cfg = ReplicaConfig(canonical(store), api_keys, {"max_queue": max_queue, **start_kwargs}, split)
+            # the store's size is measured once, by the ingress, not by every replica
+            start = {"max_queue": max_queue, **start_kwargs, "measure_store": False}
+            cfg = ReplicaConfig(canonical(store), api_keys, start, split)
             serve.start(proxy_location="Disabled")
             handle = serve.run(
                 deployment.bind(cfg),
@@ -297,6 +301,7 @@ class Replicas:
     def close(self) -> None:
         """Delete the app (each replica drains, then its ``__del__`` stops its engine); on a Ray this process
         started, Serve and Ray stop too. On a joined cluster other Serve apps keep running."""
+        self.store_size.close()
         try:
             serve.delete(APP_NAME)
             if self.started_ray:

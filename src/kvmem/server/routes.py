@@ -12,7 +12,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -20,8 +20,9 @@ from ..policy import Method
 from ..scopes import Scope, ScopeError
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
-from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of
-from .streaming import ChatGeneration, prepare_chat, sse, watched
+from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses
+from .stalls import SendTimeout
+from .streaming import ChatGeneration, ChatStream, prepare_chat, sse, watched
 
 
 def create_app(server: KvmemServer) -> FastAPI:
@@ -36,6 +37,10 @@ def create_app(server: KvmemServer) -> FastAPI:
     _service_routes(app, server, tenant_of)
     memory_routes(app, server, tenant_of)
     _chat_route(app, server, tenant_of)
+    # outermost: a client that stops reading never holds its request (a streamed chat's engine slot) past the bound
+    app.add_middleware(
+        SendTimeout, timeout_s=lambda: server.limits.send_timeout_s, on_stall=server.metrics.send_timeouts.inc
+    )
     return app
 
 
@@ -50,6 +55,8 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
         errs = exc.errors()
+        if any(e.get("type") == "nul_character" for e in errs):
+            return APIError(400, "NUL characters (\\u0000) are not allowed in a body", "invalid_request").response()
         if any(e.get("type") in ("json_invalid", "json_type") or tuple(e.get("loc", ())) == ("body",) for e in errs):
             return APIError(400, "the body is not a valid JSON object", "invalid_json").response()
         e = errs[0] if errs else {}
@@ -76,6 +83,8 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
         too_big = body_limit_error(request.headers, limits.max_body_bytes)
         if too_big is not None:
             resp = too_big.response()
+        elif "\x00" in request.url.path or "%00" in request.url.query:  # no store can hold a NUL (PostgreSQL)
+            resp = APIError(400, "NUL characters are not allowed in a path or query", "invalid_request").response()
         elif request.url.path.startswith("/v1/") and not server.engine.healthy():
             resp = engine_dead().response()
         else:
@@ -107,11 +116,11 @@ def body_limit_error(headers, max_body_bytes: int) -> APIError | None:
 def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     """Health, readiness, metrics and the model list."""
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(400, 413))
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=error_responses(400, 413, 503))
     async def ready():
         if not server.engine.healthy():
             raise engine_dead()
@@ -122,12 +131,16 @@ def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             out.update(replica=server.replica, pid=os.getpid())
         return out
 
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, **error_responses(400, 413)},
+    )
     async def metrics():
         """Prometheus text exposition format."""
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(400, 401, 413, 503))
     async def models(request: Request):
         tenant_of(request)
         return {
@@ -156,7 +169,9 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     # a whole answer is JSON; with "stream": true it is server-sent events, as OpenAI's
     answers = {"application/json": {}, "text/event-stream": {}}
 
-    @app.post("/v1/chat/completions", responses={200: {"description": "the answer", "content": answers}})
+    errors = error_responses(400, 401, 404, 409, 413, 422, 429, 503, 507)
+
+    @app.post("/v1/chat/completions", responses={200: {"description": "the answer", "content": answers}, **errors})
     async def chat(body: ChatRequest, request: Request):
         t_arrive = time.perf_counter()
         tenant = tenant_of(request)
@@ -215,7 +230,7 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
-            return StreamingResponse(sse(gen, first, include_usage), media_type="text/event-stream")
+            return ChatStream(sse(gen, first, include_usage), media_type="text/event-stream")
         text = await watched(server, gen.collect(), limits.request_timeout_s, request)
         return {
             "id": rid,

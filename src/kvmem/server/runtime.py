@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
+import re
+import shutil
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService, check_methods
 from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
+from .storesize import StoreSize
 from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
@@ -45,6 +46,19 @@ class Limits:
     default_max_tokens: int = 64
     max_tokens: int = 4096  # a request asking for more new tokens gets a 400
     allow_cold: bool = False  # memory.cache "cold" (load tests: every cache tier bypassed); else a 400
+    send_timeout_s: float = 30.0  # a send the client has not drained by then ends its request (``stalls``)
+
+
+# the connector's counters file becomes label values of kvmem_connector_events: names of its own shape only, and
+# a bounded number of them
+EVENT_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+MAX_CONNECTOR_EVENTS = 64
+
+
+def private_metrics_file() -> str:
+    """Where the vLLM connector writes its counters (and ``.worker``, ``.loads`` beside them): a fresh directory
+    only this user can enter (``tempfile.mkdtemp``, mode 0700), never a predictable name in a shared /tmp."""
+    return str(Path(tempfile.mkdtemp(prefix="kvmem-metrics-")) / "connector.json")
 
 
 class Metrics:
@@ -64,6 +78,11 @@ class Metrics:
         self.tokens = Counter(
             "kvmem_prompt_tokens", "Prompt tokens: injected (from memory KV) or prefilled", ["kind"], registry=r
         )
+        self.send_timeouts = Counter(
+            "kvmem_send_timeouts",
+            "Requests cut off because their client stopped reading for --send-timeout (their engine request aborted)",
+            registry=r,
+        )
         self.fallbacks = Counter(
             "kvmem_connector_fallbacks",
             "kv-mode requests whose memory was prefilled instead of injected, by reason",
@@ -73,9 +92,8 @@ class Metrics:
         Gauge("kvmem_engine_queue_depth", "Requests waiting for or running in the engine", registry=r).set_function(
             lambda: server.engine.queue_depth()
         )
-        Gauge("kvmem_store_bytes", "Bytes of the store: its rows and KV segments", registry=r).set_function(
-            server.store_bytes
-        )
+        if server.store_size is not None:  # with --replicas, the ingress's (one figure for the shared store)
+            store_bytes_gauge(r, server.store_size)
         cached = Gauge("kvmem_cache_bytes", "Bytes held by the server's LRU caches", ["cache"], registry=r)
         indexes = server.service.indexes
         cached.labels("index").set_function(lambda: indexes.nbytes)
@@ -113,6 +131,7 @@ class Metrics:
             extraction.labels(name).set_function(lambda n=name: server.memory.extraction_counts[n])
         self._conn = Gauge("kvmem_connector_events", "The vLLM connector's scheduler counters", ["event"], registry=r)
         self._metrics_file = server.engine.metrics_file
+        self._conn_events: dict[str, int] = {}  # the connector's event names seen, in order
 
     def render(self) -> bytes:
 
@@ -120,8 +139,12 @@ class Metrics:
         if path and Path(path).exists():
             try:
                 for k, v in json.loads(Path(path).read_text()).items():
-                    self._conn.labels(k).set(v)
-            except (OSError, ValueError):
+                    if self._conn_events.get(k, len(self._conn_events)) >= MAX_CONNECTOR_EVENTS:
+                        continue  # a bounded set of label values
+                    if isinstance(k, str) and EVENT_RE.match(k) and isinstance(v, (int, float)):
+                        self._conn_events.setdefault(k, len(self._conn_events))
+                        self._conn.labels(k).set(v)
+            except (OSError, ValueError, AttributeError):
                 pass
         if path:
             try:
@@ -129,6 +152,19 @@ class Metrics:
             except (OSError, ValueError):
                 pass
         return generate_latest(self.registry)
+
+
+def store_bytes_gauge(registry: CollectorRegistry, size: StoreSize) -> None:
+    """``kvmem_store_bytes`` (the last background measurement, ``storesize``) and its age, in ``registry``."""
+    Gauge(
+        "kvmem_store_bytes",
+        f"Bytes of the store: its rows and KV segments, measured off the event loop every {size.every_s:.0f} s "
+        "or more (NaN until the first measurement)",
+        registry=registry,
+    ).set_function(size.value)
+    Gauge(
+        "kvmem_store_bytes_seconds", "How long the last measurement of kvmem_store_bytes took, s", registry=registry
+    ).set_function(lambda: size.seconds)
 
 
 def preflight(
@@ -172,6 +208,7 @@ class KvmemServer:
         model_pool: ThreadPoolExecutor,
         max_writes: int = 64,
         selective_recompute: int = 0,
+        measure_store: bool = True,
     ):
         self.service, self.memory, self.engine, self.tenants, self.limits = service, memory, engine, tenants, limits
         self.model_pool = model_pool  # the one thread that runs the transformers model
@@ -180,8 +217,9 @@ class KvmemServer:
         self.pending_writes, self.max_writes = 0, max_writes
         self.selective_recompute = selective_recompute  # default memory.selective_recompute (%)
         self.replica: str | None = None  # this server's name as one of several replicas (``replicas``)
+        # the store's size for /metrics, on a background thread (``storesize``); None: measured elsewhere (replicas)
+        self.store_size = StoreSize(service.store.root) if measure_store else None
         self.metrics = Metrics(self)
-        self._store_bytes = (0.0, 0)
 
     @classmethod
     def start(
@@ -207,6 +245,7 @@ class KvmemServer:
         extractor: dict | None = None,
         kv_format: str | None = None,
         defer_reencode_s: float | None = None,
+        measure_store: bool = True,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -219,7 +258,8 @@ class KvmemServer:
         server's engine, with its batching and guided decoding); ``kv_format``: how a new store keeps KV
         (``kvformat``), which an existing store must already hold; ``defer_reencode_s``: an erasure leaves the
         re-encoding of what was computed behind the erased text to the upkeep task, within this many seconds
-        (None: at once, in the erasing request; ``Memory``). Raises
+        (None: at once, in the erasing request; ``Memory``); ``measure_store``: measure the store's size
+        for ``/metrics`` here (off: the ingress of ``--replicas`` measures it once). Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
@@ -243,12 +283,14 @@ class KvmemServer:
             pool=pool,
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
-            metrics_file=str(Path(tempfile.gettempdir()) / f"kvmem-connector-metrics-{os.getpid()}.json"),
+            metrics_file=(metrics_file := private_metrics_file()),
             vllm_options=vllm_options,
         )
         if opened.note:
             logger.warning(opened.note)
         eng, lm = opened.engine, opened.lm
+        if not eng.metrics_file:  # an engine that writes no counters (transformers)
+            shutil.rmtree(Path(metrics_file).parent, ignore_errors=True)
         indexes = IndexCache(cache_bytes)
         svc = MemoryService(
             root,
@@ -275,14 +317,17 @@ class KvmemServer:
             defer_reencode_s=defer_reencode_s,
         )
         mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
-        return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)
-
-    def store_bytes(self) -> int:
-        at, n = self._store_bytes
-        if time.monotonic() - at > 10:  # a directory walk, at most every 10 s
-            n = self.service.store.disk_bytes()
-            self._store_bytes = (time.monotonic(), n)
-        return n
+        return cls(
+            svc,
+            mem,
+            eng,
+            Tenants(api_keys or {}),
+            limits or Limits(),
+            pool,
+            max_queue,
+            selective_recompute,
+            measure_store,
+        )
 
     def start_upkeep(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start (once, at the first write) the upkeep task on ``loop``: on the model thread, re-encode what
@@ -319,10 +364,14 @@ class KvmemServer:
     async def aclose(self) -> None:
         """``close`` from inside an event loop."""
         self.ready = False
+        if self.store_size is not None:
+            self.store_size.close()
         try:
             await self.engine.shutdown()
         finally:
             self.model_pool.shutdown(wait=False, cancel_futures=True)
+            if self.engine.metrics_file:  # the private directory of the connector's counters
+                shutil.rmtree(Path(self.engine.metrics_file).parent, ignore_errors=True)
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.model_pool, fn, *args)

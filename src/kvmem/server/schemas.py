@@ -7,15 +7,17 @@ import asyncio
 import errno
 import json
 import logging
+import re
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..compose import ContextOverflow
 from ..engines.base import EngineBusy
 from ..memory import MemoryInputError
-from ..store import StoreBusy, StoreError, StoreUnavailable
+from ..store import StoreBusy, StoreError, StoreUnavailable, redact
 
 MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("kvmem.server")
@@ -55,7 +57,68 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+# --- error bodies, as OpenAPI lists them --------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body: OpenAI's ``error`` object, and ``detail`` (its message; absent on a 422)."""
+
+    error: ErrorDetail
+    detail: str | None = None
+
+
+ERROR_MEANINGS = {
+    400: "bad input (malformed JSON, a bad id or filter, context overflow, an unsupported field)",
+    401: "missing or unknown API key",
+    403: "another tenant's memory",
+    404: "unknown memory id, model or route",
+    409: "a write that lost a race with another writer",
+    413: "body over --max-body-bytes, or without Content-Length",
+    422: "a field of the wrong type or out of range",
+    429: "the engine's or the writes' queue is full; retry later",
+    503: "not ready, timed out, the engine died, or the store is busy or unreachable; retry later",
+    507: "no space left on the store's disk; nothing was written",
+}
+
+
+def error_responses(*statuses: int) -> dict:
+    """FastAPI ``responses`` for ``statuses``: each an ``ErrorBody`` (so the OpenAPI document lists them)."""
+    return {s: {"model": ErrorBody, "description": ERROR_MEANINGS[s]} for s in statuses}
+
+
 # --- request models --------------------------------------------------------------------------------------
+
+
+def _check_no_nul(data):
+    """Refuses a NUL character in any string of a request body (PostgreSQL cannot store one, so no
+    store takes them), found without recursion. Raises PydanticCustomError ``nul_character`` (HTTP 400 naming it)."""
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            if "\x00" in x:
+                raise PydanticCustomError("nul_character", "NUL characters (\\u0000) are not allowed")
+        elif isinstance(x, dict):
+            todo += list(x.keys()) + list(x.values())
+        elif isinstance(x, list):
+            todo += x
+    return data
+
+
+class Body(BaseModel):
+    """A request body's model: no NUL character in any of its strings."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data):
+        return _check_no_nul(data)
 
 
 class TextPart(BaseModel):
@@ -155,7 +218,7 @@ class ResponseFormat(BaseModel):
         return json.dumps(self.json_schema.schema_, sort_keys=True)
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(Body):
     model_config = ConfigDict(extra="allow")  # checked: UNSUPPORTED_FIELDS refused, IGNORED_FIELDS ignored
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
@@ -190,7 +253,7 @@ class ChatRequest(BaseModel):
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
 
 
-class Scoped(BaseModel):
+class Scoped(Body):
     """Entity ids (Mem0's scopes) at the top level or inside ``filters``; ``app_id`` is refused (no app scope)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -246,7 +309,7 @@ class ListRequest(Scoped):
     latest_only: bool | None = None
 
 
-class UpdateRequest(BaseModel):
+class UpdateRequest(Body):
     model_config = ConfigDict(extra="forbid")
     text: str | None = None
     metadata: dict | None = None
@@ -256,6 +319,11 @@ class UpdateRequest(BaseModel):
 def engine_dead() -> APIError:
     """503 ``engine_dead``: the engine's process has died and the server is draining before it exits."""
     return APIError(503, "the engine has died; this server is shutting down", "engine_dead")
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of every URL in it removed (``store.redact``), for the server's log."""
+    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)
 
 
 def error_of(exc: Exception) -> APIError:
@@ -269,15 +337,20 @@ def error_of(exc: Exception) -> APIError:
     if isinstance(exc, MemoryInputError):
         msg = str(exc)
         return APIError(404 if "not found" in msg else 400, msg, "memory_not_found" if "not found" in msg else None)
+    # the store's own words name its location (a path, a PostgreSQL URL) and quote the database: logged here,
+    # never sent to the client
     if isinstance(exc, StoreBusy):
-        return APIError(503, f"store busy: {exc}; retry later", "store_busy")
+        logger.warning("store busy: %s", redact_text(str(exc)))
+        return APIError(503, "the store is busy (another writer holds its lock); retry later", "store_busy")
     if isinstance(exc, StoreUnavailable):
-        return APIError(503, f"the store cannot be reached: {exc}; retry later", "store_unavailable")
+        logger.warning("the store cannot be reached: %s", redact_text(str(exc)))
+        return APIError(503, "the store cannot be reached; retry later", "store_unavailable")
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         logger.error("no space left on the store's disk: %s", exc)
         return APIError(507, "no space left on the store's disk; nothing was written", "insufficient_storage")
     if isinstance(exc, StoreError):
-        return APIError(409, f"the store changed under this request: {exc}", "write_conflict")
+        logger.warning("a store error answered 409: %s", redact_text(str(exc)))
+        return APIError(409, "the store changed under this request; read again and retry", "write_conflict")
     if isinstance(exc, (ValueError, LookupError)):
         return APIError(400, str(exc))
     if isinstance(exc, asyncio.TimeoutError):

@@ -1,6 +1,6 @@
 """One chat request against the engine: preparation (retrieval, then the engine's memory), the engine's deltas
-turned into text (incremental detokenization, stop strings), counts and timings, and OpenAI's streaming format
-(``chat.completion.chunk`` server-sent events)."""
+turned into text (incremental detokenization, ``detok``; stop strings), counts and timings, and OpenAI's
+streaming format (``chat.completion.chunk`` server-sent events)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import json
 import time
 from typing import TYPE_CHECKING
 
+import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from ..engines.base import Sampling
 from ..policy import Method
 from ..service import Prepared
+from .detok import IncrementalText
 from .schemas import APIError, engine_dead, error_of
 
 if TYPE_CHECKING:
@@ -77,10 +80,10 @@ class ChatGeneration:
         self, server: KvmemServer, rid: str, prep: Prepared, sampling: Sampling, stops: list[str], t_arrive: float
     ):
         self.server, self.rid, self.prep, self.stops, self.t_arrive = server, rid, prep, stops, t_arrive
-        tok = server.service.lm.tokenizer
-        self._decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+        self.detok = IncrementalText(server.service.lm.tokenizer)  # each token decoded once
         self._it = server.engine.stream(rid, prep.request(sampling))
-        self.ids: list[int] = []
+        self.ids: list[int] = self.detok.ids
+        self._longest_stop = max((len(s) for s in stops), default=0)
         self.logprobs = [] if sampling.logprobs is not None else None  # TokenLogprob per generated token
         self._lp_sent = 0
         self.text, self.sent = "", 0
@@ -99,23 +102,23 @@ class ChatGeneration:
         if self.ttft_ms is None and (delta.token_ids or delta.finished):
             self.ttft_ms = (time.perf_counter() - self.t_arrive) * 1e3
             self.server.metrics.ttft.labels(self.prep.mode).observe(self.ttft_ms / 1e3)
-        self.ids += delta.token_ids
+        added = self.detok.push(delta.token_ids)
         if self.logprobs is not None:
             self.logprobs += delta.logprobs or []
-        text = self._decode(self.ids)
         if delta.finished:
             self.final, self.finish_reason = delta, ("length" if delta.finish_reason == "length" else "stop")
-        for s in self.stops:
-            i = text.find(s)
-            if i >= 0:
-                text, self.finish_reason = text[:i], "stop"
-                self.final = self.final or delta
-        hold = 0 if self.finish_reason else max((len(s) - 1 for s in self.stops), default=0)
-        if not self.finish_reason and text.endswith("\ufffd"):
-            hold = max(hold, 1)  # half a multi-byte character
+            added += self.detok.finish()
+        text = self.detok.text
+        # a stop string can only end in the new text: search from where one could begin
+        lo = max(0, len(text) - len(added) - self._longest_stop + 1)
+        found = [i for i in (text.find(s, lo) for s in self.stops) if i >= 0]
+        if found:
+            text, self.finish_reason = text[: min(found)], "stop"
+            self.final = self.final or delta
+        hold = 0 if self.finish_reason else max(0, self._longest_stop - 1)
         self.text = text
-        ready = text[: max(self.sent, len(text) - hold)]
-        new, self.sent = ready[self.sent :], len(ready)
+        end = max(self.sent, len(text) - hold)
+        new, self.sent = text[self.sent : end], end
         return new
 
     async def deltas(self, first=None):
@@ -165,16 +168,7 @@ class ChatGeneration:
     def _tokens_for(self, chars: int) -> int:
         """The fewest leading generated tokens whose text holds ``chars`` characters of the answer: logprobs
         cover the tokens of the text sent, never those cut by a stop string, held back, or special (EOS)."""
-        if chars <= 0:
-            return 0
-        lo, hi = 1, len(self.ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self._decode(self.ids[:mid])) >= chars:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return self.detok.tokens_for(chars)
 
     def logprobs_json(self, new_only: bool = False) -> dict | None:
         """OpenAI's ``choices[].logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for the
@@ -222,6 +216,19 @@ class ChatGeneration:
         if self.server.replica is not None:
             out["replica"] = self.server.replica
         return out
+
+
+class ChatStream(StreamingResponse):
+    """A streamed chat's response: its body (``sse``) is closed however the response ends (finished, the client
+    gone, or cut off by ``stalls.SendTimeout``), shielded from the cancellation that ended it, so the engine
+    request is aborted and its slot freed at once, never when the generator is garbage-collected."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
 
 
 async def sse(gen: ChatGeneration, first, include_usage: bool):
