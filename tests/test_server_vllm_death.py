@@ -35,11 +35,8 @@ def test_a_dead_engine_turns_ready_and_chats_into_503_and_the_server_exits(tmp_p
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, tmp_path / "server.log")
-        core = [
-            k
-            for k in psutil.Process(proc.pid).children(recursive=True)
-            if "EngineCore" in k.name() or "EngineCore" in " ".join(k.cmdline())
-        ]
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        core = [k for k in kids if "EngineCore" in k.name() or "EngineCore" in " ".join(k.cmdline())]
         assert core
         t_kill = time.time()
         for k in core:
