@@ -14,9 +14,11 @@ reached over point-to-point links, one per client node, so one worker can be cut
 ``cut(node, "db")`` sets the ``db`` end of that node's link down, and the node's packets to ``db`` are dropped
 silently (a connect times out: a partition, not a refusal) until ``heal``.
 
-Credentials (the database password, the S3 keys) are written to ``RUN/secrets.env`` (mode 600) and given to
-each process through its environment when it starts; Ray never carries them. ``down`` ends every process in the
-namespaces (by pid, listed with ``ip netns pids``), then deletes the namespaces and the bridge.
+Credentials (the database password, the S3 keys, Ray's cluster token) are written to ``RUN/secrets.env`` and
+``RUN/ray_token`` (mode 600) and given to each process through its environment (the token: by its file's path,
+``RAY_AUTH_TOKEN_PATH``, with ``RAY_AUTH_MODE=token``) when it starts; Ray never carries them. ``down`` ends
+every process in the namespaces (by pid, listed with ``ip netns pids``), then deletes the namespaces and the
+bridge.
 """
 
 from __future__ import annotations
@@ -294,6 +296,7 @@ class Cluster:
         if not f.exists():
             self.run.mkdir(parents=True, exist_ok=True)
             values = {
+                "RAY_TOKEN": secrets.token_hex(32),  # Ray's token authentication (RAY_AUTH_MODE=token)
                 "PGPASSWORD": secrets.token_hex(16),
                 "AWS_ACCESS_KEY_ID": "kvmem" + secrets.token_hex(6),
                 "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
@@ -306,8 +309,14 @@ class Cluster:
         """What every node's processes start with: the secrets, where S3 is (as obstore reads it), this
         checkout's sources, and no stray credentials of the caller's."""
         sec = self.secrets()
+        token = self.run / "ray_token"
+        if not token.exists():
+            token.touch(mode=0o600)
+            token.write_text(sec["RAY_TOKEN"])
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PG", "RAY_", "KVMEM_"))}
         env.update(
+            RAY_AUTH_MODE="token",  # every node and driver presents the cluster's token, read from its file
+            RAY_AUTH_TOKEN_PATH=str(token),
             PGPASSWORD=sec["PGPASSWORD"],
             AWS_ACCESS_KEY_ID=sec["AWS_ACCESS_KEY_ID"],
             AWS_SECRET_ACCESS_KEY=sec["AWS_SECRET_ACCESS_KEY"],
@@ -387,6 +396,18 @@ class Cluster:
             self.state["procs"][f"s3-{i}"] = {"pid": p.pid, "node": "s3"}
         self._save()
         return s3
+
+    def s3_kill(self) -> None:
+        """kill -9 the S3 server's processes (by the pids ``s3_start`` recorded)."""
+        for name in ("s3-0", "s3-1"):
+            pid = self.state["procs"].pop(name, {}).get("pid")
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+        self._save()
 
     def ray_start(self, node: str, cpus: int = 1) -> None:
         addr = NODES[node]
