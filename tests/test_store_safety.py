@@ -246,7 +246,7 @@ def test_fsck_command(store, tmp_path):
     assert res.exit_code == 2 and "no kvmem store" in res.output
 
 
-def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path):
+def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path, backend):
     """One writer makes 2,000 single-fact adds and deletes while this process retrieves and gathers
     KV in a loop; every served fact id is checked against the history: added at or before the version read,
     and not deleted by then."""
@@ -272,7 +272,8 @@ def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path):
     for fid, event, version in history:
         (added if event == "ADD" else deleted)[fid] = version
     assert len(added) > 1000 and len(deleted) > 500
-    assert len(served) > 50 and len({v for v, _ in served}) > 20  # many versions were read mid-churn
+    reads, versions = (10, 5) if backend == "s3" else (50, 20)  # each S3 read is a round trip: fewer fit
+    assert len(served) > reads and len({v for v, _ in served}) > versions  # many versions were read mid-churn
     for version, ids in served:
         for fid in ids:
             assert added[fid] <= version < deleted.get(fid, 1 << 62), (fid, version)

@@ -630,10 +630,11 @@ class ObjectSegments(SegmentStore):
         except Exception as exc:
             raise ValueError(f"segments URL {url.split('?', 1)[0]!r} cannot be used ({exc})") from None
 
-    def _failed(self, what: str, exc: Exception) -> OSError:
+    def _failed(self, what: str, exc: Exception, unreachable: bool = True) -> OSError:
         if isinstance(exc, OSError):
             return exc
-        _raise_if_unreachable(self.store, exc)
+        if unreachable:
+            _raise_if_unreachable(self.store, exc)
         return OSError(f"segments at {self.url.split('?', 1)[0]}: cannot {what} ({' '.join(str(exc).split())[:300]})")
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
@@ -658,8 +659,8 @@ class ObjectSegments(SegmentStore):
             self._obs.delete(self.store, name)
         except FileNotFoundError:
             pass
-        except Exception as exc:
-            raise self._failed(f"delete {name}", exc) from None
+        except Exception as exc:  # an OSError even when unreachable: removal is best effort after a commit (gc)
+            raise self._failed(f"delete {name}", exc, unreachable=False) from None
 
     def _objects(self):
         try:
