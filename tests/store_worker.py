@@ -38,17 +38,42 @@ def generation(user: str, g: int, big: bool = False):
 
 def segments_url(root) -> str | None:
     """Where a test store keeps its segments: its own directory, or (``KVMEM_TEST_SEGMENTS=object`` or
-    ``postgres``) an object store beside it, reached through obstore by a ``file://`` URL: the code path ``s3://``
-    takes."""
-    if os.environ.get("KVMEM_TEST_SEGMENTS") in ("object", "postgres"):
+    ``postgres``) an object store beside it, reached through obstore by a ``file://`` URL, or (``s3``) a prefix
+    named after ``root`` in the session's S3 server (``conftest.s3``: its endpoint and keys in the environment)."""
+    kind = os.environ.get("KVMEM_TEST_SEGMENTS")
+    if kind == "s3":
+        import hashlib
+
+        return f"s3://kvmem/t{hashlib.sha256(str(root).encode()).hexdigest()[:16]}"
+    if kind in ("object", "postgres"):
         return Path(str(root) + "-objects").resolve().as_uri()
     return None
 
 
+def put_object(st: Store, name: str, data: bytes) -> None:
+    """Write ``data`` as segment object ``name`` of ``st`` by hand (a corrupt file, a half write), on any
+    backend: a file beside the store, or an object through obstore."""
+    path = st.segments.local_path(name)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return
+    inner = getattr(st.segments, "inner", st.segments)  # a disk-cached store: write the object itself
+    inner._obs.put(inner.store, name, data)
+
+
+def get_object(st: Store, name: str) -> bytes:
+    path = st.segments.local_path(name)
+    if path is not None:
+        return path.read_bytes()
+    inner = getattr(st.segments, "inner", st.segments)
+    return bytes(inner._obs.get(inner.store, name).bytes())
+
+
 def location(root) -> str | Path:
-    """Where a test store at ``root`` lives: that directory, or (``KVMEM_TEST_SEGMENTS=postgres``) a fresh schema
-    of the session's PostgreSQL cluster (``conftest.postgres``), named after ``root``."""
-    if os.environ.get("KVMEM_TEST_SEGMENTS") != "postgres":
+    """Where a test store at ``root`` lives: that directory, or (``KVMEM_TEST_SEGMENTS=postgres`` or ``s3``) a fresh
+    schema of the session's PostgreSQL cluster (``conftest.postgres``), named after ``root``."""
+    if os.environ.get("KVMEM_TEST_SEGMENTS") not in ("postgres", "s3"):
         return root
     import hashlib
 

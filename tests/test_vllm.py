@@ -426,9 +426,12 @@ def engine_run(request, tmp_path_factory, name: str) -> dict:
         from conftest import postgres_schema
         from kvmem.store import copy_store
 
+        # segments on a real S3 server (conftest.s3: its endpoint and keys in the environment the engine inherits)
+        s3 = request.getfixturevalue("s3")
         url = postgres_schema(request.getfixturevalue("postgres"), "vllm_shared")
-        copy_store(spec["store"], url, segments_url=(spec["dir"] / "kv-shared").as_uri(), users=["joint"])
+        copy_store(spec["store"], url, segments_url=f"s3://kvmem/vllm-{spec['dir'].name}", users=["joint"])
         shared = [url]
+        s3_before = s3.calls()
     env = dict(
         os.environ,
         VLLM_CPU_OMP_THREADS_BIND="nobind",
@@ -454,6 +457,9 @@ def engine_run(request, tmp_path_factory, name: str) -> dict:
     mpath = spec["dir"] / f"metrics-{name}.json"
     res["_metrics"] = json.loads(mpath.read_text()) if mpath.exists() else {}
     res["_name"] = name
+    if shared:  # what the engine asked of the S3 server during the run
+        after = request.getfixturevalue("s3").calls()
+        res["_s3_calls"] = {k: after[k] - s3_before.get(k, 0) for k in after}
     _RESULTS[name] = res
     return res
 
@@ -610,10 +616,13 @@ def shared_cases(eng, spec: dict, url: str) -> dict:
 
 
 def test_injects_from_a_shared_store(request, tmp_path_factory):
-    """The connector's scheduler and worker sides read a shared store (rows in PostgreSQL, segments through
-    obstore) exactly as a local one: a copy of the jointly encoded memory is injected (vLLM's own cached-token
-    count covers it) and the answer equals vLLM's prompt prefill. (The in-process Llama run's engine.)"""
-    res = engine_run(request, tmp_path_factory, "llama-inproc")["shared"]
+    """The connector's scheduler and worker sides read a shared store (rows in PostgreSQL, segments on a real S3
+    server through obstore, ``s3://``) exactly as a local one: a copy of the jointly encoded memory is injected
+    (vLLM's own cached-token count covers it), read from S3 by ranged GETs, and the answer equals vLLM's prompt
+    prefill. (The in-process Llama run's engine.)"""
+    run = engine_run(request, tmp_path_factory, "llama-inproc")
+    res = run["shared"]
+    assert run["_s3_calls"].get("GET range", 0) > 0  # the engine's reads went to the S3 server
     spec = _SPECS["llama"]
     m, q = len(spec["memory"]), len(spec["query"])
     assert (res["prompt"]["cached"], res["prompt"]["prefilled"]) == (0, m + q)

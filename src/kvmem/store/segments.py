@@ -31,6 +31,7 @@ import torch
 
 from .. import kvformat
 from ..extras import require
+from .location import StoreUnavailable
 from .tiers import DiskTier
 
 DTYPES = {
@@ -42,6 +43,12 @@ DTYPES = {
 }
 TOKEN_MAJOR = {"kvmem_layout": "nlhd"}  # safetensors metadata of segments stored [n, L, H, D]
 WHOLE_READ_BYTES = 1 << 20  # a tensor at most this large is read in one pread, then sliced
+# A remote object store (s3://, gs://, az://) that cannot be reached fails a call within about
+# OBJECT_RETRY_S + the request timeout (~15 s, then StoreUnavailable: HTTP 503), not after obstore's default
+# 3 minutes of retries. The timeout covers a whole request: a segment of 100 MB needs 10 MB/s.
+OBJECT_CLIENT = {"connect_timeout": "2s", "timeout": "10s"}
+OBJECT_RETRY_S, OBJECT_RETRIES = 5, 2
+_ALLOW_HTTP = ("AWS_ALLOW_HTTP", "AZURE_ALLOW_HTTP", "GOOGLE_ALLOW_HTTP")  # as obstore reads them
 
 
 class SegmentCorrupt(ValueError):
@@ -203,6 +210,7 @@ class ObjectHandle(SegmentHandle):
         except FileNotFoundError:
             raise
         except Exception as exc:  # obstore's NotFoundError subclasses FileNotFoundError; others: unreadable
+            _raise_if_unreachable(store, exc)
             raise OSError(f"{path}: {exc}") from None
         self._size, self._etag = int(meta["size"]), meta.get("e_tag")
 
@@ -220,10 +228,21 @@ class ObjectHandle(SegmentHandle):
         try:
             data = self._obs.get_range(self.store, self.path, start=offset, length=len(view))
         except Exception as exc:
+            _raise_if_unreachable(self.store, exc)
             raise SegmentCorrupt(f"cannot be read ({exc})") from None
         if len(data) != len(view):
             raise SegmentCorrupt("is truncated (it shrank while being read)")
         view[:] = memoryview(data)
+
+
+def _raise_if_unreachable(store, exc: Exception) -> None:
+    """StoreUnavailable when ``exc`` is obstore's error for a remote store that did not answer (a refused or
+    timed-out connection, a 5xx after the retries): a read or write to try again later, not a corrupt segment."""
+    from obstore.exceptions import GenericError
+    from obstore.store import LocalStore
+
+    if isinstance(exc, GenericError) and not isinstance(store, LocalStore):
+        raise StoreUnavailable(f"the object store cannot be reached ({' '.join(str(exc).split())[:200]})") from None
 
 
 def verify(handle: SegmentHandle, sha256: str) -> None:
@@ -598,13 +617,24 @@ class ObjectSegments(SegmentStore):
 
         self.url, self._obs = url, obstore
         try:
-            self.store = from_url(url, mkdir=True) if url.startswith("file://") else from_url(url)
+            if url.startswith("file://"):
+                self.store = from_url(url, mkdir=True)
+            else:
+                from datetime import timedelta
+
+                retry = {"max_retries": OBJECT_RETRIES, "retry_timeout": timedelta(seconds=OBJECT_RETRY_S)}
+                client = dict(OBJECT_CLIENT)  # given options replace the environment's: keep its allow_http
+                if any(os.environ.get(k, "").lower() in ("1", "true") for k in _ALLOW_HTTP):
+                    client["allow_http"] = True
+                self.store = from_url(url, client_options=client, retry_config=retry)
         except Exception as exc:
             raise ValueError(f"segments URL {url.split('?', 1)[0]!r} cannot be used ({exc})") from None
 
-    def _failed(self, what: str, exc: Exception) -> OSError:
+    def _failed(self, what: str, exc: Exception, unreachable: bool = True) -> OSError:
         if isinstance(exc, OSError):
             return exc
+        if unreachable:
+            _raise_if_unreachable(self.store, exc)
         return OSError(f"segments at {self.url.split('?', 1)[0]}: cannot {what} ({' '.join(str(exc).split())[:300]})")
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
@@ -629,8 +659,8 @@ class ObjectSegments(SegmentStore):
             self._obs.delete(self.store, name)
         except FileNotFoundError:
             pass
-        except Exception as exc:
-            raise self._failed(f"delete {name}", exc) from None
+        except Exception as exc:  # an OSError even when unreachable: removal is best effort after a commit (gc)
+            raise self._failed(f"delete {name}", exc, unreachable=False) from None
 
     def _objects(self):
         try:
