@@ -445,6 +445,11 @@ class Store:
         """``Reader.changes``: (added [(row, embedding [E])], removed rows) since version ``since``, or None."""
         return self.reads.changes(user, since)
 
+    def keyword_search(self, user: str, query: str, limit: int) -> list[tuple[int, float]] | None:
+        """``Reader.keyword``: ``user``'s ``limit`` live facts best matching ``query``'s words in the store's
+        full-text index, ``[(row, score)]`` best first; None for a store without one."""
+        return self.reads.keyword(user, query, limit)
+
     def prefetch(self, ukv: UserKV, rows: list[int]) -> list:
         """``Reader.prefetch``: start reading ``ukv.facts[rows]``' KV in the background; a future per segment."""
         return self.reads.prefetch(ukv, rows)
@@ -506,6 +511,11 @@ class Store:
     def compact(self, user: str) -> str:
         """``Writer.compact``: rewrite ``user``'s live facts into one segment. Returns the new version."""
         return self.writes.compact(user)
+
+    def add_text_index(self) -> bool:
+        """``Writer.add_text_index``: the full-text index (hybrid search's keyword part) for a store created
+        before it; returns whether it was missing."""
+        return self.writes.add_text_index()
 
     def delete_user(self, user: str) -> str:
         """``Writer.delete_user``: tombstone every live fact of ``user``. Returns the new version."""
