@@ -288,9 +288,7 @@ def search(
         if got is not None:
             indexed = True
             where = part.position
-            found += [
-                (s, where[r] + offset) for r, s in got if r in where and (allowed is None or r in allowed)
-            ]
+            found += [(s, where[r] + offset) for r, s in got if r in where and (allowed is None or r in allowed)]
         offset += len(part.facts)
     if not indexed:
         return [Hit(int(p), float(s), float(s), None, i + 1) for i, (s, p) in enumerate(zip(scores, pos))][:top_k]

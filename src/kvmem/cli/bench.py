@@ -517,3 +517,34 @@ def eval_locomo(
         neighbours=neighbours,
         history=history,
     )
+
+
+@eval_app.command("recall")
+@friendly
+def eval_recall(
+    retrieval: str = typer.Option(
+        "cosine,hybrid",
+        "--retrieval",
+        help="Comma-separated: cosine, hybrid (the default fusion), rrf[:K[:W]], weighted[:W]; the first is the "
+        "baseline of the gains.",
+    ),
+    k: str = typer.Option("5,10,20,50,100", "--k", help="Comma-separated k values."),
+    data: Path = DATA,
+    samples: str = typer.Option(
+        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids ('' = all; the held-out pair)."
+    ),
+    model: str = typer.Option(
+        "smollm2-135m-instruct",
+        "--model",
+        help="The model the stores are built with (retrieval reads no KV, so the smallest will do).",
+    ),
+    out: Path = typer.Option(Path("runs/eval/recall"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """LoCoMo evidence recall@k per category: the share of questions' evidence turns whose facts are retrieved
+    (retrieval only, no answer model: minutes on a CPU)."""
+    recall = bench_module("recall")
+    from ..bench.common import int_list, str_list
+
+    recall.run(data, out, _bench_args(samples), str_list(retrieval), int_list(k, "--k", 1), model, show_progress,
+               typer.echo)  # fmt: skip

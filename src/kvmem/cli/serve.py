@@ -94,6 +94,12 @@ def serve_cmd(
     use_ray: bool = typer.Option(False, "--ray", help="Serve through Ray even with one replica."),
     extractor_url: str | None = EXTRACTOR_URL,
     extractor_model: str | None = EXTRACTOR_MODEL,
+    hybrid: bool = typer.Option(
+        False,
+        "--hybrid/--no-hybrid",
+        help="Chats and memory searches rank by cosine fused with the store's keyword (BM25) scores; off: cosine "
+        "alone. A search's keyword_search overrides it.",
+    ),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from ..hardware import resolve_dtype
@@ -144,4 +150,5 @@ def serve_cmd(
         ray_address=ray_address,
         use_ray=use_ray,
         extractor=extractor(extractor_url, extractor_model),
+        hybrid=hybrid,
     )

@@ -25,7 +25,7 @@ from ..ingest import open_or_create_store
 from ..memory import Memory
 from ..models import DEFAULT_MODEL, load
 from ..policy import Method
-from ..retrieve import Embedder, IndexCache
+from ..retrieve import Embedder, Fusion, IndexCache
 from ..service import MemoryService, check_methods
 from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
@@ -204,6 +204,7 @@ class KvmemServer:
         cache_dir: str | None = None,
         extractor: dict | None = None,
         kv_format: str | None = None,
+        hybrid: bool = False,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -214,7 +215,8 @@ class KvmemServer:
         local disk cache of those segments here and in the vLLM worker (for a shared store's readers); ``extractor``:
         ``{"base_url", "model", "api_key"}`` of an OpenAI-compatible endpoint for fact extraction (None: this
         server's engine, with its batching and guided decoding); ``kv_format``: how a new store keeps KV
-        (``kvformat``), which an existing store must already hold. Raises
+        (``kvformat``), which an existing store must already hold; ``hybrid``: chats and searches rank by cosine
+        fused with the store's keyword scores (``retrieve.Fusion``) instead of cosine alone. Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
@@ -253,6 +255,7 @@ class KvmemServer:
             tail_recompute=tail_recompute,
             store_cache_bytes=cache_bytes,
             store_cache_dir=cache_dir,
+            fusion=Fusion() if hybrid else None,
         )
         svc.indexes = indexes
         # writes: the same model (its weights load on the first write where the engine does not hold them)
@@ -267,6 +270,7 @@ class KvmemServer:
             indexes=indexes,
             store_cache_bytes=cache_bytes,
             extractor=extractor,
+            hybrid=hybrid,
         )
         mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
         return cls(svc, mem, eng, Tenants(api_keys or {}), limits or Limits(), pool, max_queue, selective_recompute)

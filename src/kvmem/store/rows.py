@@ -41,14 +41,15 @@ BUSY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10
 # Snowball's English stop words, the list PostgreSQL's 'english' configuration drops: a keyword query keeps the
 # same words on both backends, and a question's "what did ... the ..." does not match every fact
-STOP_WORDS = frozenset(
+_STOP = (
     "i me my myself we our ours ourselves you your yours yourself yourselves he him his himself she her hers "
     "herself it its itself they them their theirs themselves what which who whom this that these those am is are "
     "was were be been being have has had having do does did doing a an the and but if or because as until while "
     "of at by for with about against between into through during before after above below to from up down in out "
     "on off over under again further then once here there when where why how all any both each few more most "
-    "other some such no nor not only own same so than too very s t can will just don should now".split()
+    "other some such no nor not only own same so than too very s t can will just don should now"
 )
+STOP_WORDS = frozenset(_STOP.split())
 
 
 def keyword_terms(query: str, limit: int = 32) -> list[str]:
