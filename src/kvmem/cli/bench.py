@@ -548,3 +548,20 @@ def eval_recall(
 
     recall.run(data, out, _bench_args(samples), str_list(retrieval), int_list(k, "--k", 1), model, show_progress,
                typer.echo)  # fmt: skip
+
+
+@bench_app.command("search")
+@friendly
+def bench_search(
+    memories: int = typer.Option(10_000, "--memories", help="Memories of the one user searched."),
+    queries: int = typer.Option(200, "--queries", help="LoCoMo questions searched per retrieval (after a first)."),
+    k: int = typer.Option(20, "--k"),
+    data: Path = DATA,
+    out: Path = typer.Option(Path("runs/bench/search"), "--out"),
+):
+    """Memory.search's cost at a large memory (default 10,000), cosine alone against hybrid: median and p95."""
+    search_cost = bench_module("search_cost")
+
+    if min(memories, queries, k) < 1:
+        raise ValueError("--memories, --queries and --k must be >= 1")
+    search_cost.run(data, out, memories, queries, k, echo=typer.echo)
