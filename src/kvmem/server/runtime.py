@@ -227,6 +227,13 @@ class KvmemServer:
             open_or_create_store(root, lm, embedder, segments_url=segments_url, kv_format=kv_format)[0].close()
         st = Store.open(root)
         model = model or st.fingerprint["model"]
+        if hybrid and not st.has_text_index:
+            logger.warning(
+                "--hybrid: store %s has no full-text index (created before hybrid search), so it is searched by "
+                "cosine alone; `kvmem store text-index --store %s` adds one",
+                st.name,
+                st.name,
+            )
         st.close()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-model")
         opened = open_engine(

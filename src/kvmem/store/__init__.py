@@ -445,6 +445,13 @@ class Store:
         """``Reader.changes``: (added [(row, embedding [E])], removed rows) since version ``since``, or None."""
         return self.reads.changes(user, since)
 
+    @property
+    def has_text_index(self) -> bool:
+        """Whether the store has its full-text index (stores created before hybrid search do not:
+        ``add_text_index``)."""
+        with self._lock:
+            return self.rows.has_text_index()
+
     def keyword_search(self, user: str, query: str, limit: int) -> list[tuple[int, float]] | None:
         """``Reader.keyword``: ``user``'s ``limit`` live facts best matching ``query``'s words in the store's
         full-text index, ``[(row, score)]`` best first; None for a store without one."""
