@@ -79,7 +79,13 @@ def test_a_store_from_before_the_index_is_searched_by_cosine_until_it_gets_one(t
     ukv = st.snapshot("v")
     (hit,) = search(IndexCache(1 << 20), st, ukv, torch.tensor([1.0, 0, 0, 0]), "later", 5, None, Fusion())
     assert (hit.position, hit.keyword, hit.score) == (0, None, 1.0)
-    assert st.add_text_index() is True and st.add_text_index() is False
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+
+    res = CliRunner().invoke(app, ["store", "text-index", "--store", str(root)])  # another connection
+    assert res.exit_code == 0 and "full-text index created" in res.output and st.has_text_index
+    assert st.add_text_index() is False
     assert _found(st, "v", "later") == ["x1"]
     assert _found(st, "u", "gen") == ["u-g1-1", "u-g1-2"]  # live facts only: the fixture deleted u-g1-0
     _add(st, "v", ["another later fact"], "y")

@@ -165,7 +165,7 @@ class SQLiteRows(Rows):
         self.segments_dir = self.root / "users"
         self._db: sqlite3.Connection | None = None
         self._ino = self._manifest_ino()
-        self._text: bool | None = None  # has_text_index, once known
+        self._text = False  # has_text_index, once it is True
 
     def _manifest_ino(self) -> int | None:
         try:
@@ -283,7 +283,7 @@ class SQLiteRows(Rows):
         return self.db.execute("PRAGMA busy_timeout").fetchone()[0] / 1e3
 
     def has_text_index(self) -> bool:
-        if self._text is None:
+        if not self._text:  # once there, it stays: only its absence is checked again (another process may add it)
             q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name='facts_text'"
             self._text = self.db.execute(q).fetchone() is not None
         return self._text
@@ -386,7 +386,7 @@ class PostgresRows(Rows):
         self._pool_lock = threading.Lock()
         self._local = threading.local()  # .conn: the writer connection this thread holds inside ``locked``
         self._store_id = self._read_store_id()
-        self._text: bool | None = None  # has_text_index, once known
+        self._text = False  # has_text_index, once it is True
 
     def _connect(self):
         import psycopg
@@ -587,7 +587,7 @@ class PostgresRows(Rows):
                 conn.close()
 
     def has_text_index(self) -> bool:
-        if self._text is None:
+        if not self._text:  # as SQLiteRows: only its absence is checked again
             self._text = self.execute("SELECT to_regclass('facts_text')").fetchone()[0] is not None
         return self._text
 
