@@ -493,8 +493,12 @@ def eval_locomo(
     ),
     out: Path = typer.Option(Path("runs/eval/locomo"), "--out"),
     show_progress: bool = _PROGRESS,
+    retrieval: str = typer.Option(
+        "cosine", "--retrieval", help="cosine, or hybrid (rrf[:K[:W]], weighted[:W]: cosine fused with BM25)."
+    ),
 ):
-    """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl)."""
+    """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl);
+    evidence recall@k per category."""
     ev = bench_module("eval_locomo")
     from ..bench.common import int_list, str_list
 
@@ -516,6 +520,7 @@ def eval_locomo(
         typer.echo,
         neighbours=neighbours,
         history=history,
+        retrieval=retrieval,
     )
 
 
