@@ -457,10 +457,11 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
 
 
 @pytest.mark.slow
-def test_eval_recall_cosine_against_hybrid(tiny):
+def test_eval_recall_cosine_against_hybrid(tiny, monkeypatch):
     """``kvmem eval recall``: evidence recall@k per category for each retrieval, from a store built with the
     smallest model; at a k above the fact count both retrievals recall every turn a fact came from."""
     out = tiny["root"] / "recall"
+    monkeypatch.setenv("KVMEM_BENCH_CACHE", str(out / "stores"))  # its w0 store apart from the other tests
     res = cli("eval", "recall", "--data", tiny["data"], "--samples", "conv-26", "--k", "1,5,100", "--out", out,
               "--no-progress")  # fmt: skip
     assert "evidence recall, hybrid" in res.output and "hybrid - cosine at k=100" in res.output
