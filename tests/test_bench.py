@@ -467,7 +467,7 @@ def test_eval_recall_cosine_against_hybrid(tiny, monkeypatch):
     assert "evidence recall, hybrid" in res.output and "hybrid - cosine at k=100" in res.output
     s = json.loads((out / "summary.json").read_text())
     cos, hyb = s["recall"]["cosine"]["categories"], s["recall"]["hybrid"]["categories"]
-    assert set(cos) == {"1", "2", "3", "4", "overall"} and s["recall"]["hybrid"]["retrieval"] == "rrf:60:1"
+    assert set(cos) == {"1", "2", "3", "4", "overall"} and s["recall"]["hybrid"]["retrieval"] == "weighted:0.1"
     for cat in cos:
         assert cos[cat]["recall"]["100"] == hyb[cat]["recall"]["100"] == cos[cat]["coverage"] > 0
         assert cos[cat]["recall"]["1"] <= cos[cat]["recall"]["5"] <= cos[cat]["recall"]["100"]

@@ -115,22 +115,24 @@ def test_hybrid_search_fuses_keywords_under_filters_and_explains(tmp_path, backe
     match low; hybrid ranks it first, with each result's cosine (equal to the embedder's) and BM25 parts in
     ``score_details``; a filter that excludes it keeps it out of hybrid results too."""
     from kvmem import Memory
+    from kvmem.retrieve import Fusion
 
     st = sw.create(tmp_path / "s")
     _add(st, "alex", TEXTS, "a", embedder.embed(TEXTS), {i: {"topic": "home"} for i in range(len(TEXTS))})
     _add(st, "alex/agent:coach", [TARGET], "t", embedder.embed([TARGET]), {0: {"topic": "visits"}})
     root = st.root
     st.close()
-    m = Memory(root, embedder=embedder)
+    m = Memory(root, embedder=embedder, hybrid=Fusion("rrf", 1.0, 60))  # hybrid by default, per call off below
     q = embedder.embed([QUERY])[0]
     cosine = {t: float(v @ q) for t, v in zip([*TEXTS, TARGET], embedder.embed([*TEXTS, TARGET]))}
 
-    plain = m.search(QUERY, filters={"user_id": "alex"}, top_k=5, threshold=None, explain=True)["results"]
+    plain = m.search(QUERY, filters={"user_id": "alex"}, top_k=5, threshold=None, explain=True, keyword_search=False)
+    plain = plain["results"]
     by_cosine = sorted(cosine, key=lambda t: -cosine[t])
     assert [r["memory"] for r in plain] == by_cosine
     assert all(r["score_details"]["bm25_score"] is None for r in plain)
 
-    hybrid = m.search(QUERY, filters={"user_id": "alex"}, top_k=5, threshold=None, explain=True, keyword_search=True)
+    hybrid = m.search(QUERY, filters={"user_id": "alex"}, top_k=5, threshold=None, explain=True)
     got = hybrid["results"]
     # reciprocal rank fusion: the one keyword match first, then the rest in cosine order
     assert [r["memory"] for r in got] == [TARGET] + [t for t in by_cosine if t != TARGET]
@@ -146,7 +148,7 @@ def test_hybrid_search_fuses_keywords_under_filters_and_explains(tmp_path, backe
     home = m.search(QUERY, filters={"user_id": "alex", "topic": "home"}, top_k=5, threshold=None, keyword_search=True)
     assert TARGET not in {r["memory"] for r in home["results"]} and len(home["results"]) == len(TEXTS)
     assert "score_details" not in home["results"][0]
-    on = Memory(root, embedder=embedder, hybrid=True)  # on by the Memory's default; a call turns it off
+    on = Memory(root, embedder=embedder, hybrid=True)  # the default fusion (weighted); a call turns it off
     assert on.search(QUERY, filters={"user_id": "alex"}, top_k=1, threshold=None)["results"][0]["memory"] == TARGET
     off = on.search(QUERY, filters={"user_id": "alex"}, top_k=1, threshold=None, keyword_search=False)
     assert off["results"][0]["memory"] == plain[0]["memory"]

@@ -239,7 +239,7 @@ def test_search_route_fuses_keywords_and_explains_on_request(server):
     first, second = fused.json()["results"]
     assert first["memory"] == "Pemberton visited Hana on a Tuesday." and first["score_details"]["keyword_rank"] == 1
     assert first["score_details"]["bm25_score"] > 0 and second["score_details"]["bm25_score"] is None
-    assert 0 < second["score"] < first["score"] <= 1 and first["score_details"]["fusion"] == "rrf"
+    assert second["score"] < first["score"] <= 1 and first["score_details"]["fusion"] == "weighted"
     plain = httpx.post(f"{base}/v3/memories/search/", headers=h, json=body, timeout=60).json()["results"]
     assert {r["score_details"]["fusion"] for r in plain} == {"cosine"}
     for r in plain:

@@ -27,9 +27,9 @@ def parse_fusion(spec: str) -> Fusion | None:
         if name == "hybrid" and not args:
             return Fusion()
         if name == "rrf" and len(args) <= 2:
-            return Fusion("rrf", float(args[1]) if len(args) > 1 else Fusion.weight, int(args[0]) if args else 60)
+            return Fusion("rrf", float(args[1]) if len(args) > 1 else 1.0, int(args[0]) if args else 60)
         if name == "weighted" and len(args) <= 1:
-            return Fusion("weighted", float(args[0]) if args else 0.3)
+            return Fusion("weighted", float(args[0]) if args else 0.1)
     except ValueError as exc:
         raise ValueError(f"retrieval {spec!r}: {exc}") from None
     raise ValueError(f"retrieval {spec!r}: one of cosine, hybrid, rrf[:K[:W]], weighted[:W]")
