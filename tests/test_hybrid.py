@@ -111,9 +111,10 @@ def embedder():
 
 
 def test_hybrid_search_fuses_keywords_under_filters_and_explains(tmp_path, backend, embedder):
-    """Memory.search across two scopes (user alex, and alex with agent coach): cosine alone ranks the one keyword
-    match low; hybrid ranks it first, with each result's cosine (equal to the embedder's) and BM25 parts in
-    ``score_details``; a filter that excludes it keeps it out of hybrid results too."""
+    """Memory.search across two scopes (user alex, and alex with agent coach): reciprocal rank fusion puts the one
+    keyword match first and the rest in cosine order, with each result's cosine (equal to the embedder's) and BM25
+    parts in ``score_details``; a filter that excludes it keeps it out of hybrid results too; the Memory's default
+    and a call's ``keyword_search`` choose the retrieval."""
     from kvmem import Memory
     from kvmem.retrieve import Fusion
 
