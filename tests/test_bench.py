@@ -415,6 +415,12 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         assert sum(1 for r in rows if r.get("judge_parsed") is False) == 3
         assert s["f1"]["0"]["1"]["kv"]["overall"] is not None and "overall" in s["f1_gap_prompt_minus_kv"]["0"]["1"]
         assert {r["category"] for r in s["table"]} == {1, 2, 3, 4, "overall"}
+        recall = s["evidence_recall"]  # every question of the sample, retrieval only
+        assert recall["k"] == [5, 10, 20, 50, 100] and recall["retrieval"] == "cosine"
+        overall = recall["categories"]["overall"]
+        assert overall["questions"] > 100 and 0 < overall["coverage"] < 100  # facts of sessions 1-2 only
+        assert overall["recall"]["100"] == overall["coverage"]  # k above the fact count: every fact retrieved
+        assert overall["recall"]["5"] <= overall["recall"]["20"] <= overall["recall"]["100"]
         # rerun: nothing is answered again, the file is unchanged
         before = (out / "records.jsonl").read_text()
         res = cli(*args)
@@ -430,6 +436,25 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         assert json.loads((out / "summary.json").read_text())["neighbours"] == 2
     finally:
         srv.shutdown()
+
+
+@pytest.mark.slow
+def test_eval_recall_cosine_against_hybrid(tiny, monkeypatch):
+    """``kvmem eval recall``: evidence recall@k per category for each retrieval, from a store built with the
+    smallest model; at a k above the fact count both retrievals recall every turn a fact came from."""
+    out = tiny["root"] / "recall"
+    monkeypatch.setenv("KVMEM_BENCH_CACHE", str(out / "stores"))  # its w0 store apart from the other tests
+    res = cli("eval", "recall", "--data", tiny["data"], "--samples", "conv-26", "--k", "1,5,100", "--out", out,
+              "--no-progress")  # fmt: skip
+    assert "evidence recall, hybrid" in res.output and "hybrid - cosine at k=100" in res.output
+    s = json.loads((out / "summary.json").read_text())
+    cos, hyb = s["recall"]["cosine"]["categories"], s["recall"]["hybrid"]["categories"]
+    assert set(cos) == {"1", "2", "3", "4", "overall"} and s["recall"]["hybrid"]["retrieval"] == "weighted:0.1"
+    for cat in cos:
+        assert cos[cat]["recall"]["100"] == hyb[cat]["recall"]["100"] == cos[cat]["coverage"] > 0
+        assert cos[cat]["recall"]["1"] <= cos[cat]["recall"]["5"] <= cos[cat]["recall"]["100"]
+    assert s["gain_at_100_over_cosine"]["hybrid"]["overall"] == 0
+    cli("eval", "recall", "--data", tiny["data"], "--retrieval", "cosine,bm25", "--out", out, rc=2)
 
 
 @pytest.mark.slow

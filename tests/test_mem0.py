@@ -252,6 +252,35 @@ def test_scoped_chats_inject_only_named_scopes_and_equal_prompt_injection(server
     assert mine in _chat(base, KEY_A, "dana", "What do you know?", run_id="s1")["kvmem"]["fact_ids"]
 
 
+def test_search_route_fuses_keywords_and_explains_on_request(server):
+    """``POST /v3/memories/search/`` with Mem0's ``keyword_search`` (it was a 400) ranks by cosine fused with the
+    store's BM25 scores, and with ``explain`` each result carries ``score_details``: its cosine and keyword parts.
+    Without ``keyword_search`` the server's default (``--hybrid``, off) ranks by cosine."""
+    srv, base = server
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    for text in ("Hana repaired the garden wall in spring.", "Pemberton visited Hana on a Tuesday."):
+        add = {"messages": text, "user_id": "hana", "infer": False}
+        r = httpx.post(f"{base}/v3/memories/add/", headers=h, json=add, timeout=300)
+        assert r.status_code == 200, r.text
+    body = {"query": "Who is Pemberton?", "filters": {"user_id": "hana"}, "threshold": 0, "explain": True}
+    fused = httpx.post(f"{base}/v3/memories/search/", headers=h, json={**body, "keyword_search": True}, timeout=60)
+    assert fused.status_code == 200, fused.text
+    first, second = fused.json()["results"]
+    assert first["memory"] == "Pemberton visited Hana on a Tuesday." and first["score_details"]["keyword_rank"] == 1
+    assert first["score_details"]["bm25_score"] > 0 and second["score_details"]["bm25_score"] is None
+    assert second["score"] < first["score"] <= 1 and first["score_details"]["fusion"] == "weighted"
+    plain = httpx.post(f"{base}/v3/memories/search/", headers=h, json=body, timeout=60).json()["results"]
+    assert {r["score_details"]["fusion"] for r in plain} == {"cosine"}
+    for r in plain:
+        assert r["score"] == pytest.approx(r["score_details"]["semantic_score"], abs=1e-5)
+    assert (
+        "score_details"
+        not in httpx.post(f"{base}/v3/memories/search/", headers=h, json={**body, "explain": False}, timeout=60).json()[
+            "results"
+        ][0]
+    )
+
+
 @pytest.mark.parametrize(
     "path,body,match",
     [

@@ -17,7 +17,18 @@ from __future__ import annotations
 
 import os
 
-KVMEM_KEYS = {"store", "model", "window", "neighbours", "history", "extractor", "dtype", "segments_url", "kv_format"}
+KVMEM_KEYS = {
+    "store",
+    "model",
+    "window",
+    "neighbours",
+    "history",
+    "extractor",
+    "dtype",
+    "segments_url",
+    "kv_format",
+    "hybrid",
+}
 MEM0_KEYS = {"vector_store", "llm", "embedder", "history_db_path", "reranker", "version", "custom_instructions"}
 OPENAI_COMPATIBLE = {
     "openai": ("openai_base_url", "https://api.openai.com/v1", "OPENAI_API_KEY"),

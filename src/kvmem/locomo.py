@@ -17,6 +17,7 @@ from .compose import replace_invalid
 
 _SESSION = re.compile(r"^session_(\d+)$")
 _DIA = re.compile(r"^D(\d+):(\d+)$")
+_DIA_ANY = re.compile(r"D:?(\d+):(\d+)")  # also inside "D8:6; D9:17", "D9:1 D4:4" and the typo "D:11:26"
 
 
 class LocomoError(ValueError):
@@ -46,6 +47,7 @@ class Fact:
     speaker: str
     source_turn: str  # dia_id of the earliest evidence turn
     date: str
+    source_turns: tuple[str, ...] = ()  # every evidence turn's dia_id (``dia_ids``), earliest first
 
     def render(self) -> str:
         """The fact as it appears in the memory block; ends in a newline so facts tokenize independently."""
@@ -80,6 +82,15 @@ class Conversation:
         if not hasattr(self, "_idx"):
             self._idx = {t.dia_id: i for i, t in enumerate(self.turns)}
         return self._idx
+
+
+def dia_ids(evidence) -> tuple[str, ...]:
+    """The turn ids (``D<session>:<turn>``) named by LoCoMo evidence, a string or a list of strings as the file
+    has them ("D1:3", "D8:6; D9:17", "D26:14, D26:34", ["D1:18", "D"]); in order, each once, unparseable parts
+    dropped."""
+    items = evidence if isinstance(evidence, (list, tuple)) else [evidence]
+    found = [f"D{a}:{b}" for e in items for a, b in _DIA_ANY.findall(str(e))]
+    return tuple(dict.fromkeys(found))
 
 
 def _dia_key(dia_id: str) -> tuple[int, int]:
@@ -152,7 +163,10 @@ def _parse_sample(sample: dict, path: Path) -> Conversation:
                 ev = item[1] if len(item) > 1 else ""
                 ev_list = [str(e) for e in ev] if isinstance(ev, (list, tuple)) else [str(ev)]
                 source = min(ev_list, key=_dia_key) if ev_list else ""
-                facts.append(Fact(f"{sid}/s{n}/{s_idx}/{i}", sid, text, str(speaker), source, dates.get(n, "")))
+                turns_of = tuple(sorted(dia_ids(ev), key=_dia_key))
+                facts.append(
+                    Fact(f"{sid}/s{n}/{s_idx}/{i}", sid, text, str(speaker), source, dates.get(n, ""), turns_of)
+                )
 
     questions = [
         Question(

@@ -24,7 +24,7 @@ from .engines.registry import refusal
 from .engines.select import engine_name, open_engine
 from .models import LoadedModel, fingerprint, line_stop_ids, stop_token_ids
 from .policy import Method
-from .retrieve import Embedder, IndexCache, Retrieved, order_reverse_proximity
+from .retrieve import Embedder, Fusion, IndexCache, Retrieved, order_reverse_proximity, search
 from .store import Store, StoreError, UnknownUser
 
 PLANS = 3  # a request is planned at most this often while writes keep replacing its memory (then StoreError)
@@ -73,7 +73,9 @@ class MemoryService:
     ``engine``: an ``Engine`` or ``AsyncEngine`` (``engines.select.open_engine``); one engine may serve several
     services (stores). ``lm``: the answer model the engine runs (its tokenizer, config and fingerprint; the
     store must have been built by it). ``max_context``: context limit (default: the engine's).
-    ``index_cache_bytes`` bounds the per-user vector indexes (LRU); ``tail_recompute``: the default r of ``plan``.
+    ``index_cache_bytes`` bounds the per-user vector indexes (LRU); ``tail_recompute``: the default r of ``plan``;
+    ``fusion``: hybrid retrieval (cosine fused with the store's keyword scores, ``retrieve.Fusion``; None: cosine
+    alone, the default).
 
     Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model
     (StoreDtypeMismatch: computed in another dtype).
@@ -90,8 +92,10 @@ class MemoryService:
         tail_recompute: int = 0,
         store_cache_bytes: int | None = None,
         store_cache_dir: str | Path | None = None,
+        fusion: Fusion | None = None,
     ):
         self.engine, self.lm = engine, lm
+        self.fusion = fusion
         cache = {} if store_cache_bytes is None else {"cache_bytes": store_cache_bytes}
         self.store = Store.open(store_root, fingerprint(lm), cache_dir=store_cache_dir, **cache)
         self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
@@ -171,8 +175,8 @@ class MemoryService:
         ukv = self.store.snapshots([(u, None) for u in users])
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
-        scores, rows = self.indexes.search(self.store, ukv, q_vec, top_k, ukv.unexpired())
-        retrieved = Retrieved([int(r) for r in rows], [float(s) for s in scores])
+        hits = search(self.indexes, self.store, ukv, q_vec, question, top_k, ukv.unexpired(), self.fusion)
+        retrieved = Retrieved([h.position for h in hits], [h.score for h in hits])
         if mode == "kv" and cold:
             self.store.evict(ukv, retrieved.rows)
         if mode == "kv":  # the facts' KV starts moving up the tiers while the prompt is built and scheduled

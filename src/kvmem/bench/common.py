@@ -175,6 +175,8 @@ def ensure_store(
             and info.get("neighbours") == neighbours
             and info.get("history", False) == history
         )
+        if ok:
+            st.add_text_index()  # a store cached before the full-text index existed gets one (no re-encoding)
         st.close()
     except StoreError:
         ok = False

@@ -32,10 +32,13 @@ from collections import Counter
 from pathlib import Path
 
 from ..policy import MODES_HELP, Encoding, Method
+from ..retrieve import IndexCache
 from ..service import check_methods
+from ..store import Store
 from .common import (
     Setup,
     answer_batch,
+    ensure_store,
     log_err,
     log_k_axis,
     machine,
@@ -46,6 +49,8 @@ from .common import (
     write_csv,
     write_json,
 )
+from .recall import KS, describe, evidence_recall, parse_fusion
+from .recall import rows as recall_rows
 
 BATCH = 32  # requests per vLLM generate call: batched decode; results are written after each batch
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
@@ -146,6 +151,7 @@ def _key(r: dict) -> tuple:
         int(r["window"]),
         int(r.get("neighbours", 0)),
         bool(r.get("history", False)),
+        r.get("retrieval", "cosine"),
     )
 
 
@@ -203,12 +209,18 @@ def run(
     echo=print,
     neighbours: int | None = None,
     history: bool = False,
+    retrieval: str = "cosine",
 ) -> dict:
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
-    ``history``). Returns the summary (also written to ``out/summary.json``)."""
+    ``history``); ``retrieval``: ``cosine`` or a hybrid fusion (``recall.parse_fusion``; records carry it). The
+    summary also gives evidence recall@k per category (``recall.evidence_recall``, k in 5..100) of every
+    category 1-4 question of the samples under that retrieval. Returns the summary (also written to
+    ``out/summary.json``)."""
 
     neighbours = Encoding.of(None, neighbours, history).neighbours
+    fusion = parse_fusion(retrieval)
+    retrieval = describe(fusion) if fusion is not None else "cosine"
     try:
         for m in modes:
             Method.parse(m)
@@ -230,16 +242,16 @@ def run(
     jsonl = out / "records.jsonl"
     done_rows = load_done(jsonl)
     done = {_key(r) for r in done_rows}
-    n, h = neighbours, history
+    n, h, rt = neighbours, history, retrieval
     todo = [
         (w, q, k, m)
         for w in windows
         for q in qs
         for k in ks
         for m in modes
-        if (model, q.qid, m, k, w, n, h) not in done
+        if (model, q.qid, m, k, w, n, h, rt) not in done
     ]
-    asked = {(model, q.qid, m, k, w, n, h) for w in windows for q in qs for k in ks for m in modes}
+    asked = {(model, q.qid, m, k, w, n, h, rt) for w in windows for q in qs for k in ks for m in modes}
     echo(
         f"{len(qs)} questions x {len(ks)} k x {len(windows)} windows x {len(modes)} modes: "
         f"{len(todo)} to answer, {len(done & asked)} already in {jsonl}"
@@ -252,6 +264,8 @@ def run(
             if not todo_w:
                 continue
             svcs = setup.services(w, log_err, neighbours, history)
+            for svc in svcs.values():
+                svc.fusion = fusion
             engine = setup.engine_name
             step = BATCH if setup.start().batches else 1  # one at a time: resumable per answer
             for i in range(0, len(todo_w), step):
@@ -269,6 +283,7 @@ def run(
                         "window": w,
                         "neighbours": n,
                         "history": h,
+                        "retrieval": rt,
                         "k": k,
                         "k_used": a.k,
                         "mode": mode,
@@ -299,6 +314,7 @@ def run(
         and r["mode"] in modes
         and r.get("neighbours", 0) == n
         and r.get("history", False) == h
+        and r.get("retrieval", "cosine") == rt
     ]
     with_judge = bool(judge_url) or any("judge" in r for r in rows)
     if with_judge:
@@ -348,6 +364,7 @@ def run(
             }
             for m in methods
         }
+    recall = measure_recall(setup, windows[0], neighbours, history, fusion, show_progress)
     summary = {
         "command": "eval locomo",
         "engine": engine,
@@ -360,6 +377,7 @@ def run(
         "windows": windows,
         "neighbours": n,
         "history": h,
+        "retrieval": rt,
         "modes": modes,
         "max_new_tokens": max_new_tokens,
         "scoring": "LoCoMo token F1 (official normalisation, category 1 split on ',', category 3 before ';'; "
@@ -369,6 +387,7 @@ def run(
         "f1_gap_prompt_minus_kv": gap,
         "f1_gap_prompt_minus_method": gaps,
         "table": agg,
+        "evidence_recall": recall,
         "machine": {**info, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]},
     }
     write_json(out / "summary.json", summary)
@@ -407,5 +426,22 @@ def run(
     fig.savefig(out / "accuracy_vs_k.png", dpi=120)
     plt.close(fig)
     echo(table(trows, header))
+    echo(f"evidence recall@k, {rt}, every category 1-4 question of {', '.join(summary['samples'])}:")
+    echo(table(recall_rows(recall), ["category", "questions", "turns", "coverage"] + [f"R@{k}" for k in recall["k"]]))
     echo(f"wrote {out}/records.jsonl, summary.json, records.json, records.csv, summary.csv, accuracy_vs_k.png")
     return summary
+
+
+def measure_recall(setup: Setup, window: int, neighbours: int, history: bool, fusion, show_progress: bool) -> dict:
+    """``recall.evidence_recall`` over the setup's samples, from their cached stores at ``window``."""
+    roots = [
+        ensure_store(setup.data, c, setup.lm, setup.embedder, window, log_err, show_progress, neighbours, history)
+        for c in setup.convs
+    ]
+    stores = [Store.open(r) for r in roots]
+    try:
+        items = [(c, st, IndexCache(256 << 20)) for c, st in zip(setup.convs, stores)]
+        return evidence_recall(items, setup.embedder, KS, fusion)
+    finally:
+        for st in stores:
+            st.close()

@@ -517,8 +517,12 @@ def eval_locomo(
     ),
     out: Path = typer.Option(Path("runs/eval/locomo"), "--out"),
     show_progress: bool = _PROGRESS,
+    retrieval: str = typer.Option(
+        "cosine", "--retrieval", help="cosine, or hybrid (rrf[:K[:W]], weighted[:W]: cosine fused with BM25)."
+    ),
 ):
-    """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl)."""
+    """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl);
+    evidence recall@k per category."""
     ev = bench_module("eval_locomo")
     from ..bench.common import int_list, str_list
 
@@ -540,4 +544,53 @@ def eval_locomo(
         typer.echo,
         neighbours=neighbours,
         history=history,
+        retrieval=retrieval,
     )
+
+
+@eval_app.command("recall")
+@friendly
+def eval_recall(
+    retrieval: str = typer.Option(
+        "cosine,hybrid",
+        "--retrieval",
+        help="Comma-separated: cosine, hybrid (the default fusion), rrf[:K[:W]], weighted[:W]; the first is the "
+        "baseline of the gains.",
+    ),
+    k: str = typer.Option("5,10,20,50,100", "--k", help="Comma-separated k values."),
+    data: Path = DATA,
+    samples: str = typer.Option(
+        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids ('' = all; the held-out pair)."
+    ),
+    model: str = typer.Option(
+        "smollm2-135m-instruct",
+        "--model",
+        help="The model the stores are built with (retrieval reads no KV, so the smallest will do).",
+    ),
+    out: Path = typer.Option(Path("runs/eval/recall"), "--out"),
+    show_progress: bool = _PROGRESS,
+):
+    """LoCoMo evidence recall@k per category: the share of questions' evidence turns whose facts are retrieved
+    (retrieval only, no answer model: minutes on a CPU)."""
+    recall = bench_module("recall")
+    from ..bench.common import int_list, str_list
+
+    recall.run(data, out, _bench_args(samples), str_list(retrieval), int_list(k, "--k", 1), model, show_progress,
+               typer.echo)  # fmt: skip
+
+
+@bench_app.command("search")
+@friendly
+def bench_search(
+    memories: int = typer.Option(10_000, "--memories", help="Memories of the one user searched."),
+    queries: int = typer.Option(200, "--queries", help="LoCoMo questions searched per retrieval (after a first)."),
+    k: int = typer.Option(20, "--k"),
+    data: Path = DATA,
+    out: Path = typer.Option(Path("runs/bench/search"), "--out"),
+):
+    """Memory.search's cost at a large memory (default 10,000), cosine alone against hybrid: median and p95."""
+    search_cost = bench_module("search_cost")
+
+    if min(memories, queries, k) < 1:
+        raise ValueError("--memories, --queries and --k must be >= 1")
+    search_cost.run(data, out, memories, queries, k, echo=typer.echo)

@@ -108,6 +108,12 @@ def serve_cmd(
         "memories computed behind the erased text to a background task, which runs within this bound (the derived "
         "KV is served until then). Default: re-encode at once, in the erasing request.",
     ),
+    hybrid: bool = typer.Option(
+        False,
+        "--hybrid/--no-hybrid",
+        help="Chats and memory searches rank by cosine fused with the store's keyword (BM25) scores; off: cosine "
+        "alone. A search's keyword_search overrides it.",
+    ),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from ..hardware import resolve_dtype
@@ -167,4 +173,5 @@ def serve_cmd(
         use_ray=use_ray,
         extractor=extractor(extractor_url, extractor_model),
         defer_reencode_s=defer_reencode,
+        hybrid=hybrid,
     )

@@ -103,6 +103,21 @@ def store_fsck(store: str = store_option(), as_json: bool = JSON):
         raise typer.Exit(1)
 
 
+@store_app.command("text-index")
+@friendly
+def store_text_index(store: str = store_option()):
+    """Give a store created before hybrid search its full-text index (over its live facts; writes keep it after
+    that). Stores created since have one."""
+    from ..store import Store
+
+    st = Store.open(store)
+    try:
+        added = st.add_text_index()
+    finally:
+        st.close()
+    typer.echo(f"store {st.name}: " + ("full-text index created" if added else "already has its full-text index"))
+
+
 @store_app.command("copy")
 @friendly
 def store_copy(

@@ -32,7 +32,7 @@ from ..config import config_kwargs
 from ..ingest import erase_facts, open_or_create_store, reencode_stale, render_turns, write_facts
 from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from ..policy import Encoding
-from ..retrieve import Embedder, IndexCache
+from ..retrieve import Embedder, Fusion, IndexCache, search
 from ..scopes import Scope
 from ..store import (
     ALL,
@@ -112,6 +112,9 @@ class Memory:
         defer_reencode_s: None (default): an erasure re-encodes at once every fact whose KV was computed behind
             the erased text; a number of seconds: it leaves that to ``reencode_pending`` (the server's background
             job), which must run within that bound; the derived KV is served until then.
+        hybrid: what ``search`` ranks by when a call does not say (``keyword_search``): False (the default), cosine
+            similarity alone; True, cosine fused with the store's full-text (BM25) scores (``retrieve.Fusion()``);
+            or a ``retrieve.Fusion``.
 
     Memories belong to entity scopes (``scopes.Scope``: a ``user_id``, ``agent_id``, ``run_id`` or several).
     Every method takes ``namespace`` too: the tenant whose ids these are (``kvmem serve`` passes it; None for a
@@ -136,8 +139,11 @@ class Memory:
         custom_instructions: str | None = None,
         kv_format: str | None = None,
         defer_reencode_s: float | None = None,
+        hybrid: bool | Fusion = False,
     ):
 
+        if not isinstance(hybrid, (bool, Fusion)):
+            raise MemoryInputError(f"hybrid must be true, false or a retrieve.Fusion, not {hybrid!r}")
         try:  # a new scope's encoding; checked here, before any model loads
             self.encoding = Encoding.of(window, neighbours, history)
         except ValueError as exc:
@@ -162,6 +168,7 @@ class Memory:
             )
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
+        self.fusion = hybrid if isinstance(hybrid, Fusion) else (Fusion() if hybrid else None)
         self.custom_instructions = custom_instructions
         self.defer_reencode_s = defer_reencode_s
         self._fields: dict[tuple, tuple] = {}  # (scope key, version, namespace) -> each fact's filter fields
@@ -292,11 +299,20 @@ class Memory:
         run_id: str | None = None,
         limit: int | None = None,
         namespace: str | None = None,
+        explain: bool = False,
+        keyword_search: bool | None = None,
         **unsupported,
     ) -> dict:
         """The ``top_k`` (default 20) memories most similar to ``query`` among those ``filters`` select, with a
         cosine score of at least ``threshold`` (default 0.1; None: any): ``{"results": [{id, memory, hash,
         metadata, score, created_at, updated_at, user_id?, agent_id?, run_id?, ...}]}``, best first.
+
+        ``keyword_search``: rank by cosine fused with the store's keyword (BM25) scores (True), or by cosine alone
+        (False); None: as the Memory was made (``hybrid``). Fused, ``score`` is the fused score in [0, 1]
+        (``retrieve.Fusion``) and ``threshold`` still applies to the cosine, as in Mem0 2.x. ``explain``: each
+        result also carries ``score_details`` (Mem0 2.x's name): ``semantic_score`` (cosine), ``bm25_score``
+        (the raw keyword score, None where the words did not match), their ranks among the candidates, the fusion
+        and ``final_score``.
 
         ``filters``: Mem0's (``scopes`` module docstring), with at least one entity id; it is applied before the
         top-k (FAISS ``IDSelectorBatch``), so ``top_k`` results come back whenever that many match. Top-level
@@ -312,14 +328,17 @@ class Memory:
                                   show_expired, namespace)  # fmt: skip
         if ukv is None or top_k == 0:
             return {"results": []}
-        scores, rows = self.indexes.search(self.store, ukv, self.embedder.embed([query])[0], top_k, allowed)
-        return {
-            "results": [
-                mem0.item(ukv.facts[r], namespace, s)
-                for r, s in zip(rows, scores)
-                if threshold is None or float(s) >= threshold
-            ]
-        }
+        if keyword_search is not None and not isinstance(keyword_search, bool):
+            raise MemoryInputError(f"keyword_search must be true or false, not {keyword_search!r}")
+        fusion = self.fusion if keyword_search is None else (self.fusion or Fusion()) if keyword_search else None
+        hits = search(self.indexes, self.store, ukv, self.embedder.embed([query])[0], query, top_k, allowed, fusion)
+        out = []
+        for h in hits:
+            if threshold is None or h.semantic >= threshold:
+                out.append(mem0.item(ukv.facts[h.position], namespace, h.score))
+                if explain:
+                    out[-1]["score_details"] = {**h.explain(fusion), "threshold": threshold}
+        return {"results": out}
 
     def _fact(self, memory_id) -> FactRecord | None:
         try:

@@ -139,8 +139,8 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
 
     async def search(body: SearchRequest, request: Request):
         tenant = tenant_of(request)
-        if body.rerank or body.keyword_search:
-            raise APIError(400, "rerank and keyword_search are not supported: kvmem ranks by cosine similarity")
+        if body.rerank:
+            raise APIError(400, "rerank is not supported: kvmem ranks by cosine, or fused with keywords")
         legacy = request.url.path.startswith("/v1/")  # kvmem's own spelling: limit, default 10
         top_k = body.top_k if body.top_k is not None else ((body.limit or 10) if legacy else 20)
         return await read(
@@ -152,6 +152,8 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             threshold=body.threshold if body.threshold is not None else 0.1,
             show_expired=body.show_expired,
             namespace=tenant,
+            explain=body.explain,
+            keyword_search=body.keyword_search,
         )
 
     route("POST", "/v1/memories/search")(search)

@@ -26,7 +26,7 @@ from ..ingest import open_or_create_store
 from ..memory import Memory
 from ..models import DEFAULT_MODEL, load
 from ..policy import Method
-from ..retrieve import Embedder, IndexCache
+from ..retrieve import Embedder, Fusion, IndexCache
 from ..service import MemoryService, check_methods
 from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
@@ -247,6 +247,7 @@ class KvmemServer:
         kv_format: str | None = None,
         defer_reencode_s: float | None = None,
         measure_store: bool = True,
+        hybrid: bool = False,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -260,7 +261,8 @@ class KvmemServer:
         (``kvformat``), which an existing store must already hold; ``defer_reencode_s``: an erasure leaves the
         re-encoding of what was computed behind the erased text to the upkeep task, within this many seconds
         (None: at once, in the erasing request; ``Memory``); ``measure_store``: measure the store's size
-        for ``/metrics`` here (off: the ingress of ``--replicas`` measures it once). Raises
+        for ``/metrics`` here (off: the ingress of ``--replicas`` measures it once); ``hybrid``: chats and searches
+        rank by cosine fused with the store's keyword scores (``retrieve.Fusion``) instead of cosine alone. Raises
         StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
         transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
@@ -271,6 +273,13 @@ class KvmemServer:
             open_or_create_store(root, lm, embedder, segments_url=segments_url, kv_format=kv_format)[0].close()
         st = Store.open(root)
         model = model or st.fingerprint["model"]
+        if hybrid and not st.has_text_index:
+            logger.warning(
+                "--hybrid: store %s has no full-text index (created before hybrid search), so it is searched by "
+                "cosine alone; `kvmem store text-index --store %s` adds one",
+                st.name,
+                st.name,
+            )
         st.close()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-model")
         opened = open_engine(
@@ -301,6 +310,7 @@ class KvmemServer:
             tail_recompute=tail_recompute,
             store_cache_bytes=cache_bytes,
             store_cache_dir=cache_dir,
+            fusion=Fusion() if hybrid else None,
         )
         svc.indexes = indexes
         # writes: the same model (its weights load on the first write where the engine does not hold them)
@@ -316,6 +326,7 @@ class KvmemServer:
             store_cache_bytes=cache_bytes,
             extractor=extractor,
             defer_reencode_s=defer_reencode_s,
+            hybrid=hybrid,
         )
         mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
         return cls(

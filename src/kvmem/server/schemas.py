@@ -300,7 +300,8 @@ class SearchRequest(Scoped):
     threshold: float | None = Field(None, ge=0, le=1)
     show_expired: bool = False
     rerank: bool = False
-    keyword_search: bool = False
+    keyword_search: bool | None = None  # None: the server's --hybrid; True: cosine fused with keyword scores
+    explain: bool = False  # each result's score_details: semantic and keyword parts
     latest_only: bool | None = None  # every memory is its latest version here (an update keeps its id)
 
 

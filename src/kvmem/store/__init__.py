@@ -452,6 +452,18 @@ class Store:
         """``Reader.changes``: (added [(row, embedding [E])], removed rows) since version ``since``, or None."""
         return self.reads.changes(user, since)
 
+    @property
+    def has_text_index(self) -> bool:
+        """Whether the store has its full-text index (stores created before hybrid search do not:
+        ``add_text_index``)."""
+        with self._lock:
+            return self.rows.has_text_index()
+
+    def keyword_search(self, user: str, query: str, limit: int) -> list[tuple[int, float]] | None:
+        """``Reader.keyword``: ``user``'s ``limit`` live facts best matching ``query``'s words in the store's
+        full-text index, ``[(row, score)]`` best first; None for a store without one."""
+        return self.reads.keyword(user, query, limit)
+
     def prefetch(self, ukv: UserKV, rows: list[int]) -> list:
         """``Reader.prefetch``: start reading ``ukv.facts[rows]``' KV in the background; a future per segment."""
         return self.reads.prefetch(ukv, rows)
@@ -514,6 +526,11 @@ class Store:
         """``Writer.compact``: rewrite ``user``'s live facts (of ``segments`` only, if given) into one segment.
         Returns the new version."""
         return self.writes.compact(user, segments)
+
+    def add_text_index(self) -> bool:
+        """``Writer.add_text_index``: the full-text index (hybrid search's keyword part) for a store created
+        before it; returns whether it was missing."""
+        return self.writes.add_text_index()
 
     def delete_user(self, user: str) -> str:
         """``Writer.delete_user``: erase every fact of ``user``, its turns and history text. Returns the new

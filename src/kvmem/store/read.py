@@ -27,7 +27,7 @@ from safetensors.torch import load
 from .. import kvformat
 from . import segments as seg_files
 from .location import StoreError, UnknownUser
-from .rows import Rows
+from .rows import Rows, keyword_terms
 from .tiers import MemoryTier, put_bounded
 
 VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
@@ -657,6 +657,15 @@ class Reader:
         finally:
             self._lock.release()
         return ukv, rows, spans
+
+    @_locked
+    def keyword(self, user: str, query: str, limit: int) -> list[tuple[int, float]] | None:
+        """The ``limit`` live facts of ``user`` whose text best matches the words of ``query`` (full-text index,
+        ``Rows.keyword``): ``[(row, score)]``, best first, as of the latest commit; None when the store has no
+        full-text index (created before it)."""
+        if not self.rows.has_text_index():
+            return None
+        return self.rows.keyword(user, keyword_terms(query), limit)
 
     @_locked
     def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:

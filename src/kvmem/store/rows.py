@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -33,11 +34,30 @@ from urllib.parse import quote
 
 from ..extras import require
 from .location import POSTGRES_SCHEMES, StoreBusy, StoreError, StoreUnavailable, is_url, password, redact
-from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, SQLITE, migration, render
+from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, SQLITE, migration, render, render_text_index
 from .segments import fsync_dir
 
 BUSY_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10
+# Snowball's English stop words, the list PostgreSQL's 'english' configuration drops: a keyword query keeps the
+# same words on both backends, and a question's "what did ... the ..." does not match every fact
+_STOP = (
+    "i me my myself we our ours ourselves you your yours yourself yourselves he him his himself she her hers "
+    "herself it its itself they them their theirs themselves what which who whom this that these those am is are "
+    "was were be been being have has had having do does did doing a an the and but if or because as until while "
+    "of at by for with about against between into through during before after above below to from up down in out "
+    "on off over under again further then once here there when where why how all any both each few more most "
+    "other some such no nor not only own same so than too very s t can will just don should now"
+)
+STOP_WORDS = frozenset(_STOP.split())
+
+
+def keyword_terms(query: str, limit: int = 32) -> list[str]:
+    """The words of ``query`` a keyword search looks for: lowercased runs of letters and digits, stop words
+    (``STOP_WORDS``) and repeats dropped, at most ``limit``. Only these reach the full-text query, so no input can
+    inject its syntax."""
+    words = [w for w in re.findall(r"\w+", query.lower()) if w not in STOP_WORDS and w != "_"]
+    return list(dict.fromkeys(words))[:limit]
 
 
 class Rows(ABC):
@@ -100,6 +120,22 @@ class Rows(ABC):
     def nbytes(self) -> int:
         """Bytes the rows take (files or tables)."""
 
+    @abstractmethod
+    def has_text_index(self) -> bool:
+        """Whether the store has the full-text index of its facts (``schema.TEXT_INDEX``; stores created before it
+        do not)."""
+
+    @abstractmethod
+    def add_text_index(self) -> None:
+        """Create the full-text index (``schema.render_text_index``) over the live facts already here, if missing
+        (a store created before it). DDL: only under the whole store's writer lock."""
+
+    @abstractmethod
+    def keyword(self, user: str, terms: list[str], limit: int) -> list[tuple[int, float]]:
+        """The ``limit`` live facts of ``user`` that best match any of ``terms`` (``keyword_terms``) in the
+        full-text index: ``[(row, score)]``, best first, score > 0 (SQLite: BM25, FTS5's ``bm25`` negated;
+        PostgreSQL: ``ts_rank``). Only call it when ``has_text_index``."""
+
     def replaced(self) -> bool:
         """Whether the store here was deleted or created again since this object opened it."""
         return False
@@ -135,6 +171,7 @@ class SQLiteRows(Rows):
         self.segments_dir = self.root / "users"
         self._db: sqlite3.Connection | None = None
         self._ino = self._manifest_ino()
+        self._text = False  # has_text_index, once it is True
 
     def _manifest_ino(self) -> int | None:
         try:
@@ -196,7 +233,7 @@ class SQLiteRows(Rows):
         _write_durably(self.root / "header.safetensors", header)
         db = self._connect()
         try:
-            db.executescript(render(SQLITE))
+            db.executescript(render(SQLITE) + render_text_index(SQLITE))
         finally:
             db.close()
         _write_durably(self.root / "manifest.json", json.dumps(manifest, indent=2).encode())
@@ -267,6 +304,32 @@ class SQLiteRows(Rows):
     def busy_timeout_s(self) -> float:
         """How long the SQLite connection waits for another process's write lock, s."""
         return self.db.execute("PRAGMA busy_timeout").fetchone()[0] / 1e3
+
+    def has_text_index(self) -> bool:
+        if not self._text:  # once there, it stays: only its absence is checked again (another process may add it)
+            q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name='facts_text'"
+            self._text = self.db.execute(q).fetchone() is not None
+        return self._text
+
+    def add_text_index(self) -> None:
+        self.db.executescript(f"BEGIN IMMEDIATE;\n{render_text_index(SQLITE)}COMMIT;\n")
+        self._text = True
+
+    def keyword(self, user: str, terms: list[str], limit: int) -> list[tuple[int, float]]:
+        if not terms:
+            return []
+        # the user's hex name narrows the match to its postings; the join checks the exact name and liveness
+        words = " OR ".join(f'"{t}"' for t in terms)
+        match = f'owner : "{user.encode().hex().upper()}" AND text : ({words})'
+        return [
+            (int(r), float(s))
+            for r, s in self.db.execute(
+                "SELECT f.row, -bm25(facts_text, 1.0, 0.0) FROM facts_text JOIN facts f ON f.row = facts_text.rowid "
+                "WHERE facts_text MATCH ? AND f.user = ? AND f.deleted IS NULL "
+                "ORDER BY bm25(facts_text, 1.0, 0.0), f.row LIMIT ?",
+                (match, user, limit),
+            )
+        ]
 
     def holds_other_data(self) -> bool:
         """A non-empty directory without a manifest."""
@@ -346,6 +409,7 @@ class PostgresRows(Rows):
         self._pool_lock = threading.Lock()
         self._local = threading.local()  # .conn: the writer connection this thread holds inside ``locked``
         self._store_id = self._read_store_id()
+        self._text = False  # has_text_index, once it is True
 
     def _connect(self):
         import psycopg
@@ -432,7 +496,7 @@ class PostgresRows(Rows):
                 self.conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{first.replace(chr(34), "")}"')
             # versions start at the creation time in microseconds: a store created again at this location never
             # reuses a version that a process still holding the old one has cached
-            self.conn.execute(render(POSTGRES, start=int(time.time() * 1e6)))
+            self.conn.execute(render(POSTGRES, start=int(time.time() * 1e6)) + render_text_index(POSTGRES))
             self.conn.execute(
                 "INSERT INTO kvmem_manifest (id, schema_version, manifest, header) VALUES (1, %s, %s, %s)",
                 (SCHEMA_VERSION, json.dumps(manifest), header),
@@ -555,6 +619,31 @@ class PostgresRows(Rows):
                     self._idle.append(conn)
             except Exception:  # a lost connection has released its locks already
                 conn.close()
+
+    def has_text_index(self) -> bool:
+        if not self._text:  # as SQLiteRows: only its absence is checked again
+            self._text = self.execute("SELECT to_regclass('facts_text')").fetchone()[0] is not None
+        return self._text
+
+    def add_text_index(self) -> None:
+        with self.transaction():
+            self.execute(render_text_index(POSTGRES))
+        self._text = True
+
+    def keyword(self, user: str, terms: list[str], limit: int) -> list[tuple[int, float]]:
+        if not terms:
+            return []
+        # websearch_to_tsquery reads any text safely; " or " between the words is its OR
+        return [
+            (int(r), float(s))
+            for r, s in self.execute(
+                "SELECT \"row\", ts_rank(to_tsvector('english', text), q) AS score FROM facts, "
+                "websearch_to_tsquery('english', ?) q WHERE \"user\" = ? AND deleted IS NULL AND "
+                "to_tsvector('english', text) @@ q ORDER BY score DESC, \"row\" LIMIT ?",
+                (" or ".join(terms), user, limit),
+            )
+            if s > 0
+        ]
 
     def nbytes(self) -> int:
         q = (

@@ -192,3 +192,34 @@ def migration(dialect: Dialect, version: int) -> list[str]:
             raise ValueError(f"schema version {version} cannot be migrated to {SCHEMA_VERSION}")
         out += [f"ALTER TABLE {t} ADD COLUMN {dialect.name(c)} {dialect.types[ty]}" for t, c, ty in MIGRATIONS[v]]
     return out
+
+
+# The full-text index of live facts' text (hybrid retrieval's keyword part), kept by the database itself on every
+# write: SQLite's FTS5 table filled by triggers on ``facts``, PostgreSQL's GIN index over the text's tsvector. It is
+# rendered apart from ``render`` (the tables above are unchanged), created with a new store; a store created before
+# it has none (``Rows.has_text_index``) and is searched by embeddings alone. SQLite's ``owner`` column holds the
+# user's name in hex (one token), so a search intersects the user's posting list instead of filtering every match.
+TEXT_INDEX = {
+    "sqlite": (
+        "CREATE VIRTUAL TABLE IF NOT EXISTS facts_text USING fts5(text, owner, tokenize='porter unicode61');\n"
+        "CREATE TRIGGER IF NOT EXISTS facts_text_add AFTER INSERT ON facts WHEN new.deleted IS NULL BEGIN\n"
+        "    INSERT INTO facts_text (rowid, text, owner) VALUES (new.row, new.text, hex(new.user)); END;\n"
+        "CREATE TRIGGER IF NOT EXISTS facts_text_tombstone AFTER UPDATE OF deleted ON facts\n"
+        "    WHEN old.deleted IS NULL AND new.deleted IS NOT NULL BEGIN\n"
+        "    DELETE FROM facts_text WHERE rowid = old.row; END;\n"
+        "CREATE TRIGGER IF NOT EXISTS facts_text_drop AFTER DELETE ON facts WHEN old.deleted IS NULL BEGIN\n"
+        "    DELETE FROM facts_text WHERE rowid = old.row; END;\n"
+        "INSERT INTO facts_text (rowid, text, owner) SELECT row, text, hex(user) FROM facts\n"
+        "    WHERE deleted IS NULL AND row NOT IN (SELECT rowid FROM facts_text);\n"
+    ),
+    "postgres": (
+        "CREATE INDEX IF NOT EXISTS facts_text ON facts USING GIN (to_tsvector('english', text))"
+        " WHERE deleted IS NULL;\n"
+    ),
+}
+
+
+def render_text_index(dialect: Dialect) -> str:
+    """The DDL of the full-text index (``TEXT_INDEX``) in ``dialect``; idempotent, and it indexes the live facts
+    already there, so it also adds the index to a store created before it."""
+    return TEXT_INDEX["postgres" if dialect.quote else "sqlite"]

@@ -411,6 +411,15 @@ class Writer:
             self.reads.forget(user)
         return str(version)
 
+    def add_text_index(self) -> bool:
+        """Give a store created before the full-text index one (``Rows.add_text_index``), over its live facts,
+        under the whole store's writer lock. Returns whether it was missing."""
+        with self.writer():
+            if self.rows.has_text_index():
+                return False
+            self.rows.add_text_index()
+            return True
+
     def delete_user(self, user: str) -> str:
         """Erase every fact of ``user`` (``erase(user, ALL)``): the facts, their turns and history text.
         Returns the new version; a user with nothing live is a no-op commit."""
