@@ -214,6 +214,8 @@ class SQLiteRows(Rows):
         return db
 
     def scrub(self) -> None:
+        if self.has_text_index():  # FTS5 keeps a deleted row's terms in older index segments until they merge
+            self.db.execute("INSERT INTO facts_text (facts_text) VALUES ('optimize')")
         self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def exists(self) -> bool:
