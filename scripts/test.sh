@@ -2,13 +2,15 @@
 # Set up (venv, packages, the test models) and run the test suite. This is README command (2); .ci/run runs it.
 #   bash scripts/test.sh            everything (vLLM, Ray, PostgreSQL, all three models)
 #   bash scripts/test.sh --fast     the fast tier: no vLLM, no Ray, no PostgreSQL, nothing slow, the smallest model
+#   bash scripts/test.sh --cluster  the fault run on the namespace cluster (root; minutes), apart from the suite
 # Other arguments pass through to pytest (e.g. -x, -k name, tests/test_store.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fast=0
+cluster=0
 args=()
 for a in "$@"; do
-  if [ "$a" = --fast ]; then fast=1; else args+=("$a"); fi
+  if [ "$a" = --fast ]; then fast=1; elif [ "$a" = --cluster ]; then cluster=1; else args+=("$a"); fi
 done
 bash scripts/setup.sh
 .venv/bin/kvmem models install smollm2-135m-instruct
@@ -24,4 +26,7 @@ if [ $fast = 1 ]; then
   # markers: pyproject.toml and tests/conftest.py
   exec .venv/bin/python -m pytest -q -m "not vllm and not ray and not postgres and not slow" ${args[@]+"${args[@]}"}
 fi
-exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
+if [ $cluster = 1 ]; then
+  exec .venv/bin/python -m pytest -q -m cluster ${args[@]+"${args[@]}"}
+fi
+exec .venv/bin/python -m pytest -q -m "not cluster" ${args[@]+"${args[@]}"}

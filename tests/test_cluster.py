@@ -48,6 +48,7 @@ def test_the_history_checker_finds_what_it_reports():
     assert t["cross_user_injections"] == 1 and t["acked_writes_lost"] == 1 and t["hung"] == 1
 
 
+@pytest.mark.cluster
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.postgres
