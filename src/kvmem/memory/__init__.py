@@ -39,6 +39,7 @@ from ..store import (
     CACHE_BYTES,
     FactRecord,
     Store,
+    StoreConflict,
     StoreError,
     UnknownUser,
     check_kv_format,
@@ -51,6 +52,7 @@ from .mem0 import (
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
     MAX_NAME_CHARS,
+    MemoryConflict,
     MemoryInputError,
     check_messages,
     check_user_id,
@@ -63,6 +65,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "AsyncMemory",
     "Memory",
+    "MemoryConflict",
     "MemoryInputError",
     "check_messages",
     "check_user_id",
@@ -214,14 +217,23 @@ class Memory:
         """The store users a read of ``filters`` (plus top-level entity ids ``ids``) covers, and the checked
         filters (``mem0.read_filters``). Raises MemoryInputError."""
         filters, named = mem0.read_filters(filters, ids)
-        if len(named.ids()) == len(scopes.ENTITIES):  # one scope: no need to list the store's
+        if len(named.ids()) == len(scopes.ENTITIES):  # one scope: no need to look it up
             return [named.key(namespace)], filters
-        found = []
-        for key in self.store.users(with_no_live_facts=True):
-            s = scopes.parse_key(key, namespace)
-            if s is not None and all(getattr(s, k) == v for k, v in named.ids().items()):
-                found.append(key)
-        return found, filters
+        return self._scopes_of(named, namespace), filters
+
+    def _scopes_of(self, named: Scope | None, namespace, live: bool = False) -> list[str]:
+        """The store users that are scopes of ``namespace`` with every id ``named`` names (None: all of them;
+        ``live``: with a live fact), found through the store's scope index, so the cost follows the caller's own
+        scopes; a store created before the index lists its users."""
+        keys = self.store.scope_keys(scopes.IndexQuery.of(named, namespace), live)
+        if keys is None:
+            keys = self.store.users(with_no_live_facts=not live)
+        return [k for k in keys if scopes.matches(k, named, namespace)]
+
+    def entity_scopes(self, namespace: str | None = None) -> list[Scope]:
+        """Every scope of ``namespace`` with live memories (what ``/v1/entities`` lists), through the scope index:
+        the cost follows that namespace's scopes, not the store's facts."""
+        return [scopes.parse_key(k, namespace) for k in self._scopes_of(None, namespace, live=True)]
 
     def _snapshot(self, users: list[str]):
         """Rows and embeddings of the current version of ``users``' memories, read as one (no KV: reads never
@@ -400,13 +412,15 @@ class Memory:
         created: dict[str, float] | None = None,
         dated: bool = False,
         window: int | None = None,
+        expect: dict[str, int] | None = None,
     ) -> tuple[str, list[FactRecord]]:
         """Every commit of this facade: through the one write path (``ingest.write_facts``), in one store
         transaction. new: (text, fact id or None for a fresh uuid, metadata); ``delete``: ids, or ``store.ALL``
         (what is live when the commit runs); ``created``: kept creation times of updated ids (``dated``: also
         each fact's date, as for imported memories; else the date is now's); ``now``: None, the commit's time;
-        ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``). The model and
-        embedder load only for a write with new facts. Returns (the new version, the new facts' records)."""
+        ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``); ``expect``: fact
+        id -> the row read, a compare-and-set (MemoryConflict when one changed since). The model and embedder
+        load only for a write with new facts. Returns (the new version, the new facts' records)."""
 
         scope_window, neighbours, history = self._encoding(user)
         window = scope_window if window is None else window
@@ -428,20 +442,24 @@ class Memory:
             for text, fid, meta in new
         ]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
-        version, _ = write_facts(
-            self.lm if records else None,
-            self.embedder if records else None,
-            self.store,
-            user,
-            records,
-            list(contexts),
-            rendered,
-            delete=delete,
-            turns=turns,
-            events=events,
-            now=now,
-            encoding=Encoding(window, neighbours, history),
-        )
+        try:
+            version, _ = write_facts(
+                self.lm if records else None,
+                self.embedder if records else None,
+                self.store,
+                user,
+                records,
+                list(contexts),
+                rendered,
+                delete=delete,
+                turns=turns,
+                events=events,
+                now=now,
+                encoding=Encoding(window, neighbours, history),
+                expect=expect,
+            )
+        except StoreConflict as exc:
+            raise MemoryConflict(str(exc)) from None
         return version, records
 
     def add(
@@ -523,8 +541,13 @@ class Memory:
         similar = lambda text, k: self._similar(ukv, text, k)
         plan = reconcile.decide(got, extractor, similar, metadata, self.extraction_counts)
         contexts = [self.encoding_context(user, turns, len(turns) - 1)] * len(plan.new)
-        created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
-        _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created)
+        # the memories decided on, as read: a compare-and-set, so a concurrent update of one is never overwritten
+        read = {f.fact_id: f for f in (ukv.facts if ukv is not None else ())}
+        touched = [read[t] for t in plan.delete if t in read]
+        created = {f.fact_id: f.created_at for f in touched}
+        expect = {f.fact_id: f.row for f in touched}
+        _, records = self._write(user, plan.new, plan.delete, turns, contexts, plan.events, now, created,
+                                 expect=expect)  # fmt: skip
         added = [r for r, n in zip(records, plan.new) if n[1] is None]
         out: dict = {"results": mem0.added(added) + plan.results}
         if not out["results"]:
@@ -548,7 +571,9 @@ class Memory:
     ) -> dict:
         """Replace a memory's text (re-encoded behind the turns before now) and/or merge ``metadata`` into its
         metadata, and/or set or clear (None) its ``expiration_date``; keeps its id, scope and creation time.
-        ``data``: Mem0's older name for ``text``. Raises MemoryInputError."""
+        ``data``: Mem0's older name for ``text``. A compare-and-set on the memory as read here: when another
+        writer (another replica) updated or deleted it in between, nothing is written and MemoryConflict is
+        raised (HTTP 409), never a silent overwrite of that change. Raises MemoryInputError, MemoryConflict."""
         text = data if text is None else text
         mem0.check_update(text, metadata, expiration_date is not _UNSET)
         text = None if text is None else mem0.check_text(text, "update text")
@@ -573,6 +598,7 @@ class Memory:
                 [(f.fact_id, "UPDATE", f.text, new_text)],
                 now,
                 {f.fact_id: f.created_at},
+                expect={f.fact_id: f.row},
             )
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
@@ -606,19 +632,33 @@ class Memory:
 
     def import_memories(self, export, namespace: str | None = None) -> dict:
         """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
-        ``{"results": [...]}`` page or a list of items) verbatim, keeping their ids, scopes, metadata, role,
-        expiration date and creation times; each scope's memories are encoded and committed at once, in creation
-        order. Every record is checked first (``importer.read_export``): a malformed one (by index), an id
-        already live here or repeated, and nothing is written. Returns ``{"count": n, "scopes":
-        {"user_id=alice": 3, ...}}``."""
-        by_scope = importer.read_export(export, namespace, lambda fid: self._fact(fid) is not None)
-        counts = {}
-        for user, items in by_scope.items():
-            new = [(text, fid, meta) for _, text, fid, meta in items]
-            contexts = [self.encoding_context(user, [], 0)] * len(new)
-            self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
-            counts[importer.scope_label(user, namespace)] = len(new)
-        return {"count": sum(counts.values()), "scopes": counts}
+        ``{"results": [...]}`` page or a list of at most ``importer.MAX_IMPORT_RECORDS`` items) verbatim, keeping
+        their ids, scopes, metadata, role, expiration date and creation times; each scope's memories are encoded
+        and committed in creation order, ``importer.IMPORT_BATCH`` at a time (``plan_import``, then
+        ``import_batch`` for each batch), so memory stays bounded whatever the export's size. Every record is
+        checked first: a malformed one (by index), an id repeated or live here with another scope or text, and
+        nothing is written. Idempotent by record: one already live as given is skipped, so an import cut short
+        is completed by running it again (``importer`` says how). Returns ``{"count": n, "scopes":
+        {"user_id=alice": 3, ...}, "existing": skipped}``. Raises MemoryInputError, ImportTooLarge (a subclass)."""
+        plan = self.plan_import(export, namespace)
+        for batch in plan.batches:
+            self.import_batch(batch)
+        return plan.result()
+
+    def plan_import(self, export, namespace: str | None = None) -> importer.ImportPlan:
+        """``import_memories``' checks, without writing: the export's batches (``importer.read_export``). Reads
+        the store only (one indexed lookup per record), so it need not run on the model thread."""
+        return importer.read_export(export, namespace, self._fact)
+
+    def import_batch(self, batch: tuple[str, list]) -> str:
+        """Encode and commit one batch of a ``plan_import``: (store user, items), in one commit. Returns the
+        scope's new version. Raises StoreError when an id became live since the plan was made (nothing of this
+        batch is written)."""
+        user, items = batch
+        new = [(text, fid, meta) for _, text, fid, meta in items]
+        contexts = [self.encoding_context(user, [], 0)] * len(new)
+        version, _ = self._write(user, new, [], [], contexts, [], time.time(), {fid: t for t, _, fid, _ in items}, True)
+        return version
 
     def compact(self, user_id: str | None = None, agent_id=None, run_id=None, namespace: str | None = None) -> dict:
         """Rewrite one scope's KV segments without dead rows; what search and get_all return is unchanged."""
