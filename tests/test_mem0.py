@@ -480,13 +480,17 @@ def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
     assert out.exit_code == 2 and "record 0" in out.output and "Traceback" not in out.output
 
 
-def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server):
+def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server, tmp_path):
     """An import commits 32 records at a time (one version each) and frees the model thread between batches, so
-    another tenant's chat sent after the first batch is answered while the import goes on; running it again
+    another tenant's chat sent after the first batch is answered while the import goes on (4 records a batch here, to
+    keep the test cheap); running it again
     writes nothing (records without ids get derived ones); over 10,000 records is a 413 that writes nothing."""
     import threading
 
-    from kvmem.memory.importer import IMPORT_BATCH, MAX_IMPORT_RECORDS
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+    from kvmem.memory.importer import MAX_IMPORT_RECORDS
 
     srv, base = server
     h = {"Authorization": f"Bearer {KEY_A}"}
@@ -495,8 +499,13 @@ def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server
     r = httpx.post(f"{base}/v1/memories/import", headers=h, json=too_many, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_records", r.text
     assert st.version("acme:huge") is None
+    (tmp_path / "huge.json").write_text(json.dumps(too_many))
+    out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "huge.json"), "--store", str(tmp_path / "s")])
+    assert out.exit_code == 2 and "at most 10000 records" in out.output and "Traceback" not in out.output
+    assert not (tmp_path / "s").exists()  # refused before a store is made or a model loads
 
-    n = 6 * IMPORT_BATCH
+    batch = srv.memory.import_batch_size = 4  # the default is 32: six batches at a fraction of the cost
+    n = 6 * batch
     export = [{"memory": f"Bulk fact number {i} is about topic {i % 7}.", "user_id": "bulk"} for i in range(n)]
     done = {}
     t = threading.Thread(
@@ -516,10 +525,11 @@ def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server
         "existing": 0,
     }, done["r"].text
     versions = {v for (v,) in st.rows.execute('SELECT added FROM facts WHERE "user"=?', ("acme:bulk",))}
-    assert len(versions) == n // IMPORT_BATCH  # one commit per batch
+    assert len(versions) == n // batch  # one commit per batch
     again = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
     assert again.json() == {"count": 0, "scopes": {}, "existing": n}, again.text
     assert len(srv.memory.get_all(user_id="bulk", namespace="acme", top_k=1000)["results"]) == n
+    srv.memory.import_batch_size = 32
 
 
 def test_an_update_that_lost_a_race_is_a_409_and_changes_nothing(server):

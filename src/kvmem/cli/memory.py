@@ -191,6 +191,9 @@ def memory_import(
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file} is not JSON ({exc})") from None
     check_kv_format_name(kv_format)
+    from ..memory.importer import check_size
+
+    check_size(export)  # too many records: one error line before any store is made or model loaded
     mem = _memory(store, model, None, dtype, None, None, create=True, segments=segments, kv_format=kv_format)
     out = mem.import_memories(export)
     if as_json:

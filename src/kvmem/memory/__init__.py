@@ -165,6 +165,7 @@ class Memory:
         self.custom_instructions = custom_instructions
         self._fields: dict[tuple, tuple] = {}  # (scope key, version, namespace) -> each fact's filter fields
         self.extraction_counts: Counter = Counter()  # infer=True adds: facts extracted / rejected, empty adds, ...
+        self.import_batch_size = importer.IMPORT_BATCH  # records per commit of an import
 
     @property
     def embedder(self):
@@ -634,11 +635,11 @@ class Memory:
         """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
         ``{"results": [...]}`` page or a list of at most ``importer.MAX_IMPORT_RECORDS`` items) verbatim, keeping
         their ids, scopes, metadata, role, expiration date and creation times; each scope's memories are encoded
-        and committed in creation order, ``importer.IMPORT_BATCH`` at a time (``plan_import``, then
-        ``import_batch`` for each batch), so memory stays bounded whatever the export's size. Every record is
-        checked first: a malformed one (by index), an id repeated or live here with another scope or text, and
-        nothing is written. Idempotent by record: one already live as given is skipped, so an import cut short
-        is completed by running it again (``importer`` says how). Returns ``{"count": n, "scopes":
+        and committed in creation order, ``import_batch_size`` (``importer.IMPORT_BATCH``) at a time
+        (``plan_import``, then ``import_batch`` for each batch), so memory stays bounded whatever the export's
+        size. Every record is checked first: a malformed one (by index), an id repeated or live here with another
+        scope or text, and nothing is written. Idempotent by record: one already live as given is skipped, so an
+        import cut short is completed by running it again (``importer`` says how). Returns ``{"count": n, "scopes":
         {"user_id=alice": 3, ...}, "existing": skipped}``. Raises MemoryInputError, ImportTooLarge (a subclass)."""
         plan = self.plan_import(export, namespace)
         for batch in plan.batches:
@@ -648,7 +649,7 @@ class Memory:
     def plan_import(self, export, namespace: str | None = None) -> importer.ImportPlan:
         """``import_memories``' checks, without writing: the export's batches (``importer.read_export``). Reads
         the store only (one indexed lookup per record), so it need not run on the model thread."""
-        return importer.read_export(export, namespace, self._fact)
+        return importer.read_export(export, namespace, self._fact, self.import_batch_size)
 
     def import_batch(self, batch: tuple[str, list]) -> str:
         """Encode and commit one batch of a ``plan_import``: (store user, items), in one commit. Returns the

@@ -15,6 +15,7 @@ record whose id is live with another scope or text is refused, and then nothing 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,9 +50,11 @@ class ImportPlan:
         return {"count": sum(self.counts.values()), "scopes": dict(self.counts), "existing": self.existing}
 
 
-def record_id(user: str, created: float, text: str, nth: int) -> str:
-    """The id of a record that has none: the same for the same export, so running an import again skips it."""
-    return str(uuid.uuid5(_IDS, f"{user}\n{created!r}\n{nth}\n{text}"))
+def record_id(user: str, created, text: str, nth: int) -> str:
+    """The id of a record that has none, from its scope key, ``created_at`` as given (None when absent: the time
+    it gets is the import's), text and occurrence among records alike: the same for the same export, so running
+    an import again skips it."""
+    return str(uuid.uuid5(_IDS, json.dumps([user, created, text, nth])))
 
 
 def check_size(export) -> list:
@@ -89,8 +92,9 @@ def read_export(
             created = mem0.parse_time(rec.get("created_at"))
             fid = rec.get("id")
             if not fid:
-                nth = occurrences[(user, created, text)] = occurrences.get((user, created, text), -1) + 1
-                fid = record_id(user, created, text, nth)
+                alike = (user, json.dumps(rec.get("created_at")), text)
+                nth = occurrences[alike] = occurrences.get(alike, -1) + 1
+                fid = record_id(user, rec.get("created_at"), text, nth)
             if not isinstance(fid, str) or fid in seen:
                 raise MemoryInputError(f"id {fid!r} is not a string or appears twice")
             seen.add(fid)
