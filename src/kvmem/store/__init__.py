@@ -8,7 +8,8 @@ Two backends, chosen by location; callers never know which they hold:
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
     meta.sqlite              meta (the version counter; per-user encoding neighbours, history), users, segments
                              (sha256), facts (rows, embeddings, added/deleted versions), history (events),
-                             turns (the raw conversation)
+                             turns (the raw conversation), scopes (the scope index: each user by tenant and
+                             entity ids, ``scope_keys``)
     users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
                                              (token-major: a fact is one byte range; ``segments``)
 
