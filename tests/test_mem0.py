@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 os.environ.setdefault("MEM0_TELEMETRY", "False")  # mem0ai would otherwise post events (there is no network)
 
@@ -506,7 +507,11 @@ def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
 
     r = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
     assert r.status_code == 200, r.text
-    assert r.json() == {"count": 3, "scopes": {"user_id=jo": 1, "user_id=jo&agent_id=dj": 1, "run_id=r9": 1}}
+    assert r.json() == {
+        "count": 3,
+        "scopes": {"user_id=jo": 1, "user_id=jo&agent_id=dj": 1, "run_id=r9": 1},
+        "existing": 0,
+    }
     got = httpx.get(f"{base}/v1/memories/7f0e5c1a-0000-4000-8000-000000000001/", headers=h).json()
     assert got["memory"] == "Jo is allergic to peanuts." and got["user_id"] == "jo"
     assert got["metadata"] == {"source": "intake", "categories": ["health"]}
@@ -516,15 +521,99 @@ def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
     found = httpx.post(f"{base}/v3/memories/search/", headers=h, timeout=60,
                        json={"query": "music", "filters": {"user_id": "jo"}, "threshold": 0}).json()  # fmt: skip
     assert [m["id"] for m in found["results"]] == ["7f0e5c1a-0000-4000-8000-000000000001"]
-    again = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
-    assert again.status_code == 400 and "already exists" in again.text
+    again = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)  # idempotent by record
+    assert again.status_code == 200 and again.json() == {"count": 0, "scopes": {}, "existing": 3}, again.text
+    changed = {"results": [{**export["results"][0], "memory": "Jo is allergic to nothing."}]}
+    r = httpx.post(f"{base}/v1/memories/import", headers=h, json=changed, timeout=300)
+    assert r.status_code == 400 and "already exists, with another scope or text" in r.text
 
     (tmp_path / "export.json").write_text(json.dumps({"results": export["results"][:1]}))
     store = tmp_path / "cli-store"
     out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "export.json"), "--store", str(store),
                                    "--model", FAST, "--dtype", "float32", "--json"])  # fmt: skip
     assert out.exit_code == 0, out.output
-    assert json.loads(out.output) == {"count": 1, "scopes": {"user_id=jo": 1}}
+    assert json.loads(out.output) == {"count": 1, "scopes": {"user_id=jo": 1}, "existing": 0}
     (tmp_path / "bad.json").write_text('{"results": [{"memory": "no scope"}]}')
     out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "bad.json"), "--store", str(store)])
     assert out.exit_code == 2 and "record 0" in out.output and "Traceback" not in out.output
+
+
+def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server, tmp_path):
+    """An import commits 32 records at a time (one version each) and frees the model thread between batches, so
+    another tenant's chat sent after the first batch is answered while the import goes on (4 records a batch here, to
+    keep the test cheap); running it again
+    writes nothing (records without ids get derived ones); over 10,000 records is a 413 that writes nothing."""
+    import threading
+
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+    from kvmem.memory.importer import MAX_IMPORT_RECORDS
+
+    srv, base = server
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    st = srv.memory.store
+    too_many = {"results": [{"memory": f"Fact {i}.", "user_id": "huge"} for i in range(MAX_IMPORT_RECORDS + 1)]}
+    r = httpx.post(f"{base}/v1/memories/import", headers=h, json=too_many, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_records", r.text
+    assert st.version("acme:huge") is None
+    (tmp_path / "huge.json").write_text(json.dumps(too_many))
+    out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "huge.json"), "--store", str(tmp_path / "s")])
+    assert out.exit_code == 2 and "at most 10000 records" in out.output and "Traceback" not in out.output
+    assert not (tmp_path / "s").exists()  # refused before a store is made or a model loads
+
+    batch = srv.memory.import_batch_size = 4  # the default is 32: six batches at a fraction of the cost
+    n = 6 * batch
+    export = [{"memory": f"Bulk fact number {i} is about topic {i % 7}.", "user_id": "bulk"} for i in range(n)]
+    done = {}
+    t = threading.Thread(
+        target=lambda: done.update(r=httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=600))
+    )
+    t.start()
+    deadline = time.monotonic() + 300
+    while st.version("acme:bulk") is None:  # the first batch is committed
+        assert t.is_alive() and time.monotonic() < deadline
+        time.sleep(0.05)
+    _chat(base, KEY_B, "someone", "Hello?", mode="off")
+    assert t.is_alive(), "the chat waited for the whole import"
+    t.join(600)
+    assert done["r"].status_code == 200 and done["r"].json() == {
+        "count": n,
+        "scopes": {"user_id=bulk": n},
+        "existing": 0,
+    }, done["r"].text
+    versions = {v for (v,) in st.rows.execute('SELECT added FROM facts WHERE "user"=?', ("acme:bulk",))}
+    assert len(versions) == n // batch  # one commit per batch
+    again = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
+    assert again.json() == {"count": 0, "scopes": {}, "existing": n}, again.text
+    assert len(srv.memory.get_all(user_id="bulk", namespace="acme", top_k=1000)["results"]) == n
+    srv.memory.import_batch_size = 32
+
+
+def test_an_update_that_lost_a_race_is_a_409_and_changes_nothing(server):
+    """Another replica (a second ``Memory`` on the same store) updates a memory between this server's read and
+    its commit: the server's update is a compare-and-set, so it answers 409 ``memory_conflict`` and the other
+    replica's text stays (before, the server wrote the old text back with its metadata)."""
+    from kvmem import Memory
+
+    srv, base = server
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    body = {"messages": [{"role": "user", "content": "Ana drinks tea."}], "user_id": "ana", "infer": False}
+    mid = httpx.post(f"{base}/v1/memories", headers=h, json=body, timeout=120).json()["results"][0]["id"]
+    other = Memory(srv.memory.store.root, model=srv.memory.lm, embedder=srv.memory.embedder, window=0)
+    write = srv.memory._write
+
+    def raced(*args, **kwargs):
+        del srv.memory._write  # once
+        other.update(mid, text="Ana drinks coffee.")
+        return write(*args, **kwargs)
+
+    srv.memory._write = raced
+    r = httpx.put(f"{base}/v1/memories/{mid}/", headers=h, json={"metadata": {"k": 1}}, timeout=120)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "memory_conflict", r.text
+    got = httpx.get(f"{base}/v1/memories/{mid}/", headers=h).json()
+    assert got["memory"] == "Ana drinks coffee." and "k" not in (got["metadata"] or {})
+    r = httpx.put(f"{base}/v1/memories/{mid}/", headers=h, json={"metadata": {"k": 1}}, timeout=120)
+    assert r.status_code == 200
+    assert httpx.get(f"{base}/v1/memories/{mid}/", headers=h).json()["metadata"] == {"k": 1}
+    other.close()

@@ -63,6 +63,41 @@ def stores(tmp_path_factory):
     return lm, emb, out
 
 
+def test_neighbour_choice_is_a_top_m_search_that_picks_what_a_full_sort_did():
+    """The top-m search (widened while exact copies or the token budget skip candidates) chooses exactly what
+    sorting every candidate chose, on a pool with copies and long facts, for a batch of new facts."""
+    g = torch.Generator().manual_seed(3)
+    pool_n, new_n, m, budget = 400, 16, 4, 40
+    pool = torch.nn.functional.normalize(torch.randn(pool_n, 8, generator=g), dim=1)
+    emb = torch.nn.functional.normalize(torch.randn(new_n, 8, generator=g), dim=1)
+    lens = torch.randint(1, 30, (pool_n + new_n,), generator=g).tolist()
+    ids = [[i] * n for i, n in enumerate(lens)]
+    for i in range(0, pool_n, 3):  # many exact copies of the new facts' nearest neighbours
+        ids[i] = list(ids[pool_n + i % new_n])
+    pool_ids, new_ids = ids[:pool_n], ids[pool_n:]
+
+    def full_sort():  # the choice as it was made before: every candidate sorted
+        cands = torch.cat([pool, emb])
+        sim = emb @ cands.T
+        sim[torch.arange(new_n), pool_n + torch.arange(new_n)] = float("-inf")
+        out = []
+        for j, row in enumerate(sim.argsort(dim=1, descending=True).tolist()):
+            kept, used, seen = [], 0, {tuple(new_ids[j])}
+            for c in row:
+                if len(kept) == m:
+                    break
+                if c != pool_n + j and tuple(ids[c]) not in seen and used + len(ids[c]) <= budget:
+                    kept.append(c)
+                    used += len(ids[c])
+                    seen.add(tuple(ids[c]))
+            out.append(kept[::-1])
+        return out
+
+    _, chosen = neighbour_prefixes(emb, new_ids, pool, pool_ids, m, max_tokens=budget)
+    assert chosen == full_sort()
+    assert any(len(c) == m for c in chosen) and any(len(c) < m for c in chosen)
+
+
 def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):
     lm, emb, mems = stores
     store = mems[2].store

@@ -6,7 +6,7 @@ importing the package alone loads neither torch nor a model.
 
 import logging
 
-__all__ = ["AsyncMemory", "Memory", "MemoryInputError"]
+__all__ = ["AsyncMemory", "Memory", "MemoryConflict", "MemoryInputError"]
 
 # torchao (int8 KV, ``kvformat``; transformers imports it too) warns about each CUDA-only extension a CPU build
 # cannot load, and about enums torch's pytree now handles itself; neither concerns kvmem

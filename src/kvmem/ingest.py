@@ -135,18 +135,26 @@ def neighbour_prefixes(
     pool = 0 if pool_embeddings is None else pool_embeddings.shape[0]
     cands = embeddings if pool == 0 else torch.cat([pool_embeddings.float(), embeddings.float()])
     ids = list(pool_token_ids[:pool]) + list(token_ids)
-    sim = embeddings.float() @ cands.T  # [F, P + F]
+    sim = embeddings.float() @ cands.T  # [F, P + F]: F is one write's (an import's batch), P the scope's
     sim[torch.arange(len(token_ids)), pool + torch.arange(len(token_ids))] = float("-inf")  # never itself
+    n = sim.shape[1]
     top = []
-    for j, row in enumerate(sim.argsort(dim=1, descending=True).tolist()):  # most similar first
-        kept, used, seen = [], 0, {tuple(token_ids[j])}  # exact copies (of the fact or a kept one) add nothing
-        for c in row:
-            if len(kept) == neighbours:
+    for j in range(len(token_ids)):
+        # a top-k search, not a sort of every candidate: k grows only while skipped copies or the token budget
+        # leave fewer than ``neighbours`` chosen
+        k = min(n, 4 * neighbours + 4)
+        while True:
+            kept, used, seen = [], 0, {tuple(token_ids[j])}  # exact copies (of the fact or a kept one) add nothing
+            for c in torch.topk(sim[j], k).indices.tolist():  # most similar first
+                if len(kept) == neighbours:
+                    break
+                if c != pool + j and tuple(ids[c]) not in seen and used + len(ids[c]) <= max_tokens:
+                    kept.append(c)
+                    used += len(ids[c])
+                    seen.add(tuple(ids[c]))
+            if len(kept) == neighbours or k == n:
                 break
-            if c != pool + j and tuple(ids[c]) not in seen and used + len(ids[c]) <= max_tokens:
-                kept.append(c)
-                used += len(ids[c])
-                seen.add(tuple(ids[c]))
+            k = min(n, 4 * k)
         top.append(kept[::-1])  # ascending similarity
     return [[t for c in row for t in ids[c]] for row in top], top
 
@@ -258,6 +266,7 @@ def write_facts(
     max_batch_tokens: int = 2048,
     progress=None,
     now: float | None = None,
+    expect: dict[str, int] | None = None,
 ) -> tuple[str, dict]:
     """The one write path (``ingest-locomo`` and every ``Memory`` commit end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
@@ -269,7 +278,8 @@ def write_facts(
     unknown); its ``context_facts`` are set here, the neighbour or earlier facts it is encoded behind.
     ``delete``: fact ids, or ``store.ALL`` (every fact live when the commit runs). With no ``facts`` (a delete,
     or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit then
-    records the window alone. Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    records the window alone. ``expect``: fact id -> the row the caller read, a compare-and-set
+    (``Store.commit``; StoreConflict). Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
     window, neighbours, history = encoding.window, encoding.neighbours, encoding.history
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
@@ -321,6 +331,7 @@ def write_facts(
         now=now,
         neighbours=neighbours if facts else None,
         history=history if facts else None,
+        expect=expect,
     )
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
 

@@ -106,6 +106,45 @@ def parse_key(key: str, namespace: str | None = None) -> Scope | None:
     return Scope(**ids) if ids else None
 
 
+def index_parts(key: str) -> tuple[str, str | None, str | None]:
+    """How the store's scope index (``store.schema``, table ``scopes``) files a store user: (head: the key up to
+    its first ``/``, i.e. ``[<namespace>:]<user_id>``, or ``<namespace>:`` for a scope without a user; agent id;
+    run id). A key that is no scope key is filed under its head alone."""
+    head = key.split("/", 1)[0]
+    s = parse_key(key)
+    return head, (s.agent_id if s else None), (s.run_id if s else None)
+
+
+@dataclass(frozen=True)
+class IndexQuery:
+    """What the scope index is asked for a read naming some of a scope's ids in a namespace: an exact ``head``
+    (a user id was named) or a head ``prefix`` (the namespace's, or None: any), and the agent and run ids named.
+    The rows it returns are candidates: ``parse_key`` decides (``matches``), as it always did."""
+
+    head: str | None
+    prefix: str | None
+    agent: str | None
+    run: str | None
+
+    @classmethod
+    def of(cls, named: Scope | None, namespace: str | None) -> IndexQuery:
+        """``named``: the ids a read names (None: every scope of ``namespace``)."""
+        ns = f"{namespace}:" if namespace is not None else ""
+        user = named.user_id if named is not None else None
+        return cls(
+            head=ns + user if user is not None else None,
+            prefix=ns or None if user is None else None,
+            agent=named.agent_id if named is not None else None,
+            run=named.run_id if named is not None else None,
+        )
+
+
+def matches(key: str, named: Scope | None, namespace: str | None) -> bool:
+    """Whether store user ``key`` is a scope of ``namespace`` with every id ``named`` names."""
+    s = parse_key(key, namespace)
+    return s is not None and (named is None or all(getattr(s, k) == v for k, v in named.ids().items()))
+
+
 # --- filters ----------------------------------------------------------------------------------------------
 
 

@@ -193,7 +193,8 @@ def memory_import(
     kv_format: str | None = KV_FORMAT,
     as_json: bool = JSON,
 ):
-    """Move memories in from Mem0: written verbatim with their ids, scopes, metadata and times, then encoded."""
+    """Move memories in from Mem0: written verbatim with their ids, scopes, metadata and times, then encoded.
+    At most 10,000 records per file, committed 32 at a time; running an import again skips what it wrote."""
     if not file.is_file():
         raise ValueError(f"no file {str(file)!r}")
     try:
@@ -201,6 +202,9 @@ def memory_import(
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file} is not JSON ({exc})") from None
     check_kv_format_name(kv_format)
+    from ..memory.importer import check_size
+
+    check_size(export)  # too many records: one error line before any store is made or model loaded
     mem = _memory(store, model, None, dtype, None, None, create=True, segments=segments, kv_format=kv_format)
     out = mem.import_memories(export)
     if as_json:
@@ -209,6 +213,8 @@ def memory_import(
         for scope, n in out["scopes"].items():
             typer.echo(f"{n:6d}  {scope}")
         typer.echo(f"{out['count']:6d}  memories imported")
+        if out["existing"]:
+            typer.echo(f"{out['existing']:6d}  already imported (skipped)")
 
 
 @memory_app.command("search")

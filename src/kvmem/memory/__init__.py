@@ -39,6 +39,7 @@ from ..store import (
     CACHE_BYTES,
     FactRecord,
     Store,
+    StoreConflict,
     StoreError,
     UnknownUser,
     check_kv_format,
@@ -51,6 +52,7 @@ from .mem0 import (
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
     MAX_NAME_CHARS,
+    MemoryConflict,
     MemoryInputError,
     check_messages,
     check_user_id,
@@ -63,6 +65,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "AsyncMemory",
     "Memory",
+    "MemoryConflict",
     "MemoryInputError",
     "check_messages",
     "check_user_id",
@@ -173,6 +176,7 @@ class Memory:
         self.defer_reencode_s = defer_reencode_s
         self._fields: dict[tuple, tuple] = {}  # (scope key, version, namespace) -> each fact's filter fields
         self.extraction_counts: Counter = Counter()  # infer=True adds: facts extracted / rejected, empty adds, ...
+        self.import_batch_size = importer.IMPORT_BATCH  # records per commit of an import
 
     @property
     def embedder(self):
@@ -225,14 +229,23 @@ class Memory:
         """The store users a read of ``filters`` (plus top-level entity ids ``ids``) covers, and the checked
         filters (``mem0.read_filters``). Raises MemoryInputError."""
         filters, named = mem0.read_filters(filters, ids)
-        if len(named.ids()) == len(scopes.ENTITIES):  # one scope: no need to list the store's
+        if len(named.ids()) == len(scopes.ENTITIES):  # one scope: no need to look it up
             return [named.key(namespace)], filters
-        found = []
-        for key in self.store.users(with_no_live_facts=True):
-            s = scopes.parse_key(key, namespace)
-            if s is not None and all(getattr(s, k) == v for k, v in named.ids().items()):
-                found.append(key)
-        return found, filters
+        return self._scopes_of(named, namespace), filters
+
+    def _scopes_of(self, named: Scope | None, namespace, live: bool = False) -> list[str]:
+        """The store users that are scopes of ``namespace`` with every id ``named`` names (None: all of them;
+        ``live``: with a live fact), found through the store's scope index, so the cost follows the caller's own
+        scopes; a store created before the index lists its users."""
+        keys = self.store.scope_keys(scopes.IndexQuery.of(named, namespace), live)
+        if keys is None:
+            keys = self.store.users(with_no_live_facts=not live)
+        return [k for k in keys if scopes.matches(k, named, namespace)]
+
+    def entity_scopes(self, namespace: str | None = None) -> list[Scope]:
+        """Every scope of ``namespace`` with live memories (what ``/v1/entities`` lists), through the scope index:
+        the cost follows that namespace's scopes, not the store's facts."""
+        return [scopes.parse_key(k, namespace) for k in self._scopes_of(None, namespace, live=True)]
 
     def _snapshot(self, users: list[str]):
         """Rows and embeddings of the current version of ``users``' memories, read as one (no KV: reads never
@@ -430,6 +443,7 @@ class Memory:
         dated: bool = False,
         window: int | None = None,
         provenance: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        expect: dict[str, int] | None = None,
     ) -> tuple[str, list[FactRecord]]:
         """Every commit of this facade: through the one write path (``ingest.write_facts``), in one store
         transaction. new: (text, fact id or None for a fresh uuid, metadata); ``delete``: ids, or ``store.ALL``
@@ -437,7 +451,8 @@ class Memory:
         each fact's date, as for imported memories; else the date is now's); ``now``: None, the commit's time;
         ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``);
         ``provenance``: per new fact (its window's turn references, the turns it came from), as ``_context``
-        gives them (None: unknown). The model and embedder load only for a write with new facts. Returns (the new
+        gives them (None: unknown); ``expect``: fact id -> the row read, a compare-and-set (MemoryConflict when
+        one changed since). The model and embedder load only for a write with new facts. Returns (the new
         version, the new facts' records)."""
 
         scope_window, neighbours, history = self._encoding(user)
@@ -462,20 +477,24 @@ class Memory:
             for i, (text, fid, meta) in enumerate(new)
         ]
         rendered = [f"- [{r.date}] {r.text}\n" for r in records]
-        version, _ = write_facts(
-            self.lm if records else None,
-            self.embedder if records else None,
-            self.store,
-            user,
-            records,
-            list(contexts),
-            rendered,
-            delete=delete,
-            turns=turns,
-            events=events,
-            now=now,
-            encoding=Encoding(window, neighbours, history),
-        )
+        try:
+            version, _ = write_facts(
+                self.lm if records else None,
+                self.embedder if records else None,
+                self.store,
+                user,
+                records,
+                list(contexts),
+                rendered,
+                delete=delete,
+                turns=turns,
+                events=events,
+                now=now,
+                encoding=Encoding(window, neighbours, history),
+                expect=expect,
+            )
+        except StoreConflict as exc:
+            raise MemoryConflict(str(exc)) from None
         return version, records
 
     def add(
@@ -571,9 +590,14 @@ class Memory:
         source = tuple(-(i + 1) for i in range(len(turns)))
         created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
         deleted = [t for t in plan.delete if t in kept]
+        # the memories updated, as read: a compare-and-set, so a concurrent update of one is never overwritten
+        read = {f.fact_id: f for f in (ukv.facts if ukv is not None else ())}
+        if erasure is not None and erasure.get("reencoded"):  # our own erasure re-encoded some: their rows moved
+            read.update({t: f for t in deleted if (f := self.store.fact(t, user)) is not None})
+        expect = {t: read[t].row for t in deleted if t in read}
         _, records = self._write(
             user, plan.new, deleted, turns, [text] * len(plan.new), plan.events, now, created,
-            provenance=[(refs, source)] * len(plan.new),
+            provenance=[(refs, source)] * len(plan.new), expect=expect,
         )  # fmt: skip
         added = [r for r, n in zip(records, plan.new) if n[1] is None]
         out: dict = {"results": mem0.added(added) + plan.results}
@@ -600,7 +624,9 @@ class Memory:
     ) -> dict:
         """Replace a memory's text (re-encoded behind the turns before now) and/or merge ``metadata`` into its
         metadata, and/or set or clear (None) its ``expiration_date``; keeps its id, scope and creation time.
-        ``data``: Mem0's older name for ``text``. Raises MemoryInputError."""
+        ``data``: Mem0's older name for ``text``. A compare-and-set on the memory as read here: when another
+        writer (another replica) updated or deleted it in between, nothing is written and MemoryConflict is
+        raised (HTTP 409), never a silent overwrite of that change. Raises MemoryInputError, MemoryConflict."""
         text = data if text is None else text
         mem0.check_update(text, metadata, expiration_date is not _UNSET)
         text = None if text is None else mem0.check_text(text, "update text")
@@ -627,6 +653,7 @@ class Memory:
                 now,
                 {f.fact_id: f.created_at},
                 provenance=[(refs, f.source_turns)],
+                expect={f.fact_id: f.row},
             )
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
@@ -702,22 +729,36 @@ class Memory:
 
     def import_memories(self, export, namespace: str | None = None) -> dict:
         """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
-        ``{"results": [...]}`` page or a list of items) verbatim, keeping their ids, scopes, metadata, role,
-        expiration date and creation times; each scope's memories are encoded and committed at once, in creation
-        order. Every record is checked first (``importer.read_export``): a malformed one (by index), an id
-        already live here or repeated, and nothing is written. Returns ``{"count": n, "scopes":
-        {"user_id=alice": 3, ...}}``."""
-        by_scope = importer.read_export(export, namespace, lambda fid: self._fact(fid) is not None)
-        counts = {}
-        for user, items in by_scope.items():
-            new = [(text, fid, meta) for _, text, fid, meta in items]
-            ctx, refs = self._context(user, [], 0)
-            self._write(
-                user, new, [], [], [ctx] * len(new), [], time.time(), {fid: t for t, _, fid, _ in items}, True,
-                provenance=[(refs, ())] * len(new),
-            )  # fmt: skip
-            counts[importer.scope_label(user, namespace)] = len(new)
-        return {"count": sum(counts.values()), "scopes": counts}
+        ``{"results": [...]}`` page or a list of at most ``importer.MAX_IMPORT_RECORDS`` items) verbatim, keeping
+        their ids, scopes, metadata, role, expiration date and creation times; each scope's memories are encoded
+        and committed in creation order, ``import_batch_size`` (``importer.IMPORT_BATCH``) at a time
+        (``plan_import``, then ``import_batch`` for each batch), so memory stays bounded whatever the export's
+        size. Every record is checked first: a malformed one (by index), an id repeated or live here with another
+        scope or text, and nothing is written. Idempotent by record: one already live as given is skipped, so an
+        import cut short is completed by running it again (``importer`` says how). Returns ``{"count": n, "scopes":
+        {"user_id=alice": 3, ...}, "existing": skipped}``. Raises MemoryInputError, ImportTooLarge (a subclass)."""
+        plan = self.plan_import(export, namespace)
+        for batch in plan.batches:
+            self.import_batch(batch)
+        return plan.result()
+
+    def plan_import(self, export, namespace: str | None = None) -> importer.ImportPlan:
+        """``import_memories``' checks, without writing: the export's batches (``importer.read_export``). Reads
+        the store only (one indexed lookup per record), so it need not run on the model thread."""
+        return importer.read_export(export, namespace, self._fact, self.import_batch_size)
+
+    def import_batch(self, batch: tuple[str, list]) -> str:
+        """Encode and commit one batch of a ``plan_import``: (store user, items), in one commit. Returns the
+        scope's new version. Raises StoreError when an id became live since the plan was made (nothing of this
+        batch is written)."""
+        user, items = batch
+        new = [(text, fid, meta) for _, text, fid, meta in items]
+        ctx, refs = self._context(user, [], 0)
+        version, _ = self._write(
+            user, new, [], [], [ctx] * len(new), [], time.time(), {fid: t for t, _, fid, _ in items}, True,
+            provenance=[(refs, ())] * len(new),
+        )  # fmt: skip
+        return version
 
     def compact(self, user_id: str | None = None, agent_id=None, run_id=None, namespace: str | None = None) -> dict:
         """Rewrite one scope's KV segments without dead rows; what search and get_all return is unchanged."""

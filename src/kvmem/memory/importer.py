@@ -1,60 +1,126 @@
-"""Import of a Mem0 export: the records checked, all of them before anything is written, and grouped by scope.
+"""Import of a Mem0 export: the records checked, all of them before anything is written, grouped by scope and cut
+into bounded batches.
 
 An export is what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a ``{"results": [...]}`` page or a
-list of items. ``Memory.import_memories`` writes each scope's memories in one commit (``read_export`` says what).
+list of items, of at most ``MAX_IMPORT_RECORDS`` records (``ImportTooLarge``; HTTP 413). ``Memory`` commits each
+scope's records in creation order, ``IMPORT_BATCH`` at a time (one commit each), so an import's memory does not
+grow with its size and the model thread is free between batches.
+
+Semantics (docs/server.md): an import is acknowledged when it answers, and it is idempotent by record, so one
+cut short (a crash, a lost connection, a 503) is completed by running it again. A record whose id is already live
+in the same scope with the same text is counted under ``existing`` and skipped; a record without an id gets one
+derived from its scope, creation time, text and occurrence (``record_id``), so it is recognised the same way. A
+record whose id is live with another scope or text is refused, and then nothing is written.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .. import scopes
+from ..store import FactRecord
 from . import mem0
 from .mem0 import MemoryInputError
+
+MAX_IMPORT_RECORDS = 10_000  # records per import (a request over it: HTTP 413); split a bigger export
+IMPORT_BATCH = 32  # records per commit: what one batch holds in memory (their KV, about 3 copies) and on the model
+_IDS = uuid.UUID("8a3c1f0e-6b1d-4c9a-9d7e-4b2f0c5e7a11")  # uuid5 namespace of derived record ids
 
 Item = tuple[float, str, str, dict]  # (created_at, Unix seconds; text; memory id; metadata)
 
 
-def read_export(export, namespace: str | None, exists: Callable[[str], bool]) -> dict[str, list[Item]]:
-    """The export's memories by store user (scope key in ``namespace``), each scope's in creation order, with
-    their ids (a new uuid where a record has none), metadata, role, actor, categories and expiration date kept.
-    ``exists(id)``: whether the store holds that memory live already. Raises MemoryInputError naming up to five
-    bad records by index (not an object, a bad scope or text, an id that is not a string, repeated or live
-    already, a bad time or date): then nothing may be written."""
+class ImportTooLarge(MemoryInputError):
+    """An export of more than ``MAX_IMPORT_RECORDS`` records; nothing was written (HTTP 413)."""
+
+
+@dataclass
+class ImportPlan:
+    """A checked import: ``batches`` of (store user, items) in commit order, each scope's in creation order;
+    ``existing``: records already live as given (skipped); ``counts``: records to write per scope label."""
+
+    batches: list[tuple[str, list[Item]]] = field(default_factory=list)
+    existing: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def result(self) -> dict:
+        """What the import answers: ``{"count": written, "scopes": {label: n}, "existing": skipped}``."""
+        return {"count": sum(self.counts.values()), "scopes": dict(self.counts), "existing": self.existing}
+
+
+def record_id(user: str, created, text: str, nth: int) -> str:
+    """The id of a record that has none, from its scope key, ``created_at`` as given (None when absent: the time
+    it gets is the import's), text and occurrence among records alike: the same for the same export, so running
+    an import again skips it."""
+    return str(uuid.uuid5(_IDS, json.dumps([user, created, text, nth])))
+
+
+def check_size(export) -> list:
+    """The export's records (a list). Raises MemoryInputError for no records, ImportTooLarge for too many."""
     records = export.get("results") if isinstance(export, dict) else export
     if not isinstance(records, list) or not records:
         raise MemoryInputError("an export is a non-empty list of memories, or an object with 'results'")
+    if len(records) > MAX_IMPORT_RECORDS:
+        raise ImportTooLarge(
+            f"an import takes at most {MAX_IMPORT_RECORDS} records, got {len(records)}; split the export"
+        )
+    return records
+
+
+def read_export(
+    export, namespace: str | None, live: Callable[[str], FactRecord | None], batch: int = IMPORT_BATCH
+) -> ImportPlan:
+    """The export's memories by store user (scope key in ``namespace``), each scope's in creation order and cut
+    into batches of ``batch``, with their ids (derived, ``record_id``, where a record has none), metadata, role,
+    actor, categories and expiration date kept. ``live(id)``: the store's live memory with that id, or None.
+    Raises ImportTooLarge, or MemoryInputError naming up to five bad records by index (not an object, a bad
+    scope or text, an id that is not a string, repeated, or live with another scope or text; a bad time or
+    date): then nothing may be written."""
+    records = check_size(export)
     by_scope: dict[str, list[Item]] = {}
-    errors, seen = [], set()
+    errors, seen, occurrences = [], set(), {}
+    plan = ImportPlan()
     for i, rec in enumerate(records):
         try:
             if not isinstance(rec, dict):
                 raise MemoryInputError("is not an object")
             scope = mem0.scope_of(rec.get("user_id"), rec.get("agent_id"), rec.get("run_id"))
+            user = scope.key(namespace)
             text = mem0.check_text(rec.get("memory"), "'memory'")
-            fid = rec.get("id") or str(uuid.uuid4())
+            created = mem0.parse_time(rec.get("created_at"))
+            fid = rec.get("id")
+            if not fid:
+                alike = (user, json.dumps(rec.get("created_at")), text)
+                nth = occurrences[alike] = occurrences.get(alike, -1) + 1
+                fid = record_id(user, rec.get("created_at"), text, nth)
             if not isinstance(fid, str) or fid in seen:
                 raise MemoryInputError(f"id {fid!r} is not a string or appears twice")
             seen.add(fid)
-            if exists(fid):
-                raise MemoryInputError(f"memory {fid!r} already exists")
+            have = live(fid)
+            if have is not None:
+                if have.user != user or have.text != text:
+                    raise MemoryInputError(f"memory {fid!r} already exists, with another scope or text")
+                plan.existing += 1  # imported before (an import run again): skipped
+                continue
             meta = mem0.user_metadata(rec.get("metadata"))
             for key in ("role", "actor_id", "categories"):
                 if rec.get(key) is not None:
                     meta[key] = rec[key]
             if rec.get("expiration_date") is not None:
                 meta["expiration_date"] = mem0.check_expiration(rec["expiration_date"], past=True)
-            created = mem0.parse_time(rec.get("created_at"))
-            by_scope.setdefault(scope.key(namespace), []).append((created, text, fid, meta))
+            by_scope.setdefault(user, []).append((created, text, fid, meta))
         except MemoryInputError as exc:
             errors.append(f"record {i}: {exc}")
     if errors:
         more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
         raise MemoryInputError("nothing imported: " + "; ".join(errors[:5]) + more)
-    for items in by_scope.values():
+    for user, items in by_scope.items():
         items.sort(key=lambda x: x[0])
-    return by_scope
+        plan.batches += [(user, items[i : i + batch]) for i in range(0, len(items), batch)]
+        plan.counts[scope_label(user, namespace)] = len(items)
+    return plan
 
 
 def scope_label(user: str, namespace: str | None) -> str:

@@ -31,6 +31,12 @@ class MemoryInputError(ValueError):
     update): nothing is changed. The CLI prints it as one ``error:`` line and exits 2."""
 
 
+class MemoryConflict(RuntimeError):
+    """A write lost a race: the memory it read was updated or deleted by another writer (another replica, another
+    process) before it committed, so it changed nothing rather than overwrite that change. Read it again and retry.
+    Over HTTP: 409 ``memory_conflict``."""
+
+
 # --- input checks -----------------------------------------------------------------------------------------------
 
 

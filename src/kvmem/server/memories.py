@@ -7,7 +7,9 @@
   ``DELETE /v2/entities/{type}/{name}/`` (the client's ``users``, ``delete_users`` and ``reset``).
 
 Every path answers with and without its trailing slash (the client's httpx does not follow redirects). Each
-call maps to one ``Memory`` method with the tenant as its namespace; writes queue on the model thread."""
+call maps to one ``Memory`` method with the tenant as its namespace; writes queue on the model thread (an import
+one batch at a time, so chats run between its batches). A write that lost a race with another writer of the same
+memory answers 409 ``memory_conflict`` (``MemoryConflict``); an import over ``MAX_IMPORT_RECORDS`` records 413."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import math
 
 from fastapi import FastAPI, Request
 
-from ..memory import MemoryInputError
+from ..memory import MemoryConflict, MemoryInputError
+from ..memory.importer import ImportTooLarge
 from ..scopes import parse_key
 from .runtime import KvmemServer
 from .schemas import AddMemoryRequest, APIError, ListRequest, SearchRequest, UpdateRequest, error_responses
@@ -51,12 +54,22 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     async def write(fn, *args, **kwargs):
         """Writes queue on the model thread, at most ``max_queue`` at a time (then 429). A queued write is never
         timed out: a write that answered 503 must not land later (a retry would duplicate it)."""
+        return await write_steps([lambda: fn(*args, **kwargs)])
+
+    async def write_steps(steps):
+        """``write`` of several steps (an import's batches) holding one place in the queue: each step is its own
+        task on the model thread, so chats queued meanwhile run between them. 409 for a lost race."""
         server.start_upkeep(asyncio.get_running_loop())
         if server.pending_writes >= server.max_writes:
             raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
         server.pending_writes += 1
         try:
-            return await server.on_model_thread(lambda: fn(*args, **kwargs))
+            out = None
+            for step in steps:
+                out = await server.on_model_thread(step)
+            return out
+        except MemoryConflict as exc:
+            raise APIError(409, str(exc), "memory_conflict") from None
         finally:
             server.pending_writes -= 1
 
@@ -124,7 +137,13 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             export = await request.json()
         except ValueError:
             raise APIError(400, "the body is not valid JSON", "invalid_json") from None
-        return await write(server.memory.import_memories, export, namespace=tenant)
+        try:  # every record checked before anything is written (store reads only: off the model thread)
+            plan = await read(server.memory.plan_import, export, namespace=tenant)
+        except ImportTooLarge as exc:
+            raise APIError(413, str(exc), "too_many_records") from None
+        steps = [lambda b=b: server.memory.import_batch(b) for b in plan.batches]
+        await write_steps(steps)
+        return plan.result()
 
     @route("DELETE", "/v2/entities/{entity_type}/{name}")
     async def delete_entity(entity_type: str, name: str, request: Request):
@@ -222,10 +241,9 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     async def entities(request: Request):
         """Every user, agent and run with live memories in the caller's tenant (mem0ai's ``users``)."""
         tenant = tenant_of(request)
-        keys = await read(server.memory.store.users)
+        found = await read(server.memory.entity_scopes, tenant)  # by the scope index: this tenant's scopes only
         counts: dict[tuple[str, str], int] = {}
-        for key in keys:
-            s = parse_key(key, tenant)
+        for s in found:
             for kind, field in ENTITY_TYPES.items():
                 if s is not None and getattr(s, field) is not None:
                     counts[(kind, getattr(s, field))] = counts.get((kind, getattr(s, field)), 0) + 1

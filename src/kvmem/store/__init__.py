@@ -8,7 +8,8 @@ Two backends, chosen by location; callers never know which they hold:
     header.safetensors       header pre-RoPE keys / raw values, [L, H, h, D]
     meta.sqlite              meta (the version counter; per-user encoding neighbours, history), users, segments
                              (sha256), facts (rows, embeddings, added/deleted versions), history (events),
-                             turns (the raw conversation)
+                             turns (the raw conversation), scopes (the scope index: each user by tenant and
+                             entity ids, ``scope_keys``)
     users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
                                              (token-major: a fact is one byte range; ``segments``)
 
@@ -48,6 +49,7 @@ from . import segments as seg_files
 from .copy import copy_store
 from .location import (
     StoreBusy,
+    StoreConflict,
     StoreDtypeMismatch,
     StoreError,
     StoreMismatch,
@@ -78,6 +80,7 @@ __all__ = [
     "Rows",
     "Store",
     "StoreBusy",
+    "StoreConflict",
     "StoreDtypeMismatch",
     "StoreError",
     "StoreMismatch",
@@ -393,6 +396,11 @@ class Store:
         """Users with at least one live fact (``with_no_live_facts``: every user ever written, too)."""
         return self.reads.users(with_no_live_facts)
 
+    def scope_keys(self, query, live: bool = False) -> list[str] | None:
+        """``Reader.scope_keys``: the store users the scope index files under ``query`` (``scopes.IndexQuery``),
+        found by index (``live``: with a live fact); None for a store created before the index."""
+        return self.reads.scope_keys(query, live)
+
     def version(self, user: str) -> str | None:
         """The user's current memory version (changes on every committed write), or None if never written: one
         row read by the users table's primary key, whatever the user's or the store's fact count."""
@@ -498,13 +506,15 @@ class Store:
         now: float | None = None,
         neighbours: int | None = None,
         history: bool | None = None,
+        expect: dict[str, int] | None = None,
     ) -> str:
         """``Writer.commit``, the one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every
-        live fact), append ``add`` as a new KV segment, append ``turns`` and history ``events``. Returns the new
-        memory version. Raises StoreError, with nothing written, for bad input."""
+        live fact), append ``add`` as a new KV segment, append ``turns`` and history ``events``; ``expect``
+        (fact id -> the row read) makes it a compare-and-set. Returns the new memory version. Raises StoreError,
+        with nothing written, for bad input; StoreConflict when an ``expect``ed memory changed."""
         return self.writes.commit(
             user, add, keys, values, embeddings, delete, replace, turns, events, window, source, now, neighbours,
-            history,
+            history, expect,
         )  # fmt: skip
 
     def put_user(

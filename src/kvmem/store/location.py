@@ -27,6 +27,11 @@ class StoreUnavailable(StoreError):
     """The store's database cannot be reached (down, restarting, a network cut): try again later."""
 
 
+class StoreConflict(StoreError):
+    """A compare-and-set commit found a memory changed since it was read (another writer, maybe on another
+    machine, updated or deleted it first). Nothing was written; read it again and retry."""
+
+
 class UnknownUser(StoreError):
     """The user has no live memories in this store (never written, or every fact deleted)."""
 

@@ -25,6 +25,7 @@ from cachetools import LRUCache
 from safetensors.torch import load
 
 from .. import kvformat
+from ..scopes import IndexQuery
 from . import segments as seg_files
 from .location import StoreError, UnknownUser
 from .rows import Rows, keyword_terms
@@ -281,6 +282,7 @@ class Reader:
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prefetcher = None  # one thread for ``prefetch``, made on first use
         self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
+        self.scopes_indexed = rows.has_table("scopes")  # a store created before the scope index has none
 
     def close(self) -> None:
         if self._prefetcher is not None:
@@ -336,6 +338,32 @@ class Reader:
         if with_no_live_facts:
             q = 'SELECT "user" FROM users ORDER BY "user"'
         return [r[0] for r in self.rows.execute(q)]
+
+    @_locked
+    def scope_keys(self, q: IndexQuery, live: bool = False) -> list[str] | None:
+        """The store users the scope index files under ``q`` (``scopes.IndexQuery``; candidates, sorted), each
+        by an index range, so the cost follows the matching scopes, not the store's size. ``live``: only those
+        with a live fact (one indexed probe each). None when this store has no scope index (created before it):
+        the caller lists ``users`` instead."""
+        if not self.scopes_indexed:
+            return None
+        where, args = [], []
+        if q.head is not None:
+            where.append("head=?")
+            args.append(q.head)
+        elif q.prefix is not None:  # every head that starts with the prefix: one range, bytewise (KEY columns)
+            where.append("head>=? AND head<?")
+            args += [q.prefix, q.prefix[:-1] + chr(ord(q.prefix[-1]) + 1)]
+        for column, value in (("agent", q.agent), ("run", q.run)):
+            if value is not None:
+                where.append(f"{column}=?")
+                args.append(value)
+        sql = "SELECT scope FROM scopes s" + (" WHERE " + " AND ".join(where) if where else "")
+        if live:
+            sql += (" AND " if where else " WHERE ") + (
+                'EXISTS (SELECT 1 FROM facts f WHERE f."user"=s.scope AND f.deleted IS NULL)'
+            )
+        return sorted(r[0] for r in self.rows.execute(sql, args))
 
     @_locked
     def version(self, user: str) -> str | None:

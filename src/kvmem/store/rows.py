@@ -136,6 +136,10 @@ class Rows(ABC):
         full-text index: ``[(row, score)]``, best first, score > 0 (SQLite: BM25, FTS5's ``bm25`` negated;
         PostgreSQL: ``ts_rank``). Only call it when ``has_text_index``."""
 
+    @abstractmethod
+    def has_table(self, name: str) -> bool:
+        """Whether the schema holds table ``name`` (one added after a store was created is absent there)."""
+
     def replaced(self) -> bool:
         """Whether the store here was deleted or created again since this object opened it."""
         return False
@@ -348,6 +352,10 @@ class SQLiteRows(Rows):
 
     def replaced(self) -> bool:
         return self._manifest_ino() != self._ino
+
+    def has_table(self, name: str) -> bool:
+        q = "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?"
+        return self.db.execute(q, (name,)).fetchone() is not None
 
     def close(self) -> None:
         if self._db is not None:
@@ -651,9 +659,12 @@ class PostgresRows(Rows):
         q = (
             "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0) FROM pg_class c JOIN pg_namespace n ON "
             "n.oid = c.relnamespace WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname IN "
-            "('kvmem_manifest', 'meta', 'users', 'segments', 'facts', 'history', 'turns')"
+            "('kvmem_manifest', 'meta', 'users', 'segments', 'facts', 'history', 'turns', 'scopes')"
         )
         return int(self.execute(q).fetchone()[0])
+
+    def has_table(self, name: str) -> bool:
+        return self.execute("SELECT to_regclass(?)", (name,)).fetchone()[0] is not None
 
     def replaced(self) -> bool:
         try:

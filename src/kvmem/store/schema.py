@@ -1,10 +1,12 @@
 """The store's tables, defined once and rendered to both SQL dialects (SQLite for a local store, PostgreSQL for a
 shared one).
 
-A column's type is abstract (``INT``, ``BIG``, ``NUM``, ``REAL``, ``TEXT``, ``BLOB``, ``ROWID``); each dialect
-says what it is. What the two dialects render is statement for statement the schema each backend has always
-created (``tests/test_store_safety.py`` checks the text), so stores written before stay readable. Reserved words
-(``user``, ``window``, ``row``) are quoted for PostgreSQL; SQLite takes them bare, as it always has.
+A column's type is abstract (``INT``, ``BIG``, ``NUM``, ``REAL``, ``TEXT``, ``KEY``, ``BLOB``, ``ROWID``); each
+dialect says what it is (``KEY``: text compared byte by byte, so a prefix is one index range in both). What the
+two dialects render is statement for statement the schema each backend has always created, then the tables
+added since (the scope index), each only added to (``tests/test_store.py`` checks the text), so stores written
+before stay readable. Reserved words (``user``, ``window``, ``row``) are quoted for PostgreSQL; SQLite takes them
+bare, as it always has.
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ TABLES: tuple[tuple[str, tuple[tuple[str, str, str], ...], tuple[str, ...]], ...
         ),
         ("PRIMARY KEY ({user}, idx)",),
     ),
+    # the scope index: each store user (scope key, ``scopes``) by its parts, so a read naming some of a scope's
+    # ids finds that caller's scopes by index range, never by listing every user of every tenant. Added after
+    # schema 3's first stores: a store without it is read by listing its users (``Rows.has_table``)
+    (
+        "scopes",
+        (
+            ("scope", "KEY", "PRIMARY KEY"),
+            ("head", "KEY", "NOT NULL"),  # the key up to its first '/': "<tenant>:<user_id>", or "<tenant>:"
+            ("agent", "KEY", ""),
+            ("run", "KEY", ""),
+        ),
+        (),
+    ),
 )
 # (name, unique, table, columns, partial-index condition), each created after its table
 INDEXES: dict[str, tuple[tuple[str, bool, str, str, str], ...]] = {
@@ -103,6 +118,11 @@ INDEXES: dict[str, tuple[tuple[str, bool, str, str, str], ...]] = {
         ("facts_segment", False, "facts", "{user}, segment", "deleted IS NULL"),
     ),
     "history": (("history_fact", False, "history", "fact_id", ""),),
+    "scopes": (
+        ("scopes_head", False, "scopes", "head", ""),
+        ("scopes_agent", False, "scopes", "agent, head", ""),
+        ("scopes_run", False, "scopes", "run, head", ""),
+    ),
 }
 # schema version -> the columns added by the next version ((table, column, type)), for stores written before
 MIGRATIONS: dict[int, tuple[tuple[str, str, str], ...]] = {
@@ -129,6 +149,7 @@ class Dialect:
 SQLITE = Dialect(
     types={
         "TEXT": "TEXT",
+        "KEY": "TEXT",  # BINARY collation: bytewise already
         "INT": "INTEGER",
         "BIG": "INTEGER",
         "NUM": "INTEGER",  # SQLite's INTEGER affinity keeps a non-integral value (a time) as REAL
@@ -144,6 +165,7 @@ SQLITE = Dialect(
 POSTGRES = Dialect(
     types={
         "TEXT": "TEXT",
+        "KEY": 'TEXT COLLATE "C"',  # bytewise, whatever the database's locale: prefix ranges use the index
         "INT": "INTEGER",
         "BIG": "BIGINT",
         "NUM": "DOUBLE PRECISION",

@@ -23,8 +23,9 @@ from contextlib import contextmanager
 import torch
 
 from ..policy import check_store_user
+from ..scopes import index_parts
 from . import segments as seg_files
-from .location import StoreError, UnknownUser
+from .location import StoreConflict, StoreError, UnknownUser
 from .read import FactRecord, Reader, segment_name, user_prefix
 from .rows import Rows
 
@@ -161,6 +162,7 @@ class Writer:
         now: float | None = None,
         neighbours: int | None = None,
         history: bool | None = None,
+        expect: dict[str, int] | None = None,
     ) -> str:
         """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
         user), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
@@ -168,7 +170,10 @@ class Writer:
         keys/values: one [L, H, n_i, D] per added fact (n_i its token count); embeddings: [F, E]. ``events``:
         (fact_id, event, old_memory, new_memory); ADD/DELETE events for ``add``/``delete`` are recorded here.
         ``window``, ``neighbours`` and ``history`` (None: unchanged) record how the user's latest facts were
-        encoded.
+        encoded. ``expect``: a compare-and-set, fact id -> the ``row`` of the live fact the caller read (a memory's
+        version: every update makes a new row); StoreConflict, with nothing written, when any of them is no
+        longer that live row (updated or deleted by another writer since), checked inside the commit's
+        transaction under the user's writer lock.
         The segment file and its directory are fsynced before the commit that points at them, so a new fact is
         visible to readers only once its KV and embedding are durable. Returns the new memory version.
         Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
@@ -192,39 +197,48 @@ class Writer:
                         f"{f.num_tokens} token ids"
                     )
         now = time.time() if now is None else now
-        with self.writer(user):
-            if self.rows.replaced():  # its segments would go under the old store's prefix
-                raise StoreError(f"the store at {self.name} was created again since this process opened it; reopen it")
+        # the writer lock of ``user`` alone while the segment is written or uploaded: this object's lock (which
+        # every read takes) only for the checks and the rows' transaction, so reads never wait for an upload
+        with self.rows.locked(user, self.write_timeout_s):
+            with self._lock:
+                if self.rows.replaced():  # its segments would go under the old store's prefix
+                    raise StoreError(
+                        f"the store at {self.name} was created again since this process opened it; reopen it"
+                    )
             segment, digest, name = uuid.uuid4().hex[:12], "", None
             if add:
                 name = segment_name(user, segment)
                 tensors, meta = seg_files.to_file(
                     torch.cat(keys, dim=2), torch.cat(values, dim=2), self.kv_format, [f.num_tokens for f in add]
                 )
+                keys = values = None  # this frame's references: the concatenated copy is all the upload needs
                 digest = self.segments.put(name, tensors, meta)  # durable before the commit that points at it
-            try:
-                version = self.commit_rows(
-                    user,
-                    add,
-                    embeddings,
-                    segment,
-                    digest,
-                    delete,
-                    replace,
-                    list(turns),
-                    list(events),
-                    window,
-                    source,
-                    now,
-                    neighbours,
-                    history,
-                )
-            except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
-                if name is not None and not self.segment_committed(user, segment):
-                    self.segments.delete(name)
-                raise
-            self.gc(user)
-            self.reads.forget(user)
+                del tensors
+            with self._lock:
+                try:
+                    version = self.commit_rows(
+                        user,
+                        add,
+                        embeddings,
+                        segment,
+                        digest,
+                        delete,
+                        replace,
+                        list(turns),
+                        list(events),
+                        window,
+                        source,
+                        now,
+                        neighbours,
+                        history,
+                        expect,
+                    )
+                except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
+                    if name is not None and not self.segment_committed(user, segment):
+                        self.segments.delete(name)
+                    raise
+                self.gc(user)
+                self.reads.forget(user)
         return version
 
     def segment_committed(self, user: str, segment: str) -> bool:
@@ -254,9 +268,25 @@ class Writer:
         now,
         neighbours=None,
         history=None,
+        expect=None,
     ) -> str:
         db = self.rows
         with db.transaction():
+            if expect:
+                ids = sorted(expect)
+                have = dict(
+                    db.execute(
+                        f'SELECT fact_id, "row" FROM facts WHERE "user"=? AND deleted IS NULL AND '
+                        f"fact_id IN ({','.join('?' * len(ids))})",
+                        (user, *ids),
+                    )
+                )
+                changed = [fid for fid in ids if have.get(fid) != expect[fid]]
+                if changed:
+                    raise StoreConflict(
+                        f"memory {changed[0]!r} of {user!r} changed since it was read "
+                        f"({'deleted' if changed[0] not in have else 'updated'} by another writer); read it again"
+                    )
             version = db.next_version()
             everything = replace or delete == [ALL]
             if everything:
@@ -317,6 +347,11 @@ class Writer:
                 "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
                 (user, version, window, source, now),
             )
+            if self.reads.scopes_indexed:  # the scope index (``Reader.scope_keys``): once per user, ever
+                db.execute(
+                    "INSERT INTO scopes (scope, head, agent, run) VALUES (?,?,?,?) ON CONFLICT(scope) DO NOTHING",
+                    (user, *index_parts(user)),
+                )
             # the encoding is kept in meta: no schema change for stores written before it existed
             db.executemany(
                 "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
@@ -578,7 +613,9 @@ class Writer:
         with self.writer():
             with self.rows.transaction():
                 self.rows.next_version()
-                for table in ("facts", "history", "turns", "users"):
+                for table in ("facts", "history", "turns", "users") + (
+                    ("scopes",) if self.reads.scopes_indexed else ()
+                ):
                     self.rows.execute(f"DELETE FROM {table}")
                 self.rows.execute(
                     "DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%' OR key LIKE 'turns:%'"
