@@ -56,6 +56,7 @@ from .location import (
     is_url,
     password,
     redact,
+    secrets,
     within,
 )
 from .read import VERIFIED_SEGMENTS, FactRecord, Reader, UserKV, segment_name
@@ -91,6 +92,7 @@ __all__ = [
     "is_url",
     "password",
     "redact",
+    "secrets",
     "within",
 ]
 
@@ -311,6 +313,12 @@ class Store:
         """Whether the store at ``root`` was deleted or created anew since this object opened it."""
         with self._lock:
             return self.rows.replaced()
+
+    def available(self) -> bool:
+        """Whether the store's rows answer now: always for a local store; for PostgreSQL False at once while the
+        database is known to be unreachable, else one probe on a connection of its own (``rows.PostgresRows``),
+        bounded by a few seconds. Takes no lock, so it never waits behind a read or a write."""
+        return self.rows.available()
 
     # --- reads ----------------------------------------------------------------------------------------
 
