@@ -27,7 +27,7 @@ from ..models import DEFAULT_MODEL, load
 from ..policy import Method
 from ..retrieve import Embedder, IndexCache
 from ..service import MemoryService, check_methods
-from ..store import Store, check_kv_format, check_segments_url
+from ..store import Store, StoreUnavailable, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
 from .tenants import Tenants
 
@@ -274,7 +274,10 @@ class KvmemServer:
     def store_bytes(self) -> int:
         at, n = self._store_bytes
         if time.monotonic() - at > 10:  # a directory walk, at most every 10 s
-            n = self.service.store.disk_bytes()
+            try:
+                n = self.service.store.disk_bytes()
+            except StoreUnavailable:  # a database that does not answer: the last figure, and /ready says why
+                return n
             self._store_bytes = (time.monotonic(), n)
         return n
 
