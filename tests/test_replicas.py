@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
+PASSWORD = "pg-pass-5f1c2e9a"  # in the store URL; the test cluster trusts every local login, so it is never asked for
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def cluster(postgres, tmp_path_factory):
 
     where = tmp_path_factory.mktemp("replicas")
     (where / "keys.json").write_text(json.dumps({KEY_A: "ta", KEY_B: "tb"}))
-    url = postgres_schema(postgres, "replicas")
+    url = postgres_schema(postgres, "replicas").replace("postgres@", f"postgres:{PASSWORD}@", 1)
     port = free_port()
     cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--segments", (where / "kv").as_uri(),
            "--model", FAST, "--engine", "hf", "--window", "0", "--replicas", "2", "--port", str(port),
@@ -156,6 +157,36 @@ def test_tenants_are_isolated_on_every_replica(cluster):
     assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
 
 
+def test_no_key_or_password_is_stored_by_ray(cluster):
+    """Ray keeps deployment arguments, runtime environments and Serve's checkpoints in its GCS, which the cluster's
+    operators can read: read all of it (every internal KV namespace, the actor and job tables) from the cluster's
+    GCS and find neither API key nor the store's password, in any spelling; the replicas still serve both
+    tenants (they read the keys file and the password on their node)."""
+    from urllib.parse import quote
+
+    from ray._raylet import GcsClient
+
+    proc, base, _ = cluster
+    gcs = next(
+        p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("gcs_server")
+    )  # this cluster's, not another Ray on the machine
+    port = next(a.split("=", 1)[1] for a in gcs.cmdline() if a.startswith("--gcs_server_port="))
+    client = GcsClient(address=f"127.0.0.1:{port}")
+    blobs = []
+    for ns in (b"serve", b"fun", b"session", b"job", b"cluster", b"dashboard", b"healthcheck", b"tracing", None):
+        for key in client.internal_kv_keys(b"", ns):
+            blobs.append(key + b"=" + (client.internal_kv_get(key, ns) or b""))
+    actors = list(client.get_all_actor_info().values())
+    blobs += [t.SerializeToString() for t in actors + list(client.get_all_job_info().values())]
+    assert sum("Replica" in a.class_name for a in actors) >= 2  # the replicas' actors, with their runtime env
+    assert any(b"serve-deployment-state-checkpoint" in b for b in blobs)  # and Serve's stored deployment config
+    for secret in (KEY_A, KEY_B, PASSWORD):
+        for spelling in {secret.encode(), quote(secret).encode(), secret.encode("utf-16-le")}:
+            assert not any(spelling in b for b in blobs), secret
+    for key in (KEY_A, KEY_B):
+        assert chat(base, "frank", key=key, memory={"mode": "off"})["choices"][0]["message"]["content"] is not None
+
+
 def test_overload_is_refused_with_429_not_queued_without_bound(cluster):
     """--max-queue 4: each replica runs 4 requests at most and the ingress queues 4 more (Ray's
     ``max_queued_requests``); the rest of a burst of 24 gets 429s, nothing else."""
@@ -258,6 +289,15 @@ def test_bad_options_are_one_line_before_ray_starts(cluster):
         )  # fmt: skip
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert "Started a local Ray" not in p.stderr, p.stderr
+    for extra, says in (  # joining a cluster: keys required, and no credential that only Ray could carry
+        ([], "without --api-keys"),
+        (["--api-keys", str(where / "keys.json")], "carries credentials"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--ray-address", "127.0.0.1:9", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_sigterm_stops_the_ingress_replicas_engines_and_ray(cluster):
