@@ -132,6 +132,45 @@ def assert_false(value) -> None:
     assert value is False
 
 
+def test_the_vllm_scheduler_side_holds_the_engine_core_at_most_a_second_once(cluster, tmp_path):
+    """The scheduler side reads the store on vLLM's engine-core thread. With the database stopped, the first kv
+    request waits at most ``KvmemScheduler.ANSWER_S`` and every later one not at all: each is a counted fallback to a
+    plain prefill, so the engine keeps generating. Resumed, requests are injected again."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    from types import SimpleNamespace as NS
+
+    from kvmem.engines.vllm import scheduler as vs
+    from kvmem.engines.vllm.config import Settings
+    from kvmem.engines.vllm.params import MemoryRef, kvmem_cache_salt
+
+    base, data = cluster
+    head = torch.zeros(2, 1, 3, 64)
+    st = Store.create(store_url(base, "scheduler"), sw.FP, "hdr", [1, 2, 3], head, head.clone(),
+                      {"name": "e", "dim": 4}, segments_url=(tmp_path / "kv").as_uri())  # fmt: skip
+    facts, kv, emb = sw.generation("u", 1)
+    version = st.commit("u", facts, kv, kv.copy(), emb)
+    identity = {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")}
+    conn = vs.KvmemScheduler(Settings(stores=[st.root], identity=identity))
+    params = MemoryRef(str(st.root), st.manifest["store_id"], "u", version, [f.fact_id for f in facts]).to_params()
+    ids = st.header_token_ids + [t for f in facts for t in f.token_ids]
+    request = NS(kv_transfer_params=params, prompt_token_ids=ids + [7], request_id="r", num_prompt_tokens=len(ids) + 1,
+                 cache_salt=kvmem_cache_salt(st.manifest["store_id"], "u", version))  # fmt: skip
+    assert conn.get_num_new_matched_tokens(request, 0) == (len(ids), True)
+    with stalled(data):
+        took = []
+        for _ in range(3):
+            t = time.monotonic()
+            assert conn.get_num_new_matched_tokens(request, 0) == (0, False)
+            took.append(time.monotonic() - t)
+    assert took[0] < vs.KvmemScheduler.ANSWER_S + 0.5 and max(took[1:]) < 0.1, took
+    assert conn.metrics["store_error"] == 3
+    t = time.monotonic()
+    while conn.get_num_new_matched_tokens(request, 0) != (len(ids), True):
+        assert time.monotonic() - t < 5, "not injecting 5 s after the database resumed"
+        time.sleep(0.1)
+    st.close()
+
+
 @pytest.mark.slow
 def test_the_server_answers_503_during_a_stall_and_chats_without_memory_still_generate(cluster, tmp_path):
     """``kvmem serve`` (transformers engine, uvicorn) on a store whose database stops: ``/ready`` turns 503

@@ -406,9 +406,12 @@ class PostgresRows(Rows):
     tokens_sql = "json_array_length(token_ids::json)"
     shared = True
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, answer_cap_s: float | None = None):
+        """``answer_cap_s``: a tighter bound on each answer than the session's (the vLLM scheduler side, whose
+        reads hold the engine core's thread)."""
         require("postgres", "a postgresql:// store")
         self.location, self.name = url, redact(url)
+        self._answer_cap = answer_cap_s
         self._down_since: float | None = None  # when the database was found unreachable (None: reachable)
         self._down_lock = threading.Lock()
         self._prober: threading.Thread | None = None
@@ -447,7 +450,10 @@ class PostgresRows(Rows):
         except (psycopg.Error, StalledError) as exc:
             conn.close()
             raise StoreUnavailable(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
-        conn.answer_within_s = ms / 1e3 + ANSWER_GRACE_S if ms > 0 else None
+        bound = ms / 1e3 + ANSWER_GRACE_S if ms > 0 else None
+        if self._answer_cap is not None:
+            bound = self._answer_cap if bound is None else min(bound, self._answer_cap)
+        conn.answer_within_s = bound
         return conn
 
     # --- availability: a lost database is noticed once, then answered at once until it is back ---------------
@@ -743,14 +749,15 @@ class PostgresRows(Rows):
                 conn.close()
 
 
-def open_rows(location: str | Path) -> Rows:
-    """The rows at ``location``: ``postgresql://…`` (``PostgresRows``) or a directory (``SQLiteRows``). Raises
-    StoreError for any other URL (it would otherwise become a directory named after its scheme)."""
+def open_rows(location: str | Path, answer_cap_s: float | None = None) -> Rows:
+    """The rows at ``location``: ``postgresql://…`` (``PostgresRows``, each answer bounded by ``answer_cap_s`` too)
+    or a directory (``SQLiteRows``). Raises StoreError for any other URL (it would otherwise become a directory
+    named after its scheme)."""
     text = str(location)
     if is_url(text):
         scheme = text.split(":", 1)[0].lower()
         if scheme in POSTGRES_SCHEMES:
-            return PostgresRows(text)
+            return PostgresRows(text, answer_cap_s)
         hint = (
             " (KV segments go by --segments URL; their rows by --store postgresql://…)"
             if scheme in ("s3", "gs", "az", "file", "http", "https")

@@ -18,16 +18,20 @@ _LOCK = threading.Lock()
 _STORES: dict[str, Any] = {}
 _CACHE_BYTES = [1 << 30]  # each store's cache bound in this process (``configure``)
 _CACHE_DIR: list[str | None] = [None]  # this process's disk cache of remote segments (``configure``)
+_ANSWER_CAP: list[float | None] = [None]  # this process's bound on a database answer, s (``configure``)
 _FACT_TOKENS: dict[tuple[str, str, str], dict[str, tuple[int, ...]]] = {}
 
 
-def configure(cache_bytes: int | None = None, cache_dir: str | None = None) -> None:
-    """This process's store read-cache bound (bytes) and disk cache folder, for stores opened from now on (the
-    connector sets them at engine start from ``Settings``; None keeps the current value)."""
+def configure(cache_bytes: int | None = None, cache_dir: str | None = None, answer_cap_s: float | None = None) -> None:
+    """This process's store read-cache bound (bytes), disk cache folder and bound on a database's answer (s: the
+    scheduler side's, whose reads hold the engine core), for stores opened from now on (the connector sets them at
+    engine start; None keeps the current value)."""
     if cache_bytes:
         _CACHE_BYTES[0] = int(cache_bytes)
     if cache_dir:
         _CACHE_DIR[0] = str(cache_dir)
+    if answer_cap_s:
+        _ANSWER_CAP[0] = float(answer_cap_s)
 
 
 def open_store(root: str) -> Store:
@@ -37,7 +41,9 @@ def open_store(root: str) -> Store:
         if st is None or st.replaced():
             if st is not None:
                 st.close()
-            st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0], cache_dir=_CACHE_DIR[0])
+            st = _STORES[root] = Store.open(
+                root, cache_bytes=_CACHE_BYTES[0], cache_dir=_CACHE_DIR[0], answer_cap_s=_ANSWER_CAP[0]
+            )
             for k in [k for k in _FACT_TOKENS if k[0] == root]:
                 del _FACT_TOKENS[k]
         return st
