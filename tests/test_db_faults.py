@@ -97,6 +97,10 @@ def test_a_stalled_database_is_bounded_then_answered_at_once(cluster, tmp_path):
     conn = st.rows.conn
     libpq = {o.keyword.decode(): (o.val or b"").decode() for o in conn.pgconn.info}
     assert {k: libpq[k] for k in rows.PG_CONNECT} == rows.PG_CONNECT
+    # the server's side of TCP too (a vanished writer's session, and its advisory locks, end within ~25 s); a unix
+    # socket, as here, reads those as 0, so the sent options are checked
+    assert all(f"-c {k}={v}" in libpq["options"] for k, v in rows.PG_SESSION.items())
+    assert libpq["options"].endswith("-c search_path=bounded -c statement_timeout=1s")  # the URL's own, last
     shown = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name IN ('statement_timeout', "
                               "'lock_timeout', 'idle_in_transaction_session_timeout')").fetchall())  # fmt: skip
     assert shown == {"statement_timeout": "1000", "lock_timeout": "10000",
