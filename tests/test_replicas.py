@@ -168,11 +168,13 @@ def test_no_key_or_password_is_stored_by_ray(cluster):
     from ray._raylet import GcsClient
 
     proc, base, _ = cluster
-    gcs = next(
-        p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("gcs_server")
-    )  # this cluster's, not another Ray on the machine
-    port = next(a.split("=", 1)[1] for a in gcs.cmdline() if a.startswith("--gcs_server_port="))
-    client = GcsClient(address=f"127.0.0.1:{port}")
+    address = next(  # this cluster's GCS (its raylet names it), not another Ray's on the machine
+        a.split("=", 1)[1]
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        for a in p.cmdline()
+        if a.startswith(("--gcs-address=", "--gcs_address="))
+    )
+    client = GcsClient(address=address)
     blobs = []
     for ns in (b"serve", b"fun", b"session", b"job", b"cluster", b"dashboard", b"healthcheck", b"tracing", None):
         for key in client.internal_kv_keys(b"", ns):
