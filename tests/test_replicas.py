@@ -168,10 +168,17 @@ def test_no_key_or_password_is_stored_by_ray(cluster):
     from ray._raylet import GcsClient
 
     proc, base, _ = cluster
+
+    def args(p):
+        try:
+            return p.cmdline()
+        except psutil.Error:  # a process that ended meanwhile
+            return []
+
     address = next(  # this cluster's GCS (its raylet names it), not another Ray's on the machine
         a.split("=", 1)[1]
         for p in psutil.Process(proc.pid).children(recursive=True)
-        for a in p.cmdline()
+        for a in args(p)
         if a.startswith(("--gcs-address=", "--gcs_address="))
     )
     client = GcsClient(address=address)
