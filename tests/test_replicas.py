@@ -194,6 +194,8 @@ def test_no_key_or_password_is_stored_by_ray(cluster):
     blobs += [t.SerializeToString() for t in actors + list(client.get_all_job_info().values())]
     assert sum("Replica" in a.class_name for a in actors) >= 2  # the replicas' actors, with their runtime env
     assert any(b"serve-deployment-state-checkpoint" in b for b in blobs)  # and Serve's stored deployment config
+    # what the replicas do get is readable there, in plain bytes: the deployment's arguments, its runtime env
+    assert any(b"keys.json" in b for b in blobs) and any(b"KVMEM_THREADS" in b for b in blobs)
     for secret in (KEY_A, KEY_B, PASSWORD):
         for spelling in {secret.encode(), quote(secret).encode(), secret.encode("utf-16-le")}:
             assert not any(spelling in b for b in blobs), secret
