@@ -157,7 +157,7 @@ def test_tenants_are_isolated_on_every_replica(cluster):
     assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
 
 
-def test_no_key_or_password_is_stored_by_ray(cluster):
+def test_no_key_or_password_is_stored_by_ray(cluster, monkeypatch):
     """Ray keeps deployment arguments, runtime environments and Serve's checkpoints in its GCS, which the cluster's
     operators can read: read all of it (every internal KV namespace, the actor and job tables) from the cluster's
     GCS and find neither API key nor the store's password, in any spelling; the replicas still serve both
@@ -165,7 +165,7 @@ def test_no_key_or_password_is_stored_by_ray(cluster):
     import asyncio
     from urllib.parse import quote
 
-    from ray._raylet import GcsClient
+    from ray._raylet import Config, GcsClient
 
     proc, base, _ = cluster
 
@@ -181,6 +181,9 @@ def test_no_key_or_password_is_stored_by_ray(cluster):
         for a in args(p)
         if a.startswith(("--gcs-address=", "--gcs_address="))
     )
+    # a local ray.init turns on token auth (the token in ~/.ray/auth_token): this process must present it too
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    Config.initialize("")
     client = GcsClient(address=address)
     blobs = []
     for ns in (b"serve", b"fun", b"session", b"job", b"cluster", b"dashboard", b"healthcheck", b"tracing", None):
