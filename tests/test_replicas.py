@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
-PASSWORD = "pg-pass-5f1c2e9a"  # in the store URL; the test cluster trusts every local login, so it is never asked for
+PASSWORD = "pg-pass-5f1c2e9a"  # PGPASSWORD of kvmem serve; the test cluster trusts local logins, so never asked for
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,19 @@ def cluster(postgres, tmp_path_factory):
 
     where = tmp_path_factory.mktemp("replicas")
     (where / "keys.json").write_text(json.dumps({KEY_A: "ta", KEY_B: "tb"}))
-    url = postgres_schema(postgres, "replicas").replace("postgres@", f"postgres:{PASSWORD}@", 1)
+    url = postgres_schema(postgres, "replicas")
     port = free_port()
     cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--segments", (where / "kv").as_uri(),
            "--model", FAST, "--engine", "hf", "--window", "0", "--replicas", "2", "--port", str(port),
            "--api-keys", str(where / "keys.json"), "--timeout", "60", "--max-queue", "4"]  # fmt: skip
     with open(where / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PGPASSWORD": PASSWORD},
+        )  # the node's, as documented; fmt: skip
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -308,12 +314,14 @@ def test_bad_options_are_one_line_before_ray_starts(cluster):
         )  # fmt: skip
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert "Started a local Ray" not in p.stderr, p.stderr
-    for extra, says in (  # joining a cluster: keys required, and no credential that only Ray could carry
-        ([], "without --api-keys"),
-        (["--api-keys", str(where / "keys.json")], "carries credentials"),
+    with_pw = url.replace("postgres@", f"postgres:{PASSWORD}@", 1)
+    for store, extra, says in (  # joining a cluster needs keys; no Ray mode takes credentials in the URL
+        (url, ["--ray-address", "127.0.0.1:9"], "without --api-keys"),
+        (with_pw, ["--ray-address", "127.0.0.1:9", "--api-keys", str(where / "keys.json")], "carries credentials"),
+        (with_pw, ["--replicas", "2"], "carries credentials"),
     ):
         p = subprocess.run(
-            [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--ray-address", "127.0.0.1:9", *extra],
+            [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, *extra],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -16,7 +16,8 @@ to the replica that holds their memory warm (paper §7, "route each request to w
 * **Secrets** never travel through Ray: Ray keeps deployment arguments and runtime environments in its GCS and
   shows them to the cluster's operators. A replica gets the store's canonical URL (no credentials) and the path of
   the API-keys file, and reads the keys from that file, and the store's credentials from its node's environment
-  (``PGPASSWORD``, a passfile: libpq's own), itself. A local Ray started here inherits this process's environment.
+  (``PGPASSWORD``, a passfile: libpq's own), itself. A local Ray started here inherits this process's environment;
+  a ``--store`` URL with credentials is refused (Ray records the driver's command line in its GCS).
 """
 
 from __future__ import annotations
@@ -224,12 +225,11 @@ class Replicas:
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
         api_keys = load_api_keys(api_keys_file) if api_keys_file else None
-        creds = secrets(store)
-        if creds and (ray_address or ray.is_initialized()):
+        if secrets(store):  # Ray records the driver's command line in its job table, and the replicas' config
             raise ValueError(
-                "the --store URL carries credentials, which the replicas of a joined Ray cluster could only get "
-                "through Ray (it stores them in its GCS): remove them from the URL and set PGPASSWORD (or a "
-                "passfile, PGPASSFILE) in the environment of every node before `ray start`"
+                "the --store URL carries credentials, which Ray would record (its GCS keeps this command line): "
+                "remove them from the URL and set PGPASSWORD (or a passfile, PGPASSFILE) in the environment of "
+                "kvmem serve and of every Ray node"
             )
         preflight(store, **start_kwargs)  # bad options are one line here, not N failed replicas
         if ray_address and ray_address.startswith("ray://"):
@@ -241,7 +241,6 @@ class Replicas:
         # a replica killed with -9 takes its engine's processes with it (Linux subreaper in the raylet)
         os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
         started = not ray.is_initialized() and not ray_address
-        os.environ.update(creds)  # a local Ray's nodes (its raylet, then the replicas) inherit this environment
         if not ray.is_initialized():
             if ray_address:
                 ray.init(address=ray_address, logging_level="warning", log_to_driver=True)
