@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 FAST = "smollm2-135m-instruct"
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
+PASSWORD = "pg-pass-5f1c2e9a"  # PGPASSWORD of kvmem serve; the test cluster trusts local logins, so never asked for
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,13 @@ def cluster(postgres, tmp_path_factory):
            "--model", FAST, "--engine", "hf", "--window", "0", "--replicas", "2", "--port", str(port),
            "--api-keys", str(where / "keys.json"), "--timeout", "60", "--max-queue", "4"]  # fmt: skip
     with open(where / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PGPASSWORD": PASSWORD},
+        )  # the node's, as documented; fmt: skip
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -156,6 +163,55 @@ def test_tenants_are_isolated_on_every_replica(cluster):
     assert httpx.get(f"{base}/v1/models", timeout=30).status_code == 401
 
 
+def test_no_key_or_password_is_stored_by_ray(cluster, monkeypatch):
+    """Ray keeps deployment arguments, runtime environments and Serve's checkpoints in its GCS, which the cluster's
+    operators can read: read all of it (every internal KV namespace, the actor and job tables) from the cluster's
+    GCS and find neither API key nor the store's password, in any spelling; the replicas still serve both
+    tenants (they read the keys file and the password on their node)."""
+    import asyncio
+    from urllib.parse import quote
+
+    from ray._raylet import Config, GcsClient
+
+    proc, base, _ = cluster
+
+    def args(p):
+        try:
+            return p.cmdline()
+        except psutil.Error:  # a process that ended meanwhile
+            return []
+
+    address = next(  # this cluster's GCS (its raylet names it), not another Ray's on the machine
+        a.split("=", 1)[1]
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        for a in args(p)
+        if a.startswith(("--gcs-address=", "--gcs_address="))
+    )
+    # a local ray.init turns on token auth (the token in ~/.ray/auth_token): this process must present it too
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    Config.initialize("")
+    client = GcsClient(address=address)
+    blobs = []
+    for ns in (b"serve", b"fun", b"session", b"job", b"cluster", b"dashboard", b"healthcheck", b"tracing", None):
+        for key in client.internal_kv_keys(b"", ns):
+            blobs.append(key + b"=" + (client.internal_kv_get(key, ns) or b""))
+
+    async def actor_table():  # Ray 2.60 has no synchronous call for it
+        return await client.async_get_all_actor_info(timeout=30)
+
+    actors = list(asyncio.run(actor_table()).values())
+    blobs += [t.SerializeToString() for t in actors + list(client.get_all_job_info().values())]
+    assert sum("Replica" in a.class_name for a in actors) >= 2  # the replicas' actors, with their runtime env
+    assert any(b"serve-deployment-state-checkpoint" in b for b in blobs)  # and Serve's stored deployment config
+    # what the replicas do get is readable there, in plain bytes: the deployment's arguments, its runtime env
+    assert any(b"keys.json" in b for b in blobs) and any(b"KVMEM_THREADS" in b for b in blobs)
+    for secret in (KEY_A, KEY_B, PASSWORD):
+        for spelling in {secret.encode(), quote(secret).encode(), secret.encode("utf-16-le")}:
+            assert not any(spelling in b for b in blobs), secret
+    for key in (KEY_A, KEY_B):
+        assert chat(base, "frank", key=key, memory={"mode": "off"})["choices"][0]["message"]["content"] is not None
+
+
 def test_overload_is_refused_with_429_not_queued_without_bound(cluster):
     """--max-queue 4: each replica runs 4 requests at most and the ingress queues 4 more (Ray's
     ``max_queued_requests``); the rest of a burst of 24 gets 429s, nothing else."""
@@ -258,6 +314,17 @@ def test_bad_options_are_one_line_before_ray_starts(cluster):
         )  # fmt: skip
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert "Started a local Ray" not in p.stderr, p.stderr
+    with_pw = url.replace("postgres@", f"postgres:{PASSWORD}@", 1)
+    for store, extra, says in (  # joining a cluster needs keys; no Ray mode takes credentials in the URL
+        (url, ["--ray-address", "127.0.0.1:9"], "without --api-keys"),
+        (with_pw, ["--ray-address", "127.0.0.1:9", "--api-keys", str(where / "keys.json")], "carries credentials"),
+        (with_pw, ["--replicas", "2"], "carries credentials"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_sigterm_stops_the_ingress_replicas_engines_and_ray(cluster):

@@ -28,7 +28,16 @@ from .encode import encode_chain, encode_spans
 from .models import LoadedModel, fingerprint
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import ALL, CACHE_BYTES, FactRecord, Store, StoreError, check_kv_format, check_segments_url
+from .store import (
+    ALL,
+    CACHE_BYTES,
+    FactRecord,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    check_kv_format,
+    check_segments_url,
+)
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
@@ -291,6 +300,8 @@ def write_facts(
             gone = set(delete)
             try:
                 ukv = store.snapshot(user)  # rows and embeddings, in write order
+            except StoreUnavailable:  # the database, not the user: never encode behind a guessed pool
+                raise
             except StoreError:  # a user whose every fact was deleted
                 ukv = None
             if ukv is not None:

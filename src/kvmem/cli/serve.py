@@ -95,7 +95,11 @@ def serve_cmd(
         "the same replica. 1 (without --ray or --ray-address): one process, no Ray.",
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", help="Join this Ray cluster (e.g. auto, or ray://head:10001) instead of starting one."
+        None,
+        "--ray-address",
+        help="Join this Ray cluster (e.g. auto, or the GCS address host:6379) instead of starting one; needs "
+        "--api-keys. The replicas read the keys file (same path) and the store's password (PGPASSWORD, a passfile) "
+        "on their own nodes: nothing secret goes through Ray.",
     ),
     use_ray: bool = typer.Option(False, "--ray", help="Serve through Ray even with one replica."),
     extractor_url: str | None = EXTRACTOR_URL,

@@ -41,6 +41,7 @@ from ..store import (
     Store,
     StoreConflict,
     StoreError,
+    StoreUnavailable,
     UnknownUser,
     check_kv_format,
     check_segments_url,
@@ -403,6 +404,8 @@ class Memory:
         switches the scope's method takes that method's defaults for what is not given."""
         try:
             info = self.store.user_info(user)
+        except StoreUnavailable:  # the database, not the scope: never write with guessed settings
+            raise
         except StoreError:  # a new scope (or one whose every fact was deleted)
             info = None
         w, m, h = self._given
@@ -655,6 +658,8 @@ class Memory:
                 provenance=[(refs, f.source_turns)],
                 expect={f.fact_id: f.row},
             )
+        except StoreUnavailable:  # the database did not answer: a 503, not a missing memory
+            raise
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory updated successfully!"}
@@ -668,6 +673,8 @@ class Memory:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
             erasure = self._erase(f.user, [f.fact_id])
+        except StoreUnavailable:
+            raise
         except StoreError as exc:  # a concurrent delete of the same id won the race
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory deleted successfully!", "erasure": erasure}

@@ -68,6 +68,8 @@ def serve(
     keys = load_api_keys(api_keys_file) if api_keys_file else None
     if not keys and host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"refusing to bind {host} without --api-keys: without keys the server is loopback-only")
+    if not keys and ray_address:  # the replicas of a joined cluster answer whoever reaches its nodes
+        raise ValueError("refusing to join a Ray cluster (--ray-address) without --api-keys: give a keys file")
     tenants = f"tenants: {', '.join(sorted(set(keys.values())))}" if keys else "no API keys: loopback only"
 
     def _exit(signum, frame):  # SIGTERM (docker stop, systemd), SIGHUP: unwind so the engine processes stop too
@@ -85,7 +87,7 @@ def serve(
         from .ingress import create_ingress
         from .replicas import Replicas
 
-        cluster = Replicas.start(str(store), replicas, ray_address, api_keys=keys, **start_kwargs)
+        cluster = Replicas.start(str(store), replicas, ray_address, api_keys_file=api_keys_file, **start_kwargs)
         app, close, healthy = create_ingress(cluster), cluster.close, lambda: True
         log(
             f"kvmem serve: {replicas} replica(s) on Ray Serve ({ray_address or 'a local Ray'}), store "

@@ -13,6 +13,11 @@ to the replica that holds their memory warm (paper §7, "route each request to w
   until Ray has restarted it.
 * **Ingress** (``ingress.create_ingress``, in the ``kvmem serve`` process) reads each request, names its route
   key, and streams the replica's answer back.
+* **Secrets** never travel through Ray: Ray keeps deployment arguments and runtime environments in its GCS and
+  shows them to the cluster's operators. A replica gets the store's canonical URL (no credentials) and the path of
+  the API-keys file, and reads the keys from that file, and the store's credentials from its node's environment
+  (``PGPASSWORD``, a passfile: libpq's own), itself. A local Ray started here inherits this process's environment;
+  a ``--store`` URL with credentials is refused (Ray records the driver's command line in its GCS).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import os
 from collections import Counter as Tally
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 from cachetools import LRUCache
@@ -30,11 +36,11 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
-from ..store import Store, canonical, password
+from ..store import Store, canonical, secrets
 from .routes import create_app
 from .runtime import KvmemServer, Limits, preflight
 from .storesize import StoreSize
-from .tenants import Tenants
+from .tenants import Tenants, load_api_keys
 
 logger = logging.getLogger("kvmem.server")
 
@@ -96,10 +102,11 @@ class UserAffinityRouter(RequestRouter):
 
 @dataclass
 class ReplicaConfig:
-    """What every replica starts with: ``KvmemServer.start``'s arguments and the API keys."""
+    """What every replica starts with: ``KvmemServer.start``'s arguments and where the API keys are. Ray stores it
+    (in its GCS): it holds no secret, only the store's canonical URL and the keys file's path."""
 
     store: str
-    api_keys: dict | None
+    api_keys_file: str | None
     start: dict = field(default_factory=dict)
     split_cores: bool = False  # one machine, no GPU: each replica takes its own cores (local rank)
 
@@ -120,7 +127,8 @@ class Replica:
                     os.sched_setaffinity(int(tid), mine)
                 except OSError:
                     pass
-        self.server = KvmemServer.start(cfg.store, api_keys=cfg.api_keys, **cfg.start)
+        keys = load_api_keys(cfg.api_keys_file) if cfg.api_keys_file else None  # on this node, not through Ray
+        self.server = KvmemServer.start(cfg.store, api_keys=keys, **cfg.start)
         self.server.replica = self.name
         self.app = create_app(self.server)
 
@@ -206,15 +214,25 @@ class Replicas:
         store: str,
         replicas: int,
         ray_address: str | None = None,
-        api_keys: dict | None = None,
+        api_keys_file: str | None = None,
         max_queue: int = 64,
         **start_kwargs,
     ) -> Replicas:
-        """Raises ValueError for a bad replica count; what ``ray.init`` raises for an unreachable cluster."""
+        """``api_keys_file``: the JSON keys file (``tenants.load_api_keys``), read here for the ingress and by each
+        replica on its node (the same path there). Raises ValueError for a bad replica count, a keys file that
+        cannot be read, or a store URL with credentials when joining a cluster (its replicas could get them only
+        through Ray); what ``ray.init`` raises for an unreachable cluster."""
         from ..hardware import usable_cores
 
         if replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {replicas}")
+        api_keys = load_api_keys(api_keys_file) if api_keys_file else None
+        if secrets(store):  # Ray records the driver's command line in its job table, and the replicas' config
+            raise ValueError(
+                "the --store URL carries credentials, which Ray would record (its GCS keeps this command line): "
+                "remove them from the URL and set PGPASSWORD (or a passfile, PGPASSFILE) in the environment of "
+                "kvmem serve and of every Ray node"
+            )
         preflight(store, **start_kwargs)  # bad options are one line here, not N failed replicas
         if ray_address and ray_address.startswith("ray://"):
             raise ValueError(
@@ -245,8 +263,6 @@ class Replicas:
                 # requests on the replica's own event loop: no hop to a second loop thread per streamed item
                 "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
             }
-            if password(store):
-                env["PGPASSWORD"] = password(store)
             limits = start_kwargs.get("limits") or Limits()
             deployment = serve.deployment(
                 Replica,
@@ -261,9 +277,10 @@ class Replicas:
                 request_router_config=RequestRouterConfig(request_router_class=UserAffinityRouter),
             )
             split = started and not res.get("GPU") and hasattr(os, "sched_setaffinity")
+            keys_path = str(Path(api_keys_file).resolve()) if api_keys_file else None
             # the store's size is measured once, by the ingress, not by every replica
             start = {"max_queue": max_queue, **start_kwargs, "measure_store": False}
-            cfg = ReplicaConfig(canonical(store), api_keys, start, split)
+            cfg = ReplicaConfig(canonical(store), keys_path, start, split)
             serve.start(proxy_location="Disabled")
             handle = serve.run(
                 deployment.bind(cfg),

@@ -20,9 +20,11 @@ from ..policy import Method
 from ..scopes import Scope, ScopeError
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
-from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses
+from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses, store_unavailable
 from .stalls import SendTimeout
 from .streaming import ChatGeneration, ChatStream, prepare_chat, sse, watched
+
+READY_PROBE_S = 3.0  # /ready answers 503 store_unavailable when the store's probe takes longer
 
 
 def create_app(server: KvmemServer) -> FastAPI:
@@ -122,10 +124,18 @@ def _service_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
 
     @app.get("/ready", responses=error_responses(400, 413, 503))
     async def ready():
+        """200 while the engine runs and the store answers; else 503 ``engine_dead``, ``not_ready`` or
+        ``store_unavailable`` (the store's database has not answered a probe: ``Store.available``)."""
         if not server.engine.healthy():
             raise engine_dead()
         if not server.ready:
             raise APIError(503, "the engine is not ready", "not_ready")
+        try:  # bounded in the store too; this bound only keeps /ready itself prompt
+            up = await asyncio.wait_for(server.off_loop(server.service.store.available), READY_PROBE_S)
+        except TimeoutError:
+            up = False
+        if not up:
+            raise store_unavailable()
         out = {"status": "ready", "engine": server.engine.name, "model": server.model_name}
         if server.replica is not None:
             out.update(replica=server.replica, pid=os.getpid())

@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import re
+import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
@@ -327,6 +328,20 @@ def redact_text(text: str) -> str:
     return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)
 
 
+_LOGGED = [0.0]  # when a store outage was last logged (once per STORE_LOG_EVERY_S: a stall fails every request)
+STORE_LOG_EVERY_S = 10.0
+
+
+def store_unavailable(exc: Exception | None = None) -> APIError:
+    """503 ``store_unavailable``: the store's database does not answer (down, stalled, cut off). The body names no
+    URL and no database error; the cause goes to the log, at most once per ``STORE_LOG_EVERY_S``."""
+    now = time.monotonic()
+    if exc is not None and now - _LOGGED[0] >= STORE_LOG_EVERY_S:
+        _LOGGED[0] = now
+        logger.warning("the store cannot be reached: %s", redact_text(str(exc)))
+    return APIError(503, "the store cannot be reached; retry later", "store_unavailable")
+
+
 def error_of(exc: Exception) -> APIError:
     """Library exceptions -> API errors (never a 500 for bad input)."""
     if isinstance(exc, APIError):
@@ -344,8 +359,7 @@ def error_of(exc: Exception) -> APIError:
         logger.warning("store busy: %s", redact_text(str(exc)))
         return APIError(503, "the store is busy (another writer holds its lock); retry later", "store_busy")
     if isinstance(exc, StoreUnavailable):
-        logger.warning("the store cannot be reached: %s", redact_text(str(exc)))
-        return APIError(503, "the store cannot be reached; retry later", "store_unavailable")
+        return store_unavailable(exc)
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         logger.error("no space left on the store's disk: %s", exc)
         return APIError(507, "no space left on the store's disk; nothing was written", "insufficient_storage")

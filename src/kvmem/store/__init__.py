@@ -59,6 +59,7 @@ from .location import (
     is_url,
     password,
     redact,
+    secrets,
     within,
 )
 from .read import VERIFIED_SEGMENTS, FactRecord, Reader, UserKV, segment_name
@@ -95,6 +96,7 @@ __all__ = [
     "is_url",
     "password",
     "redact",
+    "secrets",
     "within",
 ]
 
@@ -238,16 +240,19 @@ class Store:
         cache_bytes: int = CACHE_BYTES,
         cache_dir: str | Path | None = None,
         cache_dir_bytes: int = DISK_CACHE_BYTES,
+        answer_cap_s: float | None = None,
     ) -> Store:
         """Open an existing store (a directory or a ``postgresql://`` URL). If ``fingerprint`` is given it must
         equal the store's. ``cache_bytes``: this object's in-memory caches (snapshots, facts' KV), each;
-        ``cache_dir``: a local disk cache of up to ``cache_dir_bytes`` for segments in an object store.
+        ``cache_dir``: a local disk cache of up to ``cache_dir_bytes`` for segments in an object store;
+        ``answer_cap_s``: on PostgreSQL, give up on a statement unanswered this long, s (default: the session's
+        ``statement_timeout`` + 2 s; ``rows.PostgresRows``).
 
         Raises:
             StoreError: no store at ``root``, or a database that cannot be reached.
             StoreMismatch: the store was produced by another model/tokenizer/dtype/RoPE config.
         """
-        rows = rows_db.open_rows(root)
+        rows = rows_db.open_rows(root, answer_cap_s)
         try:
             manifest = rows.manifest()
             cls._check_manifest(rows.name, manifest, fingerprint)
@@ -315,6 +320,12 @@ class Store:
         """Whether the store at ``root`` was deleted or created anew since this object opened it."""
         with self._lock:
             return self.rows.replaced()
+
+    def available(self) -> bool:
+        """Whether the store's rows answer now: always for a local store; for PostgreSQL False at once while the
+        database is known to be unreachable, else one probe on a connection of its own (``rows.PostgresRows``),
+        bounded by a few seconds. Takes no lock, so it never waits behind a read or a write."""
+        return self.rows.available()
 
     # --- reads ----------------------------------------------------------------------------------------
 

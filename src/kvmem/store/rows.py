@@ -33,12 +33,47 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..extras import require
-from .location import POSTGRES_SCHEMES, StoreBusy, StoreError, StoreUnavailable, is_url, password, redact
+from .location import (
+    POSTGRES_SCHEMES,
+    StoreBusy,
+    StoreError,
+    StoreUnavailable,
+    is_url,
+    redact,
+    secret_params,
+    secrets,
+)
 from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, SQLITE, migration, render, render_text_index
 from .segments import fsync_dir
 
 BUSY_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 10
+
+# Every PostgreSQL connection kvmem opens (the server's, the vLLM scheduler's and worker's, the CLI's) is bounded,
+# here and nowhere else; a parameter the URL sets (or libpq's environment, e.g. PGCONNECT_TIMEOUT) wins over these
+# (docs/operations.md, "A slow or unreachable database").
+PG_CONNECT = {  # libpq's own parameters: the client's side
+    "connect_timeout": "5",  # s, to open a connection (libpq counts 2 s at least)
+    "keepalives": "1",
+    "keepalives_idle": "10",  # s idle before the first probe; a probe every 5 s; 3 unanswered: the server is gone
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "25000",  # ms: data unacknowledged this long drops the connection
+}
+PG_SESSION = {  # the server's settings for each session (libpq's ``options``, -c name=value); the URL's own follow
+    "statement_timeout": "10s",  # a statement running longer is cancelled by the server (503 store_unavailable)
+    "lock_timeout": "10s",  # a row or table lock waited for longer (a writer's own lock wait is set per write)
+    "idle_in_transaction_session_timeout": "60s",  # a client stopped inside a transaction loses it, and its locks
+    # the server's side of TCP (ignored on a unix socket): a writer whose machine vanishes is found dead, and its
+    # session with every advisory lock it held ends, within 10 + 3 x 5 = 25 s idle, or 25 s of unacknowledged data
+    "tcp_keepalives_idle": "10",
+    "tcp_keepalives_interval": "5",
+    "tcp_keepalives_count": "3",
+    "tcp_user_timeout": "25000",
+}
+ANSWER_GRACE_S = 2.0  # no answer within statement_timeout + this: the server is stalled (stopped, cut off, frozen)
+PROBE_TIMEOUT_S = 2.0  # a readiness probe (SELECT 1 on its own connection) waits this long at most
+PROBE_EVERY_S = 1.0  # while a store is unavailable, it is probed this often (in the background)
+
 # Snowball's English stop words, the list PostgreSQL's 'english' configuration drops: a keyword query keeps the
 # same words on both backends, and a question's "what did ... the ..." does not match every fact
 _STOP = (
@@ -149,6 +184,10 @@ class Rows(ABC):
         deleted content is zeroed as it is freed, ``secure_delete``; the WAL, which still holds the old pages, is
         checkpointed and truncated). PostgreSQL's dead tuples go at its next (auto)vacuum."""
         return None
+
+    def available(self) -> bool:
+        """Whether the rows can be read and written now (a database that answers); never waits long."""
+        return True
 
     @property
     def busy_timeout_s(self) -> float | None:
@@ -396,6 +435,55 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:500]
 
 
+def connect_params(url: str) -> dict[str, str]:
+    """The connection parameters kvmem adds to ``url`` (``PG_CONNECT``, ``PG_SESSION`` as ``options`` ahead of the
+    URL's own, credentials from ``location.secret_params``), for ``psycopg.connect(url, **params)``: what the URL
+    or libpq's environment sets is left as it is. Raises what ``conninfo_to_dict`` raises for a malformed URL."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    given = conninfo_to_dict(url)
+    env = {"connect_timeout": "PGCONNECT_TIMEOUT"}
+    params = {k: v for k, v in PG_CONNECT.items() if k not in given and not os.environ.get(env.get(k, "-"))}
+    theirs = given.get("options", os.environ.get("PGOPTIONS", ""))
+    ours = " ".join(f"-c {k}={v}" for k, v in PG_SESSION.items())
+    params["options"] = f"{ours} {theirs}".strip()  # later -c settings win: the URL's own
+    return {**params, **secret_params(url)}
+
+
+_CONNECTION_CLASS: list = []
+
+
+def _connection_class():
+    """``psycopg.Connection`` whose every wait for the server is bounded by ``answer_within_s`` (None: unbounded):
+    a server that does not answer in time (stopped, frozen, cut off while the kernel still acknowledges) closes the
+    connection with an OperationalError instead of holding the caller forever. psycopg bounds only the connect
+    (``connect_timeout``); the server's ``statement_timeout`` cannot fire in a server that is not running."""
+    if _CONNECTION_CLASS:
+        return _CONNECTION_CLASS[0]
+    import psycopg
+
+    class BoundedConnection(psycopg.Connection):
+        answer_within_s: float | None = None
+
+        def wait(self, gen, interval=0.1, timeout=None):
+            bound = timeout if timeout is not None else self.answer_within_s
+            started = time.monotonic()
+            try:
+                return super().wait(gen, interval, bound)
+            except psycopg.OperationalError:
+                if timeout is None and bound is not None and time.monotonic() - started >= bound:
+                    self.pgconn.finish()  # mid-statement: the connection is unusable, and its session goes
+                    raise StalledError(f"no answer from the server within {bound:g} s") from None
+                raise
+
+    _CONNECTION_CLASS.append(BoundedConnection)
+    return BoundedConnection
+
+
+class StalledError(Exception):
+    """A PostgreSQL server gave no answer within a connection's ``answer_within_s``."""
+
+
 class PostgresRows(Rows):
     """A store's rows in a PostgreSQL database (psycopg 3, autocommit connections; transactions explicit).
 
@@ -405,14 +493,29 @@ class PostgresRows(Rows):
     machine's lock never blocks this process's reads or its writers of other users. Lock waits queue in PostgreSQL
     (``pg_advisory_lock`` under ``lock_timeout``), so ``fsck``'s exclusive lock is not starved by a stream of
     commits. A connection found dead while idle (a restart, an idle timeout, a network cut) is replaced before the
-    next statement or transaction that is not part of a write."""
+    next statement or transaction that is not part of a write.
+
+    Every connection is bounded (``connect_params``: connect and statement timeouts, keepalives; ``answer_within_s``
+    on the client's side). A lost connection marks the store unavailable: from then on every call raises
+    StoreUnavailable at once, without waiting for the database again, until a background probe (every
+    ``PROBE_EVERY_S``) gets an answer; ``available`` says which it is."""
 
     tokens_sql = "json_array_length(token_ids::json)"
     shared = True
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, answer_cap_s: float | None = None):
+        """``answer_cap_s``: a tighter bound on each answer than the session's (the vLLM scheduler side, whose
+        reads hold the engine core's thread)."""
         require("postgres", "a postgresql:// store")
         self.location, self.name = url, redact(url)
+        self._answer_cap = answer_cap_s
+        self._down_since: float | None = None  # when the database was found unreachable (None: reachable)
+        self._down_lock = threading.Lock()
+        self._prober: threading.Thread | None = None
+        self._probe_conn = None
+        self._probe_lock = threading.Lock()
+        self._probed = (0.0, True)  # (when, answered) of the last readiness probe
+        self._closed = False
         self._conn = self._connect()
         self._used = time.monotonic()
         self._idle: list = []  # writer connections not in use
@@ -421,19 +524,96 @@ class PostgresRows(Rows):
         self._store_id = self._read_store_id()
         self._text = False  # has_text_index, once it is True
 
-    def _connect(self):
+    def _connect(self, connect_timeout: float | None = None):
+        """A new autocommit connection with ``connect_params``, its waits bounded by the session's
+        ``statement_timeout`` + ``ANSWER_GRACE_S``. Raises StoreUnavailable (unreachable, refused, timed out,
+        or the database refused the login) or StoreError (a malformed URL)."""
         import psycopg
 
         try:
-            return psycopg.connect(self.location, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+            params = connect_params(self.location)
+            if connect_timeout is not None:
+                params["connect_timeout"] = str(max(2, int(connect_timeout)))
+            conn = _connection_class().connect(self.location, autocommit=True, **params)
         except psycopg.Error as exc:
             why = _one_line(exc)
-            pw = password(self.location)
-            if pw:  # keep a password out of the message, however libpq quotes it
+            for pw in secrets(self.location).values():  # keep credentials out of the message, however quoted
                 why = why.replace(pw, "***").replace(quote(pw, safe=""), "***")
-            raise StoreError(f"cannot connect to PostgreSQL at {self.name}: {why}") from None
+            raise StoreUnavailable(f"cannot connect to PostgreSQL at {self.name}: {why}") from None
         except Exception as exc:  # a malformed URL (psycopg.ProgrammingError is a psycopg.Error; others are not)
             raise StoreError(f"--store {self.name}: not a usable PostgreSQL URL ({type(exc).__name__})") from None
+        try:
+            conn.answer_within_s = PROBE_TIMEOUT_S + ANSWER_GRACE_S
+            ms = int(conn.execute("SELECT setting FROM pg_settings WHERE name = 'statement_timeout'").fetchone()[0])
+        except (psycopg.Error, StalledError) as exc:
+            conn.close()
+            raise StoreUnavailable(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
+        bound = ms / 1e3 + ANSWER_GRACE_S if ms > 0 else None
+        if self._answer_cap is not None:
+            bound = self._answer_cap if bound is None else min(bound, self._answer_cap)
+        conn.answer_within_s = bound
+        return conn
+
+    # --- availability: a lost database is noticed once, then answered at once until it is back ---------------
+
+    def _mark_down(self) -> None:
+        with self._down_lock:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            if self._closed or (self._prober is not None and self._prober.is_alive()):
+                return
+            self._prober = threading.Thread(target=self._probe_until_up, name="kvmem-pg-probe", daemon=True)
+            self._prober.start()
+
+    def _check_up(self) -> None:
+        if self._down_since is not None:
+            raise StoreUnavailable(
+                f"PostgreSQL at {self.name} has not answered for {time.monotonic() - self._down_since:.0f} s"
+            )
+
+    def _probe(self, wait: bool = True) -> bool | None:
+        """One ``SELECT 1`` on the probe connection (opened again if it broke), bounded by ``PROBE_TIMEOUT_S`` (and
+        the connect's 2 s). None, without waiting, when ``wait`` is False and another probe is under way."""
+        import psycopg
+
+        if not self._probe_lock.acquire(blocking=wait):
+            return None
+        try:
+            if self._probe_conn is None or self._probe_conn.closed:
+                self._probe_conn = self._connect(connect_timeout=PROBE_TIMEOUT_S)
+                self._probe_conn.answer_within_s = PROBE_TIMEOUT_S
+            self._probe_conn.execute("SELECT 1")
+            return True
+        except (psycopg.Error, StalledError, StoreError):
+            if self._probe_conn is not None:
+                self._probe_conn.close()
+            return False
+        finally:
+            self._probe_lock.release()
+
+    def _probe_until_up(self) -> None:
+        while not self._closed:
+            if self._probe():
+                with self._down_lock:
+                    self._down_since = None
+                return
+            time.sleep(PROBE_EVERY_S)
+
+    def available(self) -> bool:
+        """Whether the database answers: False at once while it is marked unavailable; else a ``SELECT 1`` on a
+        connection of its own (at most once per ``PROBE_EVERY_S``, one at a time: a caller meanwhile gets the last
+        answer), which marks it unavailable when it gets no answer."""
+        if self._down_since is not None:
+            return False
+        at, ok = self._probed
+        if time.monotonic() - at >= PROBE_EVERY_S:
+            got = self._probe(wait=False)
+            if got is not None:
+                ok = got
+                self._probed = (time.monotonic(), ok)
+                if not ok:
+                    self._mark_down()
+        return ok and self._down_since is None
 
     @property
     def conn(self):
@@ -446,7 +626,12 @@ class PostgresRows(Rows):
                 )
             return pinned
         if self._conn.broken or self._conn.closed:
-            self._conn = self._connect()
+            self._check_up()
+            try:
+                self._conn = self._connect()
+            except StoreUnavailable:
+                self._mark_down()
+                raise
         return self._conn
 
     def _alive(self) -> None:
@@ -457,17 +642,23 @@ class PostgresRows(Rows):
             return
         try:
             self.conn.execute("SELECT 1")
-        except psycopg.OperationalError:
+        except (psycopg.OperationalError, StalledError):
             self._conn.close()
-            self._conn = self._connect()
+            self.conn  # noqa: B018 -- opens it again (or raises StoreUnavailable)
 
     @contextmanager
     def _errors(self):
         import psycopg
 
+        self._check_up()
         try:
             yield
+        except StalledError as exc:
+            self._mark_down()
+            raise StoreUnavailable(f"PostgreSQL at {self.name}: {exc}") from None
         except psycopg.OperationalError as exc:  # the connection, not the statement
+            if self._conn.closed or getattr(self._local, "conn", None) is not None:
+                self._mark_down()  # lost (a writer's own connection too: probed before the next call)
             raise StoreUnavailable(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
         except psycopg.Error as exc:  # a dropped table, a missing schema, no permission, a NUL in text, ...
             raise StoreError(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
@@ -564,7 +755,8 @@ class PostgresRows(Rows):
 
     @contextmanager
     def _transaction(self, read_only: bool):
-        self._alive()
+        with self._errors():
+            self._alive()
         self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             with self._errors(), self.conn.transaction():
@@ -586,15 +778,20 @@ class PostgresRows(Rows):
     def _writer_connection(self):
         import psycopg
 
+        self._check_up()
         with self._pool_lock:
             conn = self._idle.pop() if self._idle else None
         if conn is not None:
             try:
                 conn.execute("SELECT 1")
                 return conn
-            except psycopg.Error:
+            except (psycopg.Error, StalledError):
                 conn.close()
-        return self._connect()
+        try:
+            return self._connect()
+        except StoreUnavailable:
+            self._mark_down()
+            raise
 
     @contextmanager
     def locked(self, user: str | None, timeout_s: float | None):
@@ -607,14 +804,20 @@ class PostgresRows(Rows):
         wanted = [(_lock_key(self._store_id or "", "store"), user is None)]
         if user is not None:
             wanted.append((_lock_key(self._store_id or "", f"user:{user}"), True))
+        ms = 0 if timeout_s is None else max(1, int(timeout_s * 1000))
+        bound = conn.answer_within_s
         try:
             with self._errors():
-                conn.execute(f"SET lock_timeout = {0 if timeout_s is None else max(1, int(timeout_s * 1000))}")
+                # the lock wait is bounded by lock_timeout alone (StoreBusy), so the statement's own bound follows it
+                conn.answer_within_s = None if timeout_s is None else ms / 1e3 + 1 + ANSWER_GRACE_S
+                conn.execute(f"SET lock_timeout = {ms}; SET statement_timeout = {ms + 1000 if ms else 0}")
                 for key, exclusive in wanted:
                     try:
                         conn.execute(f"SELECT pg_advisory_lock{'' if exclusive else '_shared'}(%s)", (key,))
                     except psycopg.errors.LockNotAvailable:
                         raise StoreBusy(busy) from None
+                conn.answer_within_s = bound
+                conn.execute("RESET lock_timeout; RESET statement_timeout")  # the session's own, from PG_SESSION
         except BaseException:
             conn.close()  # its session locks go with it
             raise
@@ -673,20 +876,25 @@ class PostgresRows(Rows):
             return False
 
     def close(self) -> None:
+        self._closed = True
         with self._pool_lock:
             conns, self._idle = [self._conn, *self._idle], []
+        with self._probe_lock:
+            conns.append(self._probe_conn)
         for conn in conns:
-            conn.close()
+            if conn is not None:
+                conn.close()
 
 
-def open_rows(location: str | Path) -> Rows:
-    """The rows at ``location``: ``postgresql://…`` (``PostgresRows``) or a directory (``SQLiteRows``). Raises
-    StoreError for any other URL (it would otherwise become a directory named after its scheme)."""
+def open_rows(location: str | Path, answer_cap_s: float | None = None) -> Rows:
+    """The rows at ``location``: ``postgresql://…`` (``PostgresRows``, each answer bounded by ``answer_cap_s`` too)
+    or a directory (``SQLiteRows``). Raises StoreError for any other URL (it would otherwise become a directory
+    named after its scheme)."""
     text = str(location)
     if is_url(text):
         scheme = text.split(":", 1)[0].lower()
         if scheme in POSTGRES_SCHEMES:
-            return PostgresRows(text)
+            return PostgresRows(text, answer_cap_s)
         hint = (
             " (KV segments go by --segments URL; their rows by --store postgresql://…)"
             if scheme in ("s3", "gs", "az", "file", "http", "https")

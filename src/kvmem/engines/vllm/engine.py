@@ -29,7 +29,7 @@ from vllm.config import KVTransferConfig  # imported here, so that a missing vLL
 from ...hardware import resolve_dtype
 from ...models import head_dim
 from ...policy import Method
-from ...store import canonical, password
+from ...store import canonical, secrets
 from ..base import (
     AsyncEngine,
     Delta,
@@ -199,9 +199,8 @@ def engine_kwargs(
     if in_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-    for p in stores:  # passwords go to the worker processes by libpq's variable, never into vLLM's logged config
-        if password(p) is not None:
-            os.environ["PGPASSWORD"] = password(p)
+    for p in stores:  # credentials go to the engine's processes by environment, never into vLLM's logged config
+        os.environ.update(secrets(p))
     extra = {"stores": [canonical(p) for p in stores]}
     if metrics_file:
         extra["metrics_file"] = metrics_file

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from . import stores
 from .config import Settings
 from .metadata import KvmemConnectorMetadata, KvmemLoad, ids_digest
 from .params import PARAMS_KEY, MemoryRef
@@ -41,8 +42,11 @@ class KvmemScheduler:
     tokens, and of each kind of fallback (``untrusted_store``, ``unsalted``, ``store_error``, ``mismatch``,
     ``load_failed``)."""
 
+    ANSWER_S = 1.0  # a store read here holds the engine core: a database silent this long is a fallback (once)
+
     def __init__(self, settings: Settings):
         self.settings = settings
+        stores.configure(answer_cap_s=self.ANSWER_S)
         self.metrics: Counter = Counter()
         self._trust = Trust(settings.stores, settings.identity)
         self._matched: dict[str, tuple[MemoryRef, int, str]] = {}  # req_id -> (ref, local computed tokens, ids hash)

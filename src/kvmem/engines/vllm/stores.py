@@ -39,16 +39,25 @@ def _token_cache(max_tokens: int) -> LRUCache:
 _TOKENS = [_token_cache(TOKEN_CACHE_TOKENS)]
 
 
+_ANSWER_CAP: list[float | None] = [None]  # this process's bound on a database answer, s (``configure``)
+
+
 def configure(
-    cache_bytes: int | None = None, cache_dir: str | None = None, token_cache_tokens: int | None = None
+    cache_bytes: int | None = None,
+    cache_dir: str | None = None,
+    token_cache_tokens: int | None = None,
+    answer_cap_s: float | None = None,
 ) -> None:
-    """This process's store read-cache bound (bytes) and disk cache folder, for stores opened from now on (the
-    connector sets them at engine start from ``Settings``), and its token cache's bound (token ids; the cache
-    starts empty). None keeps the current value."""
+    """This process's store read-cache bound (bytes), disk cache folder and bound on a database's answer (s: the
+    scheduler side's, whose reads hold the engine core), for stores opened from now on (the connector sets them
+    at engine start from ``Settings``), and its token cache's bound (token ids; the cache starts empty). None
+    keeps the current value."""
     if cache_bytes:
         _CACHE_BYTES[0] = int(cache_bytes)
     if cache_dir:
         _CACHE_DIR[0] = str(cache_dir)
+    if answer_cap_s:
+        _ANSWER_CAP[0] = float(answer_cap_s)
     if token_cache_tokens:
         with _TOKENS_LOCK:
             _TOKENS[0] = _token_cache(token_cache_tokens)
@@ -69,7 +78,9 @@ def open_store(root: str) -> Store:
         if st is None or st.replaced():
             if st is not None:
                 st.close()
-            st = _STORES[root] = Store.open(root, cache_bytes=_CACHE_BYTES[0], cache_dir=_CACHE_DIR[0])
+            st = _STORES[root] = Store.open(
+                root, cache_bytes=_CACHE_BYTES[0], cache_dir=_CACHE_DIR[0], answer_cap_s=_ANSWER_CAP[0]
+            )
         return st
 
 
