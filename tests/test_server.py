@@ -201,6 +201,9 @@ def test_sampling_parameters_are_honoured(server, alice):
     }
     assert a == b  # same seed, same sample
     assert len(others | {greedy}) > 1  # sampling is not greedy
+    # a temperature too small to divide by is greedy, as in vLLM (it made the softmax NaN: a 500)
+    tiny = client.chat.completions.create(temperature=5e-324, top_p=5e-324, **kw).choices[0].message.content
+    assert tiny == greedy
     r = client.chat.completions.create(max_tokens=3, **{k: v for k, v in kw.items() if k != "max_tokens"})
     assert r.usage.completion_tokens <= 3
     text = client.chat.completions.create(temperature=0, **kw).choices[0].message.content

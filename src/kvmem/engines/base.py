@@ -57,9 +57,13 @@ class EngineBusy(RuntimeError):
     """The engine's queue is full: the request is refused now (HTTP 429), not queued without bound."""
 
 
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy (dividing logits by it would overflow to inf)
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """What a request asks of decoding. temperature 0 -> greedy (then top_p and seed do not matter);
+    """What a request asks of decoding. temperature below ``SAMPLING_EPS`` (0 included) -> greedy, as vLLM does
+    (then top_p and seed do not matter);
     ``max_tokens``: new tokens at most; ``stop_token_ids``: end of answer (EOS); ``line_stop_ids``: tokens that
     end it only once it holds another token (completion-style models answer on one line, and may open with a
     line break: ``ends_answer``); ``logprobs``: None, or return each chosen token's log-probability and the

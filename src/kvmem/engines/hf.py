@@ -26,6 +26,7 @@ from ..compose import ComposedMemory, compose
 from ..rope import Rotary, reset_rope_state, served_length
 from ..store import StoreError
 from .base import (
+    SAMPLING_EPS,
     AsyncEngine,
     Delta,
     Engine,
@@ -357,7 +358,7 @@ class HFEngine(Engine):
                 sampling = replace(sampling, stop_token_ids=tuple(self.eos | set(sampling.stop_token_ids)))
         grammar = _Grammar(self._grammar(sampling.json_schema)) if sampling.json_schema is not None else None
         gen = None
-        if sampling.temperature > 0:
+        if sampling.temperature >= SAMPLING_EPS:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(
                 sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
