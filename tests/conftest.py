@@ -182,6 +182,19 @@ def s3(tmp_path_factory):
             os.environ[k] = v
 
 
+def store_backend(request, monkeypatch) -> str:
+    """Ready the store backend a parametrized ``backend`` fixture names (``request.param``) and return its name:
+    ``local`` (SQLite rows, segment files), ``object`` (its segments through obstore, ``file://``), ``postgres``
+    (rows in the session's cluster) or ``s3`` (those rows, segments on the session's S3 server). ``store_worker``
+    reads the choice from ``KVMEM_TEST_SEGMENTS``."""
+    if request.param in ("postgres", "s3"):
+        request.getfixturevalue("postgres")
+    if request.param == "s3":
+        request.getfixturevalue("s3")
+    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
+    return request.param
+
+
 def postgres_schema(base: str, name: str) -> str:
     """A fresh PostgreSQL schema ``name`` in the cluster at ``base``; the URL whose connections use it."""
     import psycopg

@@ -15,16 +15,14 @@ import pytest
 import torch
 
 import store_worker as sw
+from conftest import store_backend
 from kvmem.store import FactRecord, Store, StoreError
 
 
 @pytest.fixture(params=["local", "postgres"])
 def backend(request, monkeypatch):
     """The local store (SQLite rows) and the shared one (rows in PostgreSQL, ``conftest.postgres``)."""
-    if request.param == "postgres":
-        request.getfixturevalue("postgres")
-    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
-    return request.param
+    return store_backend(request, monkeypatch)
 
 
 def _commit(st: Store, user: str, n: int) -> str:

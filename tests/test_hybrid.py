@@ -11,16 +11,14 @@ import pytest
 import torch
 
 import store_worker as sw
+from conftest import store_backend
 from kvmem.store import FactRecord, Store
 
 
 @pytest.fixture(params=["local", "postgres"])
 def backend(request, monkeypatch):
     """The local store (SQLite FTS5) and the shared one (PostgreSQL, a real cluster: ``conftest.postgres``)."""
-    if request.param == "postgres":
-        request.getfixturevalue("postgres")
-    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
-    return request.param
+    return store_backend(request, monkeypatch)
 
 
 def _add(st: Store, user: str, texts: list[str], prefix: str, emb=None, metadata=None) -> str:

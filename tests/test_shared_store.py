@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 import store_worker as sw
-from conftest import postgres_schema
+from conftest import postgres_schema, store_backend
 from kvmem.cli import app
 from kvmem.store import Store, StoreError, StoreMismatch
 
@@ -26,12 +26,7 @@ WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
 
 @pytest.fixture(params=["local", "postgres", "s3"])
 def backend(request, monkeypatch):
-    if request.param in ("postgres", "s3"):
-        request.getfixturevalue("postgres")
-    if request.param == "s3":
-        request.getfixturevalue("s3")
-    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
-    return request.param
+    return store_backend(request, monkeypatch)
 
 
 def test_concurrent_writers_lose_nothing(tmp_path, backend):

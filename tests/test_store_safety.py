@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import store_worker as sw
+from conftest import store_backend
 from kvmem.store import SCHEMA_VERSION, Store, StoreError
 
 
@@ -28,12 +29,7 @@ def backend(request, monkeypatch):
     rows in PostgreSQL (a real cluster, ``conftest.postgres``), segments in that object store; and the shared
     store with its segments on a real S3 server over HTTP with SigV4 keys (``conftest.s3``: ``rclone serve s3``,
     ``s3://kvmem/PREFIX``)."""
-    if request.param in ("postgres", "s3"):
-        request.getfixturevalue("postgres")
-    if request.param == "s3":
-        request.getfixturevalue("s3")
-    monkeypatch.setenv("KVMEM_TEST_SEGMENTS", request.param)
-    return request.param
+    return store_backend(request, monkeypatch)
 
 
 @pytest.fixture
