@@ -391,3 +391,27 @@ def vllm_server(tmp_path_factory) -> str:
         except ProcessLookupError:
             pass
         log.close()
+
+
+def kvmem_cli(*args, check_rc: int | None = 0, process: bool = False) -> subprocess.CompletedProcess:
+    """``kvmem *args``: in this process by default (the same typer app and exit codes, without a torch import
+    per call: about 5 s each on a 2-core AVX2 machine), or as its own process where the test needs one (vLLM's
+    engine core, real argv decoding, a clean shutdown). An uncaught exception reads as a traceback on stderr."""
+    argv = [str(a) for a in args]
+    if process:
+        p = subprocess.run([sys.executable, "-m", "kvmem.cli", *argv], capture_output=True, text=True, timeout=900)
+    else:
+        import traceback
+
+        from typer.testing import CliRunner
+
+        from kvmem.cli import app
+
+        res = CliRunner().invoke(app, argv)
+        err = res.stderr
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            err += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(res.exception))
+        p = subprocess.CompletedProcess(argv, res.exit_code, res.stdout, err)
+    if check_rc is not None:
+        assert p.returncode == check_rc, p.stderr[-3000:]
+    return p

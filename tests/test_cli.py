@@ -9,25 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from conftest import kvmem_cli
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
 DEFAULT = "qwen2.5-coder-0.5b-instruct"
 GEMMA = "gemma3-270m"
 KVMEM = [sys.executable, "-m", "kvmem.cli"]
+run = kvmem_cli
 SLOW = pytest.mark.slow  # a model larger than the smallest
 
 
 def require(name: str) -> None:
     if not (model_dir(name) / MANIFEST).exists():
         pytest.fail(f"{name} is not installed; run: kvmem models install {name}")
-
-
-def run(*args, check_rc: int | None = 0) -> subprocess.CompletedProcess:
-    p = subprocess.run(KVMEM + [str(a) for a in args], capture_output=True, text=True, timeout=900)
-    if check_rc is not None:
-        assert p.returncode == check_rc, p.stderr[-3000:]
-    return p
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +230,7 @@ def test_missing_store_and_bad_file(tmp_path, store):
 
 
 @pytest.mark.slow
-def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small_locomo):
+def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small_locomo, monkeypatch):
     """``--store postgresql://…`` used to create a local directory ``postgresql:`` and write the store there. Now
     it is a shared store's database (here, nothing listens on that port), and another URL is refused."""
     for args in (
@@ -246,9 +241,8 @@ def test_a_store_url_is_one_error_not_a_directory_named_after_it(tmp_path, small
             ("postgresql://postgres:pw@127.0.0.1:1/kvmem", "cannot connect to PostgreSQL at postgresql://postgres@"),
             ("s3://bucket/kv", "is not a store location"),
         ):
-            p = subprocess.run(
-                KVMEM + args + ["--store", url], capture_output=True, text=True, cwd=tmp_path, timeout=300
-            )
+            monkeypatch.chdir(tmp_path)
+            p = run(*args, "--store", url, check_rc=None)
             assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
             assert ":pw@" not in p.stderr
     assert list(tmp_path.iterdir()) == []
@@ -293,7 +287,7 @@ def test_gemma3_end_to_end(tmp_path, tiny_locomo):
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]
     assert kv["answer"] and pr["answer"]  # a leading line break never ends the answer before it starts
-    p = run(*args, "--max-new-tokens", 16, q)  # no --engine: auto
+    p = run(*args, "--max-new-tokens", 16, q, process=True)  # no --engine: auto (vLLM's engine core: a process)
     auto = json.loads(p.stdout.strip().splitlines()[-1])
     assert auto["engine"] == plan().engine and auto["mode"] == "kv"
     assert auto["fact_ids"] == kv["fact_ids"] and auto["prompt_tokens"] == kv["prompt_tokens"]

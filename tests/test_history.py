@@ -145,38 +145,18 @@ def test_history_and_neighbours_do_not_combine(tmp_path, lm_emb):
 
 
 @pytest.mark.slow
-def test_ingest_locomo_history_cli(tmp_path, small_locomo):
+def test_ingest_locomo_history_cli(tmp_path, tiny_locomo):
     """``ingest-locomo --history --window 0`` runs every fact once, in one pass behind the header (encoded tokens =
     header + fact tokens, against m + 1 fact lengths per fact for neighbours), stores the same tokens, and the
     store records the method; with a window each fact's turns are run on top of the chain."""
     import json
-    import subprocess
-    import sys
 
+    from conftest import kvmem_cli
     from kvmem.store import Store
 
     def ingest(root, *extra):
-        p = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvmem.cli",
-                "ingest-locomo",
-                str(small_locomo),
-                "--sample",
-                "conv-26",
-                "--store",
-                str(root),
-                "--model",
-                FAST,
-                "--json",
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert p.returncode == 0, p.stderr[-2000:]
+        p = kvmem_cli("ingest-locomo", tiny_locomo, "--sample", "conv-26", "--store", root, "--model", FAST, "--json",
+                      *extra)  # fmt: skip
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     hist = ingest(tmp_path / "h0", "--history")  # --window 0 by default

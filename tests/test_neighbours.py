@@ -148,40 +148,17 @@ def test_bad_neighbours_is_an_input_error(tmp_path, stores):
 
 
 @pytest.mark.slow
-def test_ingest_locomo_neighbours_cli(tmp_path, small_locomo):
+def test_ingest_locomo_neighbours_cli(tmp_path, tiny_locomo):
     """``ingest-locomo`` runs each fact behind m other facts (default 4; ``--neighbours 0`` turns it off): m fact
     lengths more encoded tokens than m = 0 at the same window, the same stored tokens, and the store records m."""
     import json
-    import subprocess
-    import sys
 
+    from conftest import kvmem_cli
     from kvmem.store import Store
 
     def ingest(root, *extra, rc=0):
-        p = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvmem.cli",
-                "ingest-locomo",
-                str(small_locomo),
-                "--sample",
-                "conv-26",
-                "--store",
-                str(root),
-                "--window",
-                "1",
-                "--model",
-                FAST,
-                "--json",
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert p.returncode == rc, p.stderr[-2000:]
-        return p
+        return kvmem_cli("ingest-locomo", tiny_locomo, "--sample", "conv-26", "--store", root, "--window", "1",
+                         "--model", FAST, "--json", *extra, check_rc=rc)  # fmt: skip
 
     plain = json.loads(ingest(tmp_path / "n0", "--neighbours", "0").stdout.strip().splitlines()[-1])
     nb = json.loads(ingest(tmp_path / "n4").stdout.strip().splitlines()[-1])  # the default

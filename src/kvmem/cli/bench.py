@@ -262,6 +262,8 @@ def bench_encode(
 def bench_memory(
     turns: int = typer.Option(30, help="LoCoMo turns added one by one (infer=False)."),
     facts: int = typer.Option(10000, help="Memories of the user that search runs over."),
+    searches: int = typer.Option(50, "--searches", help="Questions searched, each in every arm."),
+    deletes: int = typer.Option(20, "--deletes", help="Memories deleted (each re-encodes its neighbours)."),
     window: int = typer.Option(5, "--window"),
     sample: str = typer.Option("conv-26", "--sample"),
     data: Path = DATA,
@@ -271,9 +273,9 @@ def bench_memory(
     """Online memory: add latency vs a plain forward over the same tokens, search at N memories, delete."""
     online_memory = bench_module("online_memory")
 
-    if turns < 1 or facts < 1:
-        raise ValueError("--turns and --facts must be >= 1")
-    online_memory.run(data, out, sample, turns, facts, window, model, echo=typer.echo)
+    if min(turns, facts, searches, deletes) < 1:
+        raise ValueError("--turns, --facts, --searches and --deletes must be >= 1")
+    online_memory.run(data, out, sample, turns, facts, window, model, searches, deletes, echo=typer.echo)
 
 
 @bench_app.command("erasure")
