@@ -147,11 +147,9 @@ def test_question_subset_is_deterministic_prefix(locomo_path):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, locomo_path):
-    """conv-26 with only sessions 1-2 of facts; a private store cache; one torch thread (the CPU may be shared)."""
+    """conv-26 with only sessions 1-2 of facts; a private store cache."""
     if not (model_dir(FAST) / MANIFEST).exists():
         pytest.fail(f"{FAST} is not installed; run: kvmem models install {FAST}")
-    import torch
-
     sample = next(s for s in json.loads(locomo_path.read_text()) if s["sample_id"] == "conv-26")
     sample["observation"] = {
         k: v for k, v in sample["observation"].items() if k in ("session_1_observation", "session_2_observation")
@@ -159,11 +157,9 @@ def tiny(tmp_path_factory, locomo_path):
     root = tmp_path_factory.mktemp("bench")
     data = root / "small.json"
     data.write_text(json.dumps([sample]))
-    old_env, old_threads = os.environ.get("KVMEM_BENCH_CACHE"), torch.get_num_threads()
+    old_env = os.environ.get("KVMEM_BENCH_CACHE")
     os.environ["KVMEM_BENCH_CACHE"] = str(root / "stores")
-    torch.set_num_threads(1)
     yield {"data": data, "root": root}
-    torch.set_num_threads(old_threads)
     if old_env is None:
         os.environ.pop("KVMEM_BENCH_CACHE", None)
     else:
