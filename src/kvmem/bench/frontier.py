@@ -66,6 +66,8 @@ def run(
     methods = [str(m) for m in check_methods(methods, engine)]
     if PROMPT not in methods or len(methods) < 2:
         raise ValueError("--methods must name prompt and at least one kvmem method (kv, kv-tail<r>, ...)")
+    if not models:
+        raise ValueError("--models is empty")
     if latency_questions < 1:
         raise ValueError("--latency-questions must be >= 1")
     enc = Encoding.of(window, neighbours, history)
