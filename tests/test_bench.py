@@ -445,8 +445,8 @@ def test_eval_frontier_points_and_table(tiny):
     a rerun answers nothing again and reuses the latency run."""
     out = tiny["root"] / "frontier"
     args = ["eval", "frontier", "--engine", "hf", "--models", FAST, "--methods", "prompt,kv,kv-tail1", "--k", "2,5",
-            "--window", 0, "--latency-questions", 1, "--max-new-tokens", 4, "--plot", out / "copy.png",
-            "--data", tiny["data"], "--samples", "conv-26", "--questions", 2, "--out", out, "--no-progress"]  # fmt: skip
+            "--window", 0, "--latency-questions", 1, "--max-new-tokens", 4, "--plot", out / "copy.png", "--data",
+            tiny["data"], "--samples", "conv-26", "--questions", 2, "--out", out, "--no-progress"]  # fmt: skip
     res = cli(*args)
     s = check_outputs(out, "frontier.png")
     assert (out / "copy.png").read_bytes() == (out / "frontier.png").read_bytes()
