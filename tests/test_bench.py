@@ -435,6 +435,48 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
 
 
 @pytest.mark.slow
+def test_eval_frontier_points_and_table(tiny):
+    """``eval frontier`` on the transformers engine: every (method, k) is a point whose F1 is the mean of its eval
+    answers and whose TTFT comes from the latency run; each prompt point's row names the best faster kvmem point;
+    a rerun answers nothing again and reuses the latency run."""
+    out = tiny["root"] / "frontier"
+    args = ["eval", "frontier", "--engine", "hf", "--models", FAST, "--methods", "prompt,kv,kv-tail1", "--k", "2,5",
+            "--window", 0, "--latency-questions", 1, "--max-new-tokens", 4, "--plot", out / "copy.png", "--data",
+            tiny["data"], "--samples", "conv-26", "--questions", 2, "--out", out, "--no-progress"]  # fmt: skip
+    res = cli(*args)
+    s = check_outputs(out, "frontier.png")
+    assert (out / "copy.png").read_bytes() == (out / "frontier.png").read_bytes()
+    assert s["questions"] == 2 and s["latency_questions"] == 1 and s["encoding"] == "w=0, m=4"
+    points = {(p["method"], p["k"]): p for p in s["points"]}
+    assert set(points) == {(m, k) for m in ("prompt", "kv", "kv-tail1") for k in (2, 5)}
+    evals = [json.loads(x) for x in (out / FAST / "eval" / "records.jsonl").read_text().splitlines()]
+    lat = json.loads((out / FAST / "latency" / "summary.json").read_text())
+    for (m, k), p in points.items():
+        f1s = [r["f1"] for r in evals if r["mode"] == m and r["k"] == k]
+        assert len(f1s) == p["n"] == 2 and 0 <= p["f1"] <= 100
+        assert p["f1"] == pytest.approx(100 * sum(f1s) / 2, abs=0.01)
+        assert p["ttft_ms"] == lat["by_window"]["0"]["median_ms"][m][str(k)]["ttft"] > 0
+        assert p["ttft_p95_ms"] >= p["ttft_ms"]
+    assert [(r["model"], r["k"]) for r in s["frontier"]] == [(FAST, 2), (FAST, 5)]
+    for row in s["frontier"]:
+        prompt = points[("prompt", row["k"])]
+        assert row["prompt_f1"] == prompt["f1"] and row["prompt_ttft_ms"] == prompt["ttft_ms"]
+        faster = [p for (m, _), p in points.items() if m != "prompt" and p["ttft_ms"] <= prompt["ttft_ms"]]
+        if not faster:
+            assert row["method"] is None
+            continue
+        best = points[(row["method"], row["method_k"])]
+        assert best["ttft_ms"] <= prompt["ttft_ms"] and best["f1"] == max(p["f1"] for p in faster)
+        assert row["n"] == 2 and row["delta_f1"] == pytest.approx(best["f1"] - prompt["f1"], abs=0.02)
+        assert row["ci95"] is not None and row["ci95"][0] <= row["delta_f1"] <= row["ci95"][1]
+        assert f"| {FAST} | {row['k']} | {row['prompt_f1']} |" in (out / "frontier.md").read_text()
+    assert "F1 difference (95% CI)" in res.output
+    res = cli(*args)
+    assert "latency: reusing" in res.output and "0 to answer, 12 already" in res.output
+    assert json.loads((out / "summary.json").read_text())["points"] == s["points"]
+
+
+@pytest.mark.slow
 def test_eval_recall_cosine_against_hybrid(tiny, monkeypatch):
     """``kvmem eval recall``: evidence recall@k per category for each retrieval, from a store built with the
     smallest model; at a k above the fact count both retrievals recall every turn a fact came from."""

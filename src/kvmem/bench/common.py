@@ -326,6 +326,26 @@ def ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b and b == b and a == a else None
 
 
+def paired_bootstrap(diffs) -> tuple[float, list[float] | None]:
+    """The mean of paired differences (one per question) and its 95% CI: ``scipy.stats.bootstrap`` (BCa, 10,000
+    resamples, seed 0). The CI is the mean itself when every difference is the same (nothing to resample), and
+    None with fewer than two differences."""
+    d = np.asarray(list(diffs), dtype=float)
+    if len(d) == 0:
+        return float("nan"), None
+    mean = round(float(d.mean()), 2)
+    if len(d) < 2:
+        return mean, None
+    if np.all(d == d[0]):
+        return mean, [mean, mean]
+    from scipy.stats import bootstrap
+
+    ci = bootstrap((d,), np.mean, n_resamples=10_000, confidence_level=0.95, random_state=0).confidence_interval
+    if not np.isfinite([ci.low, ci.high]).all():  # BCa undefined on this sample (too few distinct values)
+        ci = bootstrap((d,), np.mean, n_resamples=10_000, method="percentile", random_state=0).confidence_interval
+    return mean, [round(float(ci.low), 2), round(float(ci.high), 2)]
+
+
 # --- writers ---------------------------------------------------------------------------------------------
 
 
@@ -376,6 +396,13 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
         w.writeheader()
         w.writerows(flat)
     return path
+
+
+def markdown_table(rows: list[list], header: list[str]) -> str:
+    """A GitHub markdown table (None as an empty cell)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join("" if c is None else str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def pyplot():

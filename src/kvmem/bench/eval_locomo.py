@@ -210,13 +210,15 @@ def run(
     neighbours: int | None = None,
     history: bool = False,
     retrieval: str = "cosine",
+    setup: Setup | None = None,
 ) -> dict:
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
     ``history``); ``retrieval``: ``cosine`` or a hybrid fusion (``recall.parse_fusion``; records carry it). The
     summary also gives evidence recall@k per category (``recall.evidence_recall``, k in 5..100) of every
     category 1-4 question of the samples under that retrieval. Returns the summary (also written to
-    ``out/summary.json``)."""
+    ``out/summary.json``). ``setup``: an already loaded one for ``data``, ``samples`` and ``model`` (its engine
+    is left running)."""
 
     neighbours = Encoding.of(None, neighbours, history).neighbours
     fusion = parse_fusion(retrieval)
@@ -233,7 +235,7 @@ def run(
         raise ValueError("--mode is empty")
     if bool(judge_url) != bool(judge_model):
         raise ValueError("--judge-url and --judge-model go together")
-    setup = Setup.load(data, samples, model, engine, show_progress)
+    setup = setup or Setup.load(data, samples, model, engine, show_progress)
     engine = setup.engine_name
     qs = select_questions(setup.convs, questions)
     if not qs:

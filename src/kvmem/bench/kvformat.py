@@ -12,7 +12,8 @@ format holds the same facts, embeddings and retrieval order, and differs only in
 * **ttft**: kv-mode TTFT on the serving engine at each k, the formats interleaved question by question in
   alternating order (drift hits them alike), median and p95, and each format over native.
 * **f1** (``f1_questions`` > 0): LoCoMo F1 of kv-mode answers at ``deviation_k`` from every format's stores,
-  batched on the serving engine, and each format's F1 minus native's with a paired bootstrap 95% CI (scipy).
+  batched on the serving engine, and each format's F1 minus native's with a paired bootstrap 95% CI
+  (``common.paired_bootstrap``).
 """
 
 from __future__ import annotations
@@ -245,9 +246,8 @@ def _f1_arm(setup, svcs, formats, n, k, max_new_tokens, records, show_progress) 
     if n <= 0:
         return {}
     import numpy as np
-    from scipy.stats import bootstrap
 
-    from .common import answer_batch
+    from .common import answer_batch, paired_bootstrap
     from .eval_locomo import BATCH, locomo_f1
 
     qs = select_questions(setup.convs, n)
@@ -268,10 +268,7 @@ def _f1_arm(setup, svcs, formats, n, k, max_new_tokens, records, show_progress) 
     answers = {fmt: [r["answer"] for r in records if r["arm"] == "f1" and r["kv_format"] == fmt] for fmt in formats}
     base = np.array(scores["native"])
     for fmt in formats[1:]:
-        d = 100 * (np.array(scores[fmt]) - base)
-        ci = bootstrap((d,), np.mean, n_resamples=10_000, confidence_level=0.95, random_state=0).confidence_interval
-        out[fmt]["delta"] = round(float(d.mean()), 2)
-        out[fmt]["ci95"] = [round(float(ci.low), 2), round(float(ci.high), 2)]
+        out[fmt]["delta"], out[fmt]["ci95"] = paired_bootstrap(100 * (np.array(scores[fmt]) - base))
         out[fmt]["same_answer"] = sum(a == b for a, b in zip(answers[fmt], answers["native"]))
     return out
 

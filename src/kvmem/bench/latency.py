@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..policy import Method
+from ..policy import Encoding, Method
 from ..service import check_methods, same_prompt
 from .common import (
     Setup,
@@ -170,14 +170,20 @@ def run(
     echo=print,
     tails: list[int] = (),
     methods: list[str] = (),
+    neighbours: int | None = None,
+    history: bool = False,
+    setup: Setup | None = None,
 ) -> dict:
     """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
-    any further serving methods (``policy.Method``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved."""
+    any further serving methods (``policy.Method``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved.
+    ``neighbours``, ``history``: the stores' encoding (``policy.Encoding``; the defaults when not given).
+    ``setup``: an already loaded one for ``data``, ``samples`` and ``model`` (its engine is left running)."""
 
     note = store_device_note(store_device)
     modes = MODES + tuple(dict.fromkeys([str(Method("kv", r)) for r in tails if r > 0] + list(methods)))
     check_methods(modes, engine)
-    setup = Setup.load(data, samples, model, engine, show_progress)
+    neighbours = Encoding.of(windows[0], neighbours, history).neighbours
+    setup = setup or Setup.load(data, samples, model, engine, show_progress)
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")
@@ -185,7 +191,7 @@ def run(
     records: list[dict] = []
     per_window: dict = {}
     for w in windows:
-        svcs = setup.services(w, log_err)
+        svcs = setup.services(w, log_err, neighbours, history)
         # warm-up: one call per mode (not recorded)
         q0 = qs[0]
         for mode in modes:
@@ -245,6 +251,8 @@ def run(
         "questions": len(qs),
         "k": ks,
         "windows": windows,
+        "neighbours": neighbours,
+        "history": history,
         "max_new_tokens": max_new_tokens,
         "store_device": store_device,
         "store_device_note": note,

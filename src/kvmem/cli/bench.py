@@ -550,6 +550,50 @@ def eval_locomo(
     )
 
 
+@eval_app.command("frontier")
+@friendly
+def eval_frontier(
+    models: str = typer.Option(
+        f"{DEFAULT_MODEL},qwen2.5-coder-1.5b-instruct",
+        "--models",
+        help="Comma-separated answer models (registry names).",
+    ),
+    methods: str = typer.Option(
+        "prompt,kv,kv-tail2,kv-tail4,kv-tail8",
+        "--methods",
+        help=f"Comma-separated serving methods: prompt and at least one of {MODES_HELP}.",
+    ),
+    k: str = typer.Option("5,10,20,50,100", "--k", help="Comma-separated k values."),
+    window: int | None = typer.Option(None, "--window", help=WINDOW_HELP),
+    neighbours: int | None = LOCOMO_NEIGHBOURS,
+    history: bool = LOCOMO_HISTORY,
+    data: Path = DATA,
+    engine: str = ENGINE,
+    samples: str = typer.Option(
+        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids (the held-out pair of the headline)."
+    ),
+    questions: int = typer.Option(0, "--questions", help="Category 1-4 questions scored per point (0 = all)."),
+    latency_questions: int = typer.Option(
+        20, "--latency-questions", help="The first N of them timed one request at a time for each point's TTFT."
+    ),
+    max_new_tokens: int = typer.Option(32),
+    judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
+    judge_model: str | None = typer.Option(None, "--judge-model"),
+    out: Path = typer.Option(Path("runs/eval/frontier"), "--out"),
+    plot: Path | None = typer.Option(None, "--plot", help="Also write the plot here (e.g. docs/img/<name>.png)."),
+    show_progress: bool = _PROGRESS,
+):
+    """The accuracy-latency frontier: LoCoMo F1 (batched eval) against median TTFT (a separate one-at-a-time
+    latency run) of every model, method and k, and for each prompt-injection point the best kvmem point with no
+    higher TTFT, with a paired bootstrap 95% CI; resumable."""
+    frontier = bench_module("frontier")
+    from ..bench.common import int_list, str_list
+
+    frontier.run(data, out, str_list(models), str_list(methods), int_list(k, "--k", 1), _bench_args(samples),
+                 questions, latency_questions, engine, window, neighbours, history, max_new_tokens, judge_url,
+                 judge_model, plot, show_progress, typer.echo)  # fmt: skip
+
+
 @eval_app.command("recall")
 @friendly
 def eval_recall(

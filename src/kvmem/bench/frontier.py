@@ -1,0 +1,249 @@
+"""``kvmem eval frontier``: the accuracy-latency frontier of prompt injection, KV injection and tail recompute.
+
+For each model, on the same LoCoMo questions and the same stores:
+
+1. latency, ``kvmem bench latency``'s run (``latency.run``) on the first ``latency_questions`` of the questions:
+   every method at every k, one request at a time, interleaved question by question, each request stopped at
+   its first token (the decode after it changes no TTFT). A point's TTFT is the median of those requests (a
+   TTFT from inside an eval batch is not a latency). It runs first, on a fresh engine, so no eval request has
+   warmed the prefix cache it measures.
+2. accuracy, ``kvmem eval locomo``'s run (``eval_locomo.run``) on all the questions, batched on the same
+   engine: LoCoMo token F1 (and the LLM judge's accuracy when an endpoint is given).
+
+Every (model, method, k) is then a point (F1, median TTFT). For each prompt-injection point the table names the
+best kvmem point of the same model whose median TTFT is no higher, and its F1 minus prompt injection's, with a
+paired bootstrap 95% CI over the questions (``common.paired_bootstrap``).
+
+Resumable: answers are kept in ``<out>/<model>/eval/records.jsonl`` and a latency run whose summary matches the
+one asked is reused, so rerunning the same command after a stop continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ..policy import Encoding
+from ..service import check_methods
+from . import eval_locomo, latency
+from .common import (
+    Setup,
+    markdown_table,
+    paired_bootstrap,
+    pyplot,
+    select_questions,
+    table,
+    write_summary_and_records,
+)
+
+PROMPT = "prompt"
+LATENCY_TOKENS = 1  # the latency run's requests stop at the first token: TTFT is all it reports here
+
+
+def run(
+    data: Path,
+    out: Path,
+    models: list[str],
+    methods: list[str],
+    ks: list[int],
+    samples: list[str] | None,
+    questions: int | None,
+    latency_questions: int,
+    engine: str,
+    window: int | None = None,
+    neighbours: int | None = None,
+    history: bool = False,
+    max_new_tokens: int = 32,
+    judge_url: str | None = None,
+    judge_model: str | None = None,
+    plot_path: Path | None = None,
+    show_progress: bool = True,
+    echo=print,
+) -> dict:
+    """Measure every model's points, then write ``out/summary.json`` (points and table), ``out/frontier.md``,
+    ``out/frontier.png`` (and a copy at ``plot_path``); returns the summary."""
+    methods = [str(m) for m in check_methods(methods, engine)]
+    if PROMPT not in methods or len(methods) < 2:
+        raise ValueError("--methods must name prompt and at least one kvmem method (kv, kv-tail<r>, ...)")
+    if not models:
+        raise ValueError("--models is empty")
+    if latency_questions < 1:
+        raise ValueError("--latency-questions must be >= 1")
+    enc = Encoding.of(window, neighbours, history)
+    points, scores = [], {}
+    for model in models:
+        setup = Setup.load(data, samples, model, engine, show_progress)
+        where = out / Path(model).name
+        try:
+            lat = measure_latency(setup, where / "latency", ks, enc, methods, latency_questions, echo)
+            ev = eval_locomo.run(
+                data, where / "eval", ks, [enc.window], methods, samples, questions, model, engine, max_new_tokens,
+                judge_url, judge_model, show_progress, echo, neighbours=enc.neighbours, history=enc.history,
+                setup=setup,
+            )  # fmt: skip
+            engine_name = setup.engine_name
+        finally:
+            setup.close()
+        rows = json.loads((where / "eval" / "records.json").read_text())
+        for method in methods:
+            for k in ks:
+                sel = [r for r in rows if r["mode"] == method and r["k"] == k]
+                scores[(model, method, k)] = {r["qid"]: r["f1"] for r in sel}
+                points.append(point(model, method, k, sel, lat, engine_name))
+
+    frontier = best_under_prompt(points, scores)
+    summary = {
+        "command": "eval frontier",
+        "models": models,
+        "methods": methods,
+        "k": ks,
+        "encoding": enc.describe(),
+        "samples": ev["samples"],
+        "questions": ev["questions"],
+        "latency_questions": lat["questions"],
+        "max_new_tokens": max_new_tokens,
+        "judge_model": judge_model,
+        "ttft": "median of one-at-a-time requests in a separate latency run (kvmem bench latency), per point",
+        "f1": "LoCoMo token F1 (%) of the batched eval (kvmem eval locomo), per point",
+        "machine": lat["machine"],
+        "points": points,
+        "frontier": frontier,
+    }
+    write_summary_and_records(out, summary, points)
+    png = out / "frontier.png"
+    plot(png, points, models, methods, summary)
+    if plot_path is not None:
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(png, plot_path)
+    md = markdown(points, frontier, summary)
+    (out / "frontier.md").write_text(md + "\n")
+    echo(table([[p["model"], p["method"], p["k"], p["f1"], p["judge"], p["ttft_ms"]] for p in points],
+               ["model", "method", "k", "F1", "judge", "TTFT ms"]))  # fmt: skip
+    echo(md)
+    echo(f"wrote {out}/summary.json, records.json, records.csv, frontier.md, frontier.png")
+    return summary
+
+
+def measure_latency(setup, out: Path, ks, enc: Encoding, methods, n: int, echo) -> dict:
+    """``latency.run`` on ``setup``'s engine for every method at every k, or the summary of an earlier run in
+    ``out`` that measured the same."""
+    path = out / "summary.json"
+    asked = {
+        "model": setup.lm.name,
+        "engine": setup.engine_name,
+        "samples": [c.sample_id for c in setup.convs],
+        "questions": len(select_questions(setup.convs, n)),
+        "k": ks,
+        "windows": [enc.window],
+        "neighbours": enc.neighbours,
+        "history": enc.history,
+        "max_new_tokens": LATENCY_TOKENS,
+    }
+    if path.exists():
+        s = json.loads(path.read_text())
+        if all(s.get(key) == v for key, v in asked.items()) and set(methods) <= set(s["ttft_ms"]):
+            echo(f"latency: reusing {path}")
+            return s
+    extra = [m for m in methods if m not in latency.MODES]
+    return latency.run(setup.data, out, ks, [enc.window], None, n, setup.lm.name, setup.engine, LATENCY_TOKENS,
+                       show_progress=setup.show_progress, echo=echo, methods=extra, neighbours=enc.neighbours,
+                       history=enc.history, setup=setup)  # fmt: skip
+
+
+def point(model: str, method: str, k: int, rows: list[dict], lat: dict, engine: str) -> dict:
+    """One (model, method, k): mean F1 (and judge) in % over its eval answers, median and p95 TTFT in ms."""
+    w = str(lat["window"])
+    judged = [r["judge"] for r in rows if "judge" in r]
+    return {
+        "model": model,
+        "engine": engine,
+        "method": method,
+        "k": k,
+        "n": len(rows),
+        "f1": round(100 * sum(r["f1"] for r in rows) / len(rows), 2) if rows else None,
+        "judge": round(100 * sum(judged) / len(judged), 2) if judged else None,
+        "ttft_ms": lat["by_window"][w]["median_ms"][method][str(k)]["ttft"],
+        "ttft_p95_ms": lat["by_window"][w]["p95_ms"][method][str(k)]["ttft"],
+    }
+
+
+def best_under_prompt(points: list[dict], scores: dict) -> list[dict]:
+    """For each prompt-injection point: the kvmem point of the same model with the highest F1 among those whose
+    median TTFT is no higher (the faster one on a tie), and its F1 minus prompt's, paired by question."""
+    rows = []
+    for p in (p for p in points if p["method"] == PROMPT):
+        faster = [
+            q for q in points if q["model"] == p["model"] and q["method"] != PROMPT and q["ttft_ms"] <= p["ttft_ms"]
+        ]
+        row = {"model": p["model"], "k": p["k"], "prompt_f1": p["f1"], "prompt_ttft_ms": p["ttft_ms"], "method": None,
+               "method_k": None, "f1": None, "ttft_ms": None, "delta_f1": None, "ci95": None, "n": 0}  # fmt: skip
+        if faster:
+            best = max(faster, key=lambda q: (q["f1"], -q["ttft_ms"]))
+            ref, got = scores[(p["model"], PROMPT, p["k"])], scores[(best["model"], best["method"], best["k"])]
+            pairs = [q for q in ref if q in got]
+            delta, ci = paired_bootstrap(100 * (got[q] - ref[q]) for q in pairs)
+            row.update(method=best["method"], method_k=best["k"], f1=best["f1"], ttft_ms=best["ttft_ms"],
+                       delta_f1=delta, ci95=ci, n=len(pairs))  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def markdown(points: list[dict], frontier: list[dict], summary: dict) -> str:
+    """The frontier table (and the points) as markdown."""
+    head = ["model", "prompt k", "prompt F1", "prompt TTFT (ms)", "best kvmem point, TTFT no higher", "its F1",
+            "its TTFT (ms)", "F1 difference (95% CI)", "questions"]  # fmt: skip
+    rows = [
+        [r["model"], r["k"], r["prompt_f1"], f"{r['prompt_ttft_ms']:.0f}"]
+        + (
+            [
+                f"{r['method']} k={r['method_k']}",
+                r["f1"],
+                f"{r['ttft_ms']:.0f}",
+                f"{r['delta_f1']:+.2f} ({_ci(r['ci95'])})",
+                r["n"],
+            ]  # fmt: skip
+            if r["method"]
+            else ["none", None, None, None, None]
+        )
+        for r in frontier
+    ]
+    judge = any(p["judge"] is not None for p in points)
+    phead = ["model", "method", "k", "F1"] + (["judge"] if judge else []) + ["TTFT p50 (ms)", "TTFT p95 (ms)"]
+    prows = [[p["model"], p["method"], p["k"], p["f1"]] + ([p["judge"]] if judge else [])
+             + [f"{p['ttft_ms']:.0f}", f"{p['ttft_p95_ms']:.0f}"] for p in points]  # fmt: skip
+    note = (f"{summary['questions']} questions per point (F1); TTFT from {summary['latency_questions']} "
+            f"questions, one request at a time; {summary['encoding']}.")  # fmt: skip
+    return "\n\n".join([markdown_table(rows, head), markdown_table(prows, phead), note])
+
+
+def _ci(ci) -> str:
+    return "n/a" if ci is None else f"{ci[0]:+.2f} to {ci[1]:+.2f}"
+
+
+def plot(path: Path, points: list[dict], models: list[str], methods: list[str], summary: dict) -> None:
+    """F1 against median TTFT (log x), one curve per model and method through its k values (labelled)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    palette = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:pink", "tab:olive"]
+    colors = {PROMPT: "tab:red"} | {
+        m: palette[i % len(palette)] for i, m in enumerate(x for x in methods if x != PROMPT)
+    }
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+    for mi, model in enumerate(models):
+        for method in methods:
+            pts = sorted((p for p in points if p["model"] == model and p["method"] == method), key=lambda p: p["k"])
+            xs, ys = [p["ttft_ms"] for p in pts], [p["f1"] for p in pts]
+            ax.plot(xs, ys, styles[mi % 4], marker=markers[mi % 4], color=colors[method], label=f"{model} {method}")
+            for p in pts:
+                ax.annotate(f"k={p['k']}", (p["ttft_ms"], p["f1"]), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel(f"median TTFT (ms, log scale; {summary['latency_questions']} questions, one at a time)")
+    ax.set_ylabel(f"LoCoMo token F1 (%, {summary['questions']} questions)")
+    ax.set_title(f"Accuracy vs latency: prompt injection, KV injection, tail recompute ({summary['encoding']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
