@@ -156,11 +156,11 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
 
 @pytest.mark.slow
 def test_kill_dash_9_during_writes(store, backend):
-    """Kill a writer at random points, 20 times (8 on the object backend: the commit protocol is the same). After
+    """Kill a writer at random points, 12 times (8 on the other backends: the commit protocol is the same). After
     each kill the store opens, the user is at the last committed generation or the one in flight, its KV passes
     the checksum, and fsck leaves only live files."""
     rng = random.Random(0)
-    root, committed, kills = str(store.root), 1, 20 if backend == "local" else 8
+    root, committed, kills = str(store.root), 1, 12 if backend == "local" else 8
     for _ in range(kills):
         p = subprocess.Popen(
             WORKER + ["write", root, "u", str(committed + 1), "50", "--big"], stdout=subprocess.PIPE, text=True

@@ -76,7 +76,8 @@ def run(
                     }
                 )
                 records.append({"op": "add_scoped", "ms": round(scoped_ms, 3)})
-        # a user with `facts` memories: filler rows in batches, then real ones to search and delete
+        # a user with `facts` memories: filler rows in batches, then real ones to search and delete. The fillers'
+        # KV is computed behind nothing (provenance known and empty), so a delete re-encodes only real neighbours
         g = torch.Generator().manual_seed(0)
         cfg = lm.config
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 1, head_dim(cfg))
@@ -86,7 +87,7 @@ def run(
                 n = min(1000, facts - start)
                 recs = [
                     FactRecord(f"filler-{start + j}", user, f"filler memory {start + j}", "", "", "", (0,),
-                               metadata='{"kind": "%s"}' % ("even" if j % 2 == 0 else "odd"))
+                               metadata='{"kind": "%s"}' % ("even" if j % 2 == 0 else "odd"), context_turns=())
                     for j in range(n)
                 ]  # fmt: skip
                 vecs = torch.nn.functional.normalize(torch.randn(n, emb.dim, generator=g), dim=1)
