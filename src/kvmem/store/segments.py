@@ -751,8 +751,11 @@ class ObjectSegments(SegmentStore):
     def _failed(self, what: str, exc: Exception, unreachable: bool = True) -> OSError:
         if isinstance(exc, OSError):
             return exc
-        if unreachable:
+        try:  # an unreachable store is marked as such either way: the calls after this one fail at once
             _raise_if_unreachable(self.store, exc, self._mark_down)
+        except StoreUnavailable:
+            if unreachable:
+                raise
         return OSError(f"segments at {self.url.split('?', 1)[0]}: cannot {what} ({' '.join(str(exc).split())[:300]})")
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
