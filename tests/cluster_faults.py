@@ -11,7 +11,9 @@ injected), lists of its memories, adds, updates and deletes of its own facts (at
 request is one event in EVENTS (JSON lines): the user, the operation, the memory id and text it wrote, the send and
 answer times, the outcome (``ack``: a 2xx; ``failed``: an error status or a refused connection, nothing written;
 ``unknown``: no answer, the write may or may not have happened) and what a read saw (the ids and texts of a list,
-the ``kvmem.fact_ids`` a chat injected). When STOPFILE appears each user lists its memories until that succeeds.
+the ``kvmem.fact_ids`` a chat injected); a 500, a 504 and a 503 ``replica_lost`` (the ingress's word for a
+write whose replica died while running it) are ``unknown`` too. When STOPFILE appears each user lists its
+memories until that succeeds.
 
 The checker (``check``) replays each user's history (one thread per user: its requests are sequential) and
 reports: acknowledged writes lost (the last list lacks an acked fact or its acked text, or shows an acked delete);
@@ -37,7 +39,16 @@ from pathlib import Path
 
 CLIENT_TIMEOUT_S = 30.0  # a request with no answer by then "hung" (a fail-fast server answers 503 well before)
 MAX_FACTS = 10
+# answers that promise nothing about a write: a gateway timeout, an internal error, and the ingress's 503
+# replica_lost ("the write may or may not have landed": its replica died while running it)
+UNKNOWN = {504, 500, "replica_lost"}
 MODEL = "smollm2-135m-instruct"
+
+
+def outcome_of(status: int, code: str | None) -> str:
+    """A write's outcome from an error answer (``status`` >= 300, the body's ``error.code``): ``unknown`` for what
+    promises nothing (``UNKNOWN``), else ``failed`` (nothing written)."""
+    return "unknown" if status in UNKNOWN or code in UNKNOWN else "failed"
 
 
 # --- the load (runs inside the head namespace) ----------------------------------------------------------
@@ -68,8 +79,8 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
                     ev["outcome"] = "ack"
                     ev["body"] = body
                 else:
-                    ev["outcome"] = "failed" if r.status_code != 504 else "unknown"
                     ev["code"] = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+                    ev["outcome"] = outcome_of(r.status_code, ev["code"])
             except httpx.TimeoutException:
                 ev.update(t1=time.time(), status=None, outcome="unknown", hung=True)
             except httpx.TransportError as exc:

@@ -48,6 +48,25 @@ def test_the_history_checker_finds_what_it_reports():
     assert t["cross_user_injections"] == 1 and t["acked_writes_lost"] == 1 and t["hung"] == 1
 
 
+def test_answers_that_promise_nothing_about_a_write_are_unknown():
+    """A write the ingress reports as ``replica_lost`` (its replica died while running it) may have landed, as may
+    one answered 500 or 504: the checker must not take it for a write that did not happen (a delete that landed
+    would count as an acknowledged fact lost). A 503 ``store_unavailable``, a 404 or a 409 wrote nothing."""
+    from cluster_faults import check, outcome_of
+
+    assert [outcome_of(503, "replica_lost"), outcome_of(500, "internal_error"), outcome_of(504, None)] == [
+        "unknown"
+    ] * 3
+    assert {outcome_of(503, "store_unavailable"), outcome_of(404, "memory_not_found"), outcome_of(409, None)} == {
+        "failed"
+    }
+    evs = [
+        _ev("a", "add", 1, id="a1", text="x"), _ev("a", "delete", 2, outcome_of(503, "replica_lost"), id="a1"),
+        _ev("a", "final", 9, seen={}),
+    ]  # fmt: skip
+    assert check(evs, [])["totals"]["acked_writes_lost"] == 0
+
+
 @pytest.mark.cluster
 @pytest.mark.ray
 @pytest.mark.slow

@@ -18,6 +18,7 @@ on its cache (``encode.encode_chain``). A run covers at most ``MAX_HISTORY_TOKEN
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from .store import (
     check_kv_format,
     check_segments_url,
 )
+
+logger = logging.getLogger("kvmem.ingest")
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
@@ -408,15 +411,28 @@ def erase_facts(lm, store: Store, user: str, delete, turns: list[int] = (), defe
     once; else leave re-encoding to a background job (``reencode_stale``) that must run within ``defer_s``
     seconds (the erased facts' own KV is rewritten away now either way).
 
+    The erasure is one commit; the cascade after it is best effort: when it fails (an object store that cannot be
+    reached, where the new KV would go) the erasure still stands and is reported (a client told otherwise would
+    take the memory for one that is still there), its facts are never served again, and what is left (stale
+    facts, segments still holding erased KV) is recorded for the upkeep (``Store.defer_compaction``;
+    ``Memory.reencode_pending``), counted in ``deferred``.
+
     Returns ``{"version", "erased": n facts, "turns": n turns, "reencoded": n, "deferred": n}``."""
     got = store.erase(user, delete, turns, defer_s=defer_s or 0.0)
     segments, n = set(got["segments"]), 0
-    if got["stale"] and defer_s is None:
-        n, old = reencode_stale(lm(), store, user)  # and any a concurrent write left behind erased text
-        segments |= set(old)
     version = got["version"]
-    if segments:
-        version = store.compact(user, sorted(segments))
+    try:
+        if got["stale"] and defer_s is None:
+            n, old = reencode_stale(lm(), store, user)  # and any a concurrent write left behind erased text
+            segments |= set(old)
+        if segments:
+            version = store.compact(user, sorted(segments))
+    except Exception as exc:  # the erasure landed: the rest is the upkeep's
+        logger.warning("erasure of %r landed; its re-encoding and rewrite are left to the upkeep (%s)", user, exc)
+        try:
+            store.defer_compaction(user)
+        except Exception as again:  # the database too: the next erasure of the user, or fsck, finds it
+            logger.warning("erasure of %r: cannot record its deferred rewrite (%s)", user, again)
     return {
         "version": version,
         "erased": len(got["erased"]),

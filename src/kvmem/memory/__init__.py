@@ -707,16 +707,21 @@ class Memory:
 
     def reencode_pending(self, due_within_s: float | None = None) -> dict:
         """The background half of a deferred erasure: re-encode every scope's stale facts (those due within
-        ``due_within_s`` seconds; None: all) and rewrite the segments that held their old KV. Returns
-        ``{"reencoded": n, "scopes": n}``."""
+        ``due_within_s`` seconds; None: all) and rewrite the segments that held their old KV; and finish the
+        erasures whose cascade failed after they landed (``Store.compactions``: every segment of the scope still
+        holding dead KV is rewritten). Returns ``{"reencoded": n, "scopes": n}``."""
         horizon = None if due_within_s is None else time.time() + due_within_s
-        users = sorted({u for u, _, _, by in self.store.stale() if horizon is None or by <= horizon})
+        deferred = set(self.store.compactions())
+        users = sorted({u for u, _, _, by in self.store.stale() if horizon is None or by <= horizon} | deferred)
         n = 0
         for user in users:
             got, old = reencode_stale(self.lm, self.store, user)
             n += got
-            if old:
-                self.store.compact(user, old)
+            rewrite = set(old) | (set(self.store.dead_segments(user)) if user in deferred else set())
+            if rewrite:
+                self.store.compact(user, sorted(rewrite))
+            if user in deferred:
+                self.store.compacted(user)
         return {"reencoded": n, "scopes": len(users)}
 
     def expire(self, today: str | None = None) -> dict:

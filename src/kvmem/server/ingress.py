@@ -3,7 +3,10 @@ derives its route key (``route_key``, the one rule of which replica a request pr
 replica's ASGI response back (``replicas``).
 
 Reads and chats whose replica died before answering are retried on another replica; a write whose replica died
-answers 503 ``replica_lost`` (it may or may not have landed). Ray's queue bound per caller
+answers 503 ``replica_lost`` (it may or may not have landed). A replica that answers 503 ``store_unavailable``
+(it cannot reach the store, or the part of it one machine is cut off from) ranks last for every user
+(``replicas.UNREADY``) until its ``/ready`` answers 200 again, probed every second; the read or chat it
+answered is tried once more on a replica that can serve it. Ray's queue bound per caller
 (``max_queued_requests``) answers 429 instead of queueing without limit. A read or chat whose client goes away
 is cancelled on its replica; a write runs to its end. ``/metrics``: the ingress's own counters (routing,
 affinity, retries) and every live replica's metrics with a ``replica`` label.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
@@ -24,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ..scopes import Scope, ScopeError, parse_key
-from .replicas import LIVE, ROUTED, Replicas
+from .replicas import LIVE, ROUTED, UNREADY, Replicas
 from .routes import body_limit_error
 from .runtime import store_bytes_gauge
 from .schemas import APIError
@@ -34,6 +38,8 @@ logger = logging.getLogger("kvmem.server")
 
 PIN_HEADER = "x-kvmem-replica"  # request: try this replica first (tests, debugging); response: who answered
 RETRIES = 2  # another replica, for a read or chat whose replica died before answering
+UNREADY_S = 3.0  # a replica that answered 503 store_unavailable ranks last this long, renewed while /ready is 503
+UNREADY_PROBE_S = 1.0  # how often such a replica's /ready is asked
 IDEMPOTENT = {
     ("POST", p) for p in ("/v1/chat/completions", "/v1/memories/search", "/v3/memories/search", "/v3/memories")
 }
@@ -104,15 +110,55 @@ def create_ingress(cluster: Replicas) -> FastAPI:
     Gauge("kvmem_replicas_live", "Replicas the router routes among", registry=registry).set_function(lambda: len(LIVE))
     store_bytes_gauge(registry, cluster.store_size)  # once here for the shared store (the replicas skip it)
 
+    watching: list[asyncio.Task] = []
+
+    def mark_unready(rid: str) -> None:
+        UNREADY[rid] = time.monotonic() + UNREADY_S
+        if not watching or watching[0].done():
+            watching[:] = [asyncio.ensure_future(watch_unready())]
+
+    async def watch_unready() -> None:
+        """While a replica is marked: ask its ``/ready`` every ``UNREADY_PROBE_S``; 200 clears the mark, 503
+        renews it; a replica gone from the live set, or one not answering, keeps it until it expires."""
+        while UNREADY:
+            await asyncio.sleep(UNREADY_PROBE_S)
+            for rid in list(UNREADY):
+                if rid not in LIVE or UNREADY.get(rid, 0) < time.monotonic() - 60:
+                    UNREADY.pop(rid, None)
+                    continue
+                req = {"method": "GET", "path": "/ready", "raw_path": b"/ready", "query_string": b"", "headers": [],
+                       "body": b""}  # fmt: skip
+                try:
+                    first, gen = await asyncio.wait_for(forward(req, None, rid, retry=False), 5)
+                    [c async for c in gen]
+                except (APIError, TimeoutError):
+                    continue
+                if (PIN_HEADER.encode(), rid.encode()) in first["headers"] and first["status"] == 200:
+                    UNREADY.pop(rid, None)
+
     async def forward(req: dict, key: str | None, pin: str | None, retry: bool):
         """The replica's first message and its stream. ``retry`` (reads and chats): a replica that died before
         answering is replaced by another, and no answer in ``--timeout`` (+10 s) is a 503. A write is never
-        retried nor timed out here (it may be running: the replica's own limits apply). Raises APIError."""
+        retried nor timed out here (it may be running: the replica's own limits apply). A 503
+        ``store_unavailable`` marks its replica (``mark_unready``); a read or chat is then tried once more, on
+        another replica, where one is not marked. Raises APIError."""
+        rerouted = False
         for attempt in range(RETRIES + 1):
             gen = cluster.handle.remote(req, route_key=key, pin=pin)
             try:
                 first = await asyncio.wait_for(gen.__anext__(), limits.request_timeout_s + 10 if retry else None)
-                return first, gen
+                if first["status"] != 503:
+                    return first, gen
+                body = await _drained(gen)  # an error's small JSON body
+                rid = dict(first["headers"]).get(PIN_HEADER.encode(), b"").decode()
+                if rid and _code(body) == "store_unavailable":
+                    mark_unready(rid)
+                    others = [r for r in LIVE if r != rid and UNREADY.get(r, 0) <= time.monotonic()]
+                    if retry and not rerouted and others:
+                        rerouted, pin = True, None
+                        requests.labels("rerouted").inc()
+                        continue
+                return first, _Replay(body)
             except asyncio.CancelledError:  # the client went away: the replica's work stops too
                 gen.cancel()
                 raise
@@ -222,6 +268,38 @@ def create_ingress(cluster: Replicas) -> FastAPI:
                      registry=registry)  # fmt: skip
     app.add_middleware(SendTimeout, timeout_s=lambda: limits.send_timeout_s, on_stall=stalls.inc)
     return app
+
+
+async def _drained(gen) -> bytes:
+    """The rest of a replica's answer (an error body), or b"" when its replica died meanwhile."""
+    try:
+        return b"".join([c async for c in gen])
+    except (RayActorError, RayTaskError):
+        return b""
+    finally:
+        gen.cancel()
+
+
+def _code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI-shaped error body, or None."""
+    try:
+        return (json.loads(body).get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return None
+
+
+class _Replay:
+    """A replica's answer already read (``forward``), streamed again as its generator would."""
+
+    def __init__(self, body: bytes):
+        self.body = body
+
+    async def __aiter__(self):
+        if self.body:
+            yield self.body
+
+    def cancel(self) -> None:
+        pass
 
 
 def _merged(texts: dict[str, str]) -> bytes:

@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import time
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,9 @@ APP_NAME = "kvmem"
 ROUTED = Tally()  # preferred | fallback | pinned
 LIVE: list[str] = []  # the replica ids the router last routed among
 PREFERRED: dict[str, str] = {}  # request id -> its user's preferred replica, until routed
+# replica id -> until when (time.monotonic()) it ranks last: it answered 503 store_unavailable (it cannot reach
+# the store, or part of it, as from one machine cut off from the object store); the ingress sets and clears it
+UNREADY: dict[str, float] = {}
 
 
 def _shared():
@@ -68,9 +72,11 @@ class UserAffinityRouter(RequestRouter):
     """Rendezvous (highest-random-weight) hashing of the request's ``route_key`` over the live replicas.
 
     ``choose_replicas`` ranks every candidate: the pinned replica (``pin``) if any, then the user's preferred
-    replica, then the rest in the user's hash order. Ray tries the ranks in order and skips a replica whose queue
-    is full, which is the load fallback. A request without a key ranks by its request id (spread evenly). No FIFO
-    mixin: a replica chosen for a request goes to that request (FIFO hands it to the oldest pending one)."""
+    replica, then the rest in the user's hash order; a replica that recently answered 503 ``store_unavailable``
+    (``UNREADY``, kept by the ingress until its ``/ready`` answers 200) ranks after every other one. Ray tries the
+    ranks in order and skips a replica whose queue is full, which is the load fallback. A request without a key
+    ranks by its request id (spread evenly). No FIFO mixin: a replica chosen for a request goes to that request
+    (FIFO hands it to the oldest pending one)."""
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         shared = _shared()
@@ -82,6 +88,10 @@ class UserAffinityRouter(RequestRouter):
             if len(shared.PREFERRED) > 10_000:  # requests never routed (cancelled) leave their entry
                 shared.PREFERRED.clear()
             shared.PREFERRED[pending_request.metadata.internal_request_id] = ranked[0].replica_id.unique_id
+        now = time.monotonic()
+        down = {rid for rid, until in list(shared.UNREADY.items()) if until > now}
+        if down and any(r.replica_id.unique_id not in down for r in ranked):  # one that can serve goes first
+            ranked.sort(key=lambda r: r.replica_id.unique_id in down)  # stable: hash order within each part
         pin = kw.get("pin")
         if pin:
             ranked.sort(key=lambda r: r.replica_id.unique_id != pin)  # stable: the rest keep their hash order

@@ -322,10 +322,12 @@ class Store:
             return self.rows.replaced()
 
     def available(self) -> bool:
-        """Whether the store's rows answer now: always for a local store; for PostgreSQL False at once while the
-        database is known to be unreachable, else one probe on a connection of its own (``rows.PostgresRows``),
-        bounded by a few seconds. Takes no lock, so it never waits behind a read or a write."""
-        return self.rows.available()
+        """Whether the store answers now, its rows and its segments: always for a local directory; for PostgreSQL
+        False at once while the database is known to be unreachable, else one probe on a connection of its own
+        (``rows.PostgresRows``); for segments in a remote object store the same, by one HEAD without retries
+        (``segments.ObjectSegments``). Each probe is bounded by a few seconds and made at most once a second (a
+        caller meanwhile gets the last answer). Takes no lock, so it never waits behind a read or a write."""
+        return self.rows.available() and self.segments.available()
 
     # --- reads ----------------------------------------------------------------------------------------
 
@@ -571,6 +573,22 @@ class Store:
     def reencode(self, user: str, facts: list[FactRecord], keys, values, embeddings, now=None) -> str | None:
         """``Writer.reencode``: replace live facts' KV (versioned; None when any changed meanwhile)."""
         return self.writes.reencode(user, facts, keys, values, embeddings, now)
+
+    def defer_compaction(self, user: str) -> None:
+        """``Writer.defer_compaction``: ``user``'s dead KV awaits a rewrite by the upkeep."""
+        self.writes.defer_compaction(user)
+
+    def compactions(self) -> list[str]:
+        """``Writer.compactions``: users whose dead KV awaits a rewrite."""
+        return self.writes.compactions()
+
+    def dead_segments(self, user: str) -> list[str]:
+        """``Writer.dead_segments``: ``user``'s segments holding rows of dead facts."""
+        return self.writes.dead_segments(user)
+
+    def compacted(self, user: str) -> None:
+        """``Writer.compacted``: ``user``'s deferred rewrite is done."""
+        self.writes.compacted(user)
 
     def reset(self) -> None:
         """``Writer.reset``: delete every user's facts, turns and history."""

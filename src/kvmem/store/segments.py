@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -48,6 +49,11 @@ WHOLE_READ_BYTES = 1 << 20  # a tensor at most this large is read in one pread, 
 # 3 minutes of retries. The timeout covers a whole request: a segment of 100 MB needs 10 MB/s.
 OBJECT_CLIENT = {"connect_timeout": "2s", "timeout": "10s"}
 OBJECT_RETRY_S, OBJECT_RETRIES = 5, 2
+# Readiness of a remote object store (``ObjectSegments.available``): one HEAD of a name that is never written, on
+# a client without retries, at most once per PROBE_EVERY_S; no answer within PROBE_TIMEOUT_S: unavailable. A store
+# found unreachable (by a probe or by any call) fails every call at once until a background probe gets an answer.
+PROBE_TIMEOUT_S, PROBE_EVERY_S = 2.0, 1.0
+PROBE_NAME = ".kvmem-probe"
 _ALLOW_HTTP = ("AWS_ALLOW_HTTP", "AZURE_ALLOW_HTTP", "GOOGLE_ALLOW_HTTP")  # as obstore reads them
 
 
@@ -201,16 +207,17 @@ class ObjectHandle(SegmentHandle):
     """A segment object in an object store (obstore: ``file://``, ``s3://``, ``gs://``, ``az://``): byte ranges by
     range request; identity is the object's size and ETag."""
 
-    def __init__(self, store, path: str):
+    def __init__(self, store, path: str, unreachable=None):
         import obstore
 
         self._obs, self.store, self.path = obstore, store, path
+        self._unreachable = unreachable  # called before StoreUnavailable is raised (``ObjectSegments``: mark down)
         try:
             meta = obstore.head(store, path)
         except FileNotFoundError:
             raise
         except Exception as exc:  # obstore's NotFoundError subclasses FileNotFoundError; others: unreadable
-            _raise_if_unreachable(store, exc)
+            _raise_if_unreachable(store, exc, unreachable)
             raise OSError(f"{path}: {exc}") from None
         self._size, self._etag = int(meta["size"]), meta.get("e_tag")
 
@@ -228,20 +235,23 @@ class ObjectHandle(SegmentHandle):
         try:
             data = self._obs.get_range(self.store, self.path, start=offset, length=len(view))
         except Exception as exc:
-            _raise_if_unreachable(self.store, exc)
+            _raise_if_unreachable(self.store, exc, self._unreachable)
             raise SegmentCorrupt(f"cannot be read ({exc})") from None
         if len(data) != len(view):
             raise SegmentCorrupt("is truncated (it shrank while being read)")
         view[:] = memoryview(data)
 
 
-def _raise_if_unreachable(store, exc: Exception) -> None:
+def _raise_if_unreachable(store, exc: Exception, unreachable=None) -> None:
     """StoreUnavailable when ``exc`` is obstore's error for a remote store that did not answer (a refused or
-    timed-out connection, a 5xx after the retries): a read or write to try again later, not a corrupt segment."""
+    timed-out connection, a 5xx after the retries): a read or write to try again later, not a corrupt segment.
+    ``unreachable``: called first (``ObjectSegments`` marks itself unavailable)."""
     from obstore.exceptions import GenericError
     from obstore.store import LocalStore
 
     if isinstance(exc, GenericError) and not isinstance(store, LocalStore):
+        if unreachable is not None:
+            unreachable()
         raise StoreUnavailable(f"the object store cannot be reached ({' '.join(str(exc).split())[:200]})") from None
 
 
@@ -428,6 +438,10 @@ class SegmentStore(ABC):
         """Drop every copy of segment ``name`` held below the store's reader (a local file's pages in the page
         cache, a disk cache's copy), so the next read goes to the store itself (load tests). Never raises."""
 
+    def available(self) -> bool:
+        """Whether the segments can be reached now (default: always; a remote object store probes)."""
+        return True
+
 
 class CachedSegments(SegmentStore):
     """``inner``'s segments with a byte-bounded local disk cache in front (``tiers.DiskTier``, least recently used
@@ -518,6 +532,9 @@ class CachedSegments(SegmentStore):
         except Exception:
             pass
 
+    def available(self) -> bool:
+        return self.inner.available()
+
 
 class LocalSegments(SegmentStore):
     """Segments as files in one directory (a store's ``users/``): written, chmod-ed to the umask's mode, fsynced with
@@ -606,6 +623,87 @@ def open_segments(root, url: str | None, store_id: str = "", cache_dir=None, cac
     return CachedSegments(objects, cache_dir, cache_dir_bytes, key_prefix=f"{store_id}/")
 
 
+class Reach:
+    """Whether one remote object store answers, for every ``ObjectSegments`` of its URL in this process (a
+    replica's chat path and write path hold a store each): found unreachable once (by a probe, or by any call that
+    got no answer), every call fails at once (``check_up``: StoreUnavailable) until a background probe, every
+    ``PROBE_EVERY_S``, gets an answer. A probe is one HEAD of ``PROBE_NAME`` (never written: "not found" is an
+    answer) on a client without retries, bounded by ``PROBE_TIMEOUT_S``."""
+
+    def __init__(self, obs, probe_store):
+        self._obs, self._store = obs, probe_store
+        self.down_since: float | None = None  # when it was found unreachable (None: reachable)
+        self._down_lock, self._probe_lock = threading.Lock(), threading.Lock()
+        self._prober: threading.Thread | None = None
+        self._probed = (0.0, True)  # (when, answered) of the last readiness probe
+
+    def mark_down(self) -> None:
+        with self._down_lock:
+            if self.down_since is None:
+                self.down_since = time.monotonic()
+            if self._prober is not None and self._prober.is_alive():
+                return
+            self._prober = threading.Thread(target=self._probe_until_up, name="kvmem-s3-probe", daemon=True)
+            self._prober.start()
+
+    def check_up(self) -> None:
+        since = self.down_since
+        if since is not None:
+            raise StoreUnavailable(f"the object store has not answered for {time.monotonic() - since:.0f} s")
+
+    def probe(self, wait: bool = True) -> bool | None:
+        """One bounded HEAD; None, without waiting, when ``wait`` is False and another probe is under way."""
+        if not self._probe_lock.acquire(blocking=wait):
+            return None
+        try:
+            self._obs.head(self._store, PROBE_NAME)
+            return True
+        except FileNotFoundError:
+            return True
+        except Exception:  # refused, timed out, a 5xx, refused credentials: not usable now
+            return False
+        finally:
+            self._probe_lock.release()
+
+    def _probe_until_up(self) -> None:
+        while True:
+            if self.probe():
+                with self._down_lock:
+                    self.down_since = None
+                self._probed = (time.monotonic(), True)
+                return
+            time.sleep(PROBE_EVERY_S)
+
+    def available(self) -> bool:
+        """False at once while marked unreachable; else the last probe's answer, probed again when it is older
+        than ``PROBE_EVERY_S`` (one at a time: a caller meanwhile gets the last answer and never waits); a probe
+        without an answer marks it unreachable."""
+        if self.down_since is not None:
+            return False
+        at, ok = self._probed
+        if time.monotonic() - at >= PROBE_EVERY_S:
+            got = self.probe(wait=False)
+            if got is not None:
+                ok = got
+                self._probed = (time.monotonic(), ok)
+                if not ok:
+                    self.mark_down()
+        return ok and self.down_since is None
+
+
+_REACH: dict[str, Reach] = {}
+_REACH_LOCK = threading.Lock()
+
+
+def _reach_of(url: str, probe_store) -> Reach:
+    import obstore
+
+    with _REACH_LOCK:
+        if url not in _REACH:
+            _REACH[url] = Reach(obstore, probe_store)
+        return _REACH[url]
+
+
 class ObjectSegments(SegmentStore):
     """Segments as objects under ``url`` (``file:///mnt/shared/kv``, ``s3://bucket/prefix``, ...), through obstore.
     Credentials come from the environment, as obstore reads them; the URL is never logged with them."""
@@ -615,7 +713,7 @@ class ObjectSegments(SegmentStore):
         import obstore
         from obstore.store import from_url
 
-        self.url, self._obs = url, obstore
+        self.url, self._obs, self._probe_store = url, obstore, None
         try:
             if url.startswith("file://"):
                 self.store = from_url(url, mkdir=True)
@@ -627,19 +725,43 @@ class ObjectSegments(SegmentStore):
                 if any(os.environ.get(k, "").lower() in ("1", "true") for k in _ALLOW_HTTP):
                     client["allow_http"] = True
                 self.store = from_url(url, client_options=client, retry_config=retry)
+                probe = {**client, "connect_timeout": "1s", "timeout": f"{PROBE_TIMEOUT_S:g}s"}
+                self._probe_store = from_url(url, client_options=probe, retry_config={"max_retries": 0})
         except Exception as exc:
             raise ValueError(f"segments URL {url.split('?', 1)[0]!r} cannot be used ({exc})") from None
+        self._reach = _reach_of(url, self._probe_store) if self._probe_store is not None else None
+
+    # --- availability (``Reach``, shared by every ``ObjectSegments`` of this URL in the process) -------------
+
+    def _mark_down(self) -> None:
+        if self._reach is not None:
+            self._reach.mark_down()
+
+    def _check_up(self) -> None:
+        if self._reach is not None:
+            self._reach.check_up()
+
+    def _down(self) -> bool:
+        return self._reach is not None and self._reach.down_since is not None
+
+    def available(self) -> bool:
+        """Whether the object store answers: always for ``file://``; for a remote one ``Reach.available``."""
+        return self._reach is None or self._reach.available()
 
     def _failed(self, what: str, exc: Exception, unreachable: bool = True) -> OSError:
         if isinstance(exc, OSError):
             return exc
-        if unreachable:
-            _raise_if_unreachable(self.store, exc)
+        try:  # an unreachable store is marked as such either way: the calls after this one fail at once
+            _raise_if_unreachable(self.store, exc, self._mark_down)
+        except StoreUnavailable:
+            if unreachable:
+                raise
         return OSError(f"segments at {self.url.split('?', 1)[0]}: cannot {what} ({' '.join(str(exc).split())[:300]})")
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
         from safetensors.torch import save
 
+        self._check_up()  # known unreachable: fail now, nothing written
         data = save(tensors, metadata=metadata)
         try:
             self._obs.put(self.store, name, data)  # an object store's put is durable when it returns
@@ -652,9 +774,12 @@ class ObjectSegments(SegmentStore):
         return hashlib.sha256(data).hexdigest()
 
     def open(self, name: str) -> SegmentHandle:
-        return ObjectHandle(self.store, name)
+        self._check_up()
+        return ObjectHandle(self.store, name, self._mark_down)
 
     def delete(self, name: str) -> None:
+        if self._down():  # best effort after a commit (gc): an OSError, logged there
+            raise OSError(f"segments at {self.url.split('?', 1)[0]}: cannot delete {name} (unreachable)")
         try:
             self._obs.delete(self.store, name)
         except FileNotFoundError:
@@ -663,6 +788,7 @@ class ObjectSegments(SegmentStore):
             raise self._failed(f"delete {name}", exc, unreachable=False) from None
 
     def _objects(self):
+        self._check_up()
         try:
             return [m for batch in self._obs.list(self.store) for m in batch]
         except Exception as exc:

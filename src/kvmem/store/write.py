@@ -62,6 +62,22 @@ class Writer:
         with self.rows.locked(user, self.write_timeout_s), self._lock:
             yield
 
+    def landed(self, user: str, scrub: bool = False) -> None:
+        """After a commit of ``user`` landed, under its writer lock: ``scrub`` (an erasure's) and ``gc``, each best
+        effort (a failure is logged and leaves work for the next write of the user or ``fsck``: it never turns the
+        commit that landed into an error, which a client would take for a write that did not happen), then the
+        snapshots the commit made stale are dropped."""
+        try:
+            if scrub:
+                self.rows.scrub()
+            self.gc(user)
+        except Exception as exc:
+            logger.warning(
+                "store %s: the clean-up after a commit of %r failed; the commit stands (%s)", self.name, user, exc
+            )
+        finally:
+            self.reads.forget(user)
+
     def gc(self, user: str | None = None) -> tuple[list[str], list[str]]:
         """Under ``writer()``: retire segments no live fact uses (of ``user``, after its commit: a few indexed
         queries) and remove the files of those retired more than ``retire_after_s`` ago, so a reader still
@@ -237,8 +253,7 @@ class Writer:
                     if name is not None and not self.segment_committed(user, segment):
                         self.segments.delete(name)
                     raise
-                self.gc(user)
-                self.reads.forget(user)
+                self.landed(user)
         return version
 
     def segment_committed(self, user: str, segment: str) -> bool:
@@ -442,8 +457,7 @@ class Writer:
                     'UPDATE users SET version=?, compacted=?, updated=? WHERE "user"=?',
                     (version, version, time.time(), user),
                 )
-            self.gc(user)
-            self.reads.forget(user)
+            self.landed(user)
         return str(version)
 
     def add_text_index(self) -> bool:
@@ -533,9 +547,7 @@ class Writer:
                     [(by, user, fid, by) for fid in stale],
                 )
                 db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
-            db.scrub()
-            self.gc(user)
-            self.reads.forget(user)
+            self.landed(user, scrub=True)
         return {
             "version": str(version),
             "erased": gone,
@@ -603,9 +615,34 @@ class Writer:
                 if not self.segment_committed(user, segment):
                     self.segments.delete(name)
                 raise
-            self.gc(user)
-            self.reads.forget(user)
+            self.landed(user)
         return str(version)
+
+    def defer_compaction(self, user: str) -> None:
+        """Record that ``user``'s segments holding dead KV (erased, or replaced by a re-encoding) await their
+        rewrite: an erasure whose cascade failed after its commit landed (an unreachable object store). The
+        upkeep finds it (``compactions``) and rewrites them (``dead_segments``, ``compact``, ``compacted``)."""
+        with self._lock, self.rows.transaction():
+            set_meta(self.rows, [(f"compact:{user}", time.time())])
+
+    def compactions(self) -> list[str]:
+        """The users whose dead KV awaits a rewrite (``defer_compaction``)."""
+        with self._lock:
+            return sorted(k.removeprefix("compact:") for (k,) in self.rows.execute(
+                "SELECT key FROM meta WHERE key LIKE 'compact:%'"))  # fmt: skip
+
+    def dead_segments(self, user: str) -> list[str]:
+        """``user``'s segments (still named by a segment row) that hold rows of dead facts: what ``compact(user,
+        segments)`` rewrites without them."""
+        with self._lock:
+            return sorted(r[0] for r in self.rows.execute(
+                'SELECT DISTINCT f.segment FROM facts f WHERE f."user"=? AND f.deleted IS NOT NULL AND EXISTS '
+                '(SELECT 1 FROM segments s WHERE s."user"=f."user" AND s.segment=f.segment)', (user,)))  # fmt: skip
+
+    def compacted(self, user: str) -> None:
+        """``user``'s deferred rewrite is done (``defer_compaction``)."""
+        with self._lock, self.rows.transaction():
+            self.rows.execute("DELETE FROM meta WHERE key=?", (f"compact:{user}",))
 
     def reset(self) -> None:
         """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
