@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_is_prefill
+import store_worker as sw
+from conftest import assert_is_prefill, store_backend
 from kvmem.ingest import neighbour_prefixes, scope_neighbours
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
@@ -98,7 +99,13 @@ def test_neighbour_choice_is_a_top_m_search_that_picks_what_a_full_sort_did():
     assert any(len(c) == m for c in chosen) and any(len(c) < m for c in chosen)
 
 
-def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope_did(tmp_path):
+@pytest.fixture(params=["local", "postgres"])
+def backend(request, monkeypatch):
+    """The store backend of a test (``conftest.store_backend``): SQLite rows, or the session's PostgreSQL."""
+    return store_backend(request, monkeypatch)
+
+
+def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope_did(tmp_path, backend):
     """A write's neighbour choice (``scope_neighbours``) reads the scope from the store a page of embeddings at a
     time and then only its candidates' token ids, and chooses exactly what ``neighbour_prefixes`` chose over the
     whole scope's snapshot: on a real store with exact copies, long facts and deleted facts (so a fact's first
@@ -109,7 +116,17 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
 
     fp = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
     hk = torch.zeros(1, 1, 3, 8)
-    st = Store.create(tmp_path / "s", fp, "hdr", [1, 2, 3], hk, hk.clone(), {"name": "e", "dim": 8})
+    root = tmp_path / "s"
+    st = Store.create(
+        sw.location(root),
+        fp,
+        "hdr",
+        [1, 2, 3],
+        hk,
+        hk.clone(),
+        {"name": "e", "dim": 8},
+        segments_url=sw.segments_url(root),
+    )
     g = torch.Generator().manual_seed(5)
     pool_n, new_n, m, budget = 300, 12, 4, 40
     new_emb = torch.nn.functional.normalize(torch.randn(new_n, 8, generator=g), dim=1)
