@@ -129,7 +129,9 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
     )
     g = torch.Generator().manual_seed(5)
     pool_n, new_n, m, budget = 300, 12, 4, 40
-    new_emb = torch.nn.functional.normalize(torch.randn(new_n, 8, generator=g), dim=1)
+    new_emb = torch.randn(new_n, 8, generator=g)
+    new_emb[1] = new_emb[0] + 0.05 * torch.randn(8, generator=g)  # two new facts alike: each the other's neighbour
+    new_emb = torch.nn.functional.normalize(new_emb, dim=1)
     new_ids = [[1000 + i] * int(n) for i, n in enumerate(torch.randint(1, 30, (new_n,), generator=g))]
     facts, embs = [], []
     for i in range(pool_n):
