@@ -287,10 +287,41 @@ def http_server(srv, sndbuf: int | None = None):
         listener.close()
 
 
+def stalled_stream(base: str, key: str, max_tokens: int):
+    """A raw socket that asks for a streamed chat (20 top logprobs a token: about 3 KB per chunk; temperature 2,
+    so the answer does not end early) and never reads: a 4 KB receive buffer."""
+    import json
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
+            "memory": {"mode": "off"},
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "max_tokens": max_tokens,
+            "temperature": 2.0,
+            "seed": 1,
+        }
+    ).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((u.hostname, u.port))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    s.sendall(head.encode() + body)
+    return s
+
+
 # --- one vLLM server for the session ------------------------------------------------------------------------------
 
 FAST_MODEL = "smollm2-135m-instruct"  # the smallest model: the one the fast tier installs
 VLLM_KEYS = {"key-acme-0123456789abcdef": "acme", "key-globex-0123456789abcdef": "globex"}
+VLLM_SEND_TIMEOUT_S = 3  # the shared vLLM server's --send-timeout
 
 
 def free_port() -> int:
@@ -347,7 +378,9 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 6
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory) -> str:
     """The session's one ``kvmem serve --engine vllm`` (``serve_cmd``; tenants acme and globex, ``VLLM_KEYS``): its
-    base URL. Every test that needs a vLLM server but not a server of its own uses this one; the tests using it
+    base URL. Its connections' kernel send buffer is fixed at 4 KB and ``--send-timeout`` is
+    ``VLLM_SEND_TIMEOUT_S``, so a client that stops reading is cut off within seconds (every other client reads
+    at once). Every test that needs a vLLM server but not a server of its own uses this one; the tests using it
     run last (``pytest_collection_modifyitems``), so no other vLLM engine starts while it runs. Stopping it is
     checked as well: SIGTERM (twice) stops vLLM's engine processes, exit 0, no traceback in its log.
     Skips where vLLM cannot run on this CPU; fails if the smallest model is not installed."""
@@ -369,7 +402,8 @@ def vllm_server(tmp_path_factory) -> str:
     (tmp / "keys.json").write_text(json.dumps(VLLM_KEYS))
     port = free_port()
     log = open(tmp / "server.log", "w")  # noqa: SIM115 - the server writes to it until it stops
-    proc = subprocess.Popen(serve_cmd(tmp, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = serve_cmd(tmp, port) + ["--send-buffer", "4096", "--send-timeout", str(VLLM_SEND_TIMEOUT_S)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(proc, url, tmp / "server.log")

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_is_prefill
-from kvmem.ingest import neighbour_prefixes
+import store_worker as sw
+from conftest import assert_is_prefill, store_backend
+from kvmem.ingest import neighbour_prefixes, scope_neighbours
 from kvmem.memory import Memory, MemoryInputError
 from kvmem.models import MANIFEST, model_dir
 from kvmem.policy import check_neighbours
@@ -96,6 +97,83 @@ def test_neighbour_choice_is_a_top_m_search_that_picks_what_a_full_sort_did():
     _, chosen = neighbour_prefixes(emb, new_ids, pool, pool_ids, m, max_tokens=budget)
     assert chosen == full_sort()
     assert any(len(c) == m for c in chosen) and any(len(c) < m for c in chosen)
+
+
+@pytest.fixture(params=["local", "postgres"])
+def backend(request, monkeypatch):
+    """The store backend of a test (``conftest.store_backend``): SQLite rows, or the session's PostgreSQL."""
+    return store_backend(request, monkeypatch)
+
+
+def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope_did(tmp_path, backend):
+    """A write's neighbour choice (``scope_neighbours``) reads the scope from the store a page of embeddings at a
+    time and then only its candidates' token ids, and chooses exactly what ``neighbour_prefixes`` chose over the
+    whole scope's snapshot: on a real store with exact copies, long facts and deleted facts (so a fact's first
+    candidates run out and its search is widened, the scope read again), pages smaller and larger than the
+    candidates kept, and facts this write deletes."""
+
+    from kvmem.store import FactRecord, Store
+
+    fp = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
+    hk = torch.zeros(1, 1, 3, 8)
+    root = tmp_path / "s"
+    st = Store.create(
+        sw.location(root),
+        fp,
+        "hdr",
+        [1, 2, 3],
+        hk,
+        hk.clone(),
+        {"name": "e", "dim": 8},
+        segments_url=sw.segments_url(root),
+    )
+    g = torch.Generator().manual_seed(5)
+    pool_n, new_n, m, budget = 300, 12, 4, 40
+    new_emb = torch.randn(new_n, 8, generator=g)
+    new_emb[1] = new_emb[0] + 0.05 * torch.randn(8, generator=g)  # two new facts alike: each the other's neighbour
+    new_emb = torch.nn.functional.normalize(new_emb, dim=1)
+    new_ids = [[1000 + i] * int(n) for i, n in enumerate(torch.randint(1, 30, (new_n,), generator=g))]
+    facts, embs = [], []
+    for i in range(pool_n):
+        ids = [2000 + i] * int(torch.randint(1, 30, (1,), generator=g))
+        if i % 3 == 0:
+            ids = list(new_ids[i % new_n])  # exact copies of the new facts
+        elif i % 5 == 0:
+            ids = [2000 + i - 1] * 7  # copies of each other
+        facts.append(FactRecord(f"f{i}", "u", f"fact {i}", "", "", "", tuple(ids)))
+        # the pool near the new facts, so copies and long facts crowd each one's first candidates
+        embs.append(new_emb[i % new_n] + 0.5 * torch.randn(8, generator=g))
+    emb = torch.nn.functional.normalize(torch.stack(embs), dim=1)
+    for lo in range(0, pool_n, 100):  # three commits: three segments, rows in write order
+        part = facts[lo : lo + 100]
+        kv = [torch.zeros(1, 1, f.num_tokens, 8) for f in part]
+        st.commit("u", part, kv, kv, emb[lo : lo + 100])
+    st.commit("u", delete=[f"f{i}" for i in range(1, pool_n, 7)])  # tombstoned rows are never candidates
+    gone = {f"f{i}" for i in range(2, pool_n, 11)}  # what the write itself deletes
+    ukv = st.snapshot("u")
+    keep = [i for i, f in enumerate(ukv.facts) if f.fact_id not in gone]
+    pool_fids = [ukv.facts[i].fact_id for i in keep]
+    want_p, want_c = neighbour_prefixes(
+        new_emb, new_ids, ukv.embeddings[keep], [list(ukv.facts[i].token_ids) for i in keep], m, max_tokens=budget
+    )
+    fids = pool_fids + [f"new{j}" for j in range(new_n)]
+    want = [[fids[c] for c in row] for row in want_c]
+    assert any(len(c) == m for c in want) and any(len(c) < m for c in want)
+    pages, read = [], st.embedding_page
+    st.embedding_page = lambda *a: pages.append(a[2]) or read(*a)  # counts the pages read
+    for page in (7, 64, 5000):
+        got_p, got = scope_neighbours(
+            st, "u", new_emb, new_ids, [f"new{j}" for j in range(new_n)], gone, m, max_tokens=budget, page=page
+        )
+        assert got == want and got_p == want_p, page
+    one_pass = -(-len(ukv.facts) // 64) + 1  # its pages and the empty one that ends it
+    assert pages.count(64) > one_pass  # widened: the scope was read again for the facts whose candidates ran out
+    assert any(f.startswith("f") for row in want for f in row) and any(f.startswith("new") for row in want for f in row)
+    # no pool (a scope's first write): the new facts choose among themselves
+    assert scope_neighbours(None, "u", new_emb, new_ids, [f"new{j}" for j in range(new_n)], set(), m)[1] == [
+        [f"new{c}" for c in row] for row in neighbour_prefixes(new_emb, new_ids, None, [], m)[1]
+    ]
+    st.close()
 
 
 def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):

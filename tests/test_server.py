@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import http_server
+from conftest import http_server, stalled_stream
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
@@ -773,36 +773,6 @@ def test_a_request_that_timed_out_in_the_queue_never_runs(server, alice):
     assert ran == []
 
 
-def _stalled_stream(base: str, key: str, max_tokens: int):
-    """A raw socket that asks for a streamed chat (20 top logprobs a token: about 3 KB per chunk; temperature 2,
-    so the answer does not end early) and never reads: a 4 KB receive buffer."""
-    import socket
-    from urllib.parse import urlsplit
-
-    u = urlsplit(base)
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
-            "memory": {"mode": "off"},
-            "stream": True,
-            "logprobs": True,
-            "top_logprobs": 20,
-            "max_tokens": max_tokens,
-            "temperature": 2.0,
-            "seed": 1,
-        }
-    ).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect((u.hostname, u.port))
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    s.sendall(head.encode() + body)
-    return s
-
-
 def test_a_client_that_stops_reading_never_holds_an_engine_slot(server, alice, caplog):
     """Two streamed chats whose clients never read, on an engine with two slots (the server's kernel send buffer
     fixed at 4 KB, so the sends stall after a few dozen tokens, not megabytes): each send that does not drain
@@ -832,7 +802,7 @@ def test_a_client_that_stops_reading_never_holds_an_engine_slot(server, alice, c
                 raise AssertionError(f"{name} is not in /metrics")
 
             t0 = time.perf_counter()
-            socks = [_stalled_stream(base, KEY_A, 400) for _ in range(2)]
+            socks = [stalled_stream(base, KEY_A, 400) for _ in range(2)]
             while metric("kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 30:
                 time.sleep(0.2)
             assert metric("kvmem_send_timeouts_total") == 2

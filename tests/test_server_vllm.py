@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import FAST_MODEL as FAST
-from conftest import VLLM_KEYS
+from conftest import VLLM_KEYS, VLLM_SEND_TIMEOUT_S, stalled_stream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -170,3 +170,64 @@ def test_vllm_injects_memory_of_several_scopes_through_the_connector(base):
     again = chat("kv", agent_id="repair")
     assert later in again["kvmem"]["fact_ids"] and again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20
     assert fallbacks() == before
+
+
+def test_vllm_clients_that_stop_reading_are_cut_off_and_free_their_engine_slots(base):
+    """Three streamed chats (1,500 tokens each) whose clients never read, on the shared vLLM server (kernel send
+    buffer fixed at 4 KB by ``--send-buffer``, so each send stalls after a few dozen tokens): each is cut off
+    ``--send-timeout`` after its send stalls, counted in kvmem_send_timeouts_total, its engine stream closed (the
+    engine queue depth back to 0 at once; closing the stream aborts the vLLM request) and its connection closed;
+    another tenant's chat is answered while they are held."""
+
+    def metric(name: str) -> float:
+        for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise AssertionError(f"{name} is not in /metrics")
+
+    cut0 = metric("kvmem_send_timeouts_total")
+    assert metric("kvmem_engine_queue_depth") == 0
+    t0 = time.perf_counter()
+    socks = [stalled_stream(base, KEY_A, 1500) for _ in range(3)]
+    try:
+        depth = 0.0
+        while depth < 3 and time.perf_counter() - t0 < 30:  # all three are in the engine
+            depth = metric("kvmem_engine_queue_depth")
+            time.sleep(0.1)
+        assert depth == 3
+        # another tenant is answered while the three streams are held
+        r = httpx.post(
+            f"{base}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY_B}"},
+            json={"messages": [{"role": "user", "content": "Hi"}], "memory": {"mode": "off"}, "max_tokens": 4},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+        while metric("kvmem_send_timeouts_total") < cut0 + 3 and time.perf_counter() - t0 < 90:
+            time.sleep(0.2)
+        assert metric("kvmem_send_timeouts_total") == cut0 + 3
+        cut_s = time.perf_counter() - t0
+        while metric("kvmem_engine_queue_depth") > 0 and time.perf_counter() - t0 < cut_s + 5:
+            time.sleep(0.1)
+        assert metric("kvmem_engine_queue_depth") == 0
+        got = []
+        for s in socks:  # what the server sent before it gave up, then the end of the stream (connection closed)
+            s.settimeout(10)
+            n = 0
+            while chunk := s.recv(1 << 16):
+                n += len(chunk)
+            got.append(n)
+        # each stalled within the fixed buffers (about 80 KB: a few dozen 3 KB chunks), not after megabytes
+        assert all(20_000 < n < 1_000_000 for n in got), got
+        assert VLLM_SEND_TIMEOUT_S < cut_s < 60, cut_s  # the bound ran out after each stall, then the cut
+    finally:
+        for s in socks:
+            s.close()
+    # the server is whole: a chat of the tenant whose streams were cut is answered
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY_A}"},
+        json={"messages": [{"role": "user", "content": "Hi"}], "memory": {"mode": "off"}, "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text

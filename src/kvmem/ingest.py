@@ -44,6 +44,7 @@ logger = logging.getLogger("kvmem.ingest")
 
 MAX_HISTORY_TOKENS = 16384  # history encoding: positions per encoding run (earlier facts + new facts + turns)
 MAX_NEIGHBOUR_TOKENS = 1024  # neighbour prefix per fact: one write's encoding cost stays bounded
+NEIGHBOUR_PAGE = 2048  # a write's neighbour choice scores the scope's facts this many embeddings at a time
 MAX_CONTEXT_CHARS = 4000  # the encoding window's text, nearest turns kept: one add's cost stays bounded
 
 
@@ -169,6 +170,80 @@ def neighbour_prefixes(
             k = min(n, 4 * k)
         top.append(kept[::-1])  # ascending similarity
     return [[t for c in row for t in ids[c]] for row in top], top
+
+
+def scope_neighbours(
+    store: Store | None,
+    user: str,
+    embeddings: torch.Tensor,
+    token_ids: list[list[int]],
+    fact_ids: list[str],
+    gone: set[str],
+    neighbours: int,
+    max_tokens: int = MAX_NEIGHBOUR_TOKENS,
+    page: int = NEIGHBOUR_PAGE,
+) -> tuple[list[list[int]], list[list[str]]]:
+    """``neighbour_prefixes`` with the pool read from the store: ``user``'s live facts (less the ids in ``gone``;
+    ``store`` None: no pool) and the new facts, the store read ``page`` embeddings at a time (``Store.
+    embedding_page``) while each new fact keeps its best pool candidates, then only those candidates' token ids
+    read (``Store.rows_token_ids``). The same choice as ``neighbour_prefixes`` over the whole scope (ties aside),
+    in memory that follows the write and the page, never the scope: no snapshot, no scope-sized matrix. A fact
+    whose candidates run out (exact copies, the token budget) before it has ``neighbours`` is searched again
+    with four times as many.
+
+    Args as ``neighbour_prefixes``; ``fact_ids``: the new facts' ids. Returns (prefixes, least similar first; the
+    chosen facts' ids in that order)."""
+    n_new = len(token_ids)
+    if neighbours == 0 or not n_new:
+        return [[] for _ in token_ids], [[] for _ in token_ids]
+    emb = embeddings.float()
+    among = emb @ emb.T  # the new facts as each other's candidates
+    among.fill_diagonal_(float("-inf"))  # never itself
+    chosen: list[list[tuple[int, int]] | None] = [None] * n_new  # (0, store row) or (1, new fact index)
+    info: dict[int, tuple[str, tuple[int, ...]]] = {}
+    todo, k = list(range(n_new)), 4 * neighbours + 4
+    while todo:
+        q = emb[todo]
+        best_v, best_r, pool, after = q.new_empty(len(todo), 0), torch.empty(len(todo), 0, dtype=torch.long), 0, -1
+        while store is not None:
+            rows, fids, e = store.embedding_page(user, after, page)
+            if not rows:
+                break
+            after = rows[-1]
+            keep = [i for i, f in enumerate(fids) if f not in gone]
+            if not keep:
+                continue
+            pool += len(keep)
+            v = torch.cat([best_v, q @ e[keep].T], dim=1)
+            r = torch.cat([best_r, torch.tensor([rows[i] for i in keep]).expand(len(todo), -1)], dim=1)
+            top = torch.topk(v, min(k, v.shape[1]), dim=1)  # sorted, most similar first
+            best_v, best_r = top.values, r.gather(1, top.indices)
+        whole = best_v.shape[1] == pool  # every pool fact is a candidate: nothing beyond them was left out
+        info.update(store.rows_token_ids(user, [r for r in best_r.flatten().tolist() if r not in info]) if pool else {})
+        again = []
+        for t, j in enumerate(todo):
+            cands = [(v, 0, r) for v, r in zip(best_v[t].tolist(), best_r[t].tolist())]
+            floor = cands[-1][0] if cands and not whole else float("-inf")  # below it, pool facts are unknown
+            cands += [(v, 1, i) for i, v in enumerate(among[j].tolist()) if i != j and v >= floor]
+            cands.sort(key=lambda c: -c[0])  # stable: a pool fact before a new one it ties with
+            kept, used, seen = [], 0, {tuple(token_ids[j])}  # exact copies (of the fact or a kept one) add nothing
+            for _, kind, x in cands:
+                if len(kept) == neighbours:
+                    break
+                if kind == 0 and x not in info:  # deleted since its page was read
+                    continue
+                ids = info[x][1] if kind == 0 else tuple(token_ids[x])
+                if ids not in seen and used + len(ids) <= max_tokens:
+                    kept.append((kind, x))
+                    used += len(ids)
+                    seen.add(ids)
+            if len(kept) < neighbours and not whole:
+                again.append(j)  # its candidates ran out with pool facts left unread: more of them
+            else:
+                chosen[j] = kept[::-1]  # ascending similarity
+        todo, k = again, 4 * k
+    prefixes = [[t for kind, x in row for t in (info[x][1] if kind == 0 else token_ids[x])] for row in chosen]
+    return prefixes, [[info[x][0] if kind == 0 else fact_ids[x] for kind, x in row] for row in chosen]
 
 
 def history_runs(
@@ -297,9 +372,10 @@ def write_facts(
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
     prefixes, earlier, behind = None, None, [() for _ in facts]  # behind: each fact's context facts' ids
-    if (neighbours or history) and facts:
-        pool_emb, pool_ids, pool_fids = None, [], []
-        if not replace and store.version(user) is not None:
+    pooled = not replace and delete is not ALL and store.version(user) is not None  # live facts to encode behind
+    if history and facts:
+        pool_ids, pool_fids = [], []
+        if pooled:
             gone = set(delete)
             try:
                 ukv = store.snapshot(user)  # rows and embeddings, in write order
@@ -309,16 +385,16 @@ def write_facts(
                 ukv = None
             if ukv is not None:
                 keep = [i for i, f in enumerate(ukv.facts) if f.fact_id not in gone]
-                pool_emb, pool_ids = ukv.embeddings[keep], [list(ukv.facts[i].token_ids) for i in keep]
+                pool_ids = [list(ukv.facts[i].token_ids) for i in keep]
                 pool_fids = [ukv.facts[i].fact_id for i in keep]
-        if history:
-            earlier = pool_ids
-            behind = [tuple(pool_fids + [f.fact_id for f in facts[:j]]) for j in range(len(facts))]
-        else:
-            new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
-            prefixes, chosen = neighbour_prefixes(emb, new_ids, pool_emb, pool_ids, neighbours)
-            fids = pool_fids + [f.fact_id for f in facts]
-            behind = [tuple(fids[c] for c in row) for row in chosen]
+        earlier = pool_ids
+        behind = [tuple(pool_fids + [f.fact_id for f in facts[:j]]) for j in range(len(facts))]
+    elif neighbours and facts:  # the scope read a page of embeddings at a time: memory does not follow its size
+        new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
+        prefixes, chosen = scope_neighbours(
+            store if pooled else None, user, emb, new_ids, [f.fact_id for f in facts], set(delete), neighbours
+        )
+        behind = [tuple(row) for row in chosen]
     t2 = time.perf_counter()
     ids, kvs, n_tokens = (
         encode_facts(lm, store.header_token_ids, contexts, rendered, max_batch_tokens, progress, prefixes, earlier)

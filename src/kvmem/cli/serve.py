@@ -60,6 +60,14 @@ def serve_cmd(
         help="A client that takes none of a response's bytes for this long, s, is cut off: its request ends (a "
         "streamed chat's engine request is aborted) and its connection is closed.",
     ),
+    send_buffer: int | None = typer.Option(
+        None,
+        "--send-buffer",
+        min=1024,
+        help="Each client connection's kernel send buffer, bytes (fixed, not autotuned; the kernel doubles it). "
+        "Small: a client that stops reading stalls within a few KB (then --send-timeout cuts it off) instead of "
+        "megabytes. Default: the kernel's.",
+    ),
     write_timeout: float = typer.Option(
         30.0,
         "--write-timeout",
@@ -175,6 +183,7 @@ def serve_cmd(
         replicas=replicas,
         ray_address=ray_address,
         use_ray=use_ray,
+        send_buffer=send_buffer,
         extractor=extractor(extractor_url, extractor_model),
         defer_reencode_s=defer_reencode,
         hybrid=hybrid,

@@ -58,11 +58,14 @@ def serve(
     replicas: int = 1,
     ray_address: str | None = None,
     use_ray: bool = False,
+    send_buffer: int | None = None,
     **start_kwargs,
 ) -> None:
     """Start the server (blocking): one process with one engine, or with ``replicas`` > 1, ``ray_address`` or
     ``use_ray``, an ingress here and the replicas on Ray Serve (``replicas``). Without an API keys file it binds
-    to loopback only. Raises ValueError for a bad keys file or a non-loopback host without keys."""
+    to loopback only. ``send_buffer``: each accepted connection's kernel send buffer, bytes (fixed: no
+    autotuning; None: the kernel's default). Raises ValueError for a bad keys file or a non-loopback host without
+    keys."""
     import uvicorn
 
     keys = load_api_keys(api_keys_file) if api_keys_file else None
@@ -116,7 +119,8 @@ def serve(
 
     threading.Thread(target=watch, name="kvmem-engine-watch", daemon=True).start()
     try:
-        uv.run()  # uvicorn drains on SIGINT/SIGTERM, then re-raises the signal: SystemExit here
+        uv.run(sockets=[listener(uv.config, send_buffer)] if send_buffer else None)  # drains on SIGINT/SIGTERM,
+        # then re-raises the signal: SystemExit here
     finally:
         if died.is_set():  # a dead engine's shutdown can wait on processes and sockets that are gone: bounded
             closer = threading.Thread(target=close, name="kvmem-close", daemon=True)
@@ -127,6 +131,17 @@ def serve(
         log("kvmem serve: stopped" + (" (the engine died)" if died.is_set() else ""))
     if died.is_set():
         _exit_now(EXIT_ENGINE_DIED)
+
+
+def listener(config, send_buffer: int):
+    """uvicorn's listening socket for ``config`` (its own ``bind_socket``) with SO_SNDBUF set to ``send_buffer``
+    bytes: every accepted connection inherits it, so a client that stops reading stalls the server's sends after
+    that many bytes (plus uvicorn's 64 KB write buffer) instead of the megabytes an autotuned buffer takes."""
+    import socket
+
+    sock = config.bind_socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    return sock
 
 
 def _exit_now(status: int) -> None:

@@ -424,6 +424,16 @@ class Store:
         facts only, one read transaction); LookupError if ``version`` is not current."""
         return self.reads.fact_token_ids(user, version, fact_ids)
 
+    def embedding_page(self, user: str, after: int, limit: int) -> tuple[list[int], list[str], torch.Tensor]:
+        """``Reader.embedding_page``: up to ``limit`` live facts of ``user`` after store row ``after``, in row
+        order: (rows, fact ids, embeddings [n, E] float32)."""
+        return self.reads.embedding_page(user, after, limit)
+
+    def rows_token_ids(self, user: str, rows: list[int]) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """``Reader.rows_token_ids``: row -> (fact id, token ids) of those ``rows`` that are live facts of
+        ``user``."""
+        return self.reads.rows_token_ids(user, rows)
+
     def user_info(self, user: str) -> dict:
         """``Reader.user_info``: version, window, neighbours, history, num_facts, num_tokens, source."""
         return self.reads.user_info(user)

@@ -393,6 +393,40 @@ class Reader:
         return out
 
     @_locked
+    def embedding_page(self, user: str, after: int, limit: int) -> tuple[list[int], list[str], torch.Tensor]:
+        """Up to ``limit`` live facts of ``user`` whose store row is after ``after``, in row order: (rows, fact
+        ids, embeddings [n, E] float32). Paging by row (the (user, deleted) index keeps each user's rows in row
+        order), so a caller scoring a whole scope holds one page at a time, not the scope (``ingest``'s
+        neighbour choice)."""
+        rows, fids, emb = [], [], []
+        for r, fid, e in self.rows.execute(
+            'SELECT "row", fact_id, embedding FROM facts WHERE "user"=? AND deleted IS NULL AND "row">? '
+            'ORDER BY "row" LIMIT ?',
+            (user, after, limit),
+        ):
+            rows.append(r)
+            fids.append(fid)
+            emb.append(e)
+        if not emb:
+            return [], [], torch.empty(0, 0)
+        return rows, fids, torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(emb), -1)
+
+    @_locked
+    def rows_token_ids(self, user: str, rows: list[int]) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """row -> (fact id, token ids) of those store ``rows`` that are live facts of ``user`` (rows not found
+        are left out), read by primary key: the cost follows ``len(rows)``."""
+        wanted, out = sorted(set(rows)), {}
+        for i in range(0, len(wanted), ID_BATCH):
+            chunk = wanted[i : i + ID_BATCH]
+            q = (
+                'SELECT "row", fact_id, token_ids FROM facts WHERE "user"=? AND deleted IS NULL AND "row" IN '
+                f"({', '.join('?' * len(chunk))})"
+            )
+            for r, fid, ids in self.rows.execute(q, (user, *chunk)):
+                out[r] = (fid, tuple(json.loads(ids)))
+        return out
+
+    @_locked
     def user_info(self, user: str) -> dict:
         """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
         StoreError for an unknown user."""
