@@ -85,7 +85,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import kvmem
-    from kvmem.bench.common import machine
+    from kvmem.bench.common import machine, paired_bootstrap
     from kvmem.engines.vllm import stores
     from kvmem.engines.vllm.params import MemoryRef
     from kvmem.locomo import get_conversation
@@ -146,6 +146,12 @@ def main() -> None:
             times.append((time.perf_counter() - t) * 1e3)
         check_ms[u] = stats(times)
     ratios = {p: round(statistics.median(t[users[-1]]) / statistics.median(t[users[0]]), 3) for p, t in ttft.items()}
+    # the same question, asked of both users back to back: the per-question difference and its 95% CI; a CI
+    # that holds 0 is "equal within noise"
+    paired = {}
+    for p, t in ttft.items():
+        mean, ci = paired_bootstrap(b - a for a, b in zip(t[users[0]], t[users[-1]]))
+        paired[p] = {"mean_ms": mean, "ci95_ms": ci, "equal_within_noise": ci is not None and ci[0] <= 0 <= ci[1]}
     out = {
         "kvmem": str(Path(kvmem.__file__).parent),
         "model": args.model,
@@ -156,6 +162,7 @@ def main() -> None:
         "ttft_ms": {p: {u: stats(t[u]) for u in users} for p, t in ttft.items()},
         "prefilled_tokens_p50": {u: statistics.median(prefilled[u]) for u in users},
         "largest_over_smallest_p50": ratios,
+        "largest_minus_smallest_paired": paired,
         "scheduler_check_ms": check_ms,
         "machine": machine(),
     }

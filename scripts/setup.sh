@@ -21,8 +21,7 @@ fi
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 
-# uv installs the same packages as pip in less than half the time (parallel downloads and installs; it leaves
-# byte-compiling to the first import).
+# uv installs the same packages as pip in less than half the time (parallel downloads and installs).
 # uv reads no pip configuration, so it gets pip's own: the setting as pip sees it (PIP_* variables over the
 # [install] section over [global]), one value per line.
 pipconf() {
@@ -61,7 +60,9 @@ if [ ! -f "$stamp" ]; then
   if [ -z "${KVMEM_SETUP_PIP:-}" ] && $PIP install -q uv >/dev/null 2>&1 && .venv/bin/uv --version >/dev/null 2>&1
   then
     uv_sources
-    inst() { .venv/bin/uv pip install -q --python .venv/bin/python "${UV_SRC[@]}" "$@"; }
+    # --compile-bytecode: pip byte-compiles at install and uv does not; where PYTHONDONTWRITEBYTECODE is set (as on
+    # CI) nothing writes .pyc later, so every process would compile torch, transformers and vLLM again.
+    inst() { .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python "${UV_SRC[@]}" "$@"; }
   else
     inst() { $PIP install -q "$@"; }
   fi
