@@ -5,18 +5,16 @@ input. Run it under PYTHONPATH=src (or another checkout's src for a before figur
 import concurrent.futures
 import json
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import http_server
+from conftest import http_server, stalled_stream
 from kvmem.server import KvmemServer, Limits
 
 KA, KB = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
@@ -36,33 +34,6 @@ if hasattr(srv.limits, "send_timeout_s"):
 srv.engine.max_queue = 2
 
 
-def stalled(base, n):
-    u = urlsplit(base)
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
-            "memory": {"mode": "off"},
-            "stream": True,
-            "logprobs": True,
-            "top_logprobs": 20,
-            "max_tokens": n,
-            "temperature": 2.0,
-            "seed": 1,
-        }
-    ).encode()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect((u.hostname, u.port))
-    s.sendall(
-        (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {u.netloc}\r\nAuthorization: Bearer {KA}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        + body
-    )
-    return s
-
-
 def depth(base):
     for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
         if line.startswith("kvmem_engine_queue_depth "):
@@ -78,7 +49,7 @@ with http_server(srv, sndbuf=4096) as base:
         timeout=120,
     )
     # --- A: two clients that stop reading, engine with 2 slots
-    socks = [stalled(base, 400) for _ in range(2)]
+    socks = [stalled_stream(base, KA, 400) for _ in range(2)]
     t0 = time.perf_counter()
     failed = ok = 0
     first_ok = None
