@@ -357,7 +357,7 @@ def write_facts(
 ) -> tuple[str, dict]:
     """The one write path (``ingest-locomo`` and every ``Memory`` commit end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
-    facts of the user: ``neighbour_prefixes``; or, with ``history``, behind every live fact of the user written
+    facts of the user: ``scope_neighbours``; or, with ``history``, behind every live fact of the user written
     before them: ``encode_facts``) in one batched pass, and commit facts, tombstones, turns and history in one
     store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
     None; ``encoding``: window, neighbours and history (``policy.Encoding``; the window's turns are already in

@@ -99,7 +99,7 @@ class Memory:
             were encoded so far (``Store.user_info``), and for a new scope the defaults 5, 4 and False (window 0
             and neighbours 0 with ``history=True``).
         neighbours: also encode each new fact behind its m most similar live facts of the scope (neighbour-aware
-            encoding, ``ingest.neighbour_prefixes``; default ``policy.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
+            encoding, ``ingest.scope_neighbours``; default ``policy.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
             serving cost.
         history: encode each new fact behind every live fact of the scope written before it (history encoding,
             ``ingest.encode_facts``). Not with ``neighbours`` (then default 0). No serving cost. The defaults
