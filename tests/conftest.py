@@ -137,6 +137,21 @@ def pytest_collection_modifyitems(config, items):
     ]
 
 
+@pytest.fixture(autouse=True)
+def _vllm_only_where_marked(request, monkeypatch):
+    """A test in this process that would start a vLLM engine without the ``vllm`` marker fails at once: ``auto``
+    resolves to vLLM wherever it runs, so a command left on the default engine starts one (about 20 s each on
+    2 cores) and its test would slip into tiers that promise no vLLM. Such a test names ``--engine hf``, or
+    carries the marker."""
+    if request.node.get_closest_marker("vllm") is None:
+        from kvmem.engines import select
+
+        def refuse(*a, **k):
+            pytest.fail(f"{request.node.nodeid} starts a vLLM engine but is not marked vllm (name --engine hf?)")
+
+        monkeypatch.setattr(select, "_vllm", refuse)
+
+
 @pytest.fixture(scope="session")
 def postgres() -> str:
     """A throwaway PostgreSQL cluster for this test session (``scripts/postgres.sh``: Debian's PostgreSQL, run as the

@@ -10,9 +10,11 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from conftest import kvmem_cli
 from kvmem.bench.common import select_questions
 from kvmem.bench.eval_locomo import exact_match, f1_multi, f1_score, locomo_f1, normalize_answer, parse_verdict
 from kvmem.models import MANIFEST, model_dir
@@ -166,14 +168,11 @@ def tiny(tmp_path_factory, locomo_path):
         os.environ["KVMEM_BENCH_CACHE"] = old_env
 
 
-def cli(*args, rc: int = 0):
-    from typer.testing import CliRunner
-
-    from kvmem.cli import app
-
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    assert res.exit_code == rc, (res.output, res.exception)
-    return res
+def cli(*args, rc: int = 0) -> SimpleNamespace:
+    """``kvmem *args`` in this process (``conftest.kvmem_cli``), exit code ``rc``; ``.output``: stdout, then
+    stderr."""
+    p = kvmem_cli(*args, check_rc=rc)
+    return SimpleNamespace(output=p.stdout + p.stderr)
 
 
 def common(tiny, out: Path, questions: int = 2):
@@ -214,46 +213,24 @@ def test_vllm_engine_flag(tiny, tmp_path):
         assert len(res.output.strip().splitlines()) == 1
     else:  # scripts/setup.sh installs vLLM; where it can run it must import (a broken install fails here)
         assert vllm_problem(facts) is None
-        out = tmp_path / "vllm-latency"
-        cli(
-            "bench",
-            "latency",
-            "--engine",
-            "vllm",
-            "--k",
-            "1,2",
-            "--window",
-            "0",
-            "--max-new-tokens",
-            4,
-            *common(tiny, out),
-        )
-        s = check_outputs(out, "latency_vs_k.png")
+        # One engine start for both benchmark runs: ``eval frontier`` runs ``bench latency``'s run and then
+        # ``eval locomo``'s (``answer_batch``, batched as ``bench throughput`` batches) on the one vLLM engine;
+        # each writes the files and fields its own command writes on the hf engine.
+        out = tmp_path / "vllm"
+        cli("eval", "frontier", "--engine", "vllm", "--models", FAST, "--methods", "prompt,kv", "--k", "1,2",
+            "--window", 0, "--latency-questions", 1, "--max-new-tokens", 4, "--data", tiny["data"],
+            "--samples", "conv-26", "--questions", 3, "--out", out, "--no-progress")  # fmt: skip
+        s = check_outputs(out / FAST / "latency", "latency_vs_k.png")
         assert s["engine"] == "vllm" and s["ttft_ms"]["bare"] > 0
         assert set(s["ttft_ms"]["kv"]) == {"1", "2"} and all(v > 0 for v in s["ttft_ms"]["prompt"].values())
-        # eval: requests batched through the one engine (``answer_batch``, as ``bench throughput`` batches them:
-        # not run here, an engine start each); same rows and fields as the hf engine writes
-        out = tmp_path / "vllm-eval"
-        res = cli(
-            "eval",
-            "locomo",
-            "--engine",
-            "vllm",
-            "--k",
-            "1,2",
-            "--window",
-            "0",
-            "--max-new-tokens",
-            4,
-            *common(tiny, out, 3),
-        )
-        assert "12 to answer" in res.output
-        rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+        rows = [json.loads(x) for x in (out / FAST / "eval" / "records.jsonl").read_text().splitlines()]
         assert len(rows) == 12 and {(r["mode"], r["k"]) for r in rows} == {
             (m, k) for m in ("kv", "prompt") for k in (1, 2)
         }
         assert all(r["engine"] == "vllm" and r["k_used"] == r["k"] and len(r["fact_ids"]) == r["k"] for r in rows)
-        assert check_outputs(out, "accuracy_vs_k.png")["f1"]["0"]["2"]["kv"]["overall"] is not None
+        ev = check_outputs(out / FAST / "eval", "accuracy_vs_k.png")
+        assert ev["f1"]["0"]["2"]["kv"]["overall"] is not None
+        assert {p["engine"] for p in check_outputs(out, "frontier.png")["points"]} == {"vllm"}
 
 
 @pytest.mark.slow
@@ -385,6 +362,8 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         args = [
             "eval",
             "locomo",
+            "--engine",
+            "hf",
             "--k",
             "1",
             "--window",
@@ -603,8 +582,6 @@ def test_sigterm_stops_the_vllm_engine(tiny):
         "--k",
         "2",
         "--window",
-        "0",
-        "--neighbours",
         "0",
         "--mode",
         "kv,prompt",

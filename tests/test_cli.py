@@ -281,9 +281,12 @@ def test_gemma3_end_to_end(tmp_path, tiny_locomo):
     root = tmp_path / "g"
     run("ingest-locomo", tiny_locomo, "--sample", "conv-26", "--store", root, "--window", "2", "--model", GEMMA)
     q = "What did Caroline research?"
+    from kvmem.service import MemoryService
+
+    svc = MemoryService.open(root, engine="hf")  # both modes on one loaded model (the CLI's ask: other tests)
+    kv, pr = (svc.ask("conv-26", q, 4, mode, max_new_tokens=8).to_json() for mode in ("kv", "prompt"))
+    svc.close()
     args = ["ask", "--store", root, "--user", "conv-26", "--k", 4, "--json"]
-    kv = json.loads(run(*args, "--engine", "hf", "--mode", "kv", "--max-new-tokens", 8, q).stdout)
-    pr = json.loads(run(*args, "--engine", "hf", "--mode", "prompt", "--max-new-tokens", 8, q).stdout)
     assert kv["fact_ids"] == pr["fact_ids"] and kv["prompt_tokens"] == pr["prompt_tokens"]
     assert kv["prefilled_tokens"] < 30 < pr["prefilled_tokens"] == pr["prompt_tokens"]
     assert kv["answer"] and pr["answer"]  # a leading line break never ends the answer before it starts

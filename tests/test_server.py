@@ -902,21 +902,24 @@ def test_metrics_never_walk_the_store_on_the_event_loop(server, alice):
         fresh = KvmemServer(srv.service, srv.memory, srv.engine, srv.tenants, srv.limits, srv.model_pool)
         with http_server(fresh) as base, concurrent.futures.ThreadPoolExecutor(2) as pool:
             waits = []
-            for _ in range(3):
+            for _ in range(5):
                 scrape = pool.submit(httpx.get, f"{base}/metrics", timeout=60)
                 time.sleep(0.02)
                 t0 = time.perf_counter()
                 assert httpx.get(f"{base}/health", timeout=60).status_code == 200
                 waits.append(time.perf_counter() - t0)
                 assert scrape.result().status_code == 200
-            assert max(waits) < 0.25 * walk_s, (waits, walk_s)
+            # A walk on the loop makes every /health behind a scrape wait about walk_s. The median, not the max:
+            # the walk thread and this process's client share one GIL, and on 2 cores one wait in a few can take
+            # a few hundred ms of switching (seen: 0.58 s once, against 0.06 and 0.07 s).
+            assert sorted(waits)[2] < 0.25 * walk_s, (waits, walk_s)
             deadline = time.time() + 30
             while fresh.store_size.measurements < 1 and time.time() < deadline:
                 time.sleep(0.1)
             text = httpx.get(f"{base}/metrics").text
             [line] = [x for x in text.splitlines() if x.startswith("kvmem_store_bytes ")]
             assert float(line.split()[1]) > 0
-            assert fresh.store_size.measurements == 1  # four scrapes, one walk
+            assert fresh.store_size.measurements == 1  # six scrapes, one walk
         fresh.store_size.close()
     finally:
         shutil.rmtree(junk)
