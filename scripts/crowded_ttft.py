@@ -2,7 +2,8 @@
 must do the same store work per request whatever the user's memory count.
 
     flock /tmp/kvmem-heavy.lock .venv/bin/python scripts/crowded_ttft.py \
-        [--model qwen2.5-coder-0.5b-instruct] [--counts 64,10000] [--chats 40] [--k 20] [--store DIR]
+        [--model qwen2.5-coder-0.5b-instruct] [--counts 64,10000] [--chats 40] [--k 20] [--store DIR] \
+        [--distinct N]
 
 One store for the model (kept in ``--store`` when given, so a second run, e.g. of another checkout with
 ``PYTHONPATH=<it>/src``, reuses it): user ``n<count>`` gets that many memories of ``--fact-tokens`` tokens (random KV
@@ -78,6 +79,13 @@ def main() -> None:
     ap.add_argument("--counts", default="64,10000")
     ap.add_argument("--fact-tokens", type=int, default=16)
     ap.add_argument("--chats", type=int, default=40)
+    ap.add_argument(
+        "--distinct",
+        type=int,
+        default=0,
+        help="Cycle through this many questions (0: all). Few keep the facts a user's requests touch (its working"
+        " set: ~20 x distinct facts) alike whatever the user's memory count, so only the count differs.",
+    )
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--store", default="", help="Keep the store here (reused if it exists).")
     ap.add_argument("--data", default="", help="LoCoMo file (default: $KVMEM_LOCOMO, or the team's shared data).")
@@ -108,7 +116,8 @@ def main() -> None:
     questions = [q.question for q in get_conversation(Path(data), "conv-26").questions]
     svc = MemoryService.open(root, args.model, engine="vllm", dtype=args.dtype)
     users = [f"n{n}" for n in counts]
-    asked = [questions[(i + 1) % len(questions)] for i in range(args.chats)]
+    cycle = args.distinct or len(questions)
+    asked = [questions[(i % cycle + 1) % len(questions)] for i in range(args.chats)]
     ttft: dict[str, dict[str, list[float]]] = {p: {u: [] for u in users} for p in ("first", "seen")}
     prefilled: dict[str, list[int]] = {u: [] for u in users}
 
@@ -158,6 +167,7 @@ def main() -> None:
         "dtype": args.dtype,
         "k": args.k,
         "fact_tokens": args.fact_tokens,
+        "distinct_questions": min(cycle, args.chats),
         "fill_s": round(fill_s, 1),
         "ttft_ms": {p: {u: stats(t[u]) for u in users} for p, t in ttft.items()},
         "prefilled_tokens_p50": {u: statistics.median(prefilled[u]) for u in users},
