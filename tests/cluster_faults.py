@@ -32,6 +32,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -248,6 +249,12 @@ def check(events: list[dict], faults: list[dict]) -> dict:
             "failed": sum(e["outcome"] == "failed" for e in inside),
             "unknown": sum(e["outcome"] == "unknown" for e in inside),
             "hung": sum(bool(e.get("hung")) for e in inside),
+            # reads and chats sent while the fault was held that did not succeed: where one replica cannot reach
+            # db or s3, the ingress retries them on the other (a write is never retried: it may have landed)
+            "reads_failed_while_held": sum(
+                e["op"] in ("list", "chat") and e["outcome"] != "ack" and e["t0"] < f["heal"] for e in inside
+            ),
+            "rerouted": f.get("rerouted"),
             "statuses": sorted({str(e.get("status") or e.get("code")) for e in fails}),
             "slowest_failure_s": round(max((e["t1"] - e["t0"] for e in fails), default=0.0), 2),
             "all_served_after_heal_s": None if None in served.values() else round(max(served.values()), 1),
@@ -257,11 +264,13 @@ def check(events: list[dict], faults: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     rows = ["| fault | held s | requests | ack | failed | unknown | hung | failure statuses | slowest failure s "
-            "| all users served after heal, s |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| reads failed while held | rerouted | all users served after heal, s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for w in report["faults"]:
         rows.append(
             f"| {w['fault']} | {w['held_s']} | {w['requests']} | {w['ack']} | {w['failed']} | {w['unknown']} "
-            f"| {w['hung']} | {', '.join(w['statuses'])} | {w['slowest_failure_s']} | {w['all_served_after_heal_s']} |"
+            f"| {w['hung']} | {', '.join(w['statuses'])} | {w['slowest_failure_s']} "
+            f"| {w['reads_failed_while_held']} | {w['rerouted']} | {w['all_served_after_heal_s']} |"
         )
     t = report["totals"]
     rows.append("")
@@ -291,10 +300,10 @@ def faults_of(c, model: str) -> dict:
         os.kill(c.procs["ingress"].pid, signal.SIGKILL)
         c.procs["ingress"].wait()
 
-    return {
-        "kill -9 w1 (raylet + replica)": (lambda: c.kill_node_processes("w1"), restart_worker),
+    return {  # the cuts first, while each worker holds a replica (as placed at start): one node's users move
         "w1 cut from db": (lambda: c.cut("w1", "db"), lambda: c.heal("w1", "db")),
         "w2 cut from s3": (lambda: c.cut("w2", "s3"), lambda: c.heal("w2", "s3")),
+        "kill -9 w1 (raylet + replica)": (lambda: c.kill_node_processes("w1"), restart_worker),
         "PostgreSQL immediate restart": (c.db_stop, pg_restart_start),
         "ingress killed, restarted": (ingress_kill, lambda: c.ingress_start(model)),
         "s3 killed, restarted": (c.s3_kill, c.s3_start),
@@ -345,13 +354,16 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         table = faults_of(c, model)
         for name in names or [k for k in table if not k.startswith("_")]:
             inject, heal = table[name]
+            before = rerouted(c)
             t_in = time.time()
             log(f"inject: {name}")
             inject()
             time.sleep(hold)
             heal()
             t_heal = time.time()
-            timeline.append({"name": name, "inject": t_in, "heal": t_heal})
+            after = rerouted(c)
+            moved = after - before if None not in (before, after) and after >= before else None
+            timeline.append({"name": name, "inject": t_in, "heal": t_heal, "rerouted": moved})
             back = wait_served(events, t_heal, users, 300)
             log(f"healed: {name}; every user served again after {back and round(back, 1)} s")
             time.sleep(settle)
@@ -366,6 +378,21 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
     finally:
         stop.touch()
         c.down(log=log)
+
+
+def rerouted(c) -> int | None:
+    """The ingress's count of reads and chats it moved off a replica that answered 503 ``store_unavailable``
+    (``kvmem_ingress_requests_total{outcome="rerouted"}``), or None when its /metrics does not answer."""
+    code = (
+        "import httpx\n"
+        f"r = httpx.get('{c.url}/metrics', headers={{'Authorization': 'Bearer {c.api_key}'}}, timeout=5)\n"
+        "print(sum(float(x.split()[-1]) for x in r.text.splitlines()"
+        " if x.startswith('kvmem_ingress_requests_total{') and 'rerouted' in x))\n"
+    )
+    try:
+        return int(float(c.run_in("head", code, timeout=30).strip().splitlines()[-1]))
+    except (RuntimeError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def node_memory(c) -> dict[str, int]:
