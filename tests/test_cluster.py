@@ -79,10 +79,10 @@ def test_answers_that_promise_nothing_about_a_write_are_unknown():
 @pytest.mark.slow
 @pytest.mark.postgres
 def test_faults_under_load_lose_nothing():
-    """One replica on each worker node (Ray's state API); across the six faults (a worker killed with -9, a worker
-    cut from db, another from s3, PostgreSQL's immediate restart, the ingress killed, s3 killed; each held 8 s)
-    no acknowledged write is lost, no user is served another's memory, and every user is served again after
-    each heal."""
+    """One replica on each worker node (Ray's state API); across the six faults (a worker cut from db, another
+    from s3, a worker killed with -9, PostgreSQL's immediate restart, the ingress killed, s3 killed; each held 8 s)
+    no acknowledged write is lost, no user is served another's memory, no read or chat fails during a one-node
+    cut, and every user is served again after each heal."""
     import cluster_faults
 
     if os.geteuid() != 0 or shutil.which("ip") is None:
