@@ -120,6 +120,23 @@ def build_sequences(
     return sequences, spans
 
 
+def pick_neighbours(candidates, own: list[int], neighbours: int, max_tokens: int) -> list:
+    """The neighbour rule: from ``candidates`` ((key, token ids) pairs, most similar first), the first
+    ``neighbours`` that fit within ``max_tokens`` prefix tokens together and are not exact copies of the fact
+    (``own``: its token ids) or of a neighbour already kept (a copy adds no context). Returns their keys, most
+    similar first."""
+    kept, used, seen = [], 0, {tuple(own)}
+    for key, ids in candidates:
+        if len(kept) == neighbours:
+            break
+        ids = tuple(ids)
+        if ids not in seen and used + len(ids) <= max_tokens:
+            kept.append(key)
+            used += len(ids)
+            seen.add(ids)
+    return kept
+
+
 def neighbour_prefixes(
     embeddings: torch.Tensor,
     token_ids: list[list[int]],
@@ -157,14 +174,8 @@ def neighbour_prefixes(
         # leave fewer than ``neighbours`` chosen
         k = min(n, 4 * neighbours + 4)
         while True:
-            kept, used, seen = [], 0, {tuple(token_ids[j])}  # exact copies (of the fact or a kept one) add nothing
-            for c in torch.topk(sim[j], k).indices.tolist():  # most similar first
-                if len(kept) == neighbours:
-                    break
-                if c != pool + j and tuple(ids[c]) not in seen and used + len(ids[c]) <= max_tokens:
-                    kept.append(c)
-                    used += len(ids[c])
-                    seen.add(tuple(ids[c]))
+            top_k = torch.topk(sim[j], k).indices.tolist()  # most similar first
+            kept = pick_neighbours(((c, ids[c]) for c in top_k if c != pool + j), token_ids[j], neighbours, max_tokens)
             if len(kept) == neighbours or k == n:
                 break
             k = min(n, 4 * k)
@@ -226,17 +237,11 @@ def scope_neighbours(
             floor = cands[-1][0] if cands and not whole else float("-inf")  # below it, pool facts are unknown
             cands += [(v, 1, i) for i, v in enumerate(among[j].tolist()) if i != j and v >= floor]
             cands.sort(key=lambda c: -c[0])  # stable: a pool fact before a new one it ties with
-            kept, used, seen = [], 0, {tuple(token_ids[j])}  # exact copies (of the fact or a kept one) add nothing
-            for _, kind, x in cands:
-                if len(kept) == neighbours:
-                    break
-                if kind == 0 and x not in info:  # deleted since its page was read
-                    continue
-                ids = info[x][1] if kind == 0 else tuple(token_ids[x])
-                if ids not in seen and used + len(ids) <= max_tokens:
-                    kept.append((kind, x))
-                    used += len(ids)
-                    seen.add(ids)
+            kept = pick_neighbours(
+                (((kind, x), info[x][1] if kind == 0 else token_ids[x]) for _, kind, x in cands
+                 if kind == 1 or x in info),  # a pool fact not in info: deleted since its page was read
+                token_ids[j], neighbours, max_tokens,
+            )  # fmt: skip
             if len(kept) < neighbours and not whole:
                 again.append(j)  # its candidates ran out with pool facts left unread: more of them
             else:
