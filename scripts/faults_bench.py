@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import http_server, stalled_stream
+from conftest import http_server, metric, stalled_stream
 from kvmem.server import KvmemServer, Limits
 
 KA, KB = "key-acme-0123456789abcdef", "key-globex-0123456789abcdef"
@@ -32,12 +32,6 @@ srv = KvmemServer.start(
 if hasattr(srv.limits, "send_timeout_s"):
     srv.limits.send_timeout_s = 2.0
 srv.engine.max_queue = 2
-
-
-def depth(base):
-    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
-        if line.startswith("kvmem_engine_queue_depth "):
-            return float(line.split()[1])
 
 
 with http_server(srv, sndbuf=4096) as base:
@@ -66,7 +60,7 @@ with http_server(srv, sndbuf=4096) as base:
             first_ok = first_ok or time.perf_counter() - t0
         else:
             failed += 1
-        if freed is None and depth(base) == 0:
+        if freed is None and metric(base, "kvmem_engine_queue_depth") == 0:
             freed = time.perf_counter() - t0
         if first_ok and freed is not None:
             break

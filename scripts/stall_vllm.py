@@ -23,16 +23,9 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import VLLM_KEYS, free_port, serve_cmd, stalled_stream, wait_ready
+from conftest import VLLM_KEYS, free_port, metric, serve_cmd, stalled_stream, wait_ready
 
 KA, KB = VLLM_KEYS
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise LookupError(name)
 
 
 def main() -> None:

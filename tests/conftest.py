@@ -302,6 +302,17 @@ def http_server(srv, sndbuf: int | None = None):
         listener.close()
 
 
+def metric(base: str, name: str) -> float:
+    """The value of metric ``name`` in the server's ``/metrics`` at ``base``: its sample without labels, or the
+    first of its labelled ones. Raises AssertionError when the server exposes none."""
+    import httpx
+
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
 def stalled_stream(base: str, key: str, max_tokens: int):
     """A raw socket that asks for a streamed chat (20 top logprobs a token: about 3 KB per chunk; temperature 2,
     so the answer does not end early) and never reads: a 4 KB receive buffer."""

@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import postgres_schema
+from conftest import metric, postgres_schema
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -105,13 +105,6 @@ def replicas_of(base) -> dict[str, int]:
         if r["replica"] == rid:
             out[rid] = r["pid"]
     return out
-
-
-def metric(base, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def two_users_on_two_replicas(base) -> dict[str, str]:

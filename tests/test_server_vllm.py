@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from conftest import FAST_MODEL as FAST
-from conftest import VLLM_KEYS, VLLM_SEND_TIMEOUT_S, stalled_stream
+from conftest import VLLM_KEYS, VLLM_SEND_TIMEOUT_S, metric, stalled_stream
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -179,20 +179,14 @@ def test_vllm_clients_that_stop_reading_are_cut_off_and_free_their_engine_slots(
     engine queue depth back to 0 at once; closing the stream aborts the vLLM request) and its connection closed;
     another tenant's chat is answered while they are held."""
 
-    def metric(name: str) -> float:
-        for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise AssertionError(f"{name} is not in /metrics")
-
-    cut0 = metric("kvmem_send_timeouts_total")
-    assert metric("kvmem_engine_queue_depth") == 0
+    cut0 = metric(base, "kvmem_send_timeouts_total")
+    assert metric(base, "kvmem_engine_queue_depth") == 0
     t0 = time.perf_counter()
     socks = [stalled_stream(base, KEY_A, 1500) for _ in range(3)]
     try:
         depth = 0.0
         while depth < 3 and time.perf_counter() - t0 < 30:  # all three are in the engine
-            depth = metric("kvmem_engine_queue_depth")
+            depth = metric(base, "kvmem_engine_queue_depth")
             time.sleep(0.1)
         assert depth == 3
         # another tenant is answered while the three streams are held
@@ -203,13 +197,13 @@ def test_vllm_clients_that_stop_reading_are_cut_off_and_free_their_engine_slots(
             timeout=120,
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
-        while metric("kvmem_send_timeouts_total") < cut0 + 3 and time.perf_counter() - t0 < 90:
+        while metric(base, "kvmem_send_timeouts_total") < cut0 + 3 and time.perf_counter() - t0 < 90:
             time.sleep(0.2)
-        assert metric("kvmem_send_timeouts_total") == cut0 + 3
+        assert metric(base, "kvmem_send_timeouts_total") == cut0 + 3
         cut_s = time.perf_counter() - t0
-        while metric("kvmem_engine_queue_depth") > 0 and time.perf_counter() - t0 < cut_s + 5:
+        while metric(base, "kvmem_engine_queue_depth") > 0 and time.perf_counter() - t0 < cut_s + 5:
             time.sleep(0.1)
-        assert metric("kvmem_engine_queue_depth") == 0
+        assert metric(base, "kvmem_engine_queue_depth") == 0
         got = []
         for s in socks:  # what the server sent before it gave up, then the end of the stream (connection closed)
             s.settimeout(10)
