@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import http_server, stalled_stream
+from conftest import http_server, metric, stalled_stream
 from kvmem.models import MANIFEST, model_dir
 
 FAST = "smollm2-135m-instruct"
@@ -407,6 +407,16 @@ def test_update_to_empty_text_and_overload_and_timeout(server, alice):
 
 def test_health_ready_and_metrics(server, alice):
     _, base = server
+    # a kv chat and a memory read of its own: the counters below must not depend on which tests ran before
+    _client(server).chat.completions.create(
+        model=FAST,
+        messages=[{"role": "user", "content": "What is Alice's job?"}],
+        user="alice",
+        max_tokens=2,
+        extra_body={"memory": {"mode": "kv", "top_k": 2}},
+    )
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    assert httpx.get(f"{base}/v1/memories/{alice['cat']}", headers=auth).status_code == 200
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     assert httpx.get(f"{base}/ready").json()["engine"] == "hf"
     text = httpx.get(f"{base}/metrics").text
@@ -794,22 +804,15 @@ def test_a_client_that_stops_reading_never_holds_an_engine_slot(server, alice, c
     socks = []
     try:
         with http_server(srv, sndbuf=4096) as base, caplog.at_level(logging.WARNING, logger="kvmem.server"):
-
-            def metric(name: str) -> float:
-                for line in httpx.get(f"{base}/metrics").text.splitlines():
-                    if line.startswith(name + " "):
-                        return float(line.split()[1])
-                raise AssertionError(f"{name} is not in /metrics")
-
             t0 = time.perf_counter()
             socks = [stalled_stream(base, KEY_A, 400) for _ in range(2)]
-            while metric("kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 30:
+            while metric(base, "kvmem_send_timeouts_total") < 2 and time.perf_counter() - t0 < 30:
                 time.sleep(0.2)
-            assert metric("kvmem_send_timeouts_total") == 2
+            assert metric(base, "kvmem_send_timeouts_total") == 2
             while len(done) < 2 and time.perf_counter() - t0 < 30:
                 time.sleep(0.1)
             assert len(done) == 2 and min(done) > 0, done  # both stopped decoding before max_tokens
-            assert metric("kvmem_engine_queue_depth") == 0
+            assert metric(base, "kvmem_engine_queue_depth") == 0
             r = httpx.post(
                 f"{base}/v1/chat/completions",
                 headers=_h(KEY_B),
