@@ -40,7 +40,7 @@ def main() -> int:
     a = ap.parse_args()
 
     from cluster import BUCKET, S3Server
-    from kvmem.bench.common import free_port
+    from kvmem.bench.common import free_port, markdown_table
 
     tmp = Path(tempfile.mkdtemp(prefix="kvmem-s3bench-"))
     pg_dir = Path(tempfile.mkdtemp(prefix="kvmem-pg-"))  # its own: the server runs as the postgres user
@@ -78,23 +78,14 @@ def main() -> int:
     def cell(d: dict) -> str:
         return f"{d['p50']:.2f} / {d['p95']:.2f}"
 
-    f, s = summaries["file"]["per_op"], summaries["s3"]["per_op"]
-    lines = [
-        "| op | local (SQLite, files) | shared, segments on file:// | shared, segments on S3 | S3 / file:// at p50 |",
-        "|---|---|---|---|---|",
-    ]
-    for op in OPS:
-        ratio = s[op]["shared"]["p50"] / f[op]["shared"]["p50"]
-        lines.append(
-            f"| {op} | {cell(f[op]['local'])} | {cell(f[op]['shared'])} | {cell(s[op]['shared'])} | {ratio:.2f}x |"
-        )
+    f, s, k = summaries["file"]["per_op"], summaries["s3"]["per_op"], summaries["s3"]["k"]
+    # (row, local, shared on file://, shared on S3): every op, then the two shared TTFT arms
+    arms = [(op, f[op]["local"], f[op]["shared"], s[op]["shared"]) for op in OPS]
     for arm in ("shared-warm", "shared-cold"):
-        ratio = s["ttft"][arm]["p50"] / f["ttft"][arm]["p50"]
-        lines.append(
-            f"| TTFT k={summaries['s3']['k']}, {arm} | {cell(f['ttft']['local'])} | {cell(f['ttft'][arm])} | "
-            f"{cell(s['ttft'][arm])} | {ratio:.2f}x |"
-        )
-    table = "\n".join(lines)
+        arms.append((f"TTFT k={k}, {arm}", f["ttft"]["local"], f["ttft"][arm], s["ttft"][arm]))
+    rows = [[name, cell(loc), cell(fs), cell(ss), f"{ss['p50'] / fs['p50']:.2f}x"] for name, loc, fs, ss in arms]
+    where = ["local (SQLite, files)", "shared, segments on file://", "shared, segments on S3"]
+    table = markdown_table(rows, ["op", *where, "S3 / file:// at p50"])
     print(table)
     a.out.mkdir(parents=True, exist_ok=True)
     report = {"file": summaries["file"], "s3": summaries["s3"], "table_ms_p50_p95": table}

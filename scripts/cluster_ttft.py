@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,32 +28,12 @@ USER = "ttft-user"
 LOCOMO = ("../shared/data/locomo/locomo7.json", "/work/shared/data/locomo/locomo7.json")
 
 
-def first_token_ms(client, model: str, question: str, k: int) -> float:
-    """Time to the first streamed content token of one kv-mode chat of ``USER`` (ms)."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": question}],
-        "user": USER,
-        "max_tokens": 4,
-        "stream": True,
-        "memory": {"top_k": k, "mode": "kv"},
-    }
-    t0 = time.perf_counter()
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0].get("delta", {})
-                if delta.get("content"):
-                    return (time.perf_counter() - t0) * 1e3
-    raise RuntimeError("the stream ended without content")
-
-
 def measure(cluster_url: str, single_url: str, key: str, model: str, data: str, memories: int, chats: int, k: int,
             out: str):  # fmt: skip
     """In the head's namespace: seed both, then time the chats alternating; writes ``out`` (JSON)."""
     import httpx
 
+    from kvmem.bench.common import first_token_ms
     from kvmem.locomo import get_conversation
 
     conv = get_conversation(Path(data), "conv-26")
@@ -72,7 +50,9 @@ def measure(cluster_url: str, single_url: str, key: str, model: str, data: str, 
     for i in range(chats + 2):
         names = list(arms) if i % 2 == 0 else list(arms)[::-1]
         for a in names:
-            ms = first_token_ms(arms[a], model, questions[i % len(questions)], k)
+            ms = first_token_ms(arms[a], model, USER, questions[i % len(questions)], k)
+            if ms != ms:
+                raise RuntimeError(f"{a}: the stream ended without content")
             if i >= 2:
                 ttft[a].append(ms)
     Path(out).write_text(json.dumps(ttft))
@@ -102,7 +82,7 @@ def main() -> int:
         print("error: LoCoMo data not found (set KVMEM_LOCOMO)", file=sys.stderr)
         return 2
     from cluster import INGRESS_PORT, NODES, Cluster
-    from kvmem.bench.common import machine
+    from kvmem.bench.common import machine, markdown_table, median, p95
 
     a.out.mkdir(parents=True, exist_ok=True)
     raw = (a.out / "ttft_ms.json").resolve()
@@ -128,8 +108,7 @@ def main() -> int:
     ttft = json.loads(raw.read_text())
 
     def stat(xs):
-        xs = sorted(xs)
-        return {"p50": round(statistics.median(xs), 1), "p95": round(xs[int(0.95 * (len(xs) - 1))], 1), "n": len(xs)}
+        return {"p50": round(median(xs), 1), "p95": round(p95(xs), 1), "n": len(xs)}
 
     summary = {
         "model": a.model,
@@ -139,14 +118,14 @@ def main() -> int:
         "chats": a.chats,
         "placement": placement,
         "ttft_ms": {arm: stat(xs) for arm, xs in ttft.items()},
-        "cluster_over_single_p50": round(statistics.median(ttft["cluster"]) / statistics.median(ttft["single"]), 3),
+        "cluster_over_single_p50": round(median(ttft["cluster"]) / median(ttft["single"]), 3),
         "machine": machine(),
     }
     (a.out / "summary.json").write_text(json.dumps(summary, indent=1))
     t = summary["ttft_ms"]
-    print("| arm | kv TTFT p50 / p95, ms | chats |\n|---|---|---|")
-    for arm, what in (("single", "one kvmem serve process, local store"), ("cluster", "the cluster's ingress")):
-        print(f"| {what} | {t[arm]['p50']} / {t[arm]['p95']} | {t[arm]['n']} |")
+    arms = (("single", "one kvmem serve process, local store"), ("cluster", "the cluster's ingress"))
+    rows = [[what, f"{t[arm]['p50']} / {t[arm]['p95']}", t[arm]["n"]] for arm, what in arms]
+    print(markdown_table(rows, ["arm", "kv TTFT p50 / p95, ms", "chats"]))
     print(f"cluster / single at p50: {summary['cluster_over_single_p50']}x; wrote {a.out / 'summary.json'}")
     return 0
 

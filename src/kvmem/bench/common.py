@@ -517,6 +517,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def first_token_ms(client, model: str, user: str, question: str, k: int, max_tokens: int = 4) -> float:
+    """Time to the first streamed content token of one kv-mode chat of ``user`` at ``k`` facts, as the client
+    (``client``: an ``httpx.Client`` on a ``kvmem serve``, with its key) sees it, ms; NaN when the stream ends
+    without content. Raises httpx.HTTPStatusError on a non-2xx answer."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "user": user,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "memory": {"top_k": k, "mode": "kv"},
+    }
+    t0, first = time.perf_counter(), None
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():  # read to the end: the connection goes back to the pool whole
+            if first is None and line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):
+                    first = (time.perf_counter() - t0) * 1e3
+    return first if first is not None else float("nan")
+
+
 @contextmanager
 def served(cmd: list[str], base: str, log: Path, ready_timeout_s: float = 600):
     """Run ``kvmem serve`` (``cmd``, in its own process group, output to ``log``) until ``base``/ready answers

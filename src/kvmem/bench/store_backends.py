@@ -45,7 +45,17 @@ from ..memory import Memory
 from ..models import head_dim, load
 from ..retrieve import Embedder
 from ..store import Store
-from .common import free_port, machine, median, p95, pyplot, served, table, write_summary_and_records
+from .common import (
+    first_token_ms,
+    free_port,
+    machine,
+    median,
+    p95,
+    pyplot,
+    served,
+    table,
+    write_summary_and_records,
+)
 
 BACKENDS = ("local", "shared")
 TTFT_ARMS = ("local", "shared-warm", "shared-cold")
@@ -69,25 +79,6 @@ def _timed(fn, *args, **kwargs) -> float:
     t0 = time.perf_counter()
     fn(*args, **kwargs)
     return (time.perf_counter() - t0) * 1e3
-
-
-def _ttft(client: httpx.Client, model: str, question: str, k: int) -> float:
-    """Time to the first streamed content token of one kv-mode chat of user ``u``, ms."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": question}],
-        "user": "u",
-        "max_tokens": 4,
-        "stream": True,
-        "memory": {"top_k": k, "mode": "kv"},
-    }
-    t0, first = time.perf_counter(), None
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if first is None and '"content":"' in line.replace(" ", "") and '"content":""' not in line:
-                first = (time.perf_counter() - t0) * 1e3
-    return first if first is not None else float("nan")
 
 
 def run(
@@ -190,7 +181,7 @@ def run(
             for i in range(chats + 1):  # one request at a time, the arms' order rotating: the same CPU for each
                 order = list(TTFT_ARMS[i % 3 :] + TTFT_ARMS[: i % 3])
                 for arm in order:
-                    ms = _ttft(clients[arm], model, questions[i % len(questions)], k)
+                    ms = first_token_ms(clients[arm], model, "u", questions[i % len(questions)], k)
                     if i:  # the first chat builds the user's index and opens every segment: left out
                         records.append({"op": "ttft", "backend": arm, "ms": ms})
     finally:
