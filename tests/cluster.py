@@ -218,8 +218,12 @@ class Cluster:
     """The namespaces, links and processes of one cluster, recorded in ``RUN/state.json`` as they are made, so
     that ``down`` (from any process) removes exactly those, whatever step ``up`` reached."""
 
-    def __init__(self, run: Path | str = DEFAULT_RUN):
+    def __init__(self, run: Path | str = DEFAULT_RUN, statement_timeout: str | None = None):
+        """``statement_timeout``: PostgreSQL's for kvmem's sessions on every node (``PGOPTIONS``; e.g. ``2s``),
+        which bounds how long a replica cut from ``db`` takes to answer 503 (it + ``rows.ANSWER_GRACE_S``); None:
+        kvmem's own (10 s)."""
         self.run = Path(run)
+        self.statement_timeout = statement_timeout
         self.state_file = self.run / "state.json"
         self.state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
         self.state.setdefault("netns", [])
@@ -327,6 +331,8 @@ class Cluster:
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT / "tests")) if p),
         )
+        if self.statement_timeout:  # libpq's environment: kvmem's sessions take it over their own (rows.py)
+            env["PGOPTIONS"] = f"-c statement_timeout={self.statement_timeout}"
         return env
 
     def spawn(self, name: str, node: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -369,7 +375,7 @@ class Cluster:
 
     def db_start(self) -> str:
         env = {
-            **self.node_env(),
+            **{k: v for k, v in self.node_env().items() if k != "PGOPTIONS"},  # for kvmem's sessions, not initdb's
             "PG_LISTEN": SERVICES["db"],
             "PG_PASSWORD": self.secrets()["PGPASSWORD"],
             "PG_FSYNC": "off",
@@ -544,7 +550,7 @@ class Cluster:
         return pids
 
     def down(self, log=print) -> None:
-        """End every process in the namespaces (TERM, then KILL after 15 s), delete the namespaces and links."""
+        """End every process in the namespaces (TERM, then KILL after 5 s), delete the namespaces and links."""
         present = set(sh("ip", "netns", "list").stdout.split())
         mine = [n for n in self.state["netns"] if n in present]
         nodes = [n.removeprefix(PREFIX + "-") for n in mine]
@@ -552,7 +558,7 @@ class Cluster:
             self.db_stop()
         for node in nodes:
             self.kill_node_processes(node, signal.SIGTERM)
-        end = time.monotonic() + 15
+        end = time.monotonic() + 5  # Ray's head processes outlive a TERM for longer: nothing here needs them to
         while time.monotonic() < end and any(
             sh("ip", "netns", "pids", ns(n), check=False).stdout.strip() for n in nodes
         ):

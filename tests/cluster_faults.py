@@ -44,6 +44,7 @@ MAX_FACTS = 10
 # replica_lost ("the write may or may not have landed": its replica died while running it)
 UNKNOWN = {504, 500, "replica_lost"}
 MODEL = "smollm2-135m-instruct"
+FAULTS = ("db-cut", "s3-cut", "kill-worker", "pg-restart", "ingress-restart", "s3-restart")  # in the order run
 
 
 def outcome_of(status: int, code: str | None) -> str:
@@ -254,6 +255,11 @@ def check(events: list[dict], faults: list[dict]) -> dict:
             "reads_failed_while_held": sum(
                 e["op"] in ("list", "chat") and e["outcome"] != "ack" and e["t0"] < f["heal"] for e in inside
             ),
+            # users with no request sent while it was held that succeeded: served nowhere during the fault
+            "unserved_while_held": sorted(
+                u for u in by_user if not any(e["user"] == u and e["outcome"] == "ack" and e["t0"] < f["heal"]
+                                              for e in inside)
+            ),
             "rerouted": f.get("rerouted"),
             "statuses": sorted({str(e.get("status") or e.get("code")) for e in fails}),
             "slowest_failure_s": round(max((e["t1"] - e["t0"] for e in fails), default=0.0), 2),
@@ -264,13 +270,14 @@ def check(events: list[dict], faults: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     rows = ["| fault | held s | requests | ack | failed | unknown | hung | failure statuses | slowest failure s "
-            "| reads failed while held | rerouted | all users served after heal, s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| reads failed while held | users unserved while held | rerouted | all users served after heal, s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for w in report["faults"]:
         rows.append(
             f"| {w['fault']} | {w['held_s']} | {w['requests']} | {w['ack']} | {w['failed']} | {w['unknown']} "
             f"| {w['hung']} | {', '.join(w['statuses'])} | {w['slowest_failure_s']} "
-            f"| {w['reads_failed_while_held']} | {w['rerouted']} | {w['all_served_after_heal_s']} |"
+            f"| {w['reads_failed_while_held']} | {len(w['unserved_while_held'])} | {w['rerouted']} "
+            f"| {w['all_served_after_heal_s']} |"
         )
     t = report["totals"]
     rows.append("")
@@ -286,29 +293,65 @@ def markdown(report: dict) -> str:
 # --- the run --------------------------------------------------------------------------------------------
 
 
-def faults_of(c, model: str) -> dict:
-    """Each fault: (inject, heal), on the cluster ``c``."""
-    from cluster import NODES
+def faults_of(c, model: str, events: Path) -> dict:
+    """Each fault by its ``--faults`` name: (title, inject, heal), on the cluster ``c``. The cut and the kill
+    strike the worker node whose replica served ``user0``'s latest chat (``node_of_user``), so that at least one
+    user must be served elsewhere while the fault is held; the s3 cut strikes the other worker. A title names the
+    node at inject time."""
+    hit: dict[str, str] = {}
 
-    def restart_worker():
-        c.ray_start("w1", cpus=1)
-
-    def pg_restart_start():
-        c.db_start()
+    def worker(other: bool = False) -> str:
+        if "node" not in hit:
+            hit["node"] = node_of_user(c, events, "user0")
+        return ({"w1", "w2"} - {hit["node"]}).pop() if other else hit["node"]
 
     def ingress_kill():
         os.kill(c.procs["ingress"].pid, signal.SIGKILL)
         c.procs["ingress"].wait()
 
+    def cut(svc: str, other: bool = False) -> tuple:
+        whose = "the other worker" if other else "user0's"
+        return (
+            lambda: f"{worker(other)} ({whose}) cut from {svc}",
+            lambda: c.cut(worker(other), svc),
+            lambda: c.heal(worker(other), svc),
+        )
+
+    def kill() -> tuple:
+        return (
+            lambda: f"kill -9 {worker()} (user0's; raylet + replica)",
+            lambda: c.kill_node_processes(worker()),
+            lambda: c.ray_start(worker(), cpus=1),
+        )
+
     return {  # the cuts first, while each worker holds a replica (as placed at start): one node's users move
-        "w1 cut from db": (lambda: c.cut("w1", "db"), lambda: c.heal("w1", "db")),
-        "w2 cut from s3": (lambda: c.cut("w2", "s3"), lambda: c.heal("w2", "s3")),
-        "kill -9 w1 (raylet + replica)": (lambda: c.kill_node_processes("w1"), restart_worker),
-        "PostgreSQL immediate restart": (c.db_stop, pg_restart_start),
-        "ingress killed, restarted": (ingress_kill, lambda: c.ingress_start(model)),
-        "s3 killed, restarted": (c.s3_kill, c.s3_start),
-        "_nodes": NODES,
+        "db-cut": cut("db"),
+        "s3-cut": cut("s3", other=True),
+        "kill-worker": kill(),
+        "pg-restart": (lambda: "PostgreSQL immediate restart", c.db_stop, c.db_start),
+        "ingress-restart": (lambda: "ingress killed, restarted", ingress_kill, lambda: c.ingress_start(model)),
+        "s3-restart": (lambda: "s3 killed, restarted", c.s3_kill, c.s3_start),
     }
+
+
+def node_of_user(c, events: Path, user: str) -> str:
+    """The worker node (``w1`` or ``w2``) whose replica answered ``user``'s latest acknowledged chat: that
+    replica's ``/ready`` (pinned to it through the ingress) gives its pid, and ``ip netns pids`` the node."""
+    from cluster import ns, sh
+
+    chats = [json.loads(x) for x in events.read_text().splitlines()]
+    rid = [e["replica"] for e in chats if e["user"] == user and e["op"] == "chat" and e.get("replica")][-1]
+    code = (
+        "import httpx\n"
+        f"r = httpx.get('{c.url}/ready', headers={{'Authorization': 'Bearer {c.api_key}', "
+        f"'X-Kvmem-Replica': '{rid}'}}, timeout=30).json()\n"
+        "print(r['pid'] if r.get('replica') == " + repr(rid) + " else '')\n"
+    )
+    pid = c.run_in("head", code).strip().splitlines()[-1]
+    for node in ("w1", "w2"):
+        if pid in sh("ip", "netns", "pids", ns(node), check=False).stdout.split():
+            return node
+    raise RuntimeError(f"{user}'s replica {rid} (pid {pid or '?'}) is on neither worker")
 
 
 def wait_served(events_path: Path, since: float, users: int, timeout: float) -> float | None:
@@ -331,15 +374,16 @@ def wait_served(events_path: Path, since: float, users: int, timeout: float) -> 
 
 
 def run(hold: float, users: int, out: Path, names: list[str] | None, model: str = MODEL, settle: float = 5,
-        log=print) -> dict:  # fmt: skip
-    """Build the cluster, load it, inject the faults, check; always takes the cluster down. The report."""
+        log=print, statement_timeout: str | None = None) -> dict:  # fmt: skip
+    """Build the cluster, load it, inject the faults (``names``, of ``FAULTS``; None: all), check; always takes
+    the cluster down. ``statement_timeout``: PostgreSQL's for kvmem's sessions (None: kvmem's). The report."""
     from cluster import Cluster
 
     out.mkdir(parents=True, exist_ok=True)
     events, stop = out / "events.jsonl", out / "stop"
     for f in (events, stop):
         f.unlink(missing_ok=True)
-    c = Cluster(out / "cluster")
+    c = Cluster(out / "cluster", statement_timeout=statement_timeout)
     timeline: list[dict] = []
     try:
         c.up(model, log=log)
@@ -351,9 +395,10 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         t = wait_served(events, time.time(), users, 300)
         log(f"load: every user served ({t and round(t, 1)} s); steady {settle * 2:.0f} s")
         time.sleep(settle * 2)
-        table = faults_of(c, model)
-        for name in names or [k for k in table if not k.startswith("_")]:
-            inject, heal = table[name]
+        table = faults_of(c, model, events)
+        for key in table if names is None else names:
+            title, inject, heal = table[key]
+            name = title()
             before = rerouted(c)
             t_in = time.time()
             log(f"inject: {name}")
@@ -370,7 +415,8 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         stop.touch()
         c.procs["load"].wait(timeout=240)
         report = check([json.loads(x) for x in events.read_text().splitlines()], timeline)
-        report.update(placement=placement, memory_mib=mem, hold_s=hold, users=users, model=model)
+        report.update(placement=placement, memory_mib=mem, hold_s=hold, users=users, model=model,
+                      statement_timeout=statement_timeout, timeline=timeline)  # fmt: skip
         (out / "report.json").write_text(json.dumps(report, indent=1))
         (out / "report.md").write_text(markdown(report) + "\n")
         log(markdown(report))
@@ -423,11 +469,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hold", type=float, default=30.0, help="seconds each fault is held before it is healed")
     ap.add_argument("--users", type=int, default=6)
     ap.add_argument("--out", default="/tmp/kvmc-faults")
-    ap.add_argument("--faults", default=None, help="comma-separated names (default: all; none: the load only)")
+    ap.add_argument("--faults", default=None, help=f"comma-separated, of {', '.join(FAULTS)} (default: all; none: "
+                    "the load only)")  # fmt: skip
+    ap.add_argument("--statement-timeout", default=None, help="PostgreSQL's statement_timeout for kvmem's sessions "
+                    "(PGOPTIONS), e.g. 2s: a replica cut from db answers 503 after it + 2 s (default: kvmem's, "
+                    "10 s)")  # fmt: skip
     ap.add_argument("--model", default=MODEL)
     a = ap.parse_args(argv)
     names = None if a.faults is None else [] if a.faults == "none" else a.faults.split(",")
-    rep = run(a.hold, a.users, Path(a.out), names, a.model)
+    unknown = sorted(set(names or []) - set(FAULTS))
+    if unknown:
+        ap.error(f"--faults: unknown {', '.join(unknown)} (known: {', '.join(FAULTS)}, or none)")
+    rep = run(a.hold, a.users, Path(a.out), names, a.model, statement_timeout=a.statement_timeout)
     t = rep["totals"]
     return 0 if t["acked_writes_lost"] == 0 and t["cross_user_injections"] == 0 else 1
 
