@@ -261,6 +261,7 @@ def check(events: list[dict], faults: list[dict]) -> dict:
                                               for e in inside)
             ),
             "rerouted": f.get("rerouted"),
+            "replicas_kept": f.get("replicas_kept"),
             "statuses": sorted({str(e.get("status") or e.get("code")) for e in fails}),
             "slowest_failure_s": round(max((e["t1"] - e["t0"] for e in fails), default=0.0), 2),
             "all_served_after_heal_s": None if None in served.values() else round(max(served.values()), 1),
@@ -339,8 +340,17 @@ def node_of_user(c, events: Path, user: str) -> str:
     replica's ``/ready`` (pinned to it through the ingress) gives its pid, and ``ip netns pids`` the node."""
     from cluster import ns, sh
 
-    chats = [json.loads(x) for x in events.read_text().splitlines()]
-    rid = [e["replica"] for e in chats if e["user"] == user and e["op"] == "chat" and e.get("replica")][-1]
+    end = time.monotonic() + 120
+    while True:  # the load may not have sent that user's first chat yet
+        lines = events.read_text().splitlines()
+        evs = [json.loads(x) for x in lines[:-1]]  # the last line may be half written
+        rids = [e["replica"] for e in evs if e["user"] == user and e["op"] == "chat" and e.get("replica")]
+        if rids or time.monotonic() > end:
+            break
+        time.sleep(0.5)
+    if not rids:
+        raise RuntimeError(f"{user} had no chat answered within 120 s")
+    rid = rids[-1]
     code = (
         "import httpx\n"
         f"r = httpx.get('{c.url}/ready', headers={{'Authorization': 'Bearer {c.api_key}', "
@@ -399,6 +409,7 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         for key in table if names is None else names:
             title, inject, heal = table[key]
             name = title()
+            replicas = set(c.placement()) if key == "ingress-restart" else None  # Ray's live replica actors
             before = rerouted(c)
             t_in = time.time()
             log(f"inject: {name}")
@@ -410,6 +421,9 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             moved = after - before if None not in (before, after) and after >= before else None
             timeline.append({"name": name, "inject": t_in, "heal": t_heal, "rerouted": moved})
             back = wait_served(events, t_heal, users, 300)
+            if replicas is not None:  # the restarted ingress attached to the running replicas: none replaced
+                timeline[-1]["replicas_kept"] = set(c.placement()) == replicas
+                log(f"replicas kept across the ingress restart: {timeline[-1]['replicas_kept']}")
             log(f"healed: {name}; every user served again after {back and round(back, 1)} s")
             time.sleep(settle)
         stop.touch()

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
 from collections import Counter as Tally
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
@@ -125,7 +126,8 @@ class Replica:
     """One serving replica: a ``KvmemServer`` and its app; ``__call__`` runs one HTTP request through the app
     and yields its ASGI response: ``{"status", "headers"}`` first, then body chunks (bytes)."""
 
-    def __init__(self, cfg: ReplicaConfig):
+    def __init__(self, cfg: ReplicaConfig, fingerprint: str = ""):
+        self._fingerprint = fingerprint  # what the ingress deployed: a restarted ingress compares it (``start``)
         ctx = serve.get_replica_context()
         self.name = ctx.replica_id.unique_id
         if cfg.split_cores:  # torch, and vLLM's CPU thread binding (it binds within the allowed cores), apart
@@ -187,6 +189,10 @@ class Replica:
             if not task.done():
                 task.cancel()
 
+    def fingerprint(self) -> str:
+        """The deployment's options as the ingress that deployed this replica hashed them (``_fingerprint``)."""
+        return self._fingerprint
+
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose engine died is restarted."""
         if not self.server.engine.healthy():
@@ -206,10 +212,44 @@ def _resources(replicas: int, gpus: float, cpus: float) -> dict:
     return {"num_cpus": max(0.1, cpus / replicas)}
 
 
+def _fingerprint(cfg: ReplicaConfig, replicas: int, resources: dict, env: dict, max_queue: int) -> str:
+    """A hash of everything a deployment is made of: the replicas' config, their count, resources, environment
+    and queue bound, the API keys file's bytes, and kvmem's own code (every module of the package, so an upgrade
+    never attaches to replicas running the old code). Equal fingerprints: interchangeable deployments."""
+    h = hashlib.sha256()
+    what = {"cfg": asdict(cfg), "n": replicas, "res": resources, "env": env, "q": max_queue}
+    h.update(json.dumps(what, sort_keys=True, default=repr).encode())
+    if cfg.api_keys_file:
+        h.update(Path(cfg.api_keys_file).read_bytes())
+    package = Path(__file__).resolve().parents[1]
+    for f in sorted(package.rglob("*.py")):
+        h.update(str(f.relative_to(package)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _running(fingerprint: str):
+    """The handle of the kvmem app already RUNNING on the joined cluster with ``fingerprint`` (deployed by an
+    ingress that died without stopping it, kill -9 say), else None: a restarted ingress attaches to its
+    replicas instead of replacing them, so no model loads again."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+        if app is None or app.status != "RUNNING":
+            return None
+        handle = serve.get_app_handle(APP_NAME)
+        same = handle.options(method_name="fingerprint").remote().result(timeout_s=30) == fingerprint
+    except Exception as exc:  # no Serve yet, or a replica that does not answer: deploy afresh
+        logger.info("no running kvmem app to attach to (%s: %s)", type(exc).__name__, exc)
+        return None
+    if same:
+        logger.warning("attached to the running kvmem app on this cluster (same options): no replica restarted")
+    return handle if same else None
+
+
 class Replicas:
     """N replicas on Ray Serve: ``start`` joins ``ray_address`` or starts a local Ray with this machine's
-    cores, deploys the replicas with ``UserAffinityRouter`` and waits until they are running; ``close`` stops
-    them (their engines with them) and a Ray it started."""
+    cores, deploys the replicas with ``UserAffinityRouter`` and waits until they are running (on a joined cluster
+    where they already run with the same options, left by an ingress that died, it attaches to them instead);
+    ``close`` stops them (their engines with them) and a Ray it started."""
 
     def __init__(self, handle, started_ray: bool, replicas: int, limits: Limits, tenants: Tenants, store: str):
         self.handle, self.started_ray, self.replicas = handle, started_ray, replicas
@@ -291,13 +331,16 @@ class Replicas:
             # the store's size is measured once, by the ingress, not by every replica
             start = {"max_queue": max_queue, **start_kwargs, "measure_store": False}
             cfg = ReplicaConfig(canonical(store), keys_path, start, split)
-            serve.start(proxy_location="Disabled")
-            handle = serve.run(
-                deployment.bind(cfg),
-                name=APP_NAME,
-                route_prefix=None,
-                logging_config={"log_level": "WARNING", "enable_access_log": False},
-            )
+            fp = _fingerprint(cfg, replicas, per, env, max_queue)
+            handle = None if started else _running(fp)
+            if handle is None:
+                serve.start(proxy_location="Disabled")
+                handle = serve.run(
+                    deployment.bind(cfg, fp),
+                    name=APP_NAME,
+                    route_prefix=None,
+                    logging_config={"log_level": "WARNING", "enable_access_log": False},
+                )
         except BaseException:  # a failed start (or SIGTERM meanwhile) leaves no Ray behind
             if started:
                 serve.shutdown()
