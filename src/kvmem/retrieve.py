@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -268,35 +266,32 @@ def search(
     indexes: IndexCache,
     store,
     ukv,
-    query_vec: torch.Tensor | Callable[[], torch.Tensor],
+    query_vec: torch.Tensor,
     query: str,
     top_k: int,
     allowed=None,
     fusion: Fusion | None = None,
 ) -> list[Hit]:
-    """The ``top_k`` facts of ``ukv`` (a snapshot of ``store``) for ``query`` (embedded: ``query_vec`` [E], or a
-    callable that embeds it), best first, each once, only among ``allowed`` store row ids (None: all).
-    ``fusion`` None: by cosine alone (``IndexCache.search``); else cosine and the store's keyword scores fused
-    (``Fusion``). Keyword matches are read per scope of ``ukv`` from the latest commit and kept only where they are
-    in the snapshot and allowed, so what is returned is always a fact of ``ukv``. With a callable ``query_vec``
-    the keyword lookups run on a thread while it embeds the query (SQLite and torch both release the GIL): hybrid
-    search then costs about what cosine does. A store without a full-text index is searched by cosine."""
+    """The ``top_k`` facts of ``ukv`` (a snapshot of ``store``) for ``query`` (embedded: ``query_vec`` [E]), best
+    first, each once, only among ``allowed`` store row ids (None: all). ``fusion`` None: by cosine alone
+    (``IndexCache.search``); else cosine and the store's keyword scores fused (``Fusion``). Keyword matches are
+    read per scope of ``ukv`` from the latest commit and kept only where they are in the snapshot and allowed,
+    so what is returned is always a fact of ``ukv``. A store without a full-text index is searched by cosine."""
     if fusion is None:
-        q = query_vec() if callable(query_vec) else query_vec
-        scores, pos = indexes.search(store, ukv, q, top_k, allowed)
+        scores, pos = indexes.search(store, ukv, query_vec, top_k, allowed)
         return [Hit(int(p), float(s), float(s), None, i + 1) for i, (s, p) in enumerate(zip(scores, pos))]
     pool = max(4 * top_k, fusion.pool)
-    if callable(query_vec):
-        keyword = _keyword_pool().submit(_keyword_matches, store, ukv, query, pool, allowed)
-        try:
-            query_vec = query_vec()
-        finally:
-            found = keyword.result()
-    else:
-        found = _keyword_matches(store, ukv, query, pool, allowed)
     scores, pos = indexes.search(store, ukv, query_vec, pool, allowed)
     sem_rank = {int(p): i + 1 for i, p in enumerate(pos)}
-    if found is None:
+    found, offset, indexed = [], 0, False
+    for part in ukv.parts or (ukv,):
+        got = store.keyword_search(part.user, query, pool)
+        if got is not None:
+            indexed = True
+            where = part.position
+            found += [(s, where[r] + offset) for r, s in got if r in where and (allowed is None or r in allowed)]
+        offset += len(part.facts)
+    if not indexed:
         return [Hit(int(p), float(s), float(s), None, i + 1) for i, (s, p) in enumerate(zip(scores, pos))][:top_k]
     found = sorted(found, key=lambda x: -x[0])[:pool]
     kw = {p: s for s, p in found}
@@ -320,31 +315,6 @@ def search(
         Hit(cand[i], float(fused[i]), float(cos[i]), kw.get(cand[i]), sem_rank.get(cand[i]), kw_rank.get(cand[i]))
         for i in order
     ]
-
-
-_KEYWORD: dict[int, ThreadPoolExecutor] = {}  # pid -> the pool of search's keyword lookups (a fork gets its own)
-
-
-def _keyword_pool() -> ThreadPoolExecutor:
-    pid = os.getpid()
-    if pid not in _KEYWORD:
-        _KEYWORD.clear()  # a forked child's copy: its threads are not there
-        _KEYWORD[pid] = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvmem-keyword")
-    return _KEYWORD[pid]
-
-
-def _keyword_matches(store, ukv, query: str, pool: int, allowed) -> list[tuple[float, int]] | None:
-    """``query``'s keyword matches among ``ukv``'s facts, ``[(score, position)]`` (unsorted), at most ``pool`` per
-    scope, only ``allowed`` rows (None: all); None when the store has no full-text index."""
-    found, offset, indexed = [], 0, False
-    for part in ukv.parts or (ukv,):
-        got = store.keyword_search(part.user, query, pool)
-        if got is not None:
-            indexed = True
-            where = part.position
-            found += [(s, where[r] + offset) for r, s in got if r in where and (allowed is None or r in allowed)]
-        offset += len(part.facts)
-    return found if indexed else None
 
 
 @dataclass

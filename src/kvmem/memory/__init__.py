@@ -345,11 +345,7 @@ class Memory:
         if keyword_search is not None and not isinstance(keyword_search, bool):
             raise MemoryInputError(f"keyword_search must be true or false, not {keyword_search!r}")
         fusion = self.fusion if keyword_search is None else (self.fusion or Fusion()) if keyword_search else None
-
-        def embed():  # called by search: hybrid runs its keyword lookups meanwhile
-            return self.embedder.embed([query])[0]
-
-        hits = search(self.indexes, self.store, ukv, embed, query, top_k, allowed, fusion)
+        hits = search(self.indexes, self.store, ukv, self.embedder.embed([query])[0], query, top_k, allowed, fusion)
         out = []
         for h in hits:
             if threshold is None or h.semantic >= threshold:

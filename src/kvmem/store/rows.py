@@ -363,18 +363,23 @@ class SQLiteRows(Rows):
     def keyword(self, user: str, terms: list[str], limit: int) -> list[tuple[int, float]]:
         if not terms:
             return []
-        # the user's hex name narrows the match to its postings; the join checks the exact name and liveness
+        # the user's hex name narrows the match to its postings (the index holds live rows only: triggers); the
+        # exact name is checked after the ranking, on the few rows it kept (a join before it cost 40% more)
         words = " OR ".join(f'"{t}"' for t in terms)
         match = f'owner : "{user.encode().hex().upper()}" AND text : ({words})'
-        return [
-            (int(r), float(s))
-            for r, s in self.db.execute(
-                "SELECT f.row, -bm25(facts_text, 1.0, 0.0) FROM facts_text JOIN facts f ON f.row = facts_text.rowid "
-                "WHERE facts_text MATCH ? AND f.user = ? AND f.deleted IS NULL "
-                "ORDER BY bm25(facts_text, 1.0, 0.0), f.row LIMIT ?",
-                (match, user, limit),
-            )
-        ]
+        ranked = self.db.execute(
+            "SELECT rowid, -bm25(facts_text, 1.0, 0.0) FROM facts_text WHERE facts_text MATCH ? "
+            "ORDER BY bm25(facts_text, 1.0, 0.0), rowid LIMIT ?",
+            (match, limit + 16),  # room for another name whose hex stems alike (never seen)
+        ).fetchall()
+        if not ranked:
+            return []
+        marks = ",".join("?" * len(ranked))
+        mine = {r for (r,) in self.db.execute(
+            f"SELECT row FROM facts WHERE row IN ({marks}) AND user = ? AND deleted IS NULL",
+            (*(r for r, _ in ranked), user),
+        )}  # fmt: skip
+        return [(int(r), float(s)) for r, s in ranked if r in mine][:limit]
 
     def holds_other_data(self) -> bool:
         """A non-empty directory without a manifest."""
