@@ -44,7 +44,7 @@ MAX_FACTS = 10
 # replica_lost ("the write may or may not have landed": its replica died while running it)
 UNKNOWN = {504, 500, "replica_lost"}
 MODEL = "smollm2-135m-instruct"
-FAULTS = ("db-cut", "s3-cut", "kill-worker", "pg-restart", "ingress-restart", "s3-restart")  # in the order run
+FAULTS = ("db-cut", "s3-cut", "ingress-restart", "kill-worker", "pg-restart", "s3-restart")  # in the order run
 
 
 def outcome_of(status: int, code: str | None) -> str:
@@ -325,14 +325,17 @@ def faults_of(c, model: str, events: Path) -> dict:
             lambda: c.ray_start(worker(), cpus=1),
         )
 
-    return {  # the cuts first, while each worker holds a replica (as placed at start): one node's users move
+    # the cuts first, while each worker holds a replica (as placed at start): one node's users move; the ingress
+    # restart before the kill, so its replicas are still the ones placed at start
+    faults = {
         "db-cut": cut("db"),
         "s3-cut": cut("s3", other=True),
+        "ingress-restart": (lambda: "ingress killed, restarted", ingress_kill, lambda: c.ingress_start(model)),
         "kill-worker": kill(),
         "pg-restart": (lambda: "PostgreSQL immediate restart", c.db_stop, c.db_start),
-        "ingress-restart": (lambda: "ingress killed, restarted", ingress_kill, lambda: c.ingress_start(model)),
         "s3-restart": (lambda: "s3 killed, restarted", c.s3_kill, c.s3_start),
     }
+    return {k: faults[k] for k in FAULTS}
 
 
 def node_of_user(c, events: Path, user: str) -> str:
@@ -406,10 +409,14 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         log(f"load: every user served ({t and round(t, 1)} s); steady {settle * 2:.0f} s")
         time.sleep(settle * 2)
         table = faults_of(c, model, events)
+        done: list[str] = []
         for key in table if names is None else names:
             title, inject, heal = table[key]
             name = title()
-            replicas = set(c.placement()) if key == "ingress-restart" else None  # Ray's live replica actors
+            replicas = None  # Ray's live replica actors before the ingress restart: as placed, unless one died
+            if key == "ingress-restart":
+                replicas = set(c.placement()) if "kill-worker" in done else set(placement)
+            done.append(key)
             before = rerouted(c)
             t_in = time.time()
             log(f"inject: {name}")

@@ -279,7 +279,8 @@ def test_gemma3_end_to_end(tmp_path, tiny_locomo):
     from kvmem.hardware import plan
 
     root = tmp_path / "g"
-    run("ingest-locomo", tiny_locomo, "--sample", "conv-26", "--store", root, "--window", "2", "--model", GEMMA)
+    run("ingest-locomo", tiny_locomo, "--sample", "conv-26", "--store", root, "--window", "2", "--neighbours", 0,
+        "--model", GEMMA)  # fmt: skip
     q = "What did Caroline research?"
     from kvmem.service import MemoryService
 

@@ -253,9 +253,8 @@ def test_ingest_locomo_neighbours_cli(tmp_path, tiny_locomo):
 @pytest.mark.slow
 def test_bad_neighbours_refused_before_loading(tmp_path):
     """Every command's ``--neighbours`` is range-checked by the CLI itself (exit 2), before a model loads or a
-    store is created; the CLI's bound is ingest's."""
-    import subprocess
-    import sys
+    store is created; the CLI's bound is ingest's (in this process: the same typer app and exit codes)."""
+    from conftest import kvmem_cli
 
     for cmd in (
         ["serve", "--store", str(tmp_path / "s"), "--engine", "hf"],
@@ -265,19 +264,9 @@ def test_bad_neighbours_refused_before_loading(tmp_path):
         ["eval", "locomo"],
     ):
         for bad in ("33", "-1"):
-            p = subprocess.run(
-                [sys.executable, "-m", "kvmem.cli", *cmd, "--neighbours", bad, "--model", FAST],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            p = kvmem_cli(*cmd, "--neighbours", bad, "--model", FAST, check_rc=None)
             assert p.returncode == 2 and "--neighbours" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
         if cmd[0] != "demo":  # history encoding and neighbours are one or the other
-            p = subprocess.run(
-                [sys.executable, "-m", "kvmem.cli", *cmd, "--history", "--neighbours", "2", "--model", FAST],
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            p = kvmem_cli(*cmd, "--history", "--neighbours", "2", "--model", FAST, check_rc=None)
             assert p.returncode == 2 and "do not combine" in p.stderr and "Traceback" not in p.stderr, (cmd, p.stderr)
     assert not any(tmp_path.iterdir())  # nothing created

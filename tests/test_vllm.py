@@ -1,9 +1,10 @@
 """Stock vLLM + the kvmem KV connector, on CPU, on tiny fp32 models: injection equivalence, control, counters,
 isolation, fallback and preemption, in vLLM's default multi-process mode and in-process mode.
 
-Runs: Llama in multi-process and in in-process mode; Qwen2 in-process with a KV cache of a few blocks, so that
-the batched requests are preempted mid-decode and resumed. The in-process Llama engine also reads a shared store
-(rows in the session's PostgreSQL), after all its other cases: three engine starts in all.
+Runs: Llama in multi-process mode; Qwen2 in-process with a KV cache of a few blocks, so that the batched requests
+are preempted mid-decode and resumed. The Llama engine also reads a shared store (rows in the session's
+PostgreSQL, segments on the session's S3 server), after all its other cases: two engine starts in all (a third,
+Llama in-process, checked what these two do between them).
 
 Each mode runs in its own subprocess (this file run as a script) holding one engine for all cases; the test
 process builds the tiny model and store, computes the transformers-engine references and asserts.
@@ -34,9 +35,9 @@ ORDER = ["f2", "f0", "f3", "f1"]  # injected order differs from stored order
 
 
 RUNS = {  # run name -> (family, mode, engine options)
-    # this run's worker keeps facts in its read cache, so a load of facts read before reads nothing
-    "llama-multiproc": ("llama", "multiproc", {"cache_bytes": 64 << 20}),
-    "llama-inproc": ("llama", "inproc", {"shared": True}),  # and the shared store's cases, last
+    # this run's worker keeps facts in its read cache, so a load of facts read before reads nothing; and the
+    # shared store's cases, last
+    "llama-multiproc": ("llama", "multiproc", {"cache_bytes": 64 << 20, "shared": True}),
     # 8 blocks of 32 tokens (one is vLLM's null block): two 93+20-token requests cannot both finish unpreempted.
     "qwen2-inproc-preempt": ("qwen2", "inproc", {"kv_blocks": 8, "max_model_len": 128}),
 }
@@ -619,8 +620,8 @@ def test_injects_from_a_shared_store(request, tmp_path_factory):
     """The connector's scheduler and worker sides read a shared store (rows in PostgreSQL, segments on a real S3
     server through obstore, ``s3://``) exactly as a local one: a copy of the jointly encoded memory is injected
     (vLLM's own cached-token count covers it), read from S3 by ranged GETs, and the answer equals vLLM's prompt
-    prefill. (The in-process Llama run's engine.)"""
-    run = engine_run(request, tmp_path_factory, "llama-inproc")
+    prefill. (The multi-process Llama run's engine.)"""
+    run = engine_run(request, tmp_path_factory, "llama-multiproc")
     res = run["shared"]
     assert run["_s3_calls"].get("GET range", 0) > 0  # the engine's reads went to the S3 server
     spec = _SPECS["llama"]
