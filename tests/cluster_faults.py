@@ -345,9 +345,9 @@ def node_of_user(c, events: Path, user: str) -> str:
 
     end = time.monotonic() + 120
     while True:  # the load may not have sent that user's first chat yet
-        lines = events.read_text().splitlines()
-        evs = [json.loads(x) for x in lines[:-1]]  # the last line may be half written
-        rids = [e["replica"] for e in evs if e["user"] == user and e["op"] == "chat" and e.get("replica")]
+        rids = [
+            e["replica"] for e in read_events(events) if e["user"] == user and e["op"] == "chat" and e.get("replica")
+        ]
         if rids or time.monotonic() > end:
             break
         time.sleep(0.5)
@@ -367,17 +367,24 @@ def node_of_user(c, events: Path, user: str) -> str:
     raise RuntimeError(f"{user}'s replica {rid} (pid {pid or '?'}) is on neither worker")
 
 
+def read_events(events_path: Path) -> list[dict]:
+    """The events the load has written so far (none before its file exists); a line it is still writing (the last,
+    half written) is left out."""
+    out = []
+    for line in events_path.read_text().splitlines() if events_path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
 def wait_served(events_path: Path, since: float, users: int, timeout: float) -> float | None:
     """Seconds from ``since`` until every user had a request acknowledged that was sent after it."""
     end = time.time() + timeout
     while time.time() < end:
         ok: dict[str, float] = {}
-        lines = events_path.read_text().splitlines() if events_path.exists() else []
-        for line in lines:
-            try:
-                e = json.loads(line)
-            except ValueError:  # the last line, half written
-                continue
+        for e in read_events(events_path):
             if e["t0"] >= since and e["outcome"] == "ack":
                 ok[e["user"]] = min(ok.get(e["user"], e["t1"]), e["t1"])
         if len(ok) >= users:
@@ -435,7 +442,7 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             time.sleep(settle)
         stop.touch()
         c.procs["load"].wait(timeout=240)
-        report = check([json.loads(x) for x in events.read_text().splitlines()], timeline)
+        report = check([json.loads(x) for x in events.read_text().splitlines()], timeline)  # all whole now
         report.update(placement=placement, memory_mib=mem, hold_s=hold, users=users, model=model,
                       statement_timeout=statement_timeout, timeline=timeline)  # fmt: skip
         (out / "report.json").write_text(json.dumps(report, indent=1))
