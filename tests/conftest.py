@@ -398,7 +398,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 6
         except httpx.HTTPError:
             pass
         assert time.time() < deadline, f"server not ready in {timeout_s:g} s"
-        time.sleep(1)
+        time.sleep(0.25)
 
 
 @pytest.fixture(scope="session")

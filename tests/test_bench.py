@@ -545,7 +545,8 @@ def test_bench_store(tiny, postgres):
     import psycopg
 
     out = tiny["root"] / "store"
-    args = ["--adds", 4, "--deletes", 2, "--memories", 120, "--chats", 2, "--k", 3, "--data", tiny["data"]]
+    args = ["--adds", 4, "--deletes", 2, "--memories", 120, "--searches", 4, "--gathers", 2, "--chats", 2, "--k", 3]
+    args += ["--data", tiny["data"]]
     cli("bench", "store", "--postgres", postgres, *args, "--model", FAST, "--out", out)
     s = check_outputs(out, "store_backends.png")
     for op in ("add", "delete", "search", "gather20-cold", "gather50-warm"):

@@ -21,7 +21,7 @@ import shutil
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -545,32 +545,52 @@ def served(cmd: list[str], base: str, log: Path, ready_timeout_s: float = 600):
     """Run ``kvmem serve`` (``cmd``, in its own process group, output to ``log``) until ``base``/ready answers
     200; yields (the server's ``Popen``, the ``/ready`` JSON); stops the server (SIGTERM, then SIGKILL after
     30 s). Raises RuntimeError if it exits or is not ready in time."""
+    with served_together([(cmd, base, log)], ready_timeout_s) as [one]:
+        yield one
+
+
+@contextmanager
+def served_together(specs: list[tuple[list[str], str, Path]], ready_timeout_s: float = 600):
+    """``served`` for several servers, (cmd, base, log) each, started at once (their imports and model loads
+    overlap); yields [(``Popen``, ``/ready`` JSON)] in ``specs``' order once every one is ready, and stops them
+    all. Raises RuntimeError if one exits or is not ready in ``ready_timeout_s``."""
     import signal
     import subprocess
 
     import httpx
 
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as errlog:
-        proc = subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            t0 = time.perf_counter()
-            while True:
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, _, log in specs:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "w") as errlog:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(cmd, stdout=errlog, stderr=subprocess.STDOUT, start_new_session=True))
+        ready: list[dict | None] = [None] * len(specs)
+        t0 = time.perf_counter()
+        while any(r is None for r in ready):
+            for i, ((_, base, log), proc) in enumerate(zip(specs, procs)):
+                if ready[i] is not None:
+                    continue
                 if proc.poll() is not None:
                     raise RuntimeError(f"the server exited ({proc.returncode}); see {log}")
                 try:
                     r = httpx.get(f"{base}/ready", timeout=2)
                     if r.status_code == 200:
-                        break
+                        ready[i] = r.json()
                 except httpx.HTTPError:
                     pass
-                if time.perf_counter() - t0 > ready_timeout_s:
-                    raise RuntimeError(f"the server did not become ready in {ready_timeout_s:g} s; see {log}")
-                time.sleep(1)
-            yield proc, r.json()
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            if time.perf_counter() - t0 > ready_timeout_s:
+                raise RuntimeError(f"a server did not become ready in {ready_timeout_s:g} s; see {specs[0][2].parent}")
+            if any(r is None for r in ready):
+                time.sleep(0.2)
+        yield list(zip(procs, ready))
+    finally:
+        for proc in procs:
+            with suppress(ProcessLookupError):  # a server that exited may have taken its group with it
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)

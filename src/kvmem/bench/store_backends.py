@@ -52,7 +52,7 @@ from .common import (
     median,
     p95,
     pyplot,
-    served,
+    served_together,
     table,
     write_summary_and_records,
 )
@@ -129,17 +129,19 @@ def run(
         cfg = lm.config
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg))
         dtype = str(lm.dtype).removeprefix("torch.")
+        t0 = time.perf_counter()
+        fills = {}  # both stores at once: set-up, not timed
         for b in BACKENDS:
-            t0 = time.perf_counter()
             args = (where[b], "big", memories, 16, emb.dim, shape, dtype)
-            child = subprocess.run(
-                [sys.executable, "-c", f"from kvmem.bench.chat_cost import fill; fill(*{args!r})"],
-                capture_output=True,
-                text=True,
+            code = f"from kvmem.bench.chat_cost import fill; fill(*{args!r})"
+            fills[b] = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
             )
+        for b, child in fills.items():
+            err = child.communicate()[1]
             if child.returncode != 0:
-                raise RuntimeError(f"filling the {b} store failed: {child.stderr[-500:]}")
-            echo(f"bench store: {memories:,} memories into the {b} store in {time.perf_counter() - t0:.0f} s")
+                raise RuntimeError(f"filling the {b} store failed: {err[-500:]}")
+        echo(f"bench store: {memories:,} memories into each store in {time.perf_counter() - t0:.0f} s")
         for i in range(searches + 1):
             for b in BACKENDS if i % 2 else BACKENDS[::-1]:
                 ms = _timed(mems[b].search, questions[i % len(questions)], "big", limit=k)
@@ -170,14 +172,21 @@ def run(
             "shared-warm": (where["shared"], ["--cache-dir", str(tmp / "cache")]),
             "shared-cold": (where["shared"], ["--cache-bytes", "1"]),
         }
+        bases = {arm: f"http://127.0.0.1:{free_port()}" for arm in arms}
+        specs = [
+            (
+                [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, "--engine", "hf"]
+                + ["--port", bases[arm].rsplit(":", 1)[1], *extra],
+                bases[arm],
+                out / f"server-{arm}.log",
+            )
+            for arm, (store, extra) in arms.items()
+        ]
         with ExitStack() as stack:
-            clients = {}
-            for arm, (store, extra) in arms.items():
-                port = free_port()
-                cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, "--engine", "hf"]
-                base = f"http://127.0.0.1:{port}"
-                stack.enter_context(served(cmd + ["--port", str(port), *extra], base, out / f"server-{arm}.log"))
-                clients[arm] = stack.enter_context(httpx.Client(base_url=base, timeout=600))
+            stack.enter_context(served_together(specs))  # started at once: their model loads overlap
+            clients = {
+                arm: stack.enter_context(httpx.Client(base_url=base, timeout=600)) for arm, base in bases.items()
+            }
             for i in range(chats + 1):  # one request at a time, the arms' order rotating: the same CPU for each
                 order = list(TTFT_ARMS[i % 3 :] + TTFT_ARMS[: i % 3])
                 for arm in order:

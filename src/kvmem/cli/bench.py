@@ -365,6 +365,8 @@ def bench_store(
     adds: int = typer.Option(40, "--adds"),
     deletes: int = typer.Option(10, "--deletes"),
     memories: int = typer.Option(10_000, "--memories", help="Memories of the user that search and gather read."),
+    searches: int = typer.Option(40, "--searches", help="Searches timed per backend."),
+    gathers: int = typer.Option(20, "--gathers", help="Gathers timed per backend, size (20, 50) and cache state."),
     chats: int = typer.Option(20, "--chats", help="kv-mode chats timed per TTFT arm."),
     k: int = typer.Option(20, "--k"),
     data: Path = DATA,
@@ -374,9 +376,13 @@ def bench_store(
     """The local and the shared store side by side: add, delete, search, gather (cold / warm), TTFT via serve."""
     store_backends = bench_module("store_backends")
 
-    if min(adds, chats, k) < 1 or memories < 50 or not 0 <= deletes <= adds:
-        raise ValueError("--adds, --chats and --k must be >= 1, --memories >= 50 (gathers of 50), --deletes <= --adds")
-    store_backends.run(data, out, model, postgres, segments, adds, deletes, memories, chats=chats, k=k, echo=typer.echo)
+    if min(adds, searches, gathers, chats, k) < 1 or memories < 50 or not 0 <= deletes <= adds:
+        raise ValueError(
+            "--adds, --searches, --gathers, --chats and --k must be >= 1, --memories >= 50 (gathers of 50), "
+            "--deletes <= --adds"
+        )
+    store_backends.run(data, out, model, postgres, segments, adds, deletes, memories, searches, gathers, chats, k,
+                       echo=typer.echo)  # fmt: skip
 
 
 @bench_app.command("replay")
