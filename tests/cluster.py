@@ -220,8 +220,8 @@ class Cluster:
 
     def __init__(self, run: Path | str = DEFAULT_RUN, statement_timeout: str | None = None):
         """``statement_timeout``: PostgreSQL's for kvmem's sessions on every node (``PGOPTIONS``; e.g. ``2s``),
-        which bounds how long a replica cut from ``db`` takes to answer 503 (it + ``rows.ANSWER_GRACE_S``); None:
-        kvmem's own (10 s)."""
+        which bounds how long a replica cut from ``db`` takes to answer 503 (it + ``postgres_rows.ANSWER_GRACE_S``);
+        None: kvmem's own (10 s)."""
         self.run = Path(run)
         self.statement_timeout = statement_timeout
         self.state_file = self.run / "state.json"
@@ -331,7 +331,7 @@ class Cluster:
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT / "tests")) if p),
         )
-        if self.statement_timeout:  # libpq's environment: kvmem's sessions take it over their own (rows.py)
+        if self.statement_timeout:  # libpq's environment: kvmem's sessions take it over their own (postgres_rows.py)
             env["PGOPTIONS"] = f"-c statement_timeout={self.statement_timeout}"
         return env
 

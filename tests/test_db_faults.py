@@ -24,13 +24,13 @@ import pytest
 import torch
 
 import store_worker as sw
-from kvmem.store import Store, StoreUnavailable, rows
+from kvmem.store import Store, StoreUnavailable, postgres_rows
 
 pytestmark = pytest.mark.postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = "smollm2-135m-instruct"
-BOUND_S = 1 + rows.ANSWER_GRACE_S  # the URL's statement_timeout + the grace
+BOUND_S = 1 + postgres_rows.ANSWER_GRACE_S  # the URL's statement_timeout + the grace
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +96,10 @@ def test_a_stalled_database_is_bounded_then_answered_at_once(cluster, tmp_path):
                       segments_url=(tmp_path / "kv").as_uri())  # fmt: skip
     conn = st.rows.conn
     libpq = {o.keyword.decode(): (o.val or b"").decode() for o in conn.pgconn.info}
-    assert {k: libpq[k] for k in rows.PG_CONNECT} == rows.PG_CONNECT
+    assert {k: libpq[k] for k in postgres_rows.PG_CONNECT} == postgres_rows.PG_CONNECT
     # the server's side of TCP too (a vanished writer's session, and its advisory locks, end within ~25 s); a unix
     # socket, as here, reads those as 0, so the sent options are checked
-    assert all(f"-c {k}={v}" in libpq["options"] for k, v in rows.PG_SESSION.items())
+    assert all(f"-c {k}={v}" in libpq["options"] for k, v in postgres_rows.PG_SESSION.items())
     assert libpq["options"].endswith("-c search_path=bounded -c statement_timeout=1s")  # the URL's own, last
     shown = dict(conn.execute("SELECT name, setting FROM pg_settings WHERE name IN ('statement_timeout', "
                               "'lock_timeout', 'idle_in_transaction_session_timeout')").fetchall())  # fmt: skip

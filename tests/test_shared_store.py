@@ -244,12 +244,14 @@ def test_both_row_backends_satisfy_the_seam(tmp_path, postgres):
     a write transaction is all or nothing; a snapshot does not see a commit made during it; another holder of a
     user's writer lock makes ``locked`` raise StoreBusy after its timeout, while another user's lock is free."""
     from kvmem.engines.base import check_implements
-    from kvmem.store import StoreBusy, rows
+    from kvmem.store import StoreBusy, backends, rows
+    from kvmem.store.postgres_rows import PostgresRows
+    from kvmem.store.sqlite_rows import SQLiteRows
 
-    for impl in (rows.SQLiteRows, rows.PostgresRows):
+    for impl in (SQLiteRows, PostgresRows):
         assert check_implements(impl, rows.Rows) == [], impl
     url = postgres_schema(postgres, "rows_seam")
-    for make in (lambda: rows.open_rows(tmp_path / "d"), lambda: rows.open_rows(url)):
+    for make in (lambda: backends.open_rows(tmp_path / "d"), lambda: backends.open_rows(url)):
         r, other = make(), None
         assert not r.exists()
         r.create({"format": 3, "store_id": "abc"}, b"header bytes")
@@ -273,7 +275,7 @@ def test_both_row_backends_satisfy_the_seam(tmp_path, postgres):
         with other.locked("u", None):
             with pytest.raises(StoreBusy), r.locked("u", 0.3):
                 pass
-            if isinstance(r, rows.PostgresRows):  # a local store has one lock for every user
+            if isinstance(r, PostgresRows):  # a local store has one lock for every user
                 with r.locked("v", 0.3):
                     pass
         with r.locked("u", 0.3):

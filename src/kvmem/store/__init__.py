@@ -13,8 +13,8 @@ Two backends, chosen by location; callers never know which they hold:
     users/<user>.<segment>.kv.safetensors    keys / values of the facts one commit added, [n, L, H, D]
                                              (token-major: a fact is one byte range; ``segments``)
 
-* a shared store: the same rows in PostgreSQL (``postgresql://…``; ``rows.PostgresRows``, the manifest and header
-  in ``kvmem_manifest``), and the segments as objects in an object store. With ``segments_url`` in the manifest
+* a shared store: the same rows in PostgreSQL (``postgresql://…``; ``postgres_rows.PostgresRows``, the manifest and
+  header in ``kvmem_manifest``), and the segments as objects in an object store. With ``segments_url`` in the manifest
   (required for PostgreSQL) the segments are objects there (obstore: file://, s3://, gs://), under the same names.
 
 The parts, each with one job (``Store`` composes them; nothing outside this package needs them):
@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import save
 
 from .. import kvformat
-from . import rows as rows_db
+from . import backends
 from . import segments as seg_files
 from .copy import copy_store
 from .location import (
@@ -172,7 +172,7 @@ class Store:
     def exists(root: str | Path) -> bool:
         """Whether a store is at ``root`` (a directory or a ``postgresql://`` URL). Raises StoreError for a URL
         of another kind, or a database that cannot be reached."""
-        rows = rows_db.open_rows(root)
+        rows = backends.open_rows(root)
         try:
             return rows.exists()
         finally:
@@ -202,7 +202,7 @@ class Store:
         fingerprint = {k: v for k, v in fingerprint.items() if k != "kv_format"}
         if kv_format != "native":
             fingerprint["kv_format"] = kv_format
-        rows = rows_db.open_rows(root)
+        rows = backends.open_rows(root)
         if segments_url is None and rows.shared:
             rows.close()
             raise StoreError(
@@ -246,13 +246,13 @@ class Store:
         equal the store's. ``cache_bytes``: this object's in-memory caches (snapshots, facts' KV), each;
         ``cache_dir``: a local disk cache of up to ``cache_dir_bytes`` for segments in an object store;
         ``answer_cap_s``: on PostgreSQL, give up on a statement unanswered this long, s (default: the session's
-        ``statement_timeout`` + 2 s; ``rows.PostgresRows``).
+        ``statement_timeout`` + 2 s; ``postgres_rows.PostgresRows``).
 
         Raises:
             StoreError: no store at ``root``, or a database that cannot be reached.
             StoreMismatch: the store was produced by another model/tokenizer/dtype/RoPE config.
         """
-        rows = rows_db.open_rows(root, answer_cap_s)
+        rows = backends.open_rows(root, answer_cap_s)
         try:
             manifest = rows.manifest()
             cls._check_manifest(rows.name, manifest, fingerprint)
@@ -324,7 +324,7 @@ class Store:
     def available(self) -> bool:
         """Whether the store answers now, its rows and its segments: always for a local directory; for PostgreSQL
         False at once while the database is known to be unreachable, else one probe on a connection of its own
-        (``rows.PostgresRows``); for segments in a remote object store the same, by one HEAD without retries
+        (``postgres_rows.PostgresRows``); for segments in a remote object store the same, by one HEAD without retries
         (``segments.ObjectSegments``). Each probe is bounded by a few seconds and made at most once a second (a
         caller meanwhile gets the last answer). Takes no lock, so it never waits behind a read or a write."""
         return self.rows.available() and self.segments.available()

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from .. import kvformat
+from .backends import open_rows
 from .location import StoreError, UnknownUser
 from .read import FactRecord, UserKV
-from .rows import open_rows
 
 
 def copy_store(
