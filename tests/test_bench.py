@@ -450,6 +450,23 @@ def test_eval_frontier_points_and_table(tiny):
         assert row["ci95"] is not None and row["ci95"][0] <= row["delta_f1"] <= row["ci95"][1]
         assert f"| {FAST} | {row['k']} | {row['prompt_f1']} |" in (out / "frontier.md").read_text()
     assert "F1 difference (95% CI)" in res.output
+    # the targets: the best kvmem point within 1.3x the bare query's TTFT against the best prompt point; and, for
+    # each prompt point, the best faster kvmem point of any model (one model here: the frontier's own rows)
+    same, across = s["targets"]["same_model"], s["targets"]["across_models"]
+    bare = lat["ttft_ms"]["bare"]
+    assert [r["model"] for r in same] == [FAST] and same[0]["bare_ttft_ms"] == bare > 0
+    assert same[0]["prompt"]["f1"] == max(p["f1"] for (m, _), p in points.items() if m == "prompt")
+    within = [p for (m, _), p in points.items() if m != "prompt" and p["ttft_ms"] <= 1.3 * bare]
+    if within:
+        assert same[0]["kvmem"]["f1"] == max(p["f1"] for p in within) and same[0]["n"] == 2
+        assert same[0]["met"] == (same[0]["delta_f1"] >= 0)
+    else:
+        assert same[0]["kvmem"] is None and same[0]["met"] is False
+    assert [(r["prompt"]["k"], r["kvmem"] and r["kvmem"]["f1"]) for r in across] == [
+        (r["k"], r["f1"]) for r in s["frontier"]
+    ]
+    assert all(r["met"] == (r["delta_f1"] is not None and r["delta_f1"] >= 2) for r in across)
+    assert "met (>= 0)" in (out / "frontier.md").read_text()
     res = cli(*args)
     assert "latency: reusing" in res.output and "0 to answer, 12 already" in res.output
     assert json.loads((out / "summary.json").read_text())["points"] == s["points"]

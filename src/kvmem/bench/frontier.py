@@ -71,7 +71,7 @@ def run(
     if latency_questions < 1:
         raise ValueError("--latency-questions must be >= 1")
     enc = Encoding.of(window, neighbours, history)
-    points, scores = [], {}
+    points, scores, bare = [], {}, {}
     for model in models:
         setup = Setup.load(data, samples, model, engine, show_progress)
         where = out / Path(model).name
@@ -85,6 +85,7 @@ def run(
             engine_name = setup.engine_name
         finally:
             setup.close()
+        bare[model] = lat["ttft_ms"]["bare"]
         rows = json.loads((where / "eval" / "records.json").read_text())
         for method in methods:
             for k in ks:
@@ -93,6 +94,7 @@ def run(
                 points.append(point(model, method, k, sel, lat, engine_name))
 
     frontier = best_under_prompt(points, scores)
+    goals = targets(points, scores, bare)
     summary = {
         "command": "eval frontier",
         "models": models,
@@ -109,6 +111,7 @@ def run(
         "machine": lat["machine"],
         "points": points,
         "frontier": frontier,
+        "targets": goals,
     }
     write_summary_and_records(out, summary, points)
     png = out / "frontier.png"
@@ -116,7 +119,7 @@ def run(
     if plot_path is not None:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(png, plot_path)
-    md = markdown(points, frontier, summary)
+    md = markdown(points, frontier, summary) + "\n\n" + markdown_targets(goals)
     (out / "frontier.md").write_text(md + "\n")
     echo(table([[p["model"], p["method"], p["k"], p["f1"], p["judge"], p["ttft_ms"]] for p in points],
                ["model", "method", "k", "F1", "judge", "TTFT ms"]))  # fmt: skip
@@ -180,13 +183,97 @@ def best_under_prompt(points: list[dict], scores: dict) -> list[dict]:
                "method_k": None, "f1": None, "ttft_ms": None, "delta_f1": None, "ci95": None, "n": 0}  # fmt: skip
         if faster:
             best = max(faster, key=lambda q: (q["f1"], -q["ttft_ms"]))
-            ref, got = scores[(p["model"], PROMPT, p["k"])], scores[(best["model"], best["method"], best["k"])]
-            pairs = [q for q in ref if q in got]
-            delta, ci = paired_bootstrap(100 * (got[q] - ref[q]) for q in pairs)
+            delta, ci, n = _paired(scores, p, best)
             row.update(method=best["method"], method_k=best["k"], f1=best["f1"], ttft_ms=best["ttft_ms"],
-                       delta_f1=delta, ci95=ci, n=len(pairs))  # fmt: skip
+                       delta_f1=delta, ci95=ci, n=n)  # fmt: skip
         rows.append(row)
     return rows
+
+
+SAME_MODEL_TTFT_BOUND = 1.3  # the issue's bound: a kvmem point within 1.3x of the bare query's TTFT
+ACROSS_MODELS_GAIN_F1 = 2.0  # F1 points a faster kvmem point of any model must add over each prompt point
+
+
+def _paired(scores: dict, a: dict, b: dict) -> tuple[float, list[float] | None, int]:
+    """Point ``b``'s F1 minus point ``a``'s, paired by question (points of any models: the questions are the
+    same): (mean, 95% CI, questions)."""
+    ref, got = scores[(a["model"], a["method"], a["k"])], scores[(b["model"], b["method"], b["k"])]
+    pairs = [q for q in ref if q in got]
+    delta, ci = paired_bootstrap(100 * (got[q] - ref[q]) for q in pairs)
+    return delta, ci, len(pairs)
+
+
+def targets(points: list[dict], scores: dict, bare: dict[str, float]) -> dict:
+    """The frontier's two targets, from its points (F1 in %, median TTFT in ms) and ``bare`` (model -> the bare
+    query's median TTFT, ms):
+
+    - ``same_model``, per model: its best kvmem point with a TTFT within ``SAME_MODEL_TTFT_BOUND`` x the bare
+      query's, against its best prompt-injection point at any k; met when the paired difference is >= 0.
+    - ``across_models``, per prompt-injection point: the best kvmem point of any model with no higher TTFT; met
+      when it scores at least ``ACROSS_MODELS_GAIN_F1`` more.
+    """
+
+    def brief(p: dict | None) -> dict | None:
+        return None if p is None else {k: p[k] for k in ("model", "method", "k", "f1", "ttft_ms")}
+
+    def best(ps: list[dict]) -> dict | None:
+        return max(ps, key=lambda q: (q["f1"], -q["ttft_ms"])) if ps else None
+
+    same = []
+    for model, base in bare.items():
+        prompt = best([p for p in points if p["model"] == model and p["method"] == PROMPT])
+        bound = SAME_MODEL_TTFT_BOUND * base
+        kv = best([p for p in points if p["model"] == model and p["method"] != PROMPT and p["ttft_ms"] <= bound])
+        row = {"model": model, "bare_ttft_ms": base, "ttft_bound_ms": round(bound, 1), "prompt": brief(prompt),
+               "kvmem": brief(kv), "delta_f1": None, "ci95": None, "n": 0, "met": False}  # fmt: skip
+        if kv is not None and prompt is not None:
+            delta, ci, n = _paired(scores, prompt, kv)
+            row.update(delta_f1=delta, ci95=ci, n=n, met=delta >= 0)
+        same.append(row)
+    across = []
+    for p in (p for p in points if p["method"] == PROMPT):
+        kv = best([q for q in points if q["method"] != PROMPT and q["ttft_ms"] <= p["ttft_ms"]])
+        row = {"prompt": brief(p), "kvmem": brief(kv), "delta_f1": None, "ci95": None, "n": 0, "met": False}
+        if kv is not None:
+            delta, ci, n = _paired(scores, p, kv)
+            row.update(delta_f1=delta, ci95=ci, n=n, met=delta >= ACROSS_MODELS_GAIN_F1)
+        across.append(row)
+    return {"same_model": same, "across_models": across}
+
+
+def markdown_targets(goals: dict) -> str:
+    """The two targets (``targets``) as markdown tables."""
+
+    def name(p: dict | None) -> str:
+        return "none" if p is None else f"{p['model']} {p['method']} k={p['k']} ({p['f1']}, {p['ttft_ms']:.0f} ms)"
+
+    def diff(r: dict) -> str:
+        return "" if r["delta_f1"] is None else f"{r['delta_f1']:+.2f} ({_ci(r['ci95'])})"
+
+    same = markdown_table(
+        [
+            [r["model"], f"{r['ttft_bound_ms']:.0f}", name(r["kvmem"]), name(r["prompt"]), diff(r), r["met"]]
+            for r in goals["same_model"]
+        ],  # fmt: skip
+        [
+            "model",
+            f"TTFT bound ({SAME_MODEL_TTFT_BOUND:g}x bare, ms)",
+            "best kvmem point within it (F1, TTFT)",
+            "best prompt point (F1, TTFT)",
+            "F1 difference (95% CI)",
+            "met (>= 0)",
+        ],  # fmt: skip
+    )
+    across = markdown_table(
+        [[name(r["prompt"]), name(r["kvmem"]), diff(r), r["met"]] for r in goals["across_models"]],
+        [
+            "prompt point (F1, TTFT)",
+            "best kvmem point of any model, TTFT no higher",
+            "F1 difference (95% CI)",
+            f"met (>= {ACROSS_MODELS_GAIN_F1:g})",
+        ],  # fmt: skip
+    )
+    return "\n\n".join([same, across])
 
 
 def markdown(points: list[dict], frontier: list[dict], summary: dict) -> str:
