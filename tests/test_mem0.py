@@ -523,7 +523,7 @@ def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
     assert got["metadata"] == {"source": "intake", "categories": ["health"]}
     assert got["created_at"].startswith("2025-03-01T18:00:00")
     jazz = one("7f0e5c1a-0000-4000-8000-000000000002")
-    assert jazz.get("agent_id") == "dj" and jazz.get("expiration_date") == "2025-05-01", jazz  # expired: kept
+    assert jazz.get("agent_id") == "dj" and jazz.get("expiration_date") == "2025-05-01", jazz  # expired: kept, unserved
     found = httpx.post(f"{base}/v3/memories/search/", headers=h, timeout=60,
                        json={"query": "music", "filters": {"user_id": "jo"}, "threshold": 0}).json()  # fmt: skip
     assert [m["id"] for m in found["results"]] == ["7f0e5c1a-0000-4000-8000-000000000001"]

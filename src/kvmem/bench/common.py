@@ -580,7 +580,8 @@ def served_together(specs: list[tuple[list[str], str, Path]], ready_timeout_s: f
                 except httpx.HTTPError:
                     pass
             if time.perf_counter() - t0 > ready_timeout_s:
-                raise RuntimeError(f"a server did not become ready in {ready_timeout_s:g} s; see {specs[0][2].parent}")
+                late = ", ".join(str(log) for (_, _, log), r in zip(specs, ready) if r is None)
+                raise RuntimeError(f"the server did not become ready in {ready_timeout_s:g} s; see {late}")
             if any(r is None for r in ready):
                 time.sleep(0.2)
         yield list(zip(procs, ready))

@@ -182,7 +182,7 @@ def best_under_prompt(points: list[dict], scores: dict) -> list[dict]:
         row = {"model": p["model"], "k": p["k"], "prompt_f1": p["f1"], "prompt_ttft_ms": p["ttft_ms"], "method": None,
                "method_k": None, "f1": None, "ttft_ms": None, "delta_f1": None, "ci95": None, "n": 0}  # fmt: skip
         if faster:
-            best = max(faster, key=lambda q: (q["f1"], -q["ttft_ms"]))
+            best = _best(faster)
             delta, ci, n = _paired(scores, p, best)
             row.update(method=best["method"], method_k=best["k"], f1=best["f1"], ttft_ms=best["ttft_ms"],
                        delta_f1=delta, ci95=ci, n=n)  # fmt: skip
@@ -192,6 +192,11 @@ def best_under_prompt(points: list[dict], scores: dict) -> list[dict]:
 
 SAME_MODEL_TTFT_BOUND = 1.3  # the issue's bound: a kvmem point within 1.3x of the bare query's TTFT
 ACROSS_MODELS_GAIN_F1 = 2.0  # F1 points a faster kvmem point of any model must add over each prompt point
+
+
+def _best(points: list[dict]) -> dict | None:
+    """The point with the highest F1 (the faster one on a tie); None when there is none."""
+    return max(points, key=lambda q: (q["f1"], -q["ttft_ms"])) if points else None
 
 
 def _paired(scores: dict, a: dict, b: dict) -> tuple[float, list[float] | None, int]:
@@ -216,14 +221,11 @@ def targets(points: list[dict], scores: dict, bare: dict[str, float]) -> dict:
     def brief(p: dict | None) -> dict | None:
         return None if p is None else {k: p[k] for k in ("model", "method", "k", "f1", "ttft_ms")}
 
-    def best(ps: list[dict]) -> dict | None:
-        return max(ps, key=lambda q: (q["f1"], -q["ttft_ms"])) if ps else None
-
     same = []
     for model, base in bare.items():
-        prompt = best([p for p in points if p["model"] == model and p["method"] == PROMPT])
+        prompt = _best([p for p in points if p["model"] == model and p["method"] == PROMPT])
         bound = SAME_MODEL_TTFT_BOUND * base
-        kv = best([p for p in points if p["model"] == model and p["method"] != PROMPT and p["ttft_ms"] <= bound])
+        kv = _best([p for p in points if p["model"] == model and p["method"] != PROMPT and p["ttft_ms"] <= bound])
         row = {"model": model, "bare_ttft_ms": base, "ttft_bound_ms": round(bound, 1), "prompt": brief(prompt),
                "kvmem": brief(kv), "delta_f1": None, "ci95": None, "n": 0, "met": False}  # fmt: skip
         if kv is not None and prompt is not None:
@@ -232,7 +234,7 @@ def targets(points: list[dict], scores: dict, bare: dict[str, float]) -> dict:
         same.append(row)
     across = []
     for p in (p for p in points if p["method"] == PROMPT):
-        kv = best([q for q in points if q["method"] != PROMPT and q["ttft_ms"] <= p["ttft_ms"]])
+        kv = _best([q for q in points if q["method"] != PROMPT and q["ttft_ms"] <= p["ttft_ms"]])
         row = {"prompt": brief(p), "kvmem": brief(kv), "delta_f1": None, "ci95": None, "n": 0, "met": False}
         if kv is not None:
             delta, ci, n = _paired(scores, p, kv)

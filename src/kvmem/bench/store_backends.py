@@ -172,14 +172,11 @@ def run(
             "shared-warm": (where["shared"], ["--cache-dir", str(tmp / "cache")]),
             "shared-cold": (where["shared"], ["--cache-bytes", "1"]),
         }
-        bases = {arm: f"http://127.0.0.1:{free_port()}" for arm in arms}
+        ports = {arm: free_port() for arm in arms}
+        bases = {arm: f"http://127.0.0.1:{port}" for arm, port in ports.items()}
+        serve = [sys.executable, "-m", "kvmem.cli", "serve", "--engine", "hf"]
         specs = [
-            (
-                [sys.executable, "-m", "kvmem.cli", "serve", "--store", store, "--engine", "hf"]
-                + ["--port", bases[arm].rsplit(":", 1)[1], *extra],
-                bases[arm],
-                out / f"server-{arm}.log",
-            )
+            (serve + ["--store", store, "--port", str(ports[arm]), *extra], bases[arm], out / f"server-{arm}.log")
             for arm, (store, extra) in arms.items()
         ]
         with ExitStack() as stack:
