@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 from ..extras import require
 from .location import StoreBusy, StoreError, StoreUnavailable, redact, secret_params, secrets
+from .reach import Reach
 from .rows import Rows
 from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, migration, render, render_text_index
 
@@ -140,13 +141,8 @@ class PostgresRows(Rows):
         require("postgres", "a postgresql:// store")
         self.location, self.name = url, redact(url)
         self._answer_cap = answer_cap_s
-        self._down_since: float | None = None  # when the database was found unreachable (None: reachable)
-        self._down_lock = threading.Lock()
-        self._prober: threading.Thread | None = None
-        self._probe_conn = None
-        self._probe_lock = threading.Lock()
-        self._probed = (0.0, True)  # (when, answered) of the last readiness probe
-        self._closed = False
+        self._probe_conn = None  # the readiness probe's own connection (used under the probe's lock only)
+        self._reach = Reach(self._select_one, f"PostgreSQL at {self.name}", PROBE_EVERY_S, "kvmem-pg-probe")
         self._conn = self._connect()
         self._used = time.monotonic()
         self._idle: list = []  # writer connections not in use
@@ -188,27 +184,16 @@ class PostgresRows(Rows):
     # --- availability: a lost database is noticed once, then answered at once until it is back ---------------
 
     def _mark_down(self) -> None:
-        with self._down_lock:
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-            if self._closed or (self._prober is not None and self._prober.is_alive()):
-                return
-            self._prober = threading.Thread(target=self._probe_until_up, name="kvmem-pg-probe", daemon=True)
-            self._prober.start()
+        self._reach.mark_down()
 
     def _check_up(self) -> None:
-        if self._down_since is not None:
-            raise StoreUnavailable(
-                f"PostgreSQL at {self.name} has not answered for {time.monotonic() - self._down_since:.0f} s"
-            )
+        self._reach.check_up()
 
-    def _probe(self, wait: bool = True) -> bool | None:
-        """One ``SELECT 1`` on the probe connection (opened again if it broke), bounded by ``PROBE_TIMEOUT_S`` (and
-        the connect's 2 s). None, without waiting, when ``wait`` is False and another probe is under way."""
+    def _select_one(self) -> bool:
+        """The readiness probe (``Reach``): one ``SELECT 1`` on the probe connection (opened again if it broke),
+        bounded by ``PROBE_TIMEOUT_S`` (and the connect's 2 s); whether the database answered."""
         import psycopg
 
-        if not self._probe_lock.acquire(blocking=wait):
-            return None
         try:
             if self._probe_conn is None or self._probe_conn.closed:
                 self._probe_conn = self._connect(connect_timeout=PROBE_TIMEOUT_S)
@@ -219,32 +204,12 @@ class PostgresRows(Rows):
             if self._probe_conn is not None:
                 self._probe_conn.close()
             return False
-        finally:
-            self._probe_lock.release()
-
-    def _probe_until_up(self) -> None:
-        while not self._closed:
-            if self._probe():
-                with self._down_lock:
-                    self._down_since = None
-                return
-            time.sleep(PROBE_EVERY_S)
 
     def available(self) -> bool:
         """Whether the database answers: False at once while it is marked unavailable; else a ``SELECT 1`` on a
         connection of its own (at most once per ``PROBE_EVERY_S``, one at a time: a caller meanwhile gets the last
-        answer), which marks it unavailable when it gets no answer."""
-        if self._down_since is not None:
-            return False
-        at, ok = self._probed
-        if time.monotonic() - at >= PROBE_EVERY_S:
-            got = self._probe(wait=False)
-            if got is not None:
-                ok = got
-                self._probed = (time.monotonic(), ok)
-                if not ok:
-                    self._mark_down()
-        return ok and self._down_since is None
+        answer), which marks it unavailable when it gets no answer (``Reach.available``)."""
+        return self._reach.available()
 
     @property
     def conn(self):
@@ -507,11 +472,10 @@ class PostgresRows(Rows):
             return False
 
     def close(self) -> None:
-        self._closed = True
+        self._reach.close()  # no probe after this: the probe connection is closed below with the rest
         with self._pool_lock:
             conns, self._idle = [self._conn, *self._idle], []
-        with self._probe_lock:
-            conns.append(self._probe_conn)
+        conns.append(self._probe_conn)
         for conn in conns:
             if conn is not None:
                 conn.close()

@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import threading
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -33,6 +32,7 @@ import torch
 from .. import kvformat
 from ..extras import require
 from .location import StoreUnavailable
+from .reach import Reach
 from .tiers import DiskTier
 
 DTYPES = {
@@ -623,84 +623,28 @@ def open_segments(root, url: str | None, store_id: str = "", cache_dir=None, cac
     return CachedSegments(objects, cache_dir, cache_dir_bytes, key_prefix=f"{store_id}/")
 
 
-class Reach:
-    """Whether one remote object store answers, for every ``ObjectSegments`` of its URL in this process (a
-    replica's chat path and write path hold a store each): found unreachable once (by a probe, or by any call that
-    got no answer), every call fails at once (``check_up``: StoreUnavailable) until a background probe, every
-    ``PROBE_EVERY_S``, gets an answer. A probe is one HEAD of ``PROBE_NAME`` (never written: "not found" is an
-    answer) on a client without retries, bounded by ``PROBE_TIMEOUT_S``."""
-
-    def __init__(self, obs, probe_store):
-        self._obs, self._store = obs, probe_store
-        self.down_since: float | None = None  # when it was found unreachable (None: reachable)
-        self._down_lock, self._probe_lock = threading.Lock(), threading.Lock()
-        self._prober: threading.Thread | None = None
-        self._probed = (0.0, True)  # (when, answered) of the last readiness probe
-
-    def mark_down(self) -> None:
-        with self._down_lock:
-            if self.down_since is None:
-                self.down_since = time.monotonic()
-            if self._prober is not None and self._prober.is_alive():
-                return
-            self._prober = threading.Thread(target=self._probe_until_up, name="kvmem-s3-probe", daemon=True)
-            self._prober.start()
-
-    def check_up(self) -> None:
-        since = self.down_since
-        if since is not None:
-            raise StoreUnavailable(f"the object store has not answered for {time.monotonic() - since:.0f} s")
-
-    def probe(self, wait: bool = True) -> bool | None:
-        """One bounded HEAD; None, without waiting, when ``wait`` is False and another probe is under way."""
-        if not self._probe_lock.acquire(blocking=wait):
-            return None
-        try:
-            self._obs.head(self._store, PROBE_NAME)
-            return True
-        except FileNotFoundError:
-            return True
-        except Exception:  # refused, timed out, a 5xx, refused credentials: not usable now
-            return False
-        finally:
-            self._probe_lock.release()
-
-    def _probe_until_up(self) -> None:
-        while True:
-            if self.probe():
-                with self._down_lock:
-                    self.down_since = None
-                self._probed = (time.monotonic(), True)
-                return
-            time.sleep(PROBE_EVERY_S)
-
-    def available(self) -> bool:
-        """False at once while marked unreachable; else the last probe's answer, probed again when it is older
-        than ``PROBE_EVERY_S`` (one at a time: a caller meanwhile gets the last answer and never waits); a probe
-        without an answer marks it unreachable."""
-        if self.down_since is not None:
-            return False
-        at, ok = self._probed
-        if time.monotonic() - at >= PROBE_EVERY_S:
-            got = self.probe(wait=False)
-            if got is not None:
-                ok = got
-                self._probed = (time.monotonic(), ok)
-                if not ok:
-                    self.mark_down()
-        return ok and self.down_since is None
-
-
 _REACH: dict[str, Reach] = {}
 _REACH_LOCK = threading.Lock()
 
 
 def _reach_of(url: str, probe_store) -> Reach:
+    """The one ``Reach`` of a remote object store's URL in this process (a replica's chat path and write path
+    hold a store each). Its probe is one HEAD of ``PROBE_NAME`` (never written: "not found" is an answer) on a
+    client without retries, bounded by ``PROBE_TIMEOUT_S``."""
     import obstore
+
+    def head() -> bool:
+        try:
+            obstore.head(probe_store, PROBE_NAME)
+            return True
+        except FileNotFoundError:
+            return True
+        except Exception:  # refused, timed out, a 5xx, refused credentials: not usable now
+            return False
 
     with _REACH_LOCK:
         if url not in _REACH:
-            _REACH[url] = Reach(obstore, probe_store)
+            _REACH[url] = Reach(head, "the object store", PROBE_EVERY_S, "kvmem-s3-probe")
         return _REACH[url]
 
 
