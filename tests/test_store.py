@@ -1,12 +1,14 @@
 """Store persistence: bit-identical reopen, fingerprint refusal, atomic replacement, compose budget."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import random_ids, tiny_model
 from kvmem.compose import compose, compose_raw, max_facts_that_fit
 from kvmem.encode import encode_spans
-from kvmem.retrieve import FlatIPIndex, Retrieved, order_reverse_proximity
+from kvmem.retrieve import FlatIPIndex, Retrieved, order_facts, order_reverse_proximity
 from kvmem.rope import Rotary
 from kvmem.store import FactRecord, Store, StoreError, StoreMismatch
 
@@ -117,6 +119,15 @@ def test_retrieval_order_and_budget():
     scores, rows = FlatIPIndex(emb).search(torch.tensor([1.0, 0.0]), 3)
     assert rows.tolist() == [0, 1, 3]
     assert order_reverse_proximity(Retrieved(rows.tolist(), scores.tolist())) == [3, 1, 0]
+    # Time order: write time, then the store's row id; positions 0, 1, 3 of a snapshot written out of row order.
+    facts = [SimpleNamespace(created_at=t, row=r) for t, r in [(0.5, 9), (1.0, 4), (0.0, 0), (1.0, 2)]]
+    got = Retrieved(rows.tolist(), scores.tolist())
+    assert order_facts(got, facts, "time") == [0, 3, 1]
+    facts[3] = SimpleNamespace(created_at=1.0, row=7)  # a tie in time goes by row id
+    assert order_facts(got, facts, "time") == [0, 1, 3]
+    assert order_facts(got, facts) == order_facts(got, facts, "relevance") == [3, 1, 0]
+    with pytest.raises(ValueError, match="order must be one of relevance, time"):
+        order_facts(got, facts, "newest")
     # Corollary 7: header 10 + query 5; facts 20, 30, 40 best first; context 70 fits two facts.
     assert max_facts_that_fit(10, [20, 30, 40], 5, 70) == 2
     assert max_facts_that_fit(10, [20, 30, 40], 5, 14) == 0

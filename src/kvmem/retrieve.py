@@ -323,6 +323,28 @@ class Retrieved:
     scores: list[float]
 
 
+ORDERS = ("relevance", "time")
+
+
+def check_order(order: str) -> str:
+    """``order`` if it is one of ``ORDERS``; ValueError otherwise."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {order!r}")
+    return order
+
+
 def order_reverse_proximity(retrieved: Retrieved) -> list[int]:
     """Paper §5.1 position policy: least relevant first, so the most relevant fact sits next to the query."""
     return list(reversed(retrieved.rows))
+
+
+def order_facts(retrieved: Retrieved, facts, order: str = "relevance") -> list[int]:
+    """The retrieved rows in the order they are composed, first to last (the last sits next to the query).
+
+    ``order`` "relevance": ``order_reverse_proximity`` (paper §5.1, the default); "time": write order, oldest
+    first (``FactRecord.created_at``, then the store's row id), so the memory reads as the conversation did.
+    ``facts``: the snapshot's ``FactRecord`` list that ``retrieved.rows`` index. Raises ValueError for another
+    ``order``."""
+    if check_order(order) == "time":
+        return sorted(retrieved.rows, key=lambda p: (facts[p].created_at, facts[p].row))
+    return order_reverse_proximity(retrieved)

@@ -24,7 +24,7 @@ from .engines.registry import refusal
 from .engines.select import engine_name, open_engine
 from .models import LoadedModel, fingerprint, line_stop_ids, stop_token_ids
 from .policy import Method
-from .retrieve import Embedder, Fusion, IndexCache, Retrieved, order_reverse_proximity, search
+from .retrieve import Embedder, Fusion, IndexCache, Retrieved, check_order, order_facts, search
 from .store import Store, StoreError, UnknownUser
 
 PLANS = 3  # a request is planned at most this often while writes keep replacing its memory (then StoreError)
@@ -75,7 +75,8 @@ class MemoryService:
     store must have been built by it). ``max_context``: context limit (default: the engine's).
     ``index_cache_bytes`` bounds the per-user vector indexes (LRU); ``tail_recompute``: the default r of ``plan``;
     ``fusion``: hybrid retrieval (cosine fused with the store's keyword scores, ``retrieve.Fusion``; None: cosine
-    alone, the default).
+    alone, the default); ``order``: how the retrieved facts are composed, first to last (``retrieve.order_facts``:
+    "relevance", the default, or "time").
 
     Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model
     (StoreDtypeMismatch: computed in another dtype).
@@ -93,9 +94,11 @@ class MemoryService:
         store_cache_bytes: int | None = None,
         store_cache_dir: str | Path | None = None,
         fusion: Fusion | None = None,
+        order: str = "relevance",
     ):
         self.engine, self.lm = engine, lm
         self.fusion = fusion
+        self.order = check_order(order)
         cache = {} if store_cache_bytes is None else {"cache_bytes": store_cache_bytes}
         self.store = Store.open(store_root, fingerprint(lm), cache_dir=store_cache_dir, **cache)
         self.embedder = embedder or Embedder(self.store.manifest["embedder"]["name"])
@@ -148,9 +151,9 @@ class MemoryService:
         ``mode``: a serving method (``policy.Method``, or its spelling). ``messages``: a multi-turn chat (OpenAI-style,
         checked) that follows the memory instead of the single ``question`` (which is still what retrieval
         embeds: the last user message). ``tail_recompute`` r (default ``self.tail_recompute``): inject the header
-        and all but the last r facts; the engine prefills those r facts (the most relevant, nearest the query)
-        with the query, so they attend to every injected fact (cross-fact repair). The prompt ids are the same
-        for every r; only what is injected changes. Prompt mode is unaffected.
+        and all but the last r facts; the engine prefills those r facts (nearest the query: the most relevant
+        under the default order) with the query, so they attend to every injected fact (cross-fact repair). The
+        prompt ids are the same for every r; only what is injected changes. Prompt mode is unaffected.
         ``user``: a store user, or several (entity scopes: ``scopes.Scope.subscopes``), whose memories are
         retrieved as one; users without memories are left out, and expired memories are never retrieved.
         ``cold`` (load tests): the retrieved facts are dropped from every cache tier first (``Store.evict``; the
@@ -190,7 +193,7 @@ class MemoryService:
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
         need = self.check_budget(len(header_ids), lens, len(query_ids), max_new_tokens)
-        rows = order_reverse_proximity(retrieved)
+        rows = order_facts(retrieved, ukv.facts, self.order)
         head, tail = rows[: max(0, len(rows) - r)], rows[max(0, len(rows) - r) :]
         tail_ids = [t for row in tail for t in ukv.facts[row].token_ids]
         plan = MemoryPlan(

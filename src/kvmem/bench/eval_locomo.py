@@ -32,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..policy import MODES_HELP, Encoding, Method
-from ..retrieve import IndexCache
+from ..retrieve import IndexCache, check_order
 from ..service import check_methods
 from ..store import Store
 from .common import (
@@ -152,6 +152,7 @@ def _key(r: dict) -> tuple:
         int(r.get("neighbours", 0)),
         bool(r.get("history", False)),
         r.get("retrieval", "cosine"),
+        r.get("order", "relevance"),
     )
 
 
@@ -211,18 +212,21 @@ def run(
     history: bool = False,
     retrieval: str = "cosine",
     setup: Setup | None = None,
+    order: str = "relevance",
 ) -> dict:
     """Answer and score; ``neighbours=m`` answers from stores built with neighbour-aware encoding, ``history``
     from stores built with history encoding (each its own cache directory; records carry ``neighbours`` and
-    ``history``); ``retrieval``: ``cosine`` or a hybrid fusion (``recall.parse_fusion``; records carry it). The
-    summary also gives evidence recall@k per category (``recall.evidence_recall``, k in 5..100) of every
-    category 1-4 question of the samples under that retrieval. Returns the summary (also written to
+    ``history``); ``retrieval``: ``cosine`` or a hybrid fusion (``recall.parse_fusion``; records carry it);
+    ``order``: how the retrieved facts are composed (``retrieve.order_facts``: relevance or time; records carry
+    it). The summary also gives evidence recall@k per category (``recall.evidence_recall``, k in 5..100) of
+    every category 1-4 question of the samples under that retrieval. Returns the summary (also written to
     ``out/summary.json``). ``setup``: an already loaded one for ``data``, ``samples`` and ``model`` (its engine
     is left running)."""
 
     neighbours = Encoding.of(None, neighbours, history).neighbours
     fusion = parse_fusion(retrieval)
     retrieval = describe(fusion) if fusion is not None else "cosine"
+    order = check_order(order)
     try:
         for m in modes:
             Method.parse(m)
@@ -244,16 +248,16 @@ def run(
     jsonl = out / "records.jsonl"
     done_rows = load_done(jsonl)
     done = {_key(r) for r in done_rows}
-    n, h, rt = neighbours, history, retrieval
+    n, h, rt, od = neighbours, history, retrieval, order
     todo = [
         (w, q, k, m)
         for w in windows
         for q in qs
         for k in ks
         for m in modes
-        if (model, q.qid, m, k, w, n, h, rt) not in done
+        if (model, q.qid, m, k, w, n, h, rt, od) not in done
     ]
-    asked = {(model, q.qid, m, k, w, n, h, rt) for w in windows for q in qs for k in ks for m in modes}
+    asked = {(model, q.qid, m, k, w, n, h, rt, od) for w in windows for q in qs for k in ks for m in modes}
     echo(
         f"{len(qs)} questions x {len(ks)} k x {len(windows)} windows x {len(modes)} modes: "
         f"{len(todo)} to answer, {len(done & asked)} already in {jsonl}"
@@ -267,7 +271,7 @@ def run(
                 continue
             svcs = setup.services(w, log_err, neighbours, history)
             for svc in svcs.values():
-                svc.fusion = fusion
+                svc.fusion, svc.order = fusion, order
             engine = setup.engine_name
             step = BATCH if setup.start().batches else 1  # one at a time: resumable per answer
             for i in range(0, len(todo_w), step):
@@ -286,6 +290,7 @@ def run(
                         "neighbours": n,
                         "history": h,
                         "retrieval": rt,
+                        "order": od,
                         "k": k,
                         "k_used": a.k,
                         "mode": mode,
@@ -317,6 +322,7 @@ def run(
         and r.get("neighbours", 0) == n
         and r.get("history", False) == h
         and r.get("retrieval", "cosine") == rt
+        and r.get("order", "relevance") == od
     ]
     with_judge = bool(judge_url) or any("judge" in r for r in rows)
     if with_judge:
@@ -380,6 +386,7 @@ def run(
         "neighbours": n,
         "history": h,
         "retrieval": rt,
+        "order": od,
         "modes": modes,
         "max_new_tokens": max_new_tokens,
         "scoring": "LoCoMo token F1 (official normalisation, category 1 split on ',', category 3 before ';'; "

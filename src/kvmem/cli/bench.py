@@ -528,6 +528,12 @@ def eval_locomo(
     retrieval: str = typer.Option(
         "cosine", "--retrieval", help="cosine, or hybrid (rrf[:K[:W]], weighted[:W]: cosine fused with BM25)."
     ),
+    order: str = typer.Option(
+        "relevance",
+        "--order",
+        help="How the retrieved facts are composed: relevance (the most relevant next to the query) or time "
+        "(write order, oldest first).",
+    ),
 ):
     """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl);
     evidence recall@k per category."""
@@ -553,6 +559,7 @@ def eval_locomo(
         neighbours=neighbours,
         history=history,
         retrieval=retrieval,
+        order=order,
     )
 
 
