@@ -409,8 +409,53 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
         assert [r.get("neighbours", 0) for r in rows] == [4] * 4 + [2] * 4
         assert json.loads((out / "summary.json").read_text())["neighbours"] == 2
+        # the facts in write order: records of their own; with one fact (k=1) the order changes no prompt, so
+        # the paired comparison finds every answer the same
+        timed = tiny["root"] / "eval-time"
+        plain = [a for a in args if a not in ("--judge-url", url, "--judge-model", "stub")]
+        res = cli(*plain[: plain.index("--out")], "--out", timed, "--no-progress", "--neighbours", 2, "--order", "time")
+        assert "4 to answer, 0 already" in res.output
+        assert {json.loads(x)["order"] for x in (timed / "records.jsonl").read_text().splitlines()} == {"time"}
+        res = cli("eval", "compare", out, timed, "--out", tiny["root"] / "compare")
+        got = json.loads((tiny["root"] / "compare" / "summary.json").read_text())
+        assert got["b"]["retrieval_order"] == "cosine, time" and got["a"]["retrieval_order"] == "cosine, relevance"
+        overall = [r for r in got["rows"] if r["category"] == "overall"]
+        assert {r["mode"] for r in overall} == {"kv", "prompt"}
+        assert all(r["n"] == 2 and r["delta_f1"] == 0 and r["same_answer"] == 2 for r in overall)
+        assert all(r["same_facts"] == 2 and r["f1_a"] == r["f1_b"] for r in overall)
+        err = cli(*plain, "--order", "newest", rc=2).output
+        assert "order must be one of relevance, time, not 'newest'" in err and "Traceback" not in err
     finally:
         srv.shutdown()
+
+
+def test_eval_compare_pairs_two_runs_by_question(tmp_path):
+    """``eval compare``: per category and overall, each run's mean F1 (%) over the questions both answered, b − a
+    with its paired CI, and how many used the same facts; a setting only one run answered is left out; two runs
+    without a common setting, or a directory that holds no run, are one error line (exit 2)."""
+
+    def rec(qid, cat, f1, facts, mode="kv", k=5):
+        return {"model": "m", "mode": mode, "k": k, "window": 5, "neighbours": 4, "history": False, "qid": qid,
+                "category": cat, "f1": f1, "answer": str(f1), "fact_ids": facts}  # fmt: skip
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    ra = [rec("q1", 1, 0.5, ["x", "y"]), rec("q2", 4, 0.0, ["z"]), rec("q3", 4, 1.0, ["w"]), rec("q9", 1, 1.0, [])]
+    rb = [rec("q1", 1, 0.75, ["y", "x"]), rec("q2", 4, 0.5, ["v"]), rec("q3", 4, 1.0, ["w"]), rec("q1", 1, 1, [], k=9)]
+    (a / "records.json").write_text(json.dumps(ra))
+    (b / "records.json").write_text(json.dumps(rb))
+    cli("eval", "compare", a, b, "--out", tmp_path / "c")
+    rows = {r["category"]: r for r in json.loads((tmp_path / "c" / "summary.json").read_text())["rows"]}
+    assert set(rows) == {"multi-hop", "single-hop", "overall"}  # q9 is in a alone, k=9 in b alone
+    o = rows["overall"]
+    assert (o["n"], o["f1_a"], o["f1_b"], o["delta_f1"], o["same_facts"], o["same_answer"]) == (3, 50, 75, 25, 2, 1)
+    assert o["ci95"][0] <= 25 <= o["ci95"][1]
+    assert (rows["single-hop"]["f1_a"], rows["single-hop"]["f1_b"], rows["single-hop"]["delta_f1"]) == (50, 75, 25)
+    assert "| overall | 3 | 50.0 | 75.0 | +25.00 |" in (tmp_path / "c" / "compare.md").read_text()
+    (b / "records.json").write_text(json.dumps([rec("q1", 1, 0.5, [], k=7)]))
+    err = cli("eval", "compare", a, b, rc=2).output
+    assert "answered no setting in common" in err and "Traceback" not in err
+    assert "has no records.json" in cli("eval", "compare", a, tmp_path / "none", rc=2).output
 
 
 @pytest.mark.slow

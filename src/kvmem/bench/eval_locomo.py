@@ -49,11 +49,10 @@ from .common import (
     write_csv,
     write_json,
 )
-from .recall import KS, describe, evidence_recall, parse_fusion
+from .recall import CATEGORY_NAMES, KS, describe, evidence_recall, parse_fusion
 from .recall import rows as recall_rows
 
 BATCH = 32  # requests per vLLM generate call: batched decode; results are written after each batch
-CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 _PUNCT = set(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the|and)\b")
 

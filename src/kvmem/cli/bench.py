@@ -563,6 +563,18 @@ def eval_locomo(
     )
 
 
+@eval_app.command("compare")
+@friendly
+def eval_compare(
+    a: Path = typer.Argument(..., help="The --out directory of one kvmem eval locomo run (the reference)."),
+    b: Path = typer.Argument(..., help="The --out directory of another, on the same questions."),
+    out: Path | None = typer.Option(None, "--out", help="Also write summary.json and compare.md here."),
+):
+    """Two eval locomo runs paired question by question: F1 by category for every setting both answered, and B
+    minus A with a paired bootstrap 95% CI (e.g. --order time against relevance, hybrid against cosine)."""
+    bench_module("compare").run(a, b, out, typer.echo)
+
+
 @eval_app.command("frontier")
 @friendly
 def eval_frontier(
