@@ -566,8 +566,8 @@ def eval_locomo(
 @eval_app.command("compare")
 @friendly
 def eval_compare(
-    a: Path = typer.Argument(..., help="The --out directory of one kvmem eval locomo run (the reference)."),
-    b: Path = typer.Argument(..., help="The --out directory of another, on the same questions."),
+    a: Path = typer.Argument(..., metavar="A", help="The --out directory of one kvmem eval locomo run (the reference)."),
+    b: Path = typer.Argument(..., metavar="B", help="The --out directory of another, on the same questions."),
     out: Path | None = typer.Option(None, "--out", help="Also write summary.json and compare.md here."),
 ):
     """Two eval locomo runs paired question by question: F1 by category for every setting both answered, and B
