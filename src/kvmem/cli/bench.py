@@ -566,7 +566,7 @@ def eval_locomo(
 @eval_app.command("compare")
 @friendly
 def eval_compare(
-    a: Path = typer.Argument(..., metavar="A", help="The --out directory of one kvmem eval locomo run (the reference)."),
+    a: Path = typer.Argument(..., metavar="A", help="The --out directory of a kvmem eval locomo run (the reference)."),
     b: Path = typer.Argument(..., metavar="B", help="The --out directory of another, on the same questions."),
     out: Path | None = typer.Option(None, "--out", help="Also write summary.json and compare.md here."),
 ):
