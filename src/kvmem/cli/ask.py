@@ -12,7 +12,7 @@ def ask(
     question: str = typer.Argument(..., help="The question."),
     store: str = store_option(),
     user: str = typer.Option(..., help="User id (LoCoMo sample_id for ingest-locomo stores)."),
-    k: int = typer.Option(10, "--k", help="Facts to retrieve (top_k)."),
+    k: int = typer.Option(5, "--k", help="Facts to retrieve (top_k)."),
     mode: str = typer.Option("kv", help="kv (KV injection) or prompt (prompt injection baseline)."),
     max_new_tokens: int = typer.Option(32),
     max_context: int | None = typer.Option(None, help="Context limit in tokens (default: the model's)."),

@@ -35,7 +35,7 @@ def serve_cmd(
         None, "--api-keys", help="JSON {key: tenant}; without it the server binds to loopback only."
     ),
     dtype: str = DTYPE,
-    top_k: int = typer.Option(10, "--top-k", help="Default memory.top_k."),
+    top_k: int = typer.Option(5, "--top-k", help="Default memory.top_k (the frontier's best k on the default model)."),
     mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
     window: int | None = USER_WINDOW,

@@ -42,7 +42,7 @@ EXPIRE_EVERY_S = 600.0  # expired memories are erased at least this often
 class Limits:
     max_body_bytes: int = MAX_BODY_BYTES
     request_timeout_s: float = 120.0
-    default_top_k: int = 10
+    default_top_k: int = 5  # the default model scores best at k=5 with every method (docs/benchmarks.md, Frontier)
     default_mode: str = "kv"
     default_max_tokens: int = 64
     max_tokens: int = 4096  # a request asking for more new tokens gets a 400
