@@ -417,7 +417,7 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         assert "4 to answer, 0 already" in res.output
         assert {json.loads(x)["order"] for x in (timed / "records.jsonl").read_text().splitlines()} == {"time"}
         res = cli("eval", "compare", out, timed, "--out", tiny["root"] / "compare")
-        got = json.loads((tiny["root"] / "compare" / "summary.json").read_text())
+        got = json.loads((tiny["root"] / "compare" / "compare.json").read_text())
         assert got["b"]["retrieval_order"] == "cosine, time" and got["a"]["retrieval_order"] == "cosine, relevance"
         overall = [r for r in got["rows"] if r["category"] == "overall"]
         assert {r["mode"] for r in overall} == {"kv", "prompt"}
@@ -444,17 +444,40 @@ def test_eval_compare_pairs_two_runs_by_question(tmp_path):
     rb = [rec("q1", 1, 0.75, ["y", "x"]), rec("q2", 4, 0.5, ["v"]), rec("q3", 4, 1.0, ["w"]), rec("q1", 1, 1, [], k=9)]
     (a / "records.json").write_text(json.dumps(ra))
     (b / "records.json").write_text(json.dumps(rb))
-    cli("eval", "compare", a, b, "--out", tmp_path / "c")
-    rows = {r["category"]: r for r in json.loads((tmp_path / "c" / "summary.json").read_text())["rows"]}
+    res = cli("eval", "compare", a, b, "--out", a)  # into a run's directory: its own files are left alone
+    assert json.loads((a / "records.json").read_text()) == ra
+    got = json.loads((a / "compare.json").read_text())
+    rows = {r["category"]: r for r in got["rows"]}
     assert set(rows) == {"multi-hop", "single-hop", "overall"}  # q9 is in a alone, k=9 in b alone
+    assert got["left_out"] == {"settings_only_in_a": 0, "settings_only_in_b": 1, "answers_only_in_a": 1,
+                               "answers_only_in_b": 0}  # fmt: skip
+    assert "left out (in one run only): 1 settings only in b, 1 answers only in a" in res.output
     o = rows["overall"]
     assert (o["n"], o["f1_a"], o["f1_b"], o["delta_f1"], o["same_facts"], o["same_answer"]) == (3, 50, 75, 25, 2, 1)
     assert o["ci95"][0] <= 25 <= o["ci95"][1]
     assert (rows["single-hop"]["f1_a"], rows["single-hop"]["f1_b"], rows["single-hop"]["delta_f1"]) == (50, 75, 25)
-    assert "| overall | 3 | 50.0 | 75.0 | +25.00 |" in (tmp_path / "c" / "compare.md").read_text()
+    assert "| overall | 3 | 50.00 | 75.00 | +25.00 |" in (a / "compare.md").read_text()
+    bad = [  # each a clean error naming the file, never a traceback
+        ([rec("q1", 1, "0.5", [])], "has F1 '0.5', not a number in [0, 1]"),
+        ([rec("q1", 1, 1.5, [])], "has F1 '1.5'"),
+        ([rec("q1", 1, True, [])], "has F1 'True'"),
+        ([rec("q1", 7, 0.5, [])], "has category '7', not 1-4"),
+        ([rec("q1", 1, 0.5, ["x", 1])], "fact_ids that are not a list of strings"),
+        ([rec("q1", 1, 0.5, []), rec("q1", 1, 0.5, [])], "answers question 'q1' twice"),
+        ([{**rec("q1", 1, 0.5, []), "qid": ["q1"]}], "has no question id"),
+        ([], "holds no records"),
+    ]
+    for records, why in bad:
+        (b / "records.json").write_text(json.dumps(records))
+        err = cli("eval", "compare", a, b, rc=2).output
+        assert why in err and str(b / "records.json") in err and "Traceback" not in err, (why, err)
+    (b / "records.json").write_text("[" * 100_000)
+    assert "is not JSON" in cli("eval", "compare", a, b, rc=2).output
+    (b / "records.json").write_text(json.dumps([rec("q1", 2, 0.5, [])]))
+    assert "question 'q1' is category 1 in" in cli("eval", "compare", a, b, rc=2).output
     (b / "records.json").write_text(json.dumps([rec("q1", 1, 0.5, [], k=7)]))
     err = cli("eval", "compare", a, b, rc=2).output
-    assert "answered no setting in common" in err and "Traceback" not in err
+    assert "share no question in any setting" in err and "Traceback" not in err
     assert "has no records.json" in cli("eval", "compare", a, tmp_path / "none", rc=2).output
 
 

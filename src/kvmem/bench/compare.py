@@ -17,18 +17,41 @@ from .recall import CATEGORY_NAMES
 SETTING = ("model", "mode", "k", "window", "neighbours", "history")
 
 
+def _bad(path: Path, i: int, what: str) -> ValueError:
+    return ValueError(f"{path}: record {i} {what}: not the records of a kvmem eval locomo run")
+
+
 def load(run: Path) -> dict[tuple, dict[str, dict]]:
     """``run``'s scored answers (its ``records.json``: the last summary's selection) as setting -> {qid: record}.
-    Raises ValueError when ``run`` holds no eval locomo output."""
+    Raises ValueError, naming the file, when ``run`` holds no eval locomo records or a record is malformed (a qid
+    that is not a string, an F1 outside [0, 1], a category other than 1-4, a question twice in one setting)."""
     path = run / "records.json"
     if not path.is_file():
         raise ValueError(f"{run} has no records.json: give the --out directory of a kvmem eval locomo run")
-    rows = json.loads(path.read_text())
-    if not isinstance(rows, list) or any(not isinstance(r, dict) or "qid" not in r or "f1" not in r for r in rows):
-        raise ValueError(f"{path} is not the records of a kvmem eval locomo run")
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path} is not JSON ({str(exc).splitlines()[0][:200]})") from None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path} holds no records (a non-empty JSON list of kvmem eval locomo records)")
     out: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        out.setdefault(tuple(r.get(key) for key in SETTING), {})[r["qid"]] = r
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not isinstance(r.get("qid"), str):
+            raise _bad(path, i, "has no question id")
+        f1 = r.get("f1")
+        if isinstance(f1, bool) or not isinstance(f1, (int, float)) or not 0 <= f1 <= 1:
+            raise _bad(path, i, f"has F1 {str(f1)[:40]!r}, not a number in [0, 1]")
+        if r.get("category") not in (1, 2, 3, 4) or isinstance(r.get("category"), bool):
+            raise _bad(path, i, f"has category {str(r.get('category'))[:40]!r}, not 1-4")
+        facts = r.get("fact_ids") or []
+        if not isinstance(facts, list) or not all(isinstance(f, str) for f in facts):
+            raise _bad(path, i, "has fact_ids that are not a list of strings")
+        setting = tuple(r.get(key) for key in SETTING)
+        if not all(v is None or isinstance(v, (str, int, float)) for v in setting):
+            raise _bad(path, i, f"has a setting ({', '.join(SETTING)}) that is not plain values")
+        if r["qid"] in out.setdefault(setting, {}):
+            raise _bad(path, i, f"answers question {r['qid'][:40]!r} twice at {dict(zip(SETTING, setting))}")
+        out[setting][r["qid"]] = r
     return out
 
 
@@ -39,23 +62,36 @@ def _what(rows: dict[str, dict]) -> str:
 
 
 def run(a: Path, b: Path, out: Path | None = None, echo=print) -> dict:
-    """Compare run ``b`` against run ``a``; returns the summary (also ``out/summary.json`` and ``out/compare.md``
-    when ``out`` is given). Raises ValueError when the runs share no setting, or no question within one."""
+    """Compare run ``b`` against run ``a``; returns the summary (also ``out/compare.json`` and ``out/compare.md``
+    when ``out`` is given: names no eval run writes, so ``out`` may be a run's directory). Settings and questions
+    only one run answered are left out, and counted in ``left_out``. Raises ValueError for malformed records
+    (``load``), runs that share no question in any setting, a question whose category differs between them, or an
+    ``out`` that cannot be written."""
     ra, rb = load(a), load(b)
-    common = [s for s in ra if s in rb]
-    if not common:
-        raise ValueError(
-            f"{a} and {b} answered no setting in common (model, mode, k, window, neighbours, history): "
-            f"{sorted(map(str, ra))[:3]} against {sorted(map(str, rb))[:3]}"
-        )
-    rows = []
-    for setting in common:
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+    rows: list[dict] = []
+    left = {
+        "settings_only_in_a": sum(1 for s in ra if s not in rb),
+        "settings_only_in_b": sum(1 for s in rb if s not in ra),
+        "answers_only_in_a": 0,
+        "answers_only_in_b": 0,
+    }
+    for setting in [s for s in ra if s in rb]:
         qa, qb = ra[setting], rb[setting]
         qids = [q for q in qa if q in qb]
-        if not qids:
-            raise ValueError(f"{a} and {b} share no question at {dict(zip(SETTING, setting))}")
+        left["answers_only_in_a"] += len(qa) - len(qids)
+        left["answers_only_in_b"] += len(qb) - len(qids)
+        for q in qids:
+            if qa[q]["category"] != qb[q]["category"]:
+                raise ValueError(
+                    f"question {q[:40]!r} is category {qa[q]['category']} in {a}, {qb[q]['category']} in {b}"
+                )
         for cat in (1, 2, 3, 4, "overall"):
-            sel = [q for q in qids if cat == "overall" or qa[q].get("category") == cat]
+            sel = [q for q in qids if cat == "overall" or qa[q]["category"] == cat]
             if not sel:
                 continue
             diff, ci = paired_bootstrap(100 * (qb[q]["f1"] - qa[q]["f1"]) for q in sel)
@@ -74,26 +110,41 @@ def run(a: Path, b: Path, out: Path | None = None, echo=print) -> dict:
                     "same_answer": sum(qa[q].get("answer") == qb[q].get("answer") for q in sel),
                 }
             )
-    first = ra[common[0]]
+    if not rows:
+        raise ValueError(
+            f"{a} and {b} share no question in any setting (model, mode, k, window, neighbours, history): "
+            f"{sorted(map(str, ra))[:2]} against {sorted(map(str, rb))[:2]}"
+        )
     summary = {
         "command": "eval compare",
-        "a": {"run": str(a), "retrieval_order": _what(first)},
-        "b": {"run": str(b), "retrieval_order": _what(rb[common[0]])},
+        "a": {"run": str(a), "retrieval_order": _what(next(iter(ra.values())))},
+        "b": {"run": str(b), "retrieval_order": _what(next(iter(rb.values())))},
         "f1": "LoCoMo token F1 (%); delta_f1 is b minus a, paired by question, with a bootstrap 95% CI",
         "rows": rows,
+        "left_out": left,
     }
     header = ["model", "mode", "k", "category", "n", "F1 a", "F1 b", "b − a", "95% CI", "same facts", "same answer"]
     cells = [
-        [r["model"], r["mode"], r["k"], r["category"], r["n"], r["f1_a"], r["f1_b"], f"{r['delta_f1']:+.2f}",
-         "" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]", r["same_facts"],
-         r["same_answer"]]
+        [r["model"], r["mode"], r["k"], r["category"], r["n"], f"{r['f1_a']:.2f}", f"{r['f1_b']:.2f}",
+         f"{r['delta_f1']:+.2f}", "" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]",
+         r["same_facts"], r["same_answer"]]
         for r in rows
     ]  # fmt: skip
-    echo(f"a: {a} ({summary['a']['retrieval_order']})\nb: {b} ({summary['b']['retrieval_order']})")
+    head = f"a: {a} ({summary['a']['retrieval_order']})\nb: {b} ({summary['b']['retrieval_order']})"
+    note = (
+        ""
+        if not any(left.values())
+        else "left out (in one run only): " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in left.items() if v)
+    )
+    echo(head)
     echo(table(cells, header))
+    if note:
+        echo(note)
     if out is not None:
-        write_json(out / "summary.json", summary)
-        lines = [f"a: `{a}` ({summary['a']['retrieval_order']}); b: `{b}` ({summary['b']['retrieval_order']})", ""]
-        (out / "compare.md").write_text("\n".join(lines) + markdown_table(cells, header) + "\n")
-        echo(f"wrote {out}/summary.json, compare.md")
+        write_json(out / "compare.json", summary)
+        md = [f"a: `{a}` ({summary['a']['retrieval_order']}); b: `{b}` ({summary['b']['retrieval_order']})", ""]
+        (out / "compare.md").write_text(
+            "\n".join(md) + markdown_table(cells, header) + (f"\n{note}\n" if note else "\n")
+        )
+        echo(f"wrote {out}/compare.json, compare.md")
     return summary
