@@ -15,7 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -53,14 +53,19 @@ def cluster():
 def stalled(data: Path):
     """The cluster stopped (SIGSTOP: the postmaster, then every backend and helper), resumed on exit (SIGCONT)."""
     pm = psutil.Process(int((data / "postmaster.pid").read_text().split()[0]))
-    procs = [pm, *pm.children(recursive=True)]
-    for p in procs:
-        p.send_signal(signal.SIGSTOP)
+    stopped = []
     try:
+        for p in [pm, *pm.children(recursive=True)]:
+            try:
+                p.send_signal(signal.SIGSTOP)
+            except psutil.NoSuchProcess:  # a backend that ended after it was listed (an earlier test's session)
+                continue
+            stopped.append(p)
         yield
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGCONT)
+    finally:  # every process stopped is resumed, even when stopping the rest failed
+        for p in reversed(stopped):
+            with suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
 
 
 def store_url(base: str, name: str) -> str:
