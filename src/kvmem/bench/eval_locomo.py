@@ -309,20 +309,7 @@ def run(
                     done_rows.append(rec)
                     bar.update(1)
     bar.close()
-    wanted = {q.qid for q in qs}
-    rows = [
-        r
-        for r in done_rows
-        if r["model"] == model
-        and r["qid"] in wanted
-        and r["window"] in windows
-        and r["k"] in ks
-        and r["mode"] in modes
-        and r.get("neighbours", 0) == n
-        and r.get("history", False) == h
-        and r.get("retrieval", "cosine") == rt
-        and r.get("order", "relevance") == od
-    ]
+    rows = [r for r in done_rows if _key(r) in asked]  # this run's answers: every setting it asked for
     with_judge = bool(judge_url) or any("judge" in r for r in rows)
     if with_judge:
         for r in rows:

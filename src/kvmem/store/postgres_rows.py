@@ -183,12 +183,6 @@ class PostgresRows(Rows):
 
     # --- availability: a lost database is noticed once, then answered at once until it is back ---------------
 
-    def _mark_down(self) -> None:
-        self._reach.mark_down()
-
-    def _check_up(self) -> None:
-        self._reach.check_up()
-
     def _select_one(self) -> bool:
         """The readiness probe (``Reach``): one ``SELECT 1`` on the probe connection (opened again if it broke),
         bounded by ``PROBE_TIMEOUT_S`` (and the connect's 2 s); whether the database answered."""
@@ -222,11 +216,11 @@ class PostgresRows(Rows):
                 )
             return pinned
         if self._conn.broken or self._conn.closed:
-            self._check_up()
+            self._reach.check_up()
             try:
                 self._conn = self._connect()
             except StoreUnavailable:
-                self._mark_down()
+                self._reach.mark_down()
                 raise
         return self._conn
 
@@ -246,15 +240,15 @@ class PostgresRows(Rows):
     def _errors(self):
         import psycopg
 
-        self._check_up()
+        self._reach.check_up()
         try:
             yield
         except StalledError as exc:
-            self._mark_down()
+            self._reach.mark_down()
             raise StoreUnavailable(f"PostgreSQL at {self.name}: {exc}") from None
         except psycopg.OperationalError as exc:  # the connection, not the statement
             if self._conn.closed or getattr(self._local, "conn", None) is not None:
-                self._mark_down()  # lost (a writer's own connection too: probed before the next call)
+                self._reach.mark_down()  # lost (a writer's own connection too: probed before the next call)
             raise StoreUnavailable(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
         except psycopg.Error as exc:  # a dropped table, a missing schema, no permission, a NUL in text, ...
             raise StoreError(f"PostgreSQL at {self.name}: {_one_line(exc)}") from None
@@ -374,7 +368,7 @@ class PostgresRows(Rows):
     def _writer_connection(self):
         import psycopg
 
-        self._check_up()
+        self._reach.check_up()
         with self._pool_lock:
             conn = self._idle.pop() if self._idle else None
         if conn is not None:
@@ -386,7 +380,7 @@ class PostgresRows(Rows):
         try:
             return self._connect()
         except StoreUnavailable:
-            self._mark_down()
+            self._reach.mark_down()
             raise
 
     @contextmanager
