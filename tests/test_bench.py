@@ -481,6 +481,71 @@ def test_eval_compare_pairs_two_runs_by_question(tmp_path):
     assert "has no records.json" in cli("eval", "compare", a, tmp_path / "none", rc=2).output
 
 
+def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: float, kv_ttft: float) -> Path:
+    """An ``eval frontier --out`` at ``d`` for ``model`` on ``qids``, as ``like`` (another run's summary: the same
+    questions, encoding and machine): prompt at k=5 (F1 0.1 per question, 1 s) and kv at k=5 (``kv_f1`` per
+    question, ``kv_ttft`` ms; the bare query 0.4 ms)."""
+    (d / model / "eval").mkdir(parents=True, exist_ok=True)
+    (d / model / "latency").mkdir(parents=True, exist_ok=True)
+    rows = [{"qid": q, "mode": m, "k": 5, "f1": f} for q in qids for m, f in (("prompt", 0.1), ("kv", kv_f1))]
+    (d / model / "eval" / "records.json").write_text(json.dumps(rows))
+    (d / model / "latency" / "summary.json").write_text(json.dumps({"ttft_ms": {"bare": 0.4}}))
+    points = [{"model": model, "engine": "vllm", "method": m, "k": 5, "n": len(qids), "f1": 100 * f,
+               "judge": None, "ttft_ms": t, "ttft_p95_ms": t} for m, f, t in (("prompt", 0.1, 1000.0),
+                                                                               ("kv", kv_f1, kv_ttft))]  # fmt: skip
+    keep = ("samples", "questions", "encoding", "machine", "latency_questions")
+    summary = {"command": "eval frontier", "models": [model], "points": points} | {k: like[k] for k in keep}
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
+    """``eval frontier --add-run``: an earlier run's other models join with their points, per-question F1s and
+    bare-query TTFTs, and count in both targets; a run on other questions, of another encoding or machine, or
+    adding no model, is refused with a one-line error naming what differs."""
+    from kvmem.bench import frontier
+
+    machine = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "cuda": None, "time": "then"}
+    like = {"samples": ["conv-26"], "questions": 2, "encoding": "w=5, m=4", "machine": machine, "latency_questions": 9}
+    big = synthetic_frontier(tmp_path / "big", "big-model", ["q1", "q2"], like, kv_f1=0.5, kv_ttft=300.0)
+    ev = {"samples": ["conv-26"], "questions": 2}
+    here = [
+        {"model": "small", "method": "prompt", "k": 5, "f1": 10.0, "ttft_ms": 1200.0},
+        {"model": "small", "method": "kv", "k": 5, "f1": 20.0, "ttft_ms": 200.0},
+    ]
+    scores = {("small", "prompt", 5): {"q1": 0.1, "q2": 0.1}, ("small", "kv", 5): {"q1": 0.1, "q2": 0.3}}
+    points, more, bare, note = frontier.earlier(big, ["small"], ev, "w=5, m=4", machine | {"time": "now"})
+    assert bare == {"big-model": 0.4} and note["models"] == ["big-model"] and note["latency_questions"] == 9
+    assert [(p["method"], p["f1"]) for p in points] == [("prompt", 10.0), ("kv", 50.0)]
+    assert more == {("big-model", "prompt", 5): {"q1": 0.1, "q2": 0.1}, ("big-model", "kv", 5): {"q1": 0.5, "q2": 0.5}}
+    goals = frontier.targets(here + points, scores | more, {"small": 190.0} | bare)
+    # within 1.3x its bare query (0.52 ms) the big model has no kvmem point; the small one's kv beats its prompt
+    assert [(r["model"], r["met"], r["kvmem"] and r["kvmem"]["f1"]) for r in goals["same_model"]] == [
+        ("small", True, 20.0),
+        ("big-model", False, None),
+    ]
+    # every prompt point's best faster kvmem point is the big model's kv (50 at 300 ms): +40 over both
+    assert [(r["prompt"]["model"], r["kvmem"]["model"], r["delta_f1"], r["met"]) for r in goals["across_models"]] == [
+        ("small", "big-model", 40.0, True),
+        ("big-model", "big-model", 40.0, True),
+    ]
+    refused = [
+        ((big, ["small"], {"samples": ["conv-26"], "questions": 3}, "w=5, m=4", machine), "its questions is 2"),
+        ((big, ["small"], ev, "w=0, m=4", machine), "its encoding is 'w=5, m=4'"),
+        ((big, ["small"], ev, "w=5, m=4", machine | {"cpu": "Intel Xeon"}), "its machine cpu is 'AMD EPYC'"),
+        ((big, ["small", "big-model"], ev, "w=5, m=4", machine), "it adds no model"),
+        ((tmp_path / "none", ["small"], ev, "w=5, m=4", machine), "no summary.json there"),
+    ]
+    for args, why in refused:
+        with pytest.raises(ValueError, match=why):
+            frontier.earlier(*args)
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "summary.json").write_text("{")
+    err = cli("eval", "frontier", "--engine", "hf", "--methods", "prompt,kv", "--add-run", tmp_path / "none",
+              "--out", tmp_path / "out", rc=2).output  # fmt: skip
+    assert "cannot be read" in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_eval_frontier_points_and_table(tiny):
     """``eval frontier`` on the transformers engine: every (method, k) is a point whose F1 is the mean of its eval
@@ -535,9 +600,23 @@ def test_eval_frontier_points_and_table(tiny):
     ]
     assert all(r["met"] == (r["delta_f1"] is not None and r["delta_f1"] >= 2) for r in across)
     assert "met (>= 0)" in (out / "frontier.md").read_text()
-    res = cli(*args)
+    # the rerun answers nothing again; an earlier run of another model on the same questions joins the tables,
+    # the targets and the plot: its kv point, faster and better than every prompt point here, is each one's best
+    qids = sorted({r["qid"] for r in evals})
+    other = synthetic_frontier(out.parent / "other", "other-model", qids, s, kv_f1=0.9, kv_ttft=0.5)
+    res = cli(*args, "--add-run", other)
     assert "latency: reusing" in res.output and "0 to answer, 12 already" in res.output
-    assert json.loads((out / "summary.json").read_text())["points"] == s["points"]
+    s2 = json.loads((out / "summary.json").read_text())
+    assert s2["points"][: len(s["points"])] == s["points"] and s2["measured_models"] == [FAST]
+    assert s2["models"] == [FAST, "other-model"] and [a["models"] for a in s2["added_runs"]] == [["other-model"]]
+    assert {(p["model"], p["method"]) for p in s2["points"][len(s["points"]) :]} == {
+        ("other-model", "prompt"),
+        ("other-model", "kv"),
+    }
+    across = s2["targets"]["across_models"]
+    assert len(across) == 3 and all(r["kvmem"]["model"] == "other-model" for r in across)
+    assert [r["model"] for r in s2["targets"]["same_model"]] == [FAST, "other-model"]
+    assert "other-model: from the run in" in (out / "frontier.md").read_text()
 
 
 @pytest.mark.slow

@@ -16,6 +16,10 @@ paired bootstrap 95% CI over the questions (``common.paired_bootstrap``).
 
 Resumable: answers are kept in ``<out>/<model>/eval/records.jsonl`` and a latency run whose summary matches the
 one asked is reused, so rerunning the same command after a stop continues where it stopped.
+
+``add_runs``: earlier runs' ``--out`` directories whose models this run does not measure (e.g. one model at more k
+than another can afford); their points, answers and bare-query TTFTs join the tables, the targets and the plot.
+Only runs on the same questions, encoding and kind of machine are taken (``earlier``).
 """
 
 from __future__ import annotations
@@ -60,9 +64,11 @@ def run(
     plot_path: Path | None = None,
     show_progress: bool = True,
     echo=print,
+    add_runs: list[Path] = (),
 ) -> dict:
-    """Measure every model's points, then write ``out/summary.json`` (points and table), ``out/frontier.md``,
-    ``out/frontier.png`` (and a copy at ``plot_path``); returns the summary."""
+    """Measure every model's points, add those of ``add_runs`` (module docstring), then write ``out/summary.json``
+    (points and table), ``out/frontier.md``, ``out/frontier.png`` (and a copy at ``plot_path``); returns the
+    summary. Raises ValueError (one line) on bad arguments or an added run that does not compare."""
     methods = [str(m) for m in check_methods(methods, engine)]
     if PROMPT not in methods or len(methods) < 2:
         raise ValueError("--methods must name prompt and at least one kvmem method (kv, kv-tail<r>, ...)")
@@ -71,6 +77,8 @@ def run(
     if latency_questions < 1:
         raise ValueError("--latency-questions must be >= 1")
     enc = Encoding.of(window, neighbours, history)
+    for path in add_runs:  # before the hours of measuring: a wrong directory fails now
+        _summary_of(path)
     points, scores, bare = [], {}, {}
     for model in models:
         setup = Setup.load(data, samples, model, engine, show_progress)
@@ -93,12 +101,22 @@ def run(
                 scores[(model, method, k)] = {r["qid"]: r["f1"] for r in sel}
                 points.append(point(model, method, k, sel, lat, engine_name))
 
+    added = []
+    for path in add_runs:
+        more, more_scores, more_bare, note = earlier(path, list(bare), ev, enc.describe(), lat["machine"])
+        points, added = points + more, added + [note]
+        scores.update(more_scores)
+        bare.update(more_bare)
+    all_models = list(bare)
+    all_methods = list(dict.fromkeys([*methods, *(p["method"] for p in points)]))
     frontier = best_under_prompt(points, scores)
     goals = targets(points, scores, bare)
     summary = {
         "command": "eval frontier",
-        "models": models,
-        "methods": methods,
+        "models": all_models,
+        "methods": all_methods,
+        "measured_models": models,
+        "added_runs": added,
         "k": ks,
         "encoding": enc.describe(),
         "samples": ev["samples"],
@@ -115,7 +133,7 @@ def run(
     }
     write_summary_and_records(out, summary, points)
     png = out / "frontier.png"
-    plot(png, points, models, methods, summary)
+    plot(png, points, all_models, all_methods, summary)
     if plot_path is not None:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(png, plot_path)
@@ -126,6 +144,59 @@ def run(
     echo(md)
     echo(f"wrote {out}/summary.json, records.json, records.csv, frontier.md, frontier.png")
     return summary
+
+
+def _summary_of(path: Path) -> dict:
+    """The ``summary.json`` of the ``eval frontier`` run at ``path``; ValueError (one line) when there is none."""
+    f = path / "summary.json"
+    try:
+        s = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--add-run {path}: no summary.json there (not an eval frontier --out)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--add-run {path}: {f} cannot be read ({exc})") from None
+    if not isinstance(s, dict) or s.get("command") != "eval frontier" or not isinstance(s.get("points"), list):
+        raise ValueError(f"--add-run {path}: {f} is not an eval frontier summary")
+    return s
+
+
+MACHINE_KEYS = ("cpu", "cores", "torch", "cuda")  # what must match for two runs' TTFTs to compare
+
+
+def earlier(path: Path, measured: list[str], ev: dict, encoding: str, machine: dict):
+    """The models of the earlier run at ``path`` that ``measured`` lacks: (their points, their per-question F1s
+    ``{(model, method, k): {qid: f1}}``, their bare-query median TTFTs ``{model: ms}``, a note of where they came
+    from). ``ev``: this run's eval summary (its samples and question count). Raises ValueError (one line) unless
+    that run scored the same questions with the same ``encoding`` on the same kind of machine (``MACHINE_KEYS``:
+    TTFTs from another machine do not compare), or when it adds no model."""
+    s = _summary_of(path)
+    theirs = s.get("machine") or {}
+    for key, want, got in (
+        ("samples", ev["samples"], s.get("samples")),
+        ("questions", ev["questions"], s.get("questions")),
+        ("encoding", encoding, s.get("encoding")),
+        *((f"machine {k}", machine.get(k), theirs.get(k)) for k in MACHINE_KEYS),
+    ):
+        if got != want:
+            raise ValueError(f"--add-run {path}: its {key} is {got!r}, this run's {want!r}: its points do not compare")
+    new = [m for m in s.get("models", []) if m not in measured]
+    if not new:
+        raise ValueError(f"--add-run {path}: it adds no model (it measured {s.get('models')}, all measured here)")
+    points = [p for p in s["points"] if p["model"] in new]
+    scores, bare = {}, {}
+    for model in new:
+        where = path / Path(model).name
+        try:
+            rows = json.loads((where / "eval" / "records.json").read_text())
+            bare[model] = json.loads((where / "latency" / "summary.json").read_text())["ttft_ms"]["bare"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--add-run {path}: {model}'s answers or latency cannot be read ({exc})") from None
+        for p in (p for p in points if p["model"] == model):
+            sel = [r for r in rows if r["mode"] == p["method"] and r["k"] == p["k"]]
+            scores[(model, p["method"], p["k"])] = {r["qid"]: r["f1"] for r in sel}
+    note = {"run": str(path), "models": new, "latency_questions": s.get("latency_questions"),
+            "time": theirs.get("time")}  # fmt: skip
+    return points, scores, bare, note
 
 
 def measure_latency(setup, out: Path, ks, enc: Encoding, methods, n: int, echo) -> dict:
@@ -303,6 +374,9 @@ def markdown(points: list[dict], frontier: list[dict], summary: dict) -> str:
              + [f"{p['ttft_ms']:.0f}", f"{p['ttft_p95_ms']:.0f}"] for p in points]  # fmt: skip
     note = (f"{summary['questions']} questions per point (F1); TTFT from {summary['latency_questions']} "
             f"questions, one request at a time; {summary['encoding']}.")  # fmt: skip
+    for a in summary["added_runs"]:
+        note += (f" {', '.join(a['models'])}: from the run in {a['run']} ({a['time']}; TTFT from "
+                 f"{a['latency_questions']} questions).")  # fmt: skip
     return "\n\n".join([markdown_table(rows, head), markdown_table(prows, phead), note])
 
 
@@ -328,7 +402,8 @@ def plot(path: Path, points: list[dict], models: list[str], methods: list[str], 
                 ax.annotate(f"k={p['k']}", (p["ttft_ms"], p["f1"]), fontsize=6, xytext=(3, 3),
                             textcoords="offset points")  # fmt: skip
     ax.set_xscale("log")
-    ax.set_xlabel(f"median TTFT (ms, log scale; {summary['latency_questions']} questions, one at a time)")
+    asked = [str(summary["latency_questions"])] + [str(a["latency_questions"]) for a in summary["added_runs"]]
+    ax.set_xlabel(f"median TTFT (ms, log scale; {' or '.join(dict.fromkeys(asked))} questions, one at a time)")
     ax.set_ylabel(f"LoCoMo token F1 (%, {summary['questions']} questions)")
     ax.set_title(f"Accuracy vs latency: prompt injection, KV injection, tail recompute ({summary['encoding']})")
     ax.grid(True, which="both", alpha=0.3)

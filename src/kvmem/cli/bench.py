@@ -606,6 +606,12 @@ def eval_frontier(
     judge_model: str | None = typer.Option(None, "--judge-model"),
     out: Path = typer.Option(Path("runs/eval/frontier"), "--out"),
     plot: Path | None = typer.Option(None, "--plot", help="Also write the plot here (e.g. docs/img/<name>.png)."),
+    add_run: list[Path] = typer.Option(
+        [],
+        "--add-run",
+        help="An earlier eval frontier --out (same questions, encoding and machine kind) whose other models join the "
+        "tables, targets and plot; repeatable.",
+    ),
     show_progress: bool = _PROGRESS,
 ):
     """The accuracy-latency frontier: LoCoMo F1 (batched eval) against median TTFT (a separate one-at-a-time
@@ -616,7 +622,7 @@ def eval_frontier(
 
     frontier.run(data, out, str_list(models), str_list(methods), int_list(k, "--k", 1), _bench_args(samples),
                  questions, latency_questions, engine, window, neighbours, history, max_new_tokens, judge_url,
-                 judge_model, plot, show_progress, typer.echo)  # fmt: skip
+                 judge_model, plot, show_progress, typer.echo, add_run)  # fmt: skip
 
 
 @eval_app.command("recall")
