@@ -457,6 +457,15 @@ def test_eval_compare_pairs_two_runs_by_question(tmp_path):
     assert o["ci95"][0] <= 25 <= o["ci95"][1]
     assert (rows["single-hop"]["f1_a"], rows["single-hop"]["f1_b"], rows["single-hop"]["delta_f1"]) == (50, 75, 25)
     assert "| overall | 3 | 50.00 | 75.00 | +25.00 |" in (a / "compare.md").read_text()
+    # a record from before neighbours and history were recorded ran without them: it pairs with m=0
+    c, d = tmp_path / "c", tmp_path / "d"
+    c.mkdir(), d.mkdir()
+    (c / "records.json").write_text(json.dumps([rec("q1", 1, 0.5, []) | {"neighbours": 0}]))
+    old = {k: v for k, v in rec("q1", 1, 0.25, []).items() if k not in ("neighbours", "history")}
+    (d / "records.json").write_text(json.dumps([old]))
+    cli("eval", "compare", c, d, "--out", c)
+    o = [r for r in json.loads((c / "compare.json").read_text())["rows"] if r["category"] == "overall"]
+    assert [(r["neighbours"], r["history"], r["n"], r["delta_f1"]) for r in o] == [(0, False, 1, -25.0)]
     bad = [  # each a clean error naming the file, never a traceback
         ([rec("q1", 1, "0.5", [])], "has F1 '0.5', not a number in [0, 1]"),
         ([rec("q1", 1, 1.5, [])], "has F1 '1.5'"),
