@@ -30,7 +30,7 @@ def test_reach_fails_at_once_while_down_and_comes_back_with_its_service():
     up.clear()
     time.sleep(0.06)
     assert not reach.available() and reach.down_since is not None  # no answer: marked down
-    with pytest.raises(StoreUnavailable, match="the test service has not answered for 0 s"):
+    with pytest.raises(StoreUnavailable, match=r"^the test service has not answered for \d+ s$"):
         reach.check_up()
     n = len(calls)
     time.sleep(0.3)
