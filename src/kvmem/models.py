@@ -72,7 +72,7 @@ REGISTRY: dict[str, ModelSpec] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             1_117_320_768,
             chat=True,
-            good_for="quality runs: strongest offline model; ~2.5x slower than the default",
+            good_for="the best answers where its TTFT fits: about 3x the default's bare prefill (docs/models.md)",
         ),
         ModelSpec(
             "gemma3-270m",

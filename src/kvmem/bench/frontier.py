@@ -396,6 +396,8 @@ def plot(path: Path, points: list[dict], models: list[str], methods: list[str], 
     for mi, model in enumerate(models):
         for method in methods:
             pts = sorted((p for p in points if p["model"] == model and p["method"] == method), key=lambda p: p["k"])
+            if not pts:  # a method another run's model was not measured with: no curve, no legend entry
+                continue
             xs, ys = [p["ttft_ms"] for p in pts], [p["f1"] for p in pts]
             ax.plot(xs, ys, styles[mi % 4], marker=markers[mi % 4], color=colors[method], label=f"{model} {method}")
             for p in pts:
