@@ -492,17 +492,18 @@ def test_eval_compare_pairs_two_runs_by_question(tmp_path):
 
 def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: float, kv_ttft: float) -> Path:
     """An ``eval frontier --out`` at ``d`` for ``model`` on ``qids``, as ``like`` (another run's summary: the same
-    questions, encoding and machine): prompt at k=5 (F1 0.1 per question, 1 s) and kv at k=5 (``kv_f1`` per
-    question, ``kv_ttft`` ms; the bare query 0.4 ms)."""
+    questions, encoding, engine and machine): prompt at k=5 (F1 0.1 per question, 1 s) and kv at k=5 (``kv_f1``
+    per question, ``kv_ttft`` ms; the bare query 0.4 ms)."""
     (d / model / "eval").mkdir(parents=True, exist_ok=True)
     (d / model / "latency").mkdir(parents=True, exist_ok=True)
     rows = [{"qid": q, "mode": m, "k": 5, "f1": f} for q in qids for m, f in (("prompt", 0.1), ("kv", kv_f1))]
     (d / model / "eval" / "records.json").write_text(json.dumps(rows))
     (d / model / "latency" / "summary.json").write_text(json.dumps({"ttft_ms": {"bare": 0.4}}))
-    points = [{"model": model, "engine": "vllm", "method": m, "k": 5, "n": len(qids), "f1": 100 * f,
+    engine = like["points"][0]["engine"]
+    points = [{"model": model, "engine": engine, "method": m, "k": 5, "n": len(qids), "f1": 100 * f,
                "judge": None, "ttft_ms": t, "ttft_p95_ms": t} for m, f, t in (("prompt", 0.1, 1000.0),
                                                                                ("kv", kv_f1, kv_ttft))]  # fmt: skip
-    keep = ("samples", "questions", "encoding", "machine", "latency_questions")
+    keep = ("samples", "questions", "encoding", "machine", "latency_questions", "max_new_tokens")
     summary = {"command": "eval frontier", "models": [model], "points": points} | {k: like[k] for k in keep}
     (d / "summary.json").write_text(json.dumps(summary))
     return d
@@ -510,24 +511,31 @@ def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: 
 
 def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
     """``eval frontier --add-run``: an earlier run's other models join with their points, per-question F1s and
-    bare-query TTFTs, and count in both targets; a run on other questions, of another encoding or machine, or
-    adding no model, is refused with a one-line error naming what differs."""
+    bare-query TTFTs, and count in both targets. Refused with a one-line error naming what differs: before any
+    measuring, a run of another encoding, answer length or machine, adding no model, or whose files are missing
+    or malformed; after it, one on other questions or from another engine."""
     from kvmem.bench import frontier
 
     machine = {"cpu": "AMD EPYC", "cores": 2, "torch": "2.13.0+cpu", "cuda": None, "time": "then"}
-    like = {"samples": ["conv-26"], "questions": 2, "encoding": "w=5, m=4", "machine": machine, "latency_questions": 9}
+    like = {"samples": ["conv-26"], "questions": 2, "encoding": "w=5, m=4", "machine": machine,
+            "latency_questions": 9, "max_new_tokens": 32, "points": [{"engine": "vllm"}]}  # fmt: skip
     big = synthetic_frontier(tmp_path / "big", "big-model", ["q1", "q2"], like, kv_f1=0.5, kv_ttft=300.0)
-    ev = {"samples": ["conv-26"], "questions": 2}
+    ev, qids = {"samples": ["conv-26"], "questions": 2}, {"q1", "q2"}
     here = [
         {"model": "small", "method": "prompt", "k": 5, "f1": 10.0, "ttft_ms": 1200.0},
         {"model": "small", "method": "kv", "k": 5, "f1": 20.0, "ttft_ms": 200.0},
     ]
     scores = {("small", "prompt", 5): {"q1": 0.1, "q2": 0.1}, ("small", "kv", 5): {"q1": 0.1, "q2": 0.3}}
-    points, more, bare, note = frontier.earlier(big, ["small"], ev, "w=5, m=4", machine | {"time": "now"})
-    assert bare == {"big-model": 0.4} and note["models"] == ["big-model"] and note["latency_questions"] == 9
-    assert [(p["method"], p["f1"]) for p in points] == [("prompt", 10.0), ("kv", 50.0)]
-    assert more == {("big-model", "prompt", 5): {"q1": 0.1, "q2": 0.1}, ("big-model", "kv", 5): {"q1": 0.5, "q2": 0.5}}
-    goals = frontier.targets(here + points, scores | more, {"small": 190.0} | bare)
+    added = frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine | {"time": "now"})
+    added.check(ev, qids, "vllm")
+    assert added.bare == {"big-model": 0.4} and added.note["models"] == ["big-model"]
+    assert added.note["latency_questions"] == 9
+    assert [(p["method"], p["f1"]) for p in added.points] == [("prompt", 10.0), ("kv", 50.0)]
+    assert added.scores == {
+        ("big-model", "prompt", 5): {"q1": 0.1, "q2": 0.1},
+        ("big-model", "kv", 5): {"q1": 0.5, "q2": 0.5},
+    }
+    goals = frontier.targets(here + added.points, scores | added.scores, {"small": 190.0} | added.bare)
     # within 1.3x its bare query (0.52 ms) the big model has no kvmem point; the small one's kv beats its prompt
     assert [(r["model"], r["met"], r["kvmem"] and r["kvmem"]["f1"]) for r in goals["same_model"]] == [
         ("small", True, 20.0),
@@ -538,16 +546,51 @@ def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
         ("small", "big-model", 40.0, True),
         ("big-model", "big-model", 40.0, True),
     ]
-    refused = [
-        ((big, ["small"], {"samples": ["conv-26"], "questions": 3}, "w=5, m=4", machine), "its questions is 2"),
-        ((big, ["small"], ev, "w=0, m=4", machine), "its encoding is 'w=5, m=4'"),
-        ((big, ["small"], ev, "w=5, m=4", machine | {"cpu": "Intel Xeon"}), "its machine cpu is 'AMD EPYC'"),
-        ((big, ["small", "big-model"], ev, "w=5, m=4", machine), "it adds no model"),
-        ((tmp_path / "none", ["small"], ev, "w=5, m=4", machine), "no summary.json there"),
+    load = [  # (directory, measured, encoding, max_new_tokens, machine), what the one-line error says
+        ((big, ["small"], "w=0, m=4", 32, machine), "its encoding is 'w=5, m=4'"),
+        ((big, ["small"], "w=5, m=4", 16, machine), "its max_new_tokens is 32"),
+        ((big, ["small"], "w=5, m=4", 32, machine | {"cpu": "Intel Xeon"}), "its machine cpu is 'AMD EPYC'"),
+        ((big, ["small", "big-model"], "w=5, m=4", 32, machine), "it adds no model"),
+        ((tmp_path / "none", ["small"], "w=5, m=4", 32, machine), "no summary.json there"),
     ]
-    for args, why in refused:
+    for args, why in load:
         with pytest.raises(ValueError, match=why):
-            frontier.earlier(*args)
+            frontier.AddedRun.load(*args)
+    for other, why in (
+        (
+            ({"samples": ["conv-26"], "questions": 3}, {"q1", "q2"}, "vllm"),
+            "it scored 2 questions of .'conv-26'., this run 3",
+        ),
+        ((ev, {"q1", "q3"}, "vllm"), "big-model prompt k=5 answered other questions"),
+        (
+            (ev, qids, "hf"),
+            "its engine is .'vllm'., this run's 'hf'",
+        ),
+    ):
+        with pytest.raises(ValueError, match=why):
+            added.check(*other)
+    summary = json.loads((big / "summary.json").read_text())
+    records, latency = big / "big-model" / "eval" / "records.json", big / "big-model" / "latency" / "summary.json"
+    broken = [  # (file, its new text), what the one-line error says
+        (big / "summary.json", json.dumps(summary | {"points": [1]}), "summary.json is not what eval frontier writes"),
+        (big / "summary.json", json.dumps(summary | {"models": ["../x"]}), "is not a model name"),
+        (big / "summary.json", json.dumps(summary | {"machine": [1]}), "machine"),
+        (big / "summary.json", "[" * 100_000 + "]" * 100_000, "cannot be read"),
+        (records, json.dumps([{"qid": "q1"}]), "records.json is not what eval frontier writes"),
+        (records, json.dumps([{"qid": "q1", "mode": "kv", "k": 5, "f1": 0.5}]), "has 0 answers, its point says 2"),
+        (latency, json.dumps({"ttft_ms": {"kv": {"5": 1.0}}}), "latency/summary.json is not what eval frontier"),
+    ]
+    saved = {f: f.read_text() for f, _, _ in broken}
+    for f, text, why in broken:
+        f.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine)
+        f.write_text(saved[f])
+    # a run that itself added runs offers only the models it measured: the others have no folders in it
+    (big / "summary.json").write_text(
+        json.dumps(summary | {"models": ["big-model", "x"], "measured_models": ["big-model"]})
+    )
+    assert frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine).note["models"] == ["big-model"]
     (tmp_path / "none").mkdir()
     (tmp_path / "none" / "summary.json").write_text("{")
     err = cli("eval", "frontier", "--engine", "hf", "--methods", "prompt,kv", "--add-run", tmp_path / "none",

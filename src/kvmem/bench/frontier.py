@@ -19,20 +19,25 @@ one asked is reused, so rerunning the same command after a stop continues where 
 
 ``add_runs``: earlier runs' ``--out`` directories whose models this run does not measure (e.g. one model at more k
 than another can afford); their points, answers and bare-query TTFTs join the tables, the targets and the plot.
-Only runs on the same questions, encoding and kind of machine are taken (``earlier``).
+Only runs on the same questions, encoding and kind of machine are taken (``AddedRun``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from ..policy import Encoding
 from ..service import check_methods
 from . import eval_locomo, latency
 from .common import (
     Setup,
+    machine,
     markdown_table,
     paired_bootstrap,
     pyplot,
@@ -77,8 +82,11 @@ def run(
     if latency_questions < 1:
         raise ValueError("--latency-questions must be >= 1")
     enc = Encoding.of(window, neighbours, history)
-    for path in add_runs:  # before the hours of measuring: a wrong directory fails now
-        _summary_of(path)
+    # an added run is read and checked before the hours of measuring, as far as it can be without them
+    adding: list[AddedRun] = []
+    for path in add_runs:  # each adds only models that neither this run nor an earlier --add-run has
+        have = models + [m for a in adding for m in a.bare]
+        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, machine()))
     points, scores, bare = [], {}, {}
     for model in models:
         setup = Setup.load(data, samples, model, engine, show_progress)
@@ -101,12 +109,13 @@ def run(
                 scores[(model, method, k)] = {r["qid"]: r["f1"] for r in sel}
                 points.append(point(model, method, k, sel, lat, engine_name))
 
-    added = []
-    for path in add_runs:
-        more, more_scores, more_bare, note = earlier(path, list(bare), ev, enc.describe(), lat["machine"])
-        points, added = points + more, added + [note]
-        scores.update(more_scores)
-        bare.update(more_bare)
+    qids = set().union(*scores.values())
+    for run_ in adding:
+        run_.check(ev, qids, engine_name)
+        points += run_.points
+        scores.update(run_.scores)
+        bare.update(run_.bare)
+    added = [run_.note for run_ in adding]
     all_models = list(bare)
     all_methods = list(dict.fromkeys([*methods, *(p["method"] for p in points)]))
     frontier = best_under_prompt(points, scores)
@@ -146,57 +155,149 @@ def run(
     return summary
 
 
-def _summary_of(path: Path) -> dict:
-    """The ``summary.json`` of the ``eval frontier`` run at ``path``; ValueError (one line) when there is none."""
-    f = path / "summary.json"
-    try:
-        s = json.loads(f.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--add-run {path}: no summary.json there (not an eval frontier --out)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--add-run {path}: {f} cannot be read ({exc})") from None
-    if not isinstance(s, dict) or s.get("command") != "eval frontier" or not isinstance(s.get("points"), list):
-        raise ValueError(f"--add-run {path}: {f} is not an eval frontier summary")
-    return s
+class _Point(BaseModel):
+    """One point of an earlier run's summary (``point``'s fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    engine: str
+    method: str
+    k: int
+    n: int = Field(ge=0)
+    f1: float | None
+    judge: float | None = None
+    ttft_ms: float = Field(gt=0)
+    ttft_p95_ms: float = Field(gt=0)
+
+
+class _Answer(BaseModel):
+    """One answer of an earlier run's ``eval/records.json`` (the fields the pairing reads)."""
+
+    model_config = ConfigDict(extra="ignore")
+    qid: str
+    mode: str
+    k: int
+    f1: float = Field(ge=0, le=1)
+
+
+class _Bare(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    bare: float = Field(gt=0)
+
+
+class _Latency(BaseModel):
+    """An earlier run's ``latency/summary.json``: the bare query's median TTFT, ms (the rest is per method)."""
+
+    model_config = ConfigDict(extra="ignore")
+    ttft_ms: _Bare
+
+
+class _Run(BaseModel):
+    """An earlier ``eval frontier`` run's ``summary.json`` (the fields ``--add-run`` reads)."""
+
+    model_config = ConfigDict(extra="ignore")
+    command: Literal["eval frontier"]
+    models: list[str]
+    measured_models: list[str] | None = None  # a run that itself added runs: only these have folders in it
+    points: list[_Point]
+    samples: list[str]
+    questions: int
+    encoding: str
+    max_new_tokens: int
+    latency_questions: int
+    machine: dict[str, object]
+
+    @field_validator("models", "measured_models")
+    @classmethod
+    def _names(cls, names):
+        for m in names or ():
+            if not m or Path(m).name != m or m in (".", "..") or not m.isprintable():
+                raise ValueError(f"{m!r} is not a model name")
+        return names
 
 
 MACHINE_KEYS = ("cpu", "cores", "torch", "cuda")  # what must match for two runs' TTFTs to compare
 
 
-def earlier(path: Path, measured: list[str], ev: dict, encoding: str, machine: dict):
-    """The models of the earlier run at ``path`` that ``measured`` lacks: (their points, their per-question F1s
-    ``{(model, method, k): {qid: f1}}``, their bare-query median TTFTs ``{model: ms}``, a note of where they came
-    from). ``ev``: this run's eval summary (its samples and question count). Raises ValueError (one line) unless
-    that run scored the same questions with the same ``encoding`` on the same kind of machine (``MACHINE_KEYS``:
-    TTFTs from another machine do not compare), or when it adds no model."""
-    s = _summary_of(path)
-    theirs = s.get("machine") or {}
-    for key, want, got in (
-        ("samples", ev["samples"], s.get("samples")),
-        ("questions", ev["questions"], s.get("questions")),
-        ("encoding", encoding, s.get("encoding")),
-        *((f"machine {k}", machine.get(k), theirs.get(k)) for k in MACHINE_KEYS),
-    ):
-        if got != want:
-            raise ValueError(f"--add-run {path}: its {key} is {got!r}, this run's {want!r}: its points do not compare")
-    new = [m for m in s.get("models", []) if m not in measured]
-    if not new:
-        raise ValueError(f"--add-run {path}: it adds no model (it measured {s.get('models')}, all measured here)")
-    points = [p for p in s["points"] if p["model"] in new]
-    scores, bare = {}, {}
-    for model in new:
-        where = path / Path(model).name
-        try:
-            rows = json.loads((where / "eval" / "records.json").read_text())
-            bare[model] = json.loads((where / "latency" / "summary.json").read_text())["ttft_ms"]["bare"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--add-run {path}: {model}'s answers or latency cannot be read ({exc})") from None
-        for p in (p for p in points if p["model"] == model):
-            sel = [r for r in rows if r["mode"] == p["method"] and r["k"] == p["k"]]
-            scores[(model, p["method"], p["k"])] = {r["qid"]: r["f1"] for r in sel}
-    note = {"run": str(path), "models": new, "latency_questions": s.get("latency_questions"),
-            "time": theirs.get("time")}  # fmt: skip
-    return points, scores, bare, note
+def _read(path: Path, f: Path, schema):
+    """``f`` (a file of the run at ``path``) parsed and checked against ``schema`` (a pydantic model or
+    ``TypeAdapter``); ValueError, one line, naming the file, when it is missing, unreadable or not that."""
+    try:
+        data = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--add-run {path}: no {f.relative_to(path)} there (not an eval frontier --out)") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"--add-run {path}: {f} cannot be read ({' '.join(str(exc).split())[:160]})") from None
+    try:
+        return schema.validate_python(data) if isinstance(schema, TypeAdapter) else schema.model_validate(data)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(str(x) for x in e["loc"]) or "the top level"
+        raise ValueError(f"--add-run {path}: {f} is not what eval frontier writes ({where}: {e['msg']})") from None
+
+
+@dataclass
+class AddedRun:
+    """An earlier run's models that this run does not measure: their ``points``, per-question F1s ``scores``
+    (``{(model, method, k): {qid: f1}}``), bare-query median TTFTs ``bare`` (``{model: ms}``) and the ``note``
+    the summary keeps. ``load`` reads and checks it before anything is measured; ``check`` compares it with what
+    this run measured."""
+
+    path: Path
+    run: _Run
+    points: list[dict]
+    scores: dict
+    bare: dict[str, float]
+    note: dict
+
+    @classmethod
+    def load(cls, path: Path, measured: list[str], encoding: str, max_new_tokens: int, machine: dict) -> AddedRun:
+        """The run at ``path``; ValueError (one line) when a file is missing or malformed, when it used another
+        ``encoding`` or ``max_new_tokens`` or ran on another kind of machine (``MACHINE_KEYS``: its TTFTs would
+        not compare), or when it adds no model beyond ``measured`` (model names; their folder names compare)."""
+        run = _read(path, path / "summary.json", _Run)
+        for key, want, got in (
+            ("encoding", encoding, run.encoding),
+            ("max_new_tokens", max_new_tokens, run.max_new_tokens),
+            *((f"machine {k}", machine.get(k), run.machine.get(k)) for k in MACHINE_KEYS),
+        ):
+            if got != want:
+                raise ValueError(f"--add-run {path}: its {key} is {got!r}, this run's {want!r}: it does not compare")
+        have = {Path(m).name for m in measured}
+        new = [m for m in dict.fromkeys(run.measured_models or run.models) if m not in have]
+        if not new:
+            raise ValueError(f"--add-run {path}: it adds no model (it measured {run.models}, all measured here)")
+        points = [p.model_dump() for p in run.points if p.model in new]
+        scores, bare = {}, {}
+        for model in new:
+            mine = [p for p in points if p["model"] == model]
+            if not mine:
+                raise ValueError(f"--add-run {path}: its summary has no point of {model}")
+            answers = _read(path, path / model / "eval" / "records.json", TypeAdapter(list[_Answer]))
+            bare[model] = _read(path, path / model / "latency" / "summary.json", _Latency).ttft_ms.bare
+            for p in mine:
+                got = {a.qid: a.f1 for a in answers if a.mode == p["method"] and a.k == p["k"]}
+                if len(got) != p["n"]:
+                    raise ValueError(f"--add-run {path}: {model} {p['method']} k={p['k']} has {len(got)} answers, "
+                                     f"its point says {p['n']}")  # fmt: skip
+                scores[(model, p["method"], p["k"])] = got
+        note = {"run": str(path), "models": new, "latency_questions": run.latency_questions,
+                "time": run.machine.get("time")}  # fmt: skip
+        return cls(path, run, points, scores, bare, note)
+
+    def check(self, ev: dict, qids: set[str], engine: str) -> None:
+        """ValueError (one line) unless this run's answers are to the same questions as ours (``ev``'s samples
+        and count, and ``qids``) from the same ``engine``."""
+        where = f"--add-run {self.path}"
+        if self.run.samples != ev["samples"] or self.run.questions != ev["questions"]:
+            raise ValueError(f"{where}: it scored {self.run.questions} questions of {self.run.samples}, this run "
+                             f"{ev['questions']} of {ev['samples']}: it does not compare")  # fmt: skip
+        engines = {p["engine"] for p in self.points}
+        if engines != {engine}:
+            raise ValueError(f"{where}: its engine is {sorted(engines)}, this run's {engine!r}: it does not compare")
+        for (model, method, k), got in self.scores.items():
+            if set(got) != qids:
+                raise ValueError(f"{where}: {model} {method} k={k} answered other questions than this run")
 
 
 def measure_latency(setup, out: Path, ks, enc: Encoding, methods, n: int, echo) -> dict:
