@@ -12,11 +12,10 @@ import json
 from pathlib import Path
 
 from .common import markdown_table, paired_bootstrap, table, write_json
+from .eval_locomo import RECORD_DEFAULTS
 from .recall import CATEGORY_NAMES
 
 SETTING = ("model", "mode", "k", "window", "neighbours", "history")
-# what a record written before a setting existed ran with (``eval_locomo._key`` reads them the same way)
-SETTING_DEFAULTS = {"neighbours": 0, "history": False}
 
 
 def _bad(path: Path, i: int, what: str) -> ValueError:
@@ -48,7 +47,7 @@ def load(run: Path) -> dict[tuple, dict[str, dict]]:
         facts = r.get("fact_ids") or []
         if not isinstance(facts, list) or not all(isinstance(f, str) for f in facts):
             raise _bad(path, i, "has fact_ids that are not a list of strings")
-        setting = tuple(r.get(key, SETTING_DEFAULTS.get(key)) for key in SETTING)
+        setting = tuple(r.get(key, RECORD_DEFAULTS.get(key)) for key in SETTING)
         if not all(v is None or isinstance(v, (str, int, float)) for v in setting):
             raise _bad(path, i, f"has a setting ({', '.join(SETTING)}) that is not plain values")
         if r["qid"] in out.setdefault(setting, {}):

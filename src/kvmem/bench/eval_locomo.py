@@ -141,17 +141,22 @@ def judge(url: str, model: str, question: str, gold: str, answer: str, timeout: 
     return {"judge": 0 if v is None else v, "judge_raw": text[:300], "judge_parsed": v is not None}
 
 
+# what a record written before a setting was recorded ran with (``eval compare`` reads old records the same way)
+RECORD_DEFAULTS = {"neighbours": 0, "history": False, "retrieval": "cosine", "order": "relevance"}
+
+
 def _key(r: dict) -> tuple:
+    d = RECORD_DEFAULTS
     return (
         r["model"],
         r["qid"],
         r["mode"],
         int(r["k"]),
         int(r["window"]),
-        int(r.get("neighbours", 0)),
-        bool(r.get("history", False)),
-        r.get("retrieval", "cosine"),
-        r.get("order", "relevance"),
+        int(r.get("neighbours", d["neighbours"])),
+        bool(r.get("history", d["history"])),
+        r.get("retrieval", d["retrieval"]),
+        r.get("order", d["order"]),
     )
 
 

@@ -84,9 +84,10 @@ def run(
     enc = Encoding.of(window, neighbours, history)
     # an added run is read and checked before the hours of measuring, as far as it can be without them
     adding: list[AddedRun] = []
+    here = machine() if add_runs else {}
     for path in add_runs:  # each adds only models that neither this run nor an earlier --add-run has
         have = models + [m for a in adding for m in a.bare]
-        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, machine()))
+        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, here))
     points, scores, bare = [], {}, {}
     for model in models:
         setup = Setup.load(data, samples, model, engine, show_progress)
