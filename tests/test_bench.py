@@ -490,6 +490,49 @@ def test_eval_compare_pairs_two_runs_by_question(tmp_path):
     assert "has no records.json" in cli("eval", "compare", a, tmp_path / "none", rc=2).output
 
 
+def test_eval_compare_pairs_across_a_named_setting(tmp_path):
+    """``eval compare --a KEY=VALUE --b KEY=VALUE``: two modes of one run, or two windows of two runs, paired by
+    question across the named key; a key with several values left unchosen, a value no record has, or a key that
+    is not a setting's, is one error line (exit 2)."""
+
+    def rec(qid, cat, f1, mode="kv", window=5, k=5):
+        return {"model": "m", "mode": mode, "k": k, "window": window, "neighbours": 4, "history": False,
+                "qid": qid, "category": cat, "f1": f1, "answer": f"{mode}{f1}", "fact_ids": ["x"]}  # fmt: skip
+
+    one = tmp_path / "one"
+    one.mkdir()
+    rows = [rec("q1", 1, 0.5, "prompt"), rec("q2", 4, 1.0, "prompt"), rec("q1", 1, 0.25, "kv"), rec("q2", 4, 0.5, "kv")]
+    rows.append(rec("q1", 1, 0.0, "kv", k=9))  # another k: paired on its own, with no prompt at k=9 to meet
+    (one / "records.json").write_text(json.dumps(rows))
+    res = cli("eval", "compare", one, one, "--a", "mode=prompt", "--b", "mode=kv", "--out", tmp_path / "c")
+    got = json.loads((tmp_path / "c" / "compare.json").read_text())
+    o = [r for r in got["rows"] if r["category"] == "overall"]
+    assert [(r["mode"], r["k"], r["n"], r["f1_a"], r["f1_b"], r["delta_f1"]) for r in o] == [
+        ("prompt → kv", 5, 2, 75.0, 37.5, -37.5)
+    ]
+    assert got["a"]["select"] == {"mode": "prompt"} and got["left_out"]["settings_only_in_b"] == 1
+    assert "| prompt → kv | 5 | overall | 2 | 75.00 | 37.50 | -37.50 |" in (tmp_path / "c" / "compare.md").read_text()
+    assert "prompt → kv" in res.output
+    w0, w5 = tmp_path / "w0", tmp_path / "w5"
+    w0.mkdir(), w5.mkdir()
+    (w0 / "records.json").write_text(json.dumps([rec("q1", 1, 0.2, window=0), rec("q2", 4, 0.4, window=0)]))
+    (w5 / "records.json").write_text(json.dumps([rec("q1", 1, 0.6), rec("q2", 4, 0.4), rec("q3", 4, 1.0)]))
+    cli("eval", "compare", w0, w5, "--a", "window=0", "--b", "window=5", "--out", tmp_path / "w")
+    o = [r for r in json.loads((tmp_path / "w" / "compare.json").read_text())["rows"] if r["category"] == "overall"]
+    assert [(r["window"], r["n"], r["delta_f1"]) for r in o] == [("0 → 5", 2, 20.0)]
+    # without a selector, the windows differ and nothing pairs
+    assert "share no question in any setting" in cli("eval", "compare", w0, w5, rc=2).output
+    for args, why in [
+        (("--a", "mode=prompt"), "is answered at more than one mode"),  # b keeps both modes: which one?
+        (("--a", "mode=judge", "--b", "mode=kv"), "no record has mode=judge"),
+        (("--a", "retrieval=hybrid"), "give KEY=VALUE with KEY one of model, mode, k"),
+        (("--b", "mode"), "give KEY=VALUE"),
+        (("--a", "k=5", "--a", "k=9"), "--a names k twice"),
+    ]:
+        err = cli("eval", "compare", one, one, *args, rc=2).output
+        assert why in err and "Traceback" not in err, (args, err)
+
+
 def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: float, kv_ttft: float) -> Path:
     """An ``eval frontier --out`` at ``d`` for ``model`` on ``qids``, as ``like`` (another run's summary: the same
     questions, encoding, engine and machine): prompt at k=5 (F1 0.1 per question, 1 s) and kv at k=5 (``kv_f1``

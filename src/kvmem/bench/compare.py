@@ -4,6 +4,10 @@ For every setting both runs answered (model, mode, k, window, neighbours, histor
 and the order, which are what two runs usually differ in), the token F1 of each run by LoCoMo category and
 overall, and B − A with a paired bootstrap 95% CI over the questions both answered (``common.paired_bootstrap``).
 It also counts the questions whose two answers used the same facts, and gave the same answer.
+
+``--a KEY=VALUE`` and ``--b KEY=VALUE`` (a setting's key) keep one value of that key on each side and pair across
+it: two modes of one run (``--a mode=prompt --b mode=kv``), two windows, two k. A key named on one side is left out of
+the pairing on both.
 """
 
 from __future__ import annotations
@@ -22,10 +26,33 @@ def _bad(path: Path, i: int, what: str) -> ValueError:
     return ValueError(f"{path}: record {i} {what}: not the records of a kvmem eval locomo run")
 
 
-def load(run: Path) -> dict[tuple, dict[str, dict]]:
-    """``run``'s scored answers (its ``records.json``: the last summary's selection) as setting -> {qid: record}.
-    Raises ValueError, naming the file, when ``run`` holds no eval locomo records or a record is malformed (a qid
-    that is not a string, an F1 outside [0, 1], a category other than 1-4, a question twice in one setting)."""
+def parse_select(items: list[str] | None, side: str) -> dict[str, str]:
+    """``--a``/``--b`` options (``KEY=VALUE``, KEY one of ``SETTING``) as {key: value}. Raises ValueError for any
+    other form, key, or a key given twice."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, eq, value = item.partition("=")
+        if not eq or not value or key not in SETTING:
+            raise ValueError(f"--{side} {item!r}: give KEY=VALUE with KEY one of {', '.join(SETTING)}")
+        if key in out:
+            raise ValueError(f"--{side} names {key} twice")
+        out[key] = value
+    return out
+
+
+def _value(v) -> str:
+    """A setting's value as ``--a``/``--b`` spell it (``history`` as true/false)."""
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> dict[tuple, dict[str, dict]]:
+    """``run``'s scored answers (its ``records.json``: the last summary's selection) as setting -> {qid: record},
+    keeping the records whose setting has ``select``'s values, and keyed by the setting without the keys in
+    ``drop``. Raises ValueError, naming the file, when ``run`` holds no eval locomo records or a record is malformed
+    (a qid that is not a string, an F1 outside [0, 1], a category other than 1-4, a question twice in one setting),
+    when ``select`` keeps none, or when a dropped key holds several values that ``select`` does not choose from."""
+    select = select or {}
+    keep = [i for i, key in enumerate(SETTING) if key not in drop]
     path = run / "records.json"
     if not path.is_file():
         raise ValueError(f"{run} has no records.json: give the --out directory of a kvmem eval locomo run")
@@ -47,13 +74,29 @@ def load(run: Path) -> dict[tuple, dict[str, dict]]:
         facts = r.get("fact_ids") or []
         if not isinstance(facts, list) or not all(isinstance(f, str) for f in facts):
             raise _bad(path, i, "has fact_ids that are not a list of strings")
-        setting = tuple(r.get(key, RECORD_DEFAULTS.get(key)) for key in SETTING)
-        if not all(v is None or isinstance(v, (str, int, float)) for v in setting):
+        full = tuple(r.get(key, RECORD_DEFAULTS.get(key)) for key in SETTING)
+        if not all(v is None or isinstance(v, (str, int, float)) for v in full):
             raise _bad(path, i, f"has a setting ({', '.join(SETTING)}) that is not plain values")
+        if any(_value(full[SETTING.index(key)]) != v for key, v in select.items()):
+            continue
+        setting = tuple(full[j] for j in keep)
         if r["qid"] in out.setdefault(setting, {}):
-            raise _bad(path, i, f"answers question {r['qid'][:40]!r} twice at {dict(zip(SETTING, setting))}")
+            if drop:
+                raise ValueError(
+                    f"{path}: question {r['qid'][:40]!r} is answered at more than one {' or '.join(drop)} for "
+                    f"{dict(zip([SETTING[j] for j in keep], setting))}: choose one with --a/--b KEY=VALUE"
+                )
+            raise _bad(path, i, f"answers question {r['qid'][:40]!r} twice at {dict(zip(SETTING, full))}")
         out[setting][r["qid"]] = r
+    if not out:
+        chosen = ", ".join(f"{k}={v}" for k, v in select.items())
+        raise ValueError(f"{path}: no record has {chosen}")
     return out
+
+
+def _side(rows: dict[str, dict], key: str) -> str:
+    """The value of ``key`` on one side of a pairing (one value: ``load`` refuses more)."""
+    return _value(next(iter(rows.values())).get(key, RECORD_DEFAULTS.get(key)))
 
 
 def _what(rows: dict[str, dict]) -> str:
@@ -62,13 +105,24 @@ def _what(rows: dict[str, dict]) -> str:
     return f"{r.get('retrieval', 'cosine')}, {r.get('order', 'relevance')}"
 
 
-def run(a: Path, b: Path, out: Path | None = None, echo=print) -> dict:
+def run(
+    a: Path,
+    b: Path,
+    out: Path | None = None,
+    echo=print,
+    select_a: dict[str, str] | None = None,
+    select_b: dict[str, str] | None = None,
+) -> dict:
     """Compare run ``b`` against run ``a``; returns the summary (also ``out/compare.json`` and ``out/compare.md``
     when ``out`` is given: names no eval run writes, so ``out`` may be a run's directory). Settings and questions
-    only one run answered are left out, and counted in ``left_out``. Raises ValueError for malformed records
-    (``load``), runs that share no question in any setting, a question whose category differs between them, or an
-    ``out`` that cannot be written."""
-    ra, rb = load(a), load(b)
+    only one run answered are left out, and counted in ``left_out``. ``select_a``/``select_b`` ({key: value} of
+    ``SETTING``) keep those records on each side and pair across the keys they name. Raises ValueError for
+    malformed records (``load``), runs that share no question in any setting, a question whose category differs
+    between them, or an ``out`` that cannot be written."""
+    select_a, select_b = select_a or {}, select_b or {}
+    drop = tuple(key for key in SETTING if key in select_a or key in select_b)
+    shared = [key for key in SETTING if key not in drop]
+    ra, rb = load(a, select_a, drop), load(b, select_b, drop)
     if out is not None:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +152,8 @@ def run(a: Path, b: Path, out: Path | None = None, echo=print) -> dict:
             diff, ci = paired_bootstrap(100 * (qb[q]["f1"] - qa[q]["f1"]) for q in sel)
             rows.append(
                 {
-                    **dict(zip(SETTING, setting)),
+                    **dict(zip(shared, setting)),
+                    **{key: f"{_side(qa, key)} → {_side(qb, key)}" for key in drop},
                     "category": CATEGORY_NAMES.get(cat, "overall"),
                     "n": len(sel),
                     "f1_a": round(100 * sum(qa[q]["f1"] for q in sel) / len(sel), 2),
@@ -113,22 +168,25 @@ def run(a: Path, b: Path, out: Path | None = None, echo=print) -> dict:
             )
     if not rows:
         raise ValueError(
-            f"{a} and {b} share no question in any setting (model, mode, k, window, neighbours, history): "
+            f"{a} and {b} share no question in any setting ({', '.join(shared)}): "
             f"{sorted(map(str, ra))[:2]} against {sorted(map(str, rb))[:2]}"
         )
     summary = {
         "command": "eval compare",
-        "a": {"run": str(a), "retrieval_order": _what(next(iter(ra.values())))},
-        "b": {"run": str(b), "retrieval_order": _what(next(iter(rb.values())))},
+        "a": {"run": str(a), "retrieval_order": _what(next(iter(ra.values()))), "select": select_a},
+        "b": {"run": str(b), "retrieval_order": _what(next(iter(rb.values()))), "select": select_b},
         "f1": "LoCoMo token F1 (%); delta_f1 is b minus a, paired by question, with a bootstrap 95% CI",
         "rows": rows,
         "left_out": left,
     }
-    header = ["model", "mode", "k", "category", "n", "F1 a", "F1 b", "b − a", "95% CI", "same facts", "same answer"]
+    extra = [key for key in drop if key not in ("model", "mode", "k")]  # the other keys paired across
+    header = ["model", "mode", "k", *extra, "category", "n", "F1 a", "F1 b", "b − a", "95% CI", "same facts",
+              "same answer"]  # fmt: skip
     cells = [
-        [r["model"], r["mode"], r["k"], r["category"], r["n"], f"{r['f1_a']:.2f}", f"{r['f1_b']:.2f}",
-         f"{r['delta_f1']:+.2f}", "" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]",
-         r["same_facts"], r["same_answer"]]
+        [r["model"], r["mode"], r["k"], *(r[key] for key in extra), r["category"], r["n"], f"{r['f1_a']:.2f}",
+         f"{r['f1_b']:.2f}", f"{r['delta_f1']:+.2f}",
+         "" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]", r["same_facts"],
+         r["same_answer"]]
         for r in rows
     ]  # fmt: skip
     head = f"a: {a} ({summary['a']['retrieval_order']})\nb: {b} ({summary['b']['retrieval_order']})"

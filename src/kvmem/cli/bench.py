@@ -569,10 +569,20 @@ def eval_compare(
     a: Path = typer.Argument(..., metavar="A", help="The --out directory of a kvmem eval locomo run (the reference)."),
     b: Path = typer.Argument(..., metavar="B", help="The --out directory of another, on the same questions."),
     out: Path | None = typer.Option(None, "--out", help="Also write summary.json and compare.md here."),
+    select_a: list[str] = typer.Option(
+        [],
+        "--a",
+        help="KEY=VALUE: A's records with this setting (model, mode, k, window, neighbours, history); "
+        "the key is paired across. Repeatable.",
+    ),
+    select_b: list[str] = typer.Option([], "--b", help="KEY=VALUE: B's records with this setting, as --a."),
 ):
     """Two eval locomo runs paired question by question: F1 by category for every setting both answered, and B
-    minus A with a paired bootstrap 95% CI (e.g. --order time against relevance, hybrid against cosine)."""
-    bench_module("compare").run(a, b, out, typer.echo)
+    minus A with a paired bootstrap 95% CI (e.g. --order time against relevance, hybrid against cosine; with
+    --a mode=prompt --b mode=kv, two modes of one run; with --a window=0 --b window=5, two encodings)."""
+    compare = bench_module("compare")
+    sel_a, sel_b = compare.parse_select(select_a, "a"), compare.parse_select(select_b, "b")
+    compare.run(a, b, out, typer.echo, sel_a, sel_b)
 
 
 @eval_app.command("frontier")
