@@ -391,7 +391,7 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         assert s["f1"]["0"]["1"]["kv"]["overall"] is not None and "overall" in s["f1_gap_prompt_minus_kv"]["0"]["1"]
         assert {r["category"] for r in s["table"]} == {1, 2, 3, 4, "overall"}
         recall = s["evidence_recall"]  # every question of the sample, retrieval only
-        assert recall["k"] == [5, 10, 20, 50, 100] and recall["retrieval"] == "cosine"
+        assert recall["k"] == [5, 10, 20, 50, 100] and recall["retrieval"] == "weighted:0.1"  # the default
         overall = recall["categories"]["overall"]
         assert overall["questions"] > 100 and 0 < overall["coverage"] < 100  # facts of sessions 1-2 only
         assert overall["recall"]["100"] == overall["coverage"]  # k above the fact count: every fact retrieved
@@ -418,7 +418,8 @@ def test_eval_locomo_scores_judges_and_resumes(tiny):
         assert {json.loads(x)["order"] for x in (timed / "records.jsonl").read_text().splitlines()} == {"time"}
         res = cli("eval", "compare", out, timed, "--out", tiny["root"] / "compare")
         got = json.loads((tiny["root"] / "compare" / "compare.json").read_text())
-        assert got["b"]["retrieval_order"] == "cosine, time" and got["a"]["retrieval_order"] == "cosine, relevance"
+        assert got["b"]["retrieval_order"] == "weighted:0.1, time"
+        assert got["a"]["retrieval_order"] == "weighted:0.1, relevance"
         overall = [r for r in got["rows"] if r["category"] == "overall"]
         assert {r["mode"] for r in overall} == {"kv", "prompt"}
         assert all(r["n"] == 2 and r["delta_f1"] == 0 and r["same_answer"] == 2 for r in overall)
@@ -546,8 +547,10 @@ def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: 
     points = [{"model": model, "engine": engine, "method": m, "k": 5, "n": len(qids), "f1": 100 * f,
                "judge": None, "ttft_ms": t, "ttft_p95_ms": t} for m, f, t in (("prompt", 0.1, 1000.0),
                                                                                ("kv", kv_f1, kv_ttft))]  # fmt: skip
-    keep = ("samples", "questions", "encoding", "machine", "latency_questions", "max_new_tokens")
-    summary = {"command": "eval frontier", "models": [model], "points": points} | {k: like[k] for k in keep}
+    keep = ("samples", "questions", "encoding", "retrieval", "machine", "latency_questions", "max_new_tokens")
+    summary = {"command": "eval frontier", "models": [model], "points": points} | {
+        k: like[k] for k in keep if k in like
+    }
     (d / "summary.json").write_text(json.dumps(summary))
     return d
 
@@ -569,7 +572,7 @@ def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
         {"model": "small", "method": "kv", "k": 5, "f1": 20.0, "ttft_ms": 200.0},
     ]
     scores = {("small", "prompt", 5): {"q1": 0.1, "q2": 0.1}, ("small", "kv", 5): {"q1": 0.1, "q2": 0.3}}
-    added = frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine | {"time": "now"})
+    added = frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine | {"time": "now"}, "cosine")
     added.check(ev, qids, "vllm")
     assert added.bare == {"big-model": 0.4} and added.note["models"] == ["big-model"]
     assert added.note["latency_questions"] == 9
@@ -589,12 +592,17 @@ def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
         ("small", "big-model", 40.0, True),
         ("big-model", "big-model", 40.0, True),
     ]
-    load = [  # (directory, measured, encoding, max_new_tokens, machine), what the one-line error says
-        ((big, ["small"], "w=0, m=4", 32, machine), "its encoding is 'w=5, m=4'"),
-        ((big, ["small"], "w=5, m=4", 16, machine), "its max_new_tokens is 32"),
-        ((big, ["small"], "w=5, m=4", 32, machine | {"cpu": "Intel Xeon"}), "its machine cpu is 'AMD EPYC'"),
-        ((big, ["small", "big-model"], "w=5, m=4", 32, machine), "it adds no model"),
-        ((tmp_path / "none", ["small"], "w=5, m=4", 32, machine), "no summary.json there"),
+    load = [  # (directory, measured, encoding, max_new_tokens, machine, retrieval), what the one-line error says
+        ((big, ["small"], "w=0, m=4", 32, machine, "cosine"), "its encoding is 'w=5, m=4'"),
+        ((big, ["small"], "w=5, m=4", 16, machine, "cosine"), "its max_new_tokens is 32"),
+        ((big, ["small"], "w=5, m=4", 32, machine | {"cpu": "Intel Xeon"}, "cosine"), "its machine cpu is 'AMD EPYC'"),
+        ((big, ["small", "big-model"], "w=5, m=4", 32, machine, "cosine"), "it adds no model"),
+        ((tmp_path / "none", ["small"], "w=5, m=4", 32, machine, "cosine"), "no summary.json there"),
+        # a run from before the summary recorded its retrieval ranked by cosine: not this run's hybrid
+        (
+            (big, ["small"], "w=5, m=4", 32, machine, frontier.RETRIEVAL),
+            "its retrieval is 'cosine', this run's 'weighted",
+        ),
     ]
     for args, why in load:
         with pytest.raises(ValueError, match=why):
@@ -627,13 +635,13 @@ def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
     for f, text, why in broken:
         f.write_text(text)
         with pytest.raises(ValueError, match=why):
-            frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine)
+            frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine, "cosine")
         f.write_text(saved[f])
     # a run that itself added runs offers only the models it measured: the others have no folders in it
     (big / "summary.json").write_text(
         json.dumps(summary | {"models": ["big-model", "x"], "measured_models": ["big-model"]})
     )
-    assert frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine).note["models"] == ["big-model"]
+    assert frontier.AddedRun.load(big, ["small"], "w=5, m=4", 32, machine, "cosine").note["models"] == ["big-model"]
     (tmp_path / "none").mkdir()
     (tmp_path / "none" / "summary.json").write_text("{")
     err = cli("eval", "frontier", "--engine", "hf", "--methods", "prompt,kv", "--add-run", tmp_path / "none",
@@ -695,6 +703,7 @@ def test_eval_frontier_points_and_table(tiny):
     ]
     assert all(r["met"] == (r["delta_f1"] is not None and r["delta_f1"] >= 2) for r in across)
     assert "met (>= 0)" in (out / "frontier.md").read_text()
+    assert s["retrieval"] == "weighted:0.1" and {r["retrieval"] for r in evals} == {"weighted:0.1"}  # the default
     # the rerun answers nothing again; an earlier run of another model on the same questions joins the tables,
     # the targets and the plot: its kv point, faster and better than every prompt point here, is each one's best
     qids = sorted({r["qid"] for r in evals})

@@ -256,7 +256,8 @@ def test_scoped_chats_inject_only_named_scopes_and_equal_prompt_injection(server
 def test_search_route_fuses_keywords_and_explains_on_request(server):
     """``POST /v3/memories/search/`` with Mem0's ``keyword_search`` (it was a 400) ranks by cosine fused with the
     store's BM25 scores, and with ``explain`` each result carries ``score_details``: its cosine and keyword parts.
-    Without ``keyword_search`` the server's default (``--hybrid``, off) ranks by cosine."""
+    Without ``keyword_search`` the server's default (``--hybrid``, on) fuses too; ``keyword_search: false`` ranks
+    by cosine alone."""
     srv, base = server
     h = {"Authorization": f"Bearer {KEY_A}"}
     for text in ("Hana repaired the garden wall in spring.", "Pemberton visited Hana on a Tuesday."):
@@ -270,7 +271,10 @@ def test_search_route_fuses_keywords_and_explains_on_request(server):
     assert first["memory"] == "Pemberton visited Hana on a Tuesday." and first["score_details"]["keyword_rank"] == 1
     assert first["score_details"]["bm25_score"] > 0 and second["score_details"]["bm25_score"] is None
     assert second["score"] < first["score"] <= 1 and first["score_details"]["fusion"] == "weighted"
-    plain = httpx.post(f"{base}/v3/memories/search/", headers=h, json=body, timeout=60).json()["results"]
+    default = httpx.post(f"{base}/v3/memories/search/", headers=h, json=body, timeout=60).json()["results"]
+    assert [(r["memory"], r["score"]) for r in default] == [(r["memory"], r["score"]) for r in fused.json()["results"]]
+    plain = {**body, "keyword_search": False}
+    plain = httpx.post(f"{base}/v3/memories/search/", headers=h, json=plain, timeout=60).json()["results"]
     assert {r["score_details"]["fusion"] for r in plain} == {"cosine"}
     for r in plain:
         assert r["score"] == pytest.approx(r["score_details"]["semantic_score"], abs=1e-5)

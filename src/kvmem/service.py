@@ -24,7 +24,7 @@ from .engines.registry import refusal
 from .engines.select import engine_name, open_engine
 from .models import LoadedModel, fingerprint, line_stop_ids, stop_token_ids
 from .policy import Method
-from .retrieve import Embedder, Fusion, IndexCache, Retrieved, check_order, order_facts, search
+from .retrieve import HYBRID, Embedder, Fusion, IndexCache, Retrieved, check_order, order_facts, search
 from .store import Store, StoreError, UnknownUser
 
 PLANS = 3  # a request is planned at most this often while writes keep replacing its memory (then StoreError)
@@ -74,9 +74,9 @@ class MemoryService:
     services (stores). ``lm``: the answer model the engine runs (its tokenizer, config and fingerprint; the
     store must have been built by it). ``max_context``: context limit (default: the engine's).
     ``index_cache_bytes`` bounds the per-user vector indexes (LRU); ``tail_recompute``: the default r of ``plan``;
-    ``fusion``: hybrid retrieval (cosine fused with the store's keyword scores, ``retrieve.Fusion``; None: cosine
-    alone, the default); ``order``: how the retrieved facts are composed, first to last (``retrieve.order_facts``:
-    "relevance", the default, or "time").
+    ``fusion``: hybrid retrieval (cosine fused with the store's keyword scores, ``retrieve.Fusion``; the default
+    ``retrieve.HYBRID``; None: cosine alone); ``order``: how the retrieved facts are composed, first to last
+    (``retrieve.order_facts``: "relevance", the default, or "time").
 
     Raises (from the constructor) StoreError/StoreMismatch for a missing store or one built with another model
     (StoreDtypeMismatch: computed in another dtype).
@@ -93,7 +93,7 @@ class MemoryService:
         tail_recompute: int = 0,
         store_cache_bytes: int | None = None,
         store_cache_dir: str | Path | None = None,
-        fusion: Fusion | None = None,
+        fusion: Fusion | None = HYBRID,
         order: str = "relevance",
     ):
         self.engine, self.lm = engine, lm

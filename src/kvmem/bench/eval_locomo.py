@@ -214,7 +214,7 @@ def run(
     echo=print,
     neighbours: int | None = None,
     history: bool = False,
-    retrieval: str = "cosine",
+    retrieval: str = "hybrid",
     setup: Setup | None = None,
     order: str = "relevance",
 ) -> dict:

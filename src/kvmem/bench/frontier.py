@@ -19,7 +19,10 @@ one asked is reused, so rerunning the same command after a stop continues where 
 
 ``add_runs``: earlier runs' ``--out`` directories whose models this run does not measure (e.g. one model at more k
 than another can afford); their points, answers and bare-query TTFTs join the tables, the targets and the plot.
-Only runs on the same questions, encoding and kind of machine are taken (``AddedRun``).
+Only runs on the same questions, encoding, retrieval and kind of machine are taken (``AddedRun``).
+
+Retrieval is the default everywhere (``retrieve.HYBRID``, in the latency run and the eval alike); the summary
+records it (``retrieval``), and a run from before it records none: it ranked by cosine alone.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from ..policy import Encoding
+from ..retrieve import HYBRID
 from ..service import check_methods
 from . import eval_locomo, latency
 from .common import (
@@ -45,8 +49,10 @@ from .common import (
     table,
     write_summary_and_records,
 )
+from .recall import describe
 
 PROMPT = "prompt"
+RETRIEVAL = describe(HYBRID)  # what both the latency run and the eval rank by (MemoryService's default)
 LATENCY_TOKENS = 1  # the latency run's requests stop at the first token: TTFT is all it reports here
 
 
@@ -87,7 +93,7 @@ def run(
     here = machine() if add_runs else {}
     for path in add_runs:  # each adds only models that neither this run nor an earlier --add-run has
         have = models + [m for a in adding for m in a.bare]
-        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, here))
+        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, here, RETRIEVAL))
     points, scores, bare = [], {}, {}
     for model in models:
         setup = Setup.load(data, samples, model, engine, show_progress)
@@ -129,6 +135,7 @@ def run(
         "added_runs": added,
         "k": ks,
         "encoding": enc.describe(),
+        "retrieval": RETRIEVAL,
         "samples": ev["samples"],
         "questions": ev["questions"],
         "latency_questions": lat["questions"],
@@ -204,6 +211,7 @@ class _Run(BaseModel):
     samples: list[str]
     questions: int
     encoding: str
+    retrieval: str = "cosine"  # a run from before the summary recorded it ranked by cosine alone
     max_new_tokens: int
     latency_questions: int
     machine: dict[str, object]
@@ -252,13 +260,17 @@ class AddedRun:
     note: dict
 
     @classmethod
-    def load(cls, path: Path, measured: list[str], encoding: str, max_new_tokens: int, machine: dict) -> AddedRun:
+    def load(
+        cls, path: Path, measured: list[str], encoding: str, max_new_tokens: int, machine: dict, retrieval: str
+    ) -> AddedRun:
         """The run at ``path``; ValueError (one line) when a file is missing or malformed, when it used another
-        ``encoding`` or ``max_new_tokens`` or ran on another kind of machine (``MACHINE_KEYS``: its TTFTs would
-        not compare), or when it adds no model beyond ``measured`` (model names; their folder names compare)."""
+        ``encoding``, ``retrieval`` or ``max_new_tokens`` or ran on another kind of machine (``MACHINE_KEYS``: its
+        TTFTs would not compare), or when it adds no model beyond ``measured`` (model names; their folder names
+        compare)."""
         run = _read(path, path / "summary.json", _Run)
         for key, want, got in (
             ("encoding", encoding, run.encoding),
+            ("retrieval", retrieval, run.retrieval),
             ("max_new_tokens", max_new_tokens, run.max_new_tokens),
             *((f"machine {k}", machine.get(k), run.machine.get(k)) for k in MACHINE_KEYS),
         ):

@@ -11,21 +11,21 @@ the share that can (the ceiling of recall). Counts are evidence turns, pooled ov
 from __future__ import annotations
 
 from ..locomo import dia_ids
-from ..retrieve import Fusion, search
+from ..retrieve import HYBRID, Fusion, search
 
 KS = (5, 10, 20, 50, 100)
 CATEGORY_NAMES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 
 
 def parse_fusion(spec: str) -> Fusion | None:
-    """A retrieval named on the command line: ``cosine`` (None), ``hybrid`` (the default ``Fusion``),
+    """A retrieval named on the command line: ``cosine`` (None), ``hybrid`` (``retrieve.HYBRID``, the default),
     ``rrf[:rrf_k[:weight]]`` or ``weighted[:weight]``. Raises ValueError."""
     name, *args = spec.split(":")
     try:
         if name == "cosine" and not args:
             return None
         if name == "hybrid" and not args:
-            return Fusion()
+            return HYBRID
         if name == "rrf" and len(args) <= 2:
             return Fusion("rrf", float(args[1]) if len(args) > 1 else 1.0, int(args[0]) if args else 60)
         if name == "weighted" and len(args) <= 1:

@@ -526,7 +526,9 @@ def eval_locomo(
     out: Path = typer.Option(Path("runs/eval/locomo"), "--out"),
     show_progress: bool = _PROGRESS,
     retrieval: str = typer.Option(
-        "cosine", "--retrieval", help="cosine, or hybrid (rrf[:K[:W]], weighted[:W]: cosine fused with BM25)."
+        "hybrid",
+        "--retrieval",
+        help="hybrid (the default: weighted:0.1), rrf[:K[:W]] or weighted[:W] (cosine fused with BM25), or cosine.",
     ),
     order: str = typer.Option(
         "relevance",

@@ -121,10 +121,10 @@ def serve_cmd(
         "KV is served until then). Default: re-encode at once, in the erasing request.",
     ),
     hybrid: bool = typer.Option(
-        False,
+        True,
         "--hybrid/--no-hybrid",
-        help="Chats and memory searches rank by cosine fused with the store's keyword (BM25) scores; off: cosine "
-        "alone. A search's keyword_search overrides it.",
+        help="Chats and memory searches rank by cosine fused with the store's keyword (BM25) scores (the default); "
+        "--no-hybrid: cosine alone. A search's keyword_search overrides it.",
     ),
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""

@@ -32,7 +32,7 @@ from ..config import config_kwargs
 from ..ingest import erase_facts, open_or_create_store, reencode_stale, render_turns, write_facts
 from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from ..policy import Encoding
-from ..retrieve import Embedder, Fusion, IndexCache, search
+from ..retrieve import HYBRID, Embedder, Fusion, IndexCache, search
 from ..scopes import Scope
 from ..store import (
     ALL,
@@ -116,8 +116,8 @@ class Memory:
         defer_reencode_s: None (default): an erasure re-encodes at once every fact whose KV was computed behind
             the erased text; a number of seconds: it leaves that to ``reencode_pending`` (the server's background
             job), which must run within that bound; the derived KV is served until then.
-        hybrid: what ``search`` ranks by when a call does not say (``keyword_search``): False (the default), cosine
-            similarity alone; True, cosine fused with the store's full-text (BM25) scores (``retrieve.Fusion()``);
+        hybrid: what ``search`` ranks by when a call does not say (``keyword_search``): True (the default), cosine
+            fused with the store's full-text (BM25) scores (``retrieve.HYBRID``); False, cosine similarity alone;
             or a ``retrieve.Fusion``.
 
     Memories belong to entity scopes (``scopes.Scope``: a ``user_id``, ``agent_id``, ``run_id`` or several).
@@ -143,7 +143,7 @@ class Memory:
         custom_instructions: str | None = None,
         kv_format: str | None = None,
         defer_reencode_s: float | None = None,
-        hybrid: bool | Fusion = False,
+        hybrid: bool | Fusion = True,
     ):
 
         if not isinstance(hybrid, (bool, Fusion)):
@@ -172,7 +172,7 @@ class Memory:
             )
         self._extractor_spec, self._extractor, self.engine = extractor, None, engine
         self.indexes = indexes if indexes is not None else IndexCache(index_cache_bytes)
-        self.fusion = hybrid if isinstance(hybrid, Fusion) else (Fusion() if hybrid else None)
+        self.fusion = hybrid if isinstance(hybrid, Fusion) else (HYBRID if hybrid else None)
         self.custom_instructions = custom_instructions
         self.defer_reencode_s = defer_reencode_s
         self._fields: dict[tuple, tuple] = {}  # (scope key, version, namespace) -> each fact's filter fields

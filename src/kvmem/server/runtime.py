@@ -26,7 +26,7 @@ from ..ingest import open_or_create_store
 from ..memory import Memory
 from ..models import DEFAULT_MODEL, load
 from ..policy import Method
-from ..retrieve import Embedder, Fusion, IndexCache
+from ..retrieve import HYBRID, Embedder, IndexCache
 from ..service import MemoryService, check_methods
 from ..store import Store, check_kv_format, check_segments_url
 from .schemas import MAX_BODY_BYTES
@@ -247,7 +247,7 @@ class KvmemServer:
         kv_format: str | None = None,
         defer_reencode_s: float | None = None,
         measure_store: bool = True,
-        hybrid: bool = False,
+        hybrid: bool = True,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
         hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
@@ -262,9 +262,9 @@ class KvmemServer:
         re-encoding of what was computed behind the erased text to the upkeep task, within this many seconds
         (None: at once, in the erasing request; ``Memory``); ``measure_store``: measure the store's size
         for ``/metrics`` here (off: the ingress of ``--replicas`` measures it once); ``hybrid``: chats and searches
-        rank by cosine fused with the store's keyword scores (``retrieve.Fusion``) instead of cosine alone. Raises
-        StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective recompute off the
-        transformers engine or with tail recompute."""
+        rank by cosine fused with the store's keyword scores (``retrieve.HYBRID``, the default); off, by cosine
+        alone. Raises StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective
+        recompute off the transformers engine or with tail recompute."""
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
         root = store
         embedder = Embedder()
@@ -310,7 +310,7 @@ class KvmemServer:
             tail_recompute=tail_recompute,
             store_cache_bytes=cache_bytes,
             store_cache_dir=cache_dir,
-            fusion=Fusion() if hybrid else None,
+            fusion=HYBRID if hybrid else None,
         )
         svc.indexes = indexes
         # writes: the same model (its weights load on the first write where the engine does not hold them)
