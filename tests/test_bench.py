@@ -524,7 +524,7 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     # without a selector, the windows differ and nothing pairs
     assert "share no question in any setting" in cli("eval", "compare", w0, w5, rc=2).output
     for args, why in [
-        (("--a", "mode=prompt"), "is answered at more than one mode"),  # b keeps both modes: which one?
+        (("--a", "mode=prompt"), "holds mode=prompt and kv: choose one"),  # b keeps both modes: which one?
         (("--a", "mode=judge", "--b", "mode=kv"), "no record has mode=judge"),
         (("--a", "retrieval=hybrid"), "give KEY=VALUE with KEY one of model, mode, k"),
         (("--b", "mode"), "give KEY=VALUE"),
@@ -532,6 +532,14 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     ]:
         err = cli("eval", "compare", one, one, *args, rc=2).output
         assert why in err and "Traceback" not in err, (args, err)
+    # two values of a key left out of the pairing, each on other questions, are refused too, never averaged
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "records.json").write_text(json.dumps([rec("q1", 1, 0.5, "prompt"), rec("q2", 4, 1.0, "kv")]))
+    err = cli("eval", "compare", mixed, one, "--b", "mode=kv", rc=2).output
+    assert "holds mode=prompt and kv: choose one" in err and str(mixed) in err
+    (mixed / "records.json").write_text(json.dumps([{k: v for k, v in rec("q1", 1, 0.5).items() if k != "mode"}]))
+    assert "record 0 has no mode" in cli("eval", "compare", mixed, one, rc=2).output
 
 
 def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: float, kv_ttft: float) -> Path:

@@ -53,12 +53,13 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
     when ``select`` keeps none, or when a dropped key holds several values that ``select`` does not choose from."""
     select = select or {}
     keep = [i for i, key in enumerate(SETTING) if key not in drop]
+    seen: dict[tuple, tuple] = {}  # setting -> the values of the dropped keys its records hold
     path = run / "records.json"
     if not path.is_file():
         raise ValueError(f"{run} has no records.json: give the --out directory of a kvmem eval locomo run")
     try:
         rows = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON's own, and huge integers
         raise ValueError(f"{path} is not JSON ({str(exc).splitlines()[0][:200]})") from None
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path} holds no records (a non-empty JSON list of kvmem eval locomo records)")
@@ -66,6 +67,8 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
     for i, r in enumerate(rows):
         if not isinstance(r, dict) or not isinstance(r.get("qid"), str):
             raise _bad(path, i, "has no question id")
+        if missing := [key for key in ("model", "mode", "k", "window") if key not in r]:
+            raise _bad(path, i, f"has no {', '.join(missing)}")
         f1 = r.get("f1")
         if isinstance(f1, bool) or not isinstance(f1, (int, float)) or not 0 <= f1 <= 1:
             raise _bad(path, i, f"has F1 {str(f1)[:40]!r}, not a number in [0, 1]")
@@ -80,12 +83,14 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
         if any(_value(full[SETTING.index(key)]) != v for key, v in select.items()):
             continue
         setting = tuple(full[j] for j in keep)
+        dropped = tuple(_value(full[SETTING.index(key)]) for key in drop)
+        if seen.setdefault(setting, dropped) != dropped:  # one side of a pairing holds one value of each
+            values = ", ".join(f"{k}={a} and {b}" for k, a, b in zip(drop, seen[setting], dropped) if a != b)
+            raise ValueError(
+                f"{path}: {dict(zip([SETTING[j] for j in keep], setting))} holds {values}: choose one with "
+                "--a/--b KEY=VALUE"
+            )
         if r["qid"] in out.setdefault(setting, {}):
-            if drop:
-                raise ValueError(
-                    f"{path}: question {r['qid'][:40]!r} is answered at more than one {' or '.join(drop)} for "
-                    f"{dict(zip([SETTING[j] for j in keep], setting))}: choose one with --a/--b KEY=VALUE"
-                )
             raise _bad(path, i, f"answers question {r['qid'][:40]!r} twice at {dict(zip(SETTING, full))}")
         out[setting][r["qid"]] = r
     if not out:

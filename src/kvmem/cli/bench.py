@@ -570,7 +570,7 @@ def eval_locomo(
 def eval_compare(
     a: Path = typer.Argument(..., metavar="A", help="The --out directory of a kvmem eval locomo run (the reference)."),
     b: Path = typer.Argument(..., metavar="B", help="The --out directory of another, on the same questions."),
-    out: Path | None = typer.Option(None, "--out", help="Also write summary.json and compare.md here."),
+    out: Path | None = typer.Option(None, "--out", help="Also write compare.json and compare.md here."),
     select_a: list[str] = typer.Option(
         [],
         "--a",
