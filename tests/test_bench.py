@@ -608,7 +608,7 @@ def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
         ((tmp_path / "none", ["small"], "w=5, m=4", 32, machine, "cosine"), "no summary.json there"),
         # a run from before the summary recorded its retrieval ranked by cosine: not this run's hybrid
         (
-            (big, ["small"], "w=5, m=4", 32, machine, frontier.RETRIEVAL),
+            (big, ["small"], "w=5, m=4", 32, machine, "weighted:0.1"),
             "its retrieval is 'cosine', this run's 'weighted",
         ),
     ]
@@ -655,6 +655,9 @@ def test_frontier_add_run_takes_only_runs_that_compare(tmp_path):
     err = cli("eval", "frontier", "--engine", "hf", "--methods", "prompt,kv", "--add-run", tmp_path / "none",
               "--out", tmp_path / "out", rc=2).output  # fmt: skip
     assert "cannot be read" in err and "Traceback" not in err
+    err = cli("eval", "frontier", "--engine", "hf", "--methods", "prompt,kv", "--retrieval", "bm25",
+              "--out", tmp_path / "out", rc=2).output  # fmt: skip
+    assert "retrieval 'bm25': one of cosine, hybrid" in err and "Traceback" not in err
 
 
 @pytest.mark.slow
@@ -712,6 +715,7 @@ def test_eval_frontier_points_and_table(tiny):
     assert all(r["met"] == (r["delta_f1"] is not None and r["delta_f1"] >= 2) for r in across)
     assert "met (>= 0)" in (out / "frontier.md").read_text()
     assert s["retrieval"] == "weighted:0.1" and {r["retrieval"] for r in evals} == {"weighted:0.1"}  # the default
+    assert lat["retrieval"] == "weighted:0.1"  # the latency run ranks as the answers do
     # the rerun answers nothing again; an earlier run of another model on the same questions joins the tables,
     # the targets and the plot: its kv point, faster and better than every prompt point here, is each one's best
     qids = sorted({r["qid"] for r in evals})

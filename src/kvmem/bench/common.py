@@ -34,7 +34,7 @@ from ..locomo import LocomoError, load_locomo
 from ..locomo_ingest import ingest_conversation
 from ..models import fingerprint, load
 from ..policy import Encoding
-from ..retrieve import Embedder
+from ..retrieve import HYBRID, Embedder, Fusion
 from ..service import MemoryService
 from ..store import Store, StoreError
 
@@ -459,6 +459,7 @@ class Setup:
     resolved: str = ""  # the engine ``auto`` resolves to here, before it starts
     note: str | None = None
     engine_options: dict = field(default_factory=dict)  # more ``open_engine`` arguments (metrics_file, ...)
+    fusion: Fusion | None = HYBRID  # what every service ranks by (``retrieve``; None: cosine alone)
 
     @classmethod
     def load(cls, data: Path, samples: list[str] | None, model: str, engine: str, show_progress: bool = True) -> Setup:
@@ -485,7 +486,7 @@ class Setup:
     def service(self, root: Path):
         """A ``service.MemoryService`` over ``root`` on the shared engine."""
 
-        return MemoryService(root, self.start([root]), self.lm, self.embedder)
+        return MemoryService(root, self.start([root]), self.lm, self.embedder, fusion=self.fusion)
 
     def services(self, window: int, log=None, neighbours: int | None = None, history: bool = False) -> dict:
         """sample -> ``MemoryService`` over that sample's cached store at ``window`` (and ``neighbours`` or

@@ -21,8 +21,9 @@ one asked is reused, so rerunning the same command after a stop continues where 
 than another can afford); their points, answers and bare-query TTFTs join the tables, the targets and the plot.
 Only runs on the same questions, encoding, retrieval and kind of machine are taken (``AddedRun``).
 
-Retrieval is the default everywhere (``retrieve.HYBRID``, in the latency run and the eval alike); the summary
-records it (``retrieval``), and a run from before it records none: it ranked by cosine alone.
+``retrieval`` (``recall.parse_fusion``; the default hybrid, ``retrieve.HYBRID``) ranks the facts of the latency run
+and of the eval alike; the summary records it (``retrieval``), and a run from before it records none: it ranked by
+cosine alone.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from ..policy import Encoding
-from ..retrieve import HYBRID
 from ..service import check_methods
 from . import eval_locomo, latency
 from .common import (
@@ -49,10 +49,9 @@ from .common import (
     table,
     write_summary_and_records,
 )
-from .recall import describe
+from .recall import describe, parse_fusion
 
 PROMPT = "prompt"
-RETRIEVAL = describe(HYBRID)  # what both the latency run and the eval rank by (MemoryService's default)
 LATENCY_TOKENS = 1  # the latency run's requests stop at the first token: TTFT is all it reports here
 
 
@@ -76,6 +75,7 @@ def run(
     show_progress: bool = True,
     echo=print,
     add_runs: list[Path] = (),
+    retrieval: str = "hybrid",
 ) -> dict:
     """Measure every model's points, add those of ``add_runs`` (module docstring), then write ``out/summary.json``
     (points and table), ``out/frontier.md``, ``out/frontier.png`` (and a copy at ``plot_path``); returns the
@@ -88,22 +88,25 @@ def run(
     if latency_questions < 1:
         raise ValueError("--latency-questions must be >= 1")
     enc = Encoding.of(window, neighbours, history)
+    fusion = parse_fusion(retrieval)
+    retrieval = describe(fusion)
     # an added run is read and checked before the hours of measuring, as far as it can be without them
     adding: list[AddedRun] = []
     here = machine() if add_runs else {}
     for path in add_runs:  # each adds only models that neither this run nor an earlier --add-run has
         have = models + [m for a in adding for m in a.bare]
-        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, here, RETRIEVAL))
+        adding.append(AddedRun.load(path, have, enc.describe(), max_new_tokens, here, retrieval))
     points, scores, bare = [], {}, {}
     for model in models:
         setup = Setup.load(data, samples, model, engine, show_progress)
+        setup.fusion = fusion
         where = out / Path(model).name
         try:
             lat = measure_latency(setup, where / "latency", ks, enc, methods, latency_questions, echo)
             ev = eval_locomo.run(
                 data, where / "eval", ks, [enc.window], methods, samples, questions, model, engine, max_new_tokens,
                 judge_url, judge_model, show_progress, echo, neighbours=enc.neighbours, history=enc.history,
-                setup=setup,
+                retrieval=retrieval, setup=setup,
             )  # fmt: skip
             engine_name = setup.engine_name
         finally:
@@ -135,7 +138,7 @@ def run(
         "added_runs": added,
         "k": ks,
         "encoding": enc.describe(),
-        "retrieval": RETRIEVAL,
+        "retrieval": retrieval,
         "samples": ev["samples"],
         "questions": ev["questions"],
         "latency_questions": lat["questions"],
@@ -326,6 +329,7 @@ def measure_latency(setup, out: Path, ks, enc: Encoding, methods, n: int, echo) 
         "windows": [enc.window],
         "neighbours": enc.neighbours,
         "history": enc.history,
+        "retrieval": describe(setup.fusion),
         "max_new_tokens": LATENCY_TOKENS,
     }
     if path.exists():

@@ -30,6 +30,7 @@ from .common import (
     write_csv,
     write_summary_and_records,
 )
+from .recall import describe
 
 MODES = ("kv", "prompt")
 METRICS = ("ttft", "q2ft", "q2fa")
@@ -253,6 +254,7 @@ def run(
         "windows": windows,
         "neighbours": neighbours,
         "history": history,
+        "retrieval": describe(setup.fusion),
         "max_new_tokens": max_new_tokens,
         "store_device": store_device,
         "store_device_note": note,

@@ -625,6 +625,12 @@ def eval_frontier(
         "tables, targets and plot; repeatable.",
     ),
     show_progress: bool = _PROGRESS,
+    retrieval: str = typer.Option(
+        "hybrid",
+        "--retrieval",
+        help="What the latency run and the answers rank by: hybrid (the default), rrf[:K[:W]], weighted[:W] or cosine "
+        "(runs before 2026-12-07 ranked by cosine).",
+    ),
 ):
     """The accuracy-latency frontier: LoCoMo F1 (batched eval) against median TTFT (a separate one-at-a-time
     latency run) of every model, method and k, and for each prompt-injection point the best kvmem point with no
@@ -634,7 +640,7 @@ def eval_frontier(
 
     frontier.run(data, out, str_list(models), str_list(methods), int_list(k, "--k", 1), _bench_args(samples),
                  questions, latency_questions, engine, window, neighbours, history, max_new_tokens, judge_url,
-                 judge_model, plot, show_progress, typer.echo, add_run)  # fmt: skip
+                 judge_model, plot, show_progress, typer.echo, add_run, retrieval)  # fmt: skip
 
 
 @eval_app.command("recall")
