@@ -53,7 +53,6 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
     when ``select`` keeps none, or when a dropped key holds several values that ``select`` does not choose from."""
     select = select or {}
     keep = [i for i, key in enumerate(SETTING) if key not in drop]
-    seen: dict[tuple, tuple] = {}  # setting -> the values of the dropped keys its records hold
     path = run / "records.json"
     if not path.is_file():
         raise ValueError(f"{run} has no records.json: give the --out directory of a kvmem eval locomo run")
@@ -84,8 +83,9 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
             continue
         setting = tuple(full[j] for j in keep)
         dropped = tuple(_value(full[SETTING.index(key)]) for key in drop)
-        if seen.setdefault(setting, dropped) != dropped:  # one side of a pairing holds one value of each
-            values = ", ".join(f"{k}={a} and {b}" for k, a, b in zip(drop, seen[setting], dropped) if a != b)
+        first = tuple(_side(out[setting], key) for key in drop) if out.get(setting) else dropped
+        if first != dropped:  # one side of a pairing holds one value of each key left out of it
+            values = ", ".join(f"{k}={a} and {b}" for k, a, b in zip(drop, first, dropped) if a != b)
             raise ValueError(
                 f"{path}: {dict(zip([SETTING[j] for j in keep], setting))} holds {values}: choose one with "
                 "--a/--b KEY=VALUE"

@@ -273,9 +273,10 @@ def run(
             todo_w = [t for t in todo if t[0] == w]
             if not todo_w:
                 continue
+            setup.fusion = fusion  # every service the setup builds ranks by it (the latency run's too)
             svcs = setup.services(w, log_err, neighbours, history)
             for svc in svcs.values():
-                svc.fusion, svc.order = fusion, order
+                svc.order = order
             engine = setup.engine_name
             step = BATCH if setup.start().batches else 1  # one at a time: resumable per answer
             for i in range(0, len(todo_w), step):
