@@ -236,6 +236,8 @@ def test_vllm_engine_flag(tiny, tmp_path):
 @pytest.mark.slow
 def test_bench_latency(tiny):
     out = tiny["root"] / "latency"
+    bad = cli("bench", "latency", "--engine", "hf", "--retrieval", "bm25", *common(tiny, out), rc=2)
+    assert "retrieval 'bm25': one of cosine, hybrid" in bad.output and "Traceback" not in bad.output
     res = cli(
         "bench",
         "latency",
@@ -249,9 +251,12 @@ def test_bench_latency(tiny):
         4,
         "--methods",
         "kv-sel50,kv-tail1",
+        "--retrieval",
+        "cosine",
         *common(tiny, out),
     )
     s = check_outputs(out, "latency_vs_k.png")
+    assert s["retrieval"] == "cosine"  # as asked, not the default hybrid
     assert set(s["ratios"]["method_over_kv"]) == {"kv-sel50", "kv-tail1"}
     assert all(v > 0 for m in s["ratios"]["prompt_over_method"].values() for v in m.values())
     assert set(s["ttft_ms"]["kv"]) == {"1", "2"} and set(s["ttft_ms"]["prompt"]) == {"1", "2"}
@@ -289,9 +294,12 @@ def test_bench_throughput(tiny):
         0,
         "--tokens",
         4,
+        "--retrieval",
+        "rrf",
         *common(tiny, out, 4),
     )
     s = check_outputs(out, "qps_vs_users.png")
+    assert s["retrieval"] == "rrf:60:1"
     assert set(s["qps"]["kv"]) == {"1", "2"} and set(s["qps"]["prompt"]) == {"1", "2"}
     assert all(v > 0 for m in ("kv", "prompt") for v in s["qps"][m].values())
     assert set(s["ratios"]["kv_over_prompt"]) == {"1", "2"}

@@ -37,6 +37,7 @@ from ..policy import Encoding
 from ..retrieve import HYBRID, Embedder, Fusion
 from ..service import MemoryService
 from ..store import Store, StoreError
+from .recall import parse_fusion
 
 CACHE_ENV = "KVMEM_BENCH_CACHE"
 
@@ -462,13 +463,24 @@ class Setup:
     fusion: Fusion | None = HYBRID  # what every service ranks by (``retrieve``; None: cosine alone)
 
     @classmethod
-    def load(cls, data: Path, samples: list[str] | None, model: str, engine: str, show_progress: bool = True) -> Setup:
-
+    def load(
+        cls,
+        data: Path,
+        samples: list[str] | None,
+        model: str,
+        engine: str,
+        show_progress: bool = True,
+        retrieval: str = "hybrid",
+    ) -> Setup:
+        """``retrieval``: what its services rank by (``recall.parse_fusion``: cosine, hybrid, rrf..., weighted...).
+        Raises ValueError for an unknown retrieval, EngineUnavailable for an engine that cannot run here."""
+        fusion = parse_fusion(retrieval)  # a bad --retrieval fails before anything loads
         resolved, note = resolve_engine(engine)  # EngineUnavailable before anything loads
         if note:
             log_err(note)
         convs = load_samples(Path(data), samples)
-        return cls(Path(data), convs, load(model), Embedder(), engine, show_progress, resolved=resolved, note=note)
+        lm, embedder = load(model), Embedder()
+        return cls(Path(data), convs, lm, embedder, engine, show_progress, resolved=resolved, note=note, fusion=fusion)
 
     def start(self, stores: list[Path] = ()):
         """The engine (started once; ``stores``: more stores it may inject from besides the bench cache)."""

@@ -174,17 +174,19 @@ def run(
     neighbours: int | None = None,
     history: bool = False,
     setup: Setup | None = None,
+    retrieval: str = "hybrid",
 ) -> dict:
     """``tails``: also time KV injection with tail recompute r (method ``kv-tail<r>``) for each r; ``methods``:
     any further serving methods (``policy.Method``: ``kv-tail<r>``, ``kv-sel<p>``); all interleaved.
     ``neighbours``, ``history``: the stores' encoding (``policy.Encoding``; the defaults when not given).
-    ``setup``: an already loaded one for ``data``, ``samples`` and ``model`` (its engine is left running)."""
+    ``setup``: an already loaded one for ``data``, ``samples`` and ``model`` (its engine is left running; it
+    ranks by its own ``fusion``); ``retrieval``: what a setup loaded here ranks by (``recall.parse_fusion``)."""
 
     note = store_device_note(store_device)
     modes = MODES + tuple(dict.fromkeys([str(Method("kv", r)) for r in tails if r > 0] + list(methods)))
     check_methods(modes, engine)
     neighbours = Encoding.of(windows[0], neighbours, history).neighbours
-    setup = setup or Setup.load(data, samples, model, engine, show_progress)
+    setup = setup or Setup.load(data, samples, model, engine, show_progress, retrieval)
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")

@@ -31,6 +31,7 @@ from ..retrieve import Embedder
 from ..service import MemoryService
 from ..store import Store
 from .common import answer_batch, check_engine, load_samples, log_err, machine, median, p95, pyplot, table, write_json
+from .recall import describe, parse_fusion
 
 ARMS = ("observations", "infer", "raw")
 BATCH = 32
@@ -126,11 +127,13 @@ def run(
     engine: str,
     max_new_tokens: int = 32,
     reuse: bool = False,
+    retrieval: str = "hybrid",
 ) -> dict:
     """``reuse``: keep a store already built by an earlier run into ``out`` (its figures are in builds.json) and
-    only answer."""
+    only answer. ``retrieval``: what the answers rank by (``recall.parse_fusion``); the summary records it."""
 
     check_engine(engine)
+    fusion = parse_fusion(retrieval)
     for a in arms:
         if a not in ARMS:
             raise ValueError(f"unknown arm {a!r}; choose from {', '.join(ARMS)}")
@@ -166,7 +169,7 @@ def run(
         svcs = {}
         for conv in convs:
             root = out / "stores" / arm / conv.sample_id
-            svcs[conv.sample_id] = MemoryService(root, eng, lm, embedder)
+            svcs[conv.sample_id] = MemoryService(root, eng, lm, embedder, fusion=fusion)
         items = [
             (c.sample_id, i, q, mode)
             for c in convs
@@ -223,6 +226,7 @@ def run(
         "sessions": sessions,
         "k": k,
         "window": window,
+        "retrieval": describe(fusion),
         "rows": rows,
         "builds": [{**b, "add_ms": None} for b in builds],
     }

@@ -30,6 +30,7 @@ from .common import (
     write_csv,
     write_summary_and_records,
 )
+from .recall import describe
 
 MODES = ("kv", "prompt")
 SEQUENTIAL_NOTE = (
@@ -92,9 +93,11 @@ def run(
     store_device: str = "host",
     show_progress: bool = True,
     echo=print,
+    retrieval: str = "hybrid",
 ) -> dict:
+    """``retrieval``: what the services rank by (``recall.parse_fusion``); the summary records it."""
     note = store_device_note(store_device)
-    setup = Setup.load(data, samples, model, engine, show_progress)
+    setup = Setup.load(data, samples, model, engine, show_progress, retrieval)
     qs = select_questions(setup.convs, questions)
     per_sample = {}
     for q in qs:
@@ -164,6 +167,7 @@ def run(
         "users": users,
         "k": k,
         "window": window,
+        "retrieval": describe(setup.fusion),
         "output_tokens": tokens,
         "requests_per_user": 2,
         "qps": qps,

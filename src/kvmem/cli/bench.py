@@ -34,6 +34,11 @@ _SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sam
 _QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
 _STORE_DEVICE = typer.Option("host", "--store-device", help="host (pinned, streamed) or device (resident).")
 _PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar.")
+_RETRIEVAL = typer.Option(
+    "hybrid",
+    "--retrieval",
+    help="hybrid (the default: weighted:0.1), rrf[:K[:W]] or weighted[:W] (cosine fused with BM25), or cosine.",
+)
 
 
 def _bench_args(samples: str) -> list[str] | None:
@@ -65,6 +70,7 @@ def bench_latency(
         "--methods",
         help="Also time these serving methods (comma-separated kv-tail<r>, kv-sel<p>; kv-sel needs --engine hf).",
     ),
+    retrieval: str = _RETRIEVAL,
 ):
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     latency = bench_module("latency")
@@ -91,6 +97,7 @@ def bench_latency(
         show_progress,
         typer.echo,
         methods=extra,
+        retrieval=retrieval,
     )
 
 
@@ -182,6 +189,7 @@ def bench_throughput(
     questions: int = typer.Option(0, "--questions", help="Question pool (0 = all category 1-4)."),
     out: Path = typer.Option(Path("runs/bench/throughput"), "--out"),
     show_progress: bool = _PROGRESS,
+    retrieval: str = _RETRIEVAL,
 ):
     """Requests per second vs concurrent users (2 questions each), retrieval and composition included."""
     throughput = bench_module("throughput")
@@ -203,6 +211,7 @@ def bench_throughput(
         store_device,
         show_progress,
         typer.echo,
+        retrieval,
     )
 
 
@@ -398,6 +407,7 @@ def bench_replay(
     engine: str = ENGINE,
     out: Path = typer.Option(Path("runs/bench/replay"), "--out"),
     reuse: bool = typer.Option(False, "--reuse", help="Keep stores an earlier run built in --out; only answer."),
+    retrieval: str = _RETRIEVAL,
 ):
     """Online memory on real input: LoCoMo replayed turn by turn through Memory.add in three arms, then answered."""
     replay = bench_module("replay")
@@ -405,7 +415,8 @@ def bench_replay(
 
     if sessions < 1 or k < 1 or window < 0:
         raise ValueError("--sessions and --k must be >= 1, --window >= 0")
-    replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine, reuse=reuse)
+    replay.run(data, out, str_list(samples), str_list(arms), sessions, k, window, model, engine, reuse=reuse,
+               retrieval=retrieval)  # fmt: skip
 
 
 @bench_app.command("scale")
@@ -525,11 +536,7 @@ def eval_locomo(
     ),
     out: Path = typer.Option(Path("runs/eval/locomo"), "--out"),
     show_progress: bool = _PROGRESS,
-    retrieval: str = typer.Option(
-        "hybrid",
-        "--retrieval",
-        help="hybrid (the default: weighted:0.1), rrf[:K[:W]] or weighted[:W] (cosine fused with BM25), or cosine.",
-    ),
+    retrieval: str = _RETRIEVAL,
     order: str = typer.Option(
         "relevance",
         "--order",
