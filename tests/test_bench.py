@@ -533,7 +533,8 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     assert "share no question in any setting" in cli("eval", "compare", w0, w5, rc=2).output
     for args, why in [
         (("--a", "mode=prompt"), "holds mode=prompt and kv: choose one"),  # b keeps both modes: which one?
-        (("--a", "mode=judge", "--b", "mode=kv"), "no record has mode=judge"),
+        (("--a", "mode=judge", "--b", "mode=kv"), "no record has mode=judge (in its records, mode is kv, prompt)"),
+        ((), "a and b are both"),  # a run against itself, unselected: every difference would be zero
         (("--a", "retrieval=hybrid"), "give KEY=VALUE with KEY one of model, mode, k"),
         (("--b", "mode"), "give KEY=VALUE"),
         (("--a", "k=5", "--a", "k=9"), "--a names k twice"),
@@ -548,6 +549,9 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     assert "holds mode=prompt and kv: choose one" in err and str(mixed) in err
     (mixed / "records.json").write_text(json.dumps([{k: v for k, v in rec("q1", 1, 0.5).items() if k != "mode"}]))
     assert "record 0 has no mode" in cli("eval", "compare", mixed, one, rc=2).output
+    from kvmem.bench.compare import _signed
+
+    assert [_signed(x) for x in (-0.004, -0.0, 0.0, 0.005001, -1.236)] == ["+0.00", "+0.00", "+0.00", "+0.01", "-1.24"]
 
 
 def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: float, kv_ttft: float) -> Path:

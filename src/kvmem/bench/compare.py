@@ -63,6 +63,7 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path} holds no records (a non-empty JSON list of kvmem eval locomo records)")
     out: dict[tuple, dict[str, dict]] = {}
+    seen: dict[str, set[str]] = {key: set() for key in select}  # the values a selector could have named
     for i, r in enumerate(rows):
         if not isinstance(r, dict) or not isinstance(r.get("qid"), str):
             raise _bad(path, i, "has no question id")
@@ -79,6 +80,8 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
         full = tuple(r.get(key, RECORD_DEFAULTS.get(key)) for key in SETTING)
         if not all(v is None or isinstance(v, (str, int, float)) for v in full):
             raise _bad(path, i, f"has a setting ({', '.join(SETTING)}) that is not plain values")
+        for key in select:
+            seen[key].add(_value(full[SETTING.index(key)]))
         if any(_value(full[SETTING.index(key)]) != v for key, v in select.items()):
             continue
         setting = tuple(full[j] for j in keep)
@@ -95,13 +98,19 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
         out[setting][r["qid"]] = r
     if not out:
         chosen = ", ".join(f"{k}={v}" for k, v in select.items())
-        raise ValueError(f"{path}: no record has {chosen}")
+        there = "; ".join(f"{k} is {', '.join(sorted(seen[k]))}" for k in select)
+        raise ValueError(f"{path}: no record has {chosen} (in its records, {there})")
     return out
 
 
 def _side(rows: dict[str, dict], key: str) -> str:
     """The value of ``key`` on one side of a pairing (one value: ``load`` refuses more)."""
     return _value(next(iter(rows.values())).get(key, RECORD_DEFAULTS.get(key)))
+
+
+def _signed(x: float) -> str:
+    """``x`` to two places with its sign, and a difference that rounds to zero as +0.00 (not -0.00)."""
+    return f"{round(x, 2) + 0.0:+.2f}"
 
 
 def _what(rows: dict[str, dict]) -> str:
@@ -125,6 +134,9 @@ def run(
     malformed records (``load``), runs that share no question in any setting, a question whose category differs
     between them, or an ``out`` that cannot be written."""
     select_a, select_b = select_a or {}, select_b or {}
+    if a.resolve() == b.resolve() and select_a == select_b:
+        raise ValueError(f"a and b are both {a}, with the same selection: pair two runs, or one run's two settings "
+                         "with --a/--b KEY=VALUE")  # fmt: skip
     drop = tuple(key for key in SETTING if key in select_a or key in select_b)
     shared = [key for key in SETTING if key not in drop]
     ra, rb = load(a, select_a, drop), load(b, select_b, drop)
@@ -189,8 +201,8 @@ def run(
               "same answer"]  # fmt: skip
     cells = [
         [r["model"], r["mode"], r["k"], *(r[key] for key in extra), r["category"], r["n"], f"{r['f1_a']:.2f}",
-         f"{r['f1_b']:.2f}", f"{r['delta_f1']:+.2f}",
-         "" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]", r["same_facts"],
+         f"{r['f1_b']:.2f}", _signed(r["delta_f1"]),
+         "" if r["ci95"] is None else f"[{_signed(r['ci95'][0])}, {_signed(r['ci95'][1])}]", r["same_facts"],
          r["same_answer"]]
         for r in rows
     ]  # fmt: skip
