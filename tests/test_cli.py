@@ -224,6 +224,16 @@ def test_bos_and_eos_follow_the_gguf(name):
     assert meta["eos_token_id"] in ([eos] if isinstance(eos, int) else eos)
 
 
+def test_demo_and_eval_read_the_locomo_file_from_the_environment(tmp_path, monkeypatch):
+    """``KVMEM_LOCOMO`` names the LoCoMo file of ``kvmem demo`` (as ``scripts/demo.sh`` does) and of every bench and
+    eval command's ``--data``; a missing file is one error line that names it and the variable."""
+    monkeypatch.setenv("KVMEM_LOCOMO", str(tmp_path / "gone.json"))
+    for args in (["demo"], ["eval", "locomo", "--engine", "hf", "--model", FAST]):
+        p = kvmem_cli(*args, check_rc=2)
+        assert f"LoCoMo file not found: {tmp_path / 'gone.json'} (give another path, or set KVMEM_LOCOMO)" in p.stderr
+        assert "Traceback" not in p.stderr
+
+
 @pytest.mark.slow
 def test_missing_store_and_bad_file(tmp_path, store):
     p = run("ask", "--store", tmp_path / "none", "--user", "x", "--k", "3", "q?", check_rc=2)

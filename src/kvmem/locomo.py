@@ -108,7 +108,7 @@ def load_locomo(path: str | Path) -> list[Conversation]:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise LocomoError(f"LoCoMo file not found: {path}") from None
+        raise LocomoError(f"LoCoMo file not found: {path} (give another path, or set KVMEM_LOCOMO)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LocomoError(f"{path} is not valid JSON: {exc}") from None
     raw = _replace_invalid(raw)
