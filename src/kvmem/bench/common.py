@@ -37,7 +37,6 @@ from ..policy import Encoding
 from ..retrieve import HYBRID, Embedder, Fusion
 from ..service import MemoryService
 from ..store import Store, StoreError
-from .recall import parse_fusion
 
 CACHE_ENV = "KVMEM_BENCH_CACHE"
 
@@ -470,11 +469,10 @@ class Setup:
         model: str,
         engine: str,
         show_progress: bool = True,
-        retrieval: str = "hybrid",
+        fusion: Fusion | None = HYBRID,
     ) -> Setup:
-        """``retrieval``: what its services rank by (``recall.parse_fusion``: cosine, hybrid, rrf..., weighted...).
-        Raises ValueError for an unknown retrieval, EngineUnavailable for an engine that cannot run here."""
-        fusion = parse_fusion(retrieval)  # a bad --retrieval fails before anything loads
+        """``fusion``: what its services rank by (``retrieve.Fusion``; None: cosine alone). Raises
+        EngineUnavailable for an engine that cannot run here, LocomoError for a missing or malformed ``data``."""
         resolved, note = resolve_engine(engine)  # EngineUnavailable before anything loads
         if note:
             log_err(note)

@@ -30,7 +30,7 @@ from .common import (
     write_csv,
     write_summary_and_records,
 )
-from .recall import describe
+from .recall import describe, parse_fusion
 
 MODES = ("kv", "prompt")
 METRICS = ("ttft", "q2ft", "q2fa")
@@ -186,7 +186,7 @@ def run(
     modes = MODES + tuple(dict.fromkeys([str(Method("kv", r)) for r in tails if r > 0] + list(methods)))
     check_methods(modes, engine)
     neighbours = Encoding.of(windows[0], neighbours, history).neighbours
-    setup = setup or Setup.load(data, samples, model, engine, show_progress, retrieval)
+    setup = setup or Setup.load(data, samples, model, engine, show_progress, parse_fusion(retrieval))
     qs = select_questions(setup.convs, questions)
     if not qs:
         raise ValueError("no category 1-4 questions in the chosen samples")

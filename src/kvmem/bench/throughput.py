@@ -30,7 +30,7 @@ from .common import (
     write_csv,
     write_summary_and_records,
 )
-from .recall import describe
+from .recall import describe, parse_fusion
 
 MODES = ("kv", "prompt")
 SEQUENTIAL_NOTE = (
@@ -97,7 +97,7 @@ def run(
 ) -> dict:
     """``retrieval``: what the services rank by (``recall.parse_fusion``); the summary records it."""
     note = store_device_note(store_device)
-    setup = Setup.load(data, samples, model, engine, show_progress, retrieval)
+    setup = Setup.load(data, samples, model, engine, show_progress, parse_fusion(retrieval))
     qs = select_questions(setup.convs, questions)
     per_sample = {}
     for q in qs:
