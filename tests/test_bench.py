@@ -534,7 +534,10 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     for args, why in [
         (("--a", "mode=prompt"), "holds mode=prompt and kv: choose one"),  # b keeps both modes: which one?
         (("--a", "mode=judge", "--b", "mode=kv"), "no record has mode=judge (in its records, mode is kv, prompt)"),
-        ((), "a and b are both"),  # a run against itself, unselected: every difference would be zero
+        ((), "keep the same records of one file"),  # a run against itself, unselected: every difference is zero
+        (("--a", "k=5", "--b", "k=5"), "keep the same records of one file"),  # ... or selected alike
+        (("--a", "mode=prompt", "--a", "k=9", "--b", "mode=kv"), "no record has mode=prompt, k=9 together"),
+        (("--a", "k=10", "--b", "k=5"), "no record has k=10 (in its records, k is 5, 9)"),
         (("--a", "retrieval=hybrid"), "give KEY=VALUE with KEY one of model, mode, k"),
         (("--b", "mode"), "give KEY=VALUE"),
         (("--a", "k=5", "--a", "k=9"), "--a names k twice"),
@@ -549,6 +552,9 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     assert "holds mode=prompt and kv: choose one" in err and str(mixed) in err
     (mixed / "records.json").write_text(json.dumps([{k: v for k, v in rec("q1", 1, 0.5).items() if k != "mode"}]))
     assert "record 0 has no mode" in cli("eval", "compare", mixed, one, rc=2).output
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)  # a path that cannot resolve is "no run there", as any other
+    assert "has no records.json" in cli("eval", "compare", loop, one, rc=2).output
     from kvmem.bench.compare import _signed
 
     assert [_signed(x) for x in (-0.004, -0.0, 0.0, 0.005001, -1.236)] == ["+0.00", "+0.00", "+0.00", "+0.01", "-1.24"]

@@ -227,11 +227,20 @@ def test_bos_and_eos_follow_the_gguf(name):
 def test_demo_and_eval_read_the_locomo_file_from_the_environment(tmp_path, monkeypatch):
     """``KVMEM_LOCOMO`` names the LoCoMo file of ``kvmem demo`` (as ``scripts/demo.sh`` does) and of every bench and
     eval command's ``--data``; a missing file is one error line that names it and the variable."""
-    monkeypatch.setenv("KVMEM_LOCOMO", str(tmp_path / "gone.json"))
+    gone = tmp_path / "gone.json"
+    monkeypatch.setenv("KVMEM_LOCOMO", str(gone))
     for args in (["demo"], ["eval", "locomo", "--engine", "hf", "--model", FAST]):
         p = kvmem_cli(*args, check_rc=2)
-        assert f"LoCoMo file not found: {tmp_path / 'gone.json'} (give another path, or set KVMEM_LOCOMO)" in p.stderr
+        assert f"error: LoCoMo file not found: '{gone}' (the path is $KVMEM_LOCOMO's)" in p.stderr
         assert "Traceback" not in p.stderr
+    # given on the command line, the file needs no note; a directory is named as one
+    p = kvmem_cli("eval", "locomo", "--engine", "hf", "--model", FAST, "--data", tmp_path / "other.json", check_rc=2)
+    assert f"error: LoCoMo file not found: '{tmp_path / 'other.json'}'\n" in p.stderr
+    assert f"'{tmp_path}' is a directory, not a LoCoMo file" in kvmem_cli("demo", tmp_path, check_rc=2).stderr
+    monkeypatch.delenv("KVMEM_LOCOMO")
+    monkeypatch.chdir(tmp_path)  # where the default path (../shared/...) names nothing
+    p = kvmem_cli("demo", check_rc=2)
+    assert "(the default path: give another, or set KVMEM_LOCOMO)" in p.stderr
 
 
 @pytest.mark.slow

@@ -157,7 +157,7 @@ def test_hybrid_search_fuses_keywords_under_filters_and_explains(tmp_path, backe
 
 def test_bad_hybrid_options_are_refused(tmp_path):
     from kvmem import Memory
-    from kvmem.bench.recall import parse_fusion
+    from kvmem.bench.recall import describe, parse_fusion
     from kvmem.memory import MemoryInputError
     from kvmem.retrieve import Fusion
 
@@ -170,6 +170,15 @@ def test_bad_hybrid_options_are_refused(tmp_path):
     assert parse_fusion("weighted:0.3") == Fusion("weighted", 0.3)
     with pytest.raises(ValueError, match="one of cosine, hybrid"):
         parse_fusion("rrf:1:2:3")
+    with pytest.raises(ValueError, match=r"keyword weight must be in \[0, 1\], not 1.5"):
+        parse_fusion("weighted:1.5")
+    with pytest.raises(ValueError, match="rrf_k and pool must be >= 1, not 0 and 60"):
+        parse_fusion("rrf:0")
+    # what a run records reads back as the fusion that ran (summaries and records carry it)
+    recorded = {"weighted:0.1234567": "weighted:0.1234567", "hybrid": "weighted:0.1", "weighted:-0": "weighted:0",
+                "rrf": "rrf:60:1", "rrf:7:1.2e-05": "rrf:7:1.2e-05"}  # fmt: skip
+    for spec, told in recorded.items():
+        assert describe(parse_fusion(spec)) == told and parse_fusion(told) == parse_fusion(spec), spec
 
 
 def test_locomo_facts_and_questions_name_every_evidence_turn(locomo_path):

@@ -21,7 +21,11 @@ _DIA_ANY = re.compile(r"D:?(\d+):(\d+)")  # also inside "D8:6; D9:17", "D9:1 D4:
 
 
 class LocomoError(ValueError):
-    """The file is missing, not JSON, or not in LoCoMo format."""
+    """The file is missing, not JSON, or not in LoCoMo format; ``path``: the file, where it could not be read."""
+
+    def __init__(self, message: str, path: Path | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 @dataclass(frozen=True)
@@ -102,13 +106,17 @@ def load_locomo(path: str | Path) -> list[Conversation]:
     """Read every sample of a LoCoMo-format JSON file.
 
     Raises:
-        LocomoError: the file is missing, is not JSON, or lacks the LoCoMo fields.
+        LocomoError: the file is missing, a directory or unreadable, is not JSON, or lacks the LoCoMo fields.
     """
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise LocomoError(f"LoCoMo file not found: {path} (give another path, or set KVMEM_LOCOMO)") from None
+        raise LocomoError(f"LoCoMo file not found: '{path}'", path) from None
+    except IsADirectoryError:
+        raise LocomoError(f"'{path}' is a directory, not a LoCoMo file", path) from None
+    except OSError as exc:
+        raise LocomoError(f"cannot read the LoCoMo file '{path}': {exc.strerror or exc}", path) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise LocomoError(f"{path} is not valid JSON: {exc}") from None
     raw = _replace_invalid(raw)

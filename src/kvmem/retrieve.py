@@ -233,8 +233,11 @@ class Fusion:
     def __post_init__(self):
         if self.method not in FUSIONS:
             raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, not {self.method!r}")
-        if not (0 <= self.weight <= (1 if self.method == "weighted" else 10)) or self.rrf_k < 1 or self.pool < 1:
-            raise ValueError(f"bad fusion parameters: {self}")
+        top = 1 if self.method == "weighted" else 10
+        if not 0 <= self.weight <= top:
+            raise ValueError(f"the {self.method} fusion's keyword weight must be in [0, {top}], not {self.weight!r}")
+        if self.rrf_k < 1 or self.pool < 1:
+            raise ValueError(f"rrf_k and pool must be >= 1, not {self.rrf_k} and {self.pool}")
 
 
 # The default retrieval everywhere (MemoryService, Memory, kvmem serve, eval locomo): at the default k=5 it raised

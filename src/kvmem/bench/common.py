@@ -333,7 +333,7 @@ def paired_bootstrap(diffs) -> tuple[float, list[float] | None]:
     d = np.asarray(list(diffs), dtype=float)
     if len(d) == 0:
         return float("nan"), None
-    mean = round(float(d.mean()), 2)
+    mean = round(float(d.mean()), 2) + 0.0  # + 0.0: a mean that rounds to zero is 0.0, never -0.0
     if len(d) < 2:
         return mean, None
     if np.all(d == d[0]):
@@ -343,7 +343,7 @@ def paired_bootstrap(diffs) -> tuple[float, list[float] | None]:
     ci = bootstrap((d,), np.mean, n_resamples=10_000, confidence_level=0.95, random_state=0).confidence_interval
     if not np.isfinite([ci.low, ci.high]).all():  # BCa undefined on this sample (too few distinct values)
         ci = bootstrap((d,), np.mean, n_resamples=10_000, method="percentile", random_state=0).confidence_interval
-    return mean, [round(float(ci.low), 2), round(float(ci.high), 2)]
+    return mean, [round(float(ci.low), 2) + 0.0, round(float(ci.high), 2) + 0.0]
 
 
 # --- writers ---------------------------------------------------------------------------------------------

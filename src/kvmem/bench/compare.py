@@ -13,6 +13,7 @@ the pairing on both.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .common import markdown_table, paired_bootstrap, table, write_json
@@ -31,7 +32,7 @@ def parse_select(items: list[str] | None, side: str) -> dict[str, str]:
     other form, key, or a key given twice."""
     out: dict[str, str] = {}
     for item in items or []:
-        key, eq, value = item.partition("=")
+        key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or not value or key not in SETTING:
             raise ValueError(f"--{side} {item!r}: give KEY=VALUE with KEY one of {', '.join(SETTING)}")
         if key in out:
@@ -98,9 +99,19 @@ def load(run: Path, select: dict[str, str] | None = None, drop: tuple[str, ...] 
         out[setting][r["qid"]] = r
     if not out:
         chosen = ", ".join(f"{k}={v}" for k, v in select.items())
-        there = "; ".join(f"{k} is {', '.join(sorted(seen[k]))}" for k in select)
+        if all(v in seen[k] for k, v in select.items()):
+            raise ValueError(f"{path}: no record has {chosen} together")
+        there = "; ".join(f"{k} is {', '.join(sorted(seen[k], key=_natural))}" for k in select)
         raise ValueError(f"{path}: no record has {chosen} (in its records, {there})")
     return out
+
+
+def _natural(v: str) -> tuple:
+    """Numbers in numeric order, before words in alphabetical order."""
+    try:
+        return (0, float(v), "")
+    except ValueError:
+        return (1, 0.0, v)
 
 
 def _side(rows: dict[str, dict], key: str) -> str:
@@ -134,12 +145,12 @@ def run(
     malformed records (``load``), runs that share no question in any setting, a question whose category differs
     between them, or an ``out`` that cannot be written."""
     select_a, select_b = select_a or {}, select_b or {}
-    if a.resolve() == b.resolve() and select_a == select_b:
-        raise ValueError(f"a and b are both {a}, with the same selection: pair two runs, or one run's two settings "
-                         "with --a/--b KEY=VALUE")  # fmt: skip
     drop = tuple(key for key in SETTING if key in select_a or key in select_b)
     shared = [key for key in SETTING if key not in drop]
     ra, rb = load(a, select_a, drop), load(b, select_b, drop)
+    if ra == rb and os.path.samefile(a / "records.json", b / "records.json"):
+        raise ValueError(f"{a} and {b} keep the same records of one file: every difference would be zero; pair two "
+                         "runs, or two settings of one run with --a/--b KEY=VALUE")  # fmt: skip
     if out is not None:
         try:
             out.mkdir(parents=True, exist_ok=True)

@@ -27,9 +27,9 @@ def parse_fusion(spec: str) -> Fusion | None:
         if name == "hybrid" and not args:
             return HYBRID
         if name == "rrf" and len(args) <= 2:
-            return Fusion("rrf", float(args[1]) if len(args) > 1 else 1.0, int(args[0]) if args else 60)
+            return Fusion("rrf", float(args[1]) + 0.0 if len(args) > 1 else 1.0, int(args[0]) if args else 60)
         if name == "weighted" and len(args) <= 1:
-            return Fusion("weighted", float(args[0]) if args else 0.1)
+            return Fusion("weighted", float(args[0]) + 0.0 if args else 0.1)  # + 0.0: -0 is 0
     except ValueError as exc:
         raise ValueError(f"retrieval {spec!r}: {exc}") from None
     raise ValueError(f"retrieval {spec!r}: one of cosine, hybrid, rrf[:K[:W]], weighted[:W]")
@@ -84,9 +84,10 @@ def describe(fusion: Fusion | None) -> str:
     """``cosine``, or the fusion's parameters as ``parse_fusion`` reads them."""
     if fusion is None:
         return "cosine"
+    w = f"{fusion.weight:g}" if float(f"{fusion.weight:g}") == fusion.weight else repr(fusion.weight)  # exact
     if fusion.method == "rrf":
-        return f"rrf:{fusion.rrf_k}:{fusion.weight:g}"
-    return f"weighted:{fusion.weight:g}"
+        return f"rrf:{fusion.rrf_k}:{w}"
+    return f"weighted:{w}"
 
 
 def rows(result: dict) -> list[list]:

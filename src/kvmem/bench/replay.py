@@ -222,6 +222,7 @@ def run(
         "model": lm.name,
         "dtype": str(lm.dtype).removeprefix("torch."),
         "engine": engine,
+        "data": str(data),
         "samples": [c.sample_id for c in convs],
         "sessions": sessions,
         "k": k,

@@ -14,6 +14,7 @@ from .common import (
     DTYPE,
     ENGINE,
     LOCOMO_DATA,
+    LOCOMO_ENV,
     LOCOMO_HISTORY,
     LOCOMO_NEIGHBOURS,
     MODEL,
@@ -29,7 +30,7 @@ bench_app = typer.Typer(
 )
 eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluations.")
 
-DATA = typer.Option(LOCOMO_DATA, "--data", envvar="KVMEM_LOCOMO", help="LoCoMo-format JSON.")
+DATA = typer.Option(LOCOMO_DATA, "--data", envvar=LOCOMO_ENV, help="LoCoMo-format JSON.")
 _SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
 _QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
 _STORE_DEVICE = typer.Option("host", "--store-device", help="host (pinned, streamed) or device (resident).")

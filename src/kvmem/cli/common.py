@@ -10,6 +10,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -30,15 +31,32 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ContextOverflow, LocomoError, MissingExtra, ModelError, RetrievalError, StoreError, ValueError, OSError)
 
 
+LOCOMO_ENV = "KVMEM_LOCOMO"  # names the LoCoMo file of ``kvmem demo`` and of every bench and eval ``--data``
+
+
+def _locomo_source(exc: BaseException) -> str:
+    """For an error reading the LoCoMo file (``locomo.LocomoError.path``), where its path came from when the
+    command line did not give it: ``$KVMEM_LOCOMO`` or the default."""
+    path = getattr(exc, "path", None)
+    if path is None:
+        return ""
+    if os.environ.get(LOCOMO_ENV) and Path(os.environ[LOCOMO_ENV]) == path:
+        return f" (the path is ${LOCOMO_ENV}'s)"
+    if path == LOCOMO_DATA:
+        return f" (the default path: give another, or set {LOCOMO_ENV})"
+    return ""
+
+
 def friendly(fn):
-    """Turn known errors into ``error: <message>`` on stderr and exit code 2 (no traceback)."""
+    """Turn known errors into ``error: <message>`` on stderr and exit code 2 (no traceback); an error about the
+    LoCoMo file says where its path came from (``_locomo_source``)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except _user_errors() as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"error: {exc}{_locomo_source(exc)}", err=True)
             raise typer.Exit(2) from None
 
     return wrapper
@@ -180,4 +198,4 @@ USER_HISTORY = typer.Option(
     "memory of the user written before it (default: as the user's memories were encoded so far, "
     "else off).",
 )
-LOCOMO_DATA = Path("../shared/data/locomo/locomo7.json")  # the default LoCoMo file (demo, bench, eval)
+LOCOMO_DATA = Path("../shared/data/locomo/locomo7.json")  # the default LoCoMo file (demo, bench, eval; LOCOMO_ENV)

@@ -9,12 +9,12 @@ from pathlib import Path
 import typer
 
 from ..policy import MAX_NEIGHBOURS
-from .common import DTYPE, LOCOMO_DATA, MODEL, engine_option, friendly
+from .common import DTYPE, LOCOMO_DATA, LOCOMO_ENV, MODEL, engine_option, friendly
 
 
 @friendly
 def demo(
-    file: Path = typer.Argument(LOCOMO_DATA, envvar="KVMEM_LOCOMO", help="LoCoMo-format JSON."),
+    file: Path = typer.Argument(LOCOMO_DATA, envvar=LOCOMO_ENV, help="LoCoMo-format JSON."),
     sample: str = typer.Option("conv-26"),
     store: Path | None = typer.Option(
         None, help="Store directory (ingested once, then reused); default .cache/demo-<model>-<dtype>."
