@@ -555,9 +555,12 @@ def test_eval_compare_pairs_across_a_named_setting(tmp_path):
     loop = tmp_path / "loop"
     loop.symlink_to(loop)  # a path that cannot resolve is "no run there", as any other
     assert "has no records.json" in cli("eval", "compare", loop, one, rc=2).output
-    from kvmem.bench.compare import _signed
+    from kvmem.bench.common import paired_bootstrap
 
-    assert [_signed(x) for x in (-0.004, -0.0, 0.0, 0.005001, -1.236)] == ["+0.00", "+0.00", "+0.00", "+0.01", "-1.24"]
+    # a paired difference that rounds to zero is 0.0, never -0.0: it prints +0.00 in every table and JSON
+    mean, ci = paired_bootstrap([-0.004, -0.002, -0.003])
+    assert f"{mean:+.2f}" == "+0.00" and [f"{x:+.2f}" for x in ci] == ["+0.00", "+0.00"] and "-0.0" not in str(ci)
+    assert f"{paired_bootstrap([-1.236, -1.236])[0]:+.2f}" == "-1.24"
 
 
 def synthetic_frontier(d: Path, model: str, qids: list[str], like: dict, kv_f1: float, kv_ttft: float) -> Path:

@@ -119,11 +119,6 @@ def _side(rows: dict[str, dict], key: str) -> str:
     return _value(next(iter(rows.values())).get(key, RECORD_DEFAULTS.get(key)))
 
 
-def _signed(x: float) -> str:
-    """``x`` to two places with its sign, and a difference that rounds to zero as +0.00 (not -0.00)."""
-    return f"{round(x, 2) + 0.0:+.2f}"
-
-
 def _what(rows: dict[str, dict]) -> str:
     """How a run's answers were retrieved and ordered (from its first record)."""
     r = next(iter(rows.values()))
@@ -212,8 +207,8 @@ def run(
               "same answer"]  # fmt: skip
     cells = [
         [r["model"], r["mode"], r["k"], *(r[key] for key in extra), r["category"], r["n"], f"{r['f1_a']:.2f}",
-         f"{r['f1_b']:.2f}", _signed(r["delta_f1"]),
-         "" if r["ci95"] is None else f"[{_signed(r['ci95'][0])}, {_signed(r['ci95'][1])}]", r["same_facts"],
+         f"{r['f1_b']:.2f}", f"{r['delta_f1']:+.2f}",
+         "" if r["ci95"] is None else f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]", r["same_facts"],
          r["same_answer"]]
         for r in rows
     ]  # fmt: skip
