@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 CLIENT_TIMEOUT_S = 30.0  # a request with no answer by then "hung" (a fail-fast server answers 503 well before)
@@ -76,7 +77,11 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
             try:
                 r = client.request(method, path, **kw)
                 ev.update(t1=time.time(), status=r.status_code)
-                body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                try:
+                    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+                except ValueError:  # an answer that is not the JSON it says: what it did is unknown
+                    ev.update(outcome="unknown", code="unreadable_body", text_head=r.text[:200])
+                    return ev
                 if r.status_code < 300:
                     ev["outcome"] = "ack"
                     ev["body"] = body
@@ -100,14 +105,21 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
                 live[item["id"]] = text
             record(ev)
 
+        def final() -> bool:
+            ev = call("final", "GET", "/v1/memories", params={"user_id": u, "limit": 1000})
+            if ev["outcome"] == "ack":
+                ev["seen"] = {m["id"]: m["memory"] for m in ev.pop("body")["results"]}
+            record(ev)
+            return ev["outcome"] == "ack"
+
         canary = f"The canary word of {u} is {u}-{os.urandom(4).hex()}."
         while not live:  # the canary is acked before the load begins
-            add(canary)
+            guarded(u, add, canary)
             if not live:
                 time.sleep(1)
         canary_id = next(iter(live))
-        while not os.path.exists(stop_file):
-            n += 1
+
+        def step(n: int) -> None:
             p = rng.random()
             own = [i for i in live if i != canary_id]
             if p < 0.35:
@@ -147,16 +159,27 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
                 if ev["outcome"] != "failed":
                     live.pop(mid, None)
                 record(ev)
+
+        while not os.path.exists(stop_file):
+            n += 1
+            guarded(u, step, n)
             time.sleep(rng.uniform(0.05, 0.3))
         end = time.monotonic() + 180
         while time.monotonic() < end:  # the final read: what the store holds once the faults are healed
-            ev = call("final", "GET", "/v1/memories", params={"user_id": u, "limit": 1000})
-            if ev["outcome"] == "ack":
-                ev["seen"] = {m["id"]: m["memory"] for m in ev.pop("body")["results"]}
-                record(ev)
+            if guarded(u, final):
                 return
-            record(ev)
             time.sleep(1)
+
+    def guarded(u: str, fn, *args):
+        """``fn(*args)``; an exception of the client's own (a harness bug, an answer it cannot read) is recorded
+        as a ``client_error`` event and the user goes on: a load that loses a user cannot vouch for the server."""
+        try:
+            return fn(*args)
+        except Exception:
+            t = time.time()
+            record({"user": u, "op": "client_error", "t0": t, "t1": t, "outcome": "error",
+                    "error": traceback.format_exc(limit=6)})  # fmt: skip
+            return None
 
     threads = [threading.Thread(target=user_loop, args=(f"user{i}", i), daemon=True) for i in range(users)]
     with open(events_path, "a", buffering=1) as out:
@@ -179,7 +202,8 @@ def check(events: list[dict], faults: list[dict]) -> dict:
             owner[ev["id"]] = ev["user"]
     totals = {"requests": 0, "ack": 0, "failed": 0, "unknown": 0, "hung": 0, "acked_writes": 0,
               "acked_writes_lost": 0, "read_your_writes_violations": 0, "stale_injections": 0,
-              "cross_user_injections": 0, "cross_user_reads": 0}  # fmt: skip
+              "cross_user_injections": 0, "cross_user_reads": 0, "client_errors": 0,
+              "unreadable_answers": 0}  # fmt: skip
     problems: list[dict] = []
     for user, evs in by_user.items():
         acked: dict[str, str] = {}  # id -> text, as acknowledged
@@ -187,8 +211,13 @@ def check(events: list[dict], faults: list[dict]) -> dict:
         uncertain: set[str] = set()
         unknown_texts: set[str] = set()
         for ev in evs:
+            if ev["op"] == "client_error":  # the load's own failure (``guarded``), not a request
+                totals["client_errors"] += 1
+                problems.append({"user": user, "op": "client_error", "t0": ev["t0"], "error": ev.get("error")})
+                continue
             totals["requests"] += 1
             totals[ev["outcome"]] += 1
+            totals["unreadable_answers"] += ev.get("code") == "unreadable_body"
             totals["hung"] += bool(ev.get("hung"))
             op = ev["op"]
             if op in ("add", "update", "delete"):
@@ -238,7 +267,7 @@ def check(events: list[dict], faults: list[dict]) -> dict:
     windows = []
     for k, f in enumerate(faults):
         end = faults[k + 1]["inject"] if k + 1 < len(faults) else float("inf")
-        inside = [e for e in events if f["inject"] <= e["t0"] < end and e["op"] != "final"]
+        inside = [e for e in events if f["inject"] <= e["t0"] < end and e["op"] not in ("final", "client_error")]
         fails = [e for e in inside if e["outcome"] != "ack"]
         served = {}
         for u, evs in by_user.items():

@@ -76,6 +76,18 @@ def test_answers_that_promise_nothing_about_a_write_are_unknown():
         _ev("a", "final", 9, seen={}),
     ]  # fmt: skip
     assert check(evs, [])["totals"]["acked_writes_lost"] == 0
+    # a 2xx whose body is not the JSON it claims (a replica lost mid-body) is unknown and counted; the load's own
+    # exception is a client error, reported, never a request
+    evs = [
+        _ev("a", "add", 1, "unknown", code="unreadable_body", text="x"),
+        {"user": "a", "op": "client_error", "t0": 2, "t1": 2, "outcome": "error", "error": "Traceback ..."},
+        _ev("a", "final", 9, seen={"a1": "x"}),
+    ]  # fmt: skip
+    rep = check(evs, [{"name": "f", "inject": 1.5, "heal": 2.5}])
+    t = rep["totals"]
+    assert (t["requests"], t["unknown"], t["unreadable_answers"], t["client_errors"]) == (2, 1, 1, 1), t
+    assert t["acked_writes_lost"] == 0 and rep["problems"][0]["op"] == "client_error"
+    assert rep["faults"][0]["requests"] == 0  # the client error is not a request held in the fault
 
 
 @pytest.mark.cluster
@@ -97,15 +109,26 @@ def test_faults_under_load_lose_nothing():
         pytest.skip("needs root and iproute2 (network namespaces)")
     out = Path(tempfile.mkdtemp(prefix="kvmc-"))  # short: Ray's unix sockets live below it
     out.chmod(0o755)  # PostgreSQL runs as its own user (never root), and its data directory lies below
+    passed = False
     try:
         rep = cluster_faults.run(hold=8, users=4, out=out, names=None, settle=0.5, statement_timeout="2s")
+        _check_faults(rep)
+        passed = True
     finally:
-        shutil.rmtree(out / "cluster", ignore_errors=True)
+        if passed:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # the load's events, every node's log and the report, for whoever reads the failure
+            print(f"the fault run's folder is kept: {out} (events.jsonl, cluster/logs/, report.json)")
+
+
+def _check_faults(rep: dict) -> None:
     assert sorted(rep["placement"].values()) == ["10.77.0.11", "10.77.0.12"]
     t = rep["totals"]
     assert t["acked_writes"] >= 20, t
     assert t["acked_writes_lost"] == 0 and t["cross_user_injections"] == 0 and t["cross_user_reads"] == 0, rep
     assert t["read_your_writes_violations"] == 0 and t["stale_injections"] == 0 and t["hung"] == 0, t
+    # the load lost none of its users to its own errors, and every answer was the JSON it said it was
+    assert t["client_errors"] == 0 and t["unreadable_answers"] == 0, rep["problems"]
     db_cut, s3_cut, ingress, killed, pg, s3 = rep["faults"]
     assert [w["fault"] for w in (ingress, pg, s3)] == [
         "ingress killed, restarted", "PostgreSQL immediate restart", "s3 killed, restarted"

@@ -1,6 +1,8 @@
 """The ingress of ``kvmem serve --replicas N`` (in the ``kvmem serve`` process): it reads each HTTP request,
-derives its route key (``route_key``, the one rule of which replica a request prefers), and streams the chosen
-replica's ASGI response back (``replicas``).
+derives its route key (``route_key``, the one rule of which replica a request prefers), and sends the chosen
+replica's ASGI response back (``replicas``): an event stream as it comes, any other answer once it is whole, so a
+replica lost in the middle of a JSON body is a retried read or a write's 503 ``replica_lost``, never a 200 with
+half a body.
 
 Reads and chats whose replica died before answering are retried on another replica; a write whose replica died
 answers 503 ``replica_lost`` (it may or may not have landed). A replica that answers 503 ``store_unavailable``
@@ -146,9 +148,15 @@ def create_ingress(cluster: Replicas) -> FastAPI:
         for attempt in range(RETRIES + 1):
             gen = cluster.handle.remote(req, route_key=key, pin=pin)
             try:
-                first = await asyncio.wait_for(gen.__anext__(), limits.request_timeout_s + 10 if retry else None)
-                if first["status"] != 503:
+                wait = limits.request_timeout_s + 10 if retry else None
+                first = await asyncio.wait_for(gen.__anext__(), wait)
+                if first["status"] != 503 and _sse(first["headers"]):
                     return first, gen
+                if first["status"] != 503:
+                    # a whole answer is read before its status goes out: a replica that dies mid-body makes a
+                    # read retried and a write replica_lost, never a 200 with half a JSON body
+                    body = await asyncio.wait_for(_joined(gen), wait)
+                    return first, _Replay(body)
                 body = await _drained(gen)  # an error's small JSON body
                 rid = dict(first["headers"]).get(PIN_HEADER.encode(), b"").decode()
                 if rid and _code(body) == "store_unavailable":
@@ -258,8 +266,7 @@ def create_ingress(cluster: Replicas) -> FastAPI:
             return resp
         requests.labels("ok").inc()
         raw = [(k, v) for k, v in first["headers"] if k.lower() != b"content-length"]
-        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in raw)
-        resp = StreamingResponse(rest(gen, sse), status_code=first["status"])
+        resp = StreamingResponse(rest(gen, _sse(raw)), status_code=first["status"])
         resp.raw_headers = raw  # the replica's headers as sent (duplicates kept)
         return resp
 
@@ -268,6 +275,16 @@ def create_ingress(cluster: Replicas) -> FastAPI:
                      registry=registry)  # fmt: skip
     app.add_middleware(SendTimeout, timeout_s=lambda: limits.send_timeout_s, on_stall=stalls.inc)
     return app
+
+
+def _sse(headers) -> bool:
+    """Whether a replica's answer (its raw headers) is a server-sent event stream."""
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+async def _joined(gen) -> bytes:
+    """The rest of a replica's answer; raises what its generator raises (a replica lost mid-body)."""
+    return b"".join([c async for c in gen])
 
 
 async def _drained(gen) -> bytes:
