@@ -1000,3 +1000,32 @@ def test_the_connector_counters_file_is_private_and_its_names_are_checked(server
     assert events["injected"] == 5 and len(events) == MAX_CONNECTOR_EVENTS, sorted(events)
     assert set(events) <= {"injected"} | {f"e{i:03d}" for i in range(100)}
     assert "kvmem_fake" not in text
+
+
+@pytest.mark.parametrize(
+    "bad, names",
+    [
+        ({"user_id": "alice", "memory": {"contains": 5}}, "'memory'"),
+        ({"user_id": "alice", "topic": {"icontains": None}}, "'topic'"),
+        ({"user_id": "alice", "AND": {"topic": "x"}}, "AND"),
+        ({"user_id": "alice", "AND": 5}, "AND"),
+        ({"user_id": "alice", "OR": [5]}, "object"),
+        ({"user_id": "alice", "NOT": {"topic": "x"}}, "NOT"),
+        ({"user_id": "alice", "memory": {"in": "x"}}, "'memory'"),
+        ({"user_id": "alice", "topic": {"nin": 3}}, "'topic'"),
+        ({"user_id": "alice", "created_at": {"gt": [1]}}, "'created_at'"),
+        ({"user_id": "alice", "created_at": {"lte": True}}, "'created_at'"),
+        ({"user_id": "alice", "topic": {"like": "x"}}, "'like'"),
+    ],
+)
+def test_malformed_filters_are_400s_naming_the_field(server, alice, bad, names):
+    """Every operator's operand is checked before any memory is (``scopes.check_operand``): a non-string
+    ``contains``, a non-list ``AND`` / ``in``, a list for ``gt``... is a 400 with ``param`` "filters" and a
+    message naming the field or operator, on search and on list (before: a TypeError's 500)."""
+    _, base = server
+    c = httpx.Client(base_url=base, headers=_h(), timeout=60)
+    for path, body in (("/v3/memories/search", {"query": "cat"}), ("/v3/memories", {})):
+        r = c.post(path, json={**body, "filters": bad})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "filters" and names in err["message"], (path, err)

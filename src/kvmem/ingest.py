@@ -32,6 +32,7 @@ from .retrieve import Embedder
 from .store import (
     ALL,
     CACHE_BYTES,
+    Erasure,
     FactRecord,
     Store,
     StoreError,
@@ -359,6 +360,7 @@ def write_facts(
     progress=None,
     now: float | None = None,
     expect: dict[str, int] | None = None,
+    erase: Erasure | None = None,
 ) -> tuple[str, dict]:
     """The one write path (``ingest-locomo`` and every ``Memory`` commit end here): embed the new facts
     in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
@@ -371,17 +373,21 @@ def write_facts(
     ``delete``: fact ids, or ``store.ALL`` (every fact live when the commit runs). With no ``facts`` (a delete,
     or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit then
     records the window alone. ``expect``: fact id -> the row the caller read, a compare-and-set
-    (``Store.commit``; StoreConflict). Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    (``Store.commit``; StoreConflict). ``erase``: an erasure in the same commit (``Store.commit``; the new facts
+    are never encoded behind its facts; the caller leaves its turns out of ``contexts``; its cascade is the
+    caller's, ``finish_erasure``). Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
     window, neighbours, history = encoding.window, encoding.neighbours, encoding.history
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
     prefixes, earlier, behind = None, None, [() for _ in facts]  # behind: each fact's context facts' ids
     pooled = not replace and delete is not ALL and store.version(user) is not None  # live facts to encode behind
+    gone = set() if delete is ALL else set(delete) | set(erase.facts if erase is not None else ())
+    if erase is not None and erase.everything:
+        pooled = False
     if history and facts:
         pool_ids, pool_fids = [], []
         if pooled:
-            gone = set(delete)
             try:
                 ukv = store.snapshot(user)  # rows and embeddings, in write order
             except StoreUnavailable:  # the database, not the user: never encode behind a guessed pool
@@ -397,7 +403,7 @@ def write_facts(
     elif neighbours and facts:  # the scope read a page of embeddings at a time: memory does not follow its size
         new_ids = [text_ids(lm.tokenizer, r) for r in rendered]
         prefixes, chosen = scope_neighbours(
-            store if pooled else None, user, emb, new_ids, [f.fact_id for f in facts], set(delete), neighbours
+            store if pooled else None, user, emb, new_ids, [f.fact_id for f in facts], gone, neighbours
         )
         behind = [tuple(row) for row in chosen]
     t2 = time.perf_counter()
@@ -427,6 +433,7 @@ def write_facts(
         neighbours=neighbours if facts else None,
         history=history if facts else None,
         expect=expect,
+        erase=erase,
     )
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
 
@@ -485,25 +492,32 @@ def reencode_stale(
 
 
 def erase_facts(lm, store: Store, user: str, delete, turns: list[int] = (), defer_s: float | None = None) -> dict:
-    """Erasure (``Store.erase``), then its cascade: unless deferred, every fact whose KV was computed behind the
-    erased text is re-encoded without it (``reencode_stale``), and the segments that held erased or replaced KV
-    are rewritten without it (``Store.compact``), so once ``gc`` runs no file holds it. ``lm``: a callable
-    returning the ``LoadedModel`` (called only when there is something to re-encode); ``defer_s``: None, at
-    once; else leave re-encoding to a background job (``reencode_stale``) that must run within ``defer_s``
-    seconds (the erased facts' own KV is rewritten away now either way).
-
-    The erasure is one commit; the cascade after it is best effort: when it fails (an object store that cannot be
-    reached, where the new KV would go) the erasure still stands and is reported (a client told otherwise would
-    take the memory for one that is still there), its facts are never served again, and what is left (stale
-    facts, segments still holding erased KV) is recorded for the upkeep (``Store.defer_compaction``;
-    ``Memory.reencode_pending``), counted in ``deferred``.
+    """Erasure (``Store.erase``: one commit), then its cascade (``finish_erasure``). ``lm``: a callable returning
+    the ``LoadedModel`` (called only when there is something to re-encode); ``defer_s``: None, re-encode at once;
+    else leave it to a background job that must run within ``defer_s`` seconds.
 
     Returns ``{"version", "erased": n facts, "turns": n turns, "reencoded": n, "deferred": n}``."""
     got = store.erase(user, delete, turns, defer_s=defer_s or 0.0)
-    segments, n = set(got["segments"]), 0
-    version = got["version"]
+    job = Erasure(erased=got["erased"], turns_erased=got["turns"], stale=got["stale"], segments=got["segments"])
+    return finish_erasure(lm, store, user, job, got["version"], defer_s)
+
+
+def finish_erasure(lm, store: Store, user: str, job: Erasure, version: str, defer_s: float | None = None) -> dict:
+    """The cascade after an erasure ``job`` landed in the commit that made ``version``: unless deferred
+    (``defer_s`` not None), every fact whose KV was computed behind the erased text is re-encoded without it
+    (``reencode_stale``), and the segments that held erased or replaced KV are rewritten without it
+    (``Store.compact``; the erased facts' own KV either way), so once ``gc`` runs no file holds it. ``lm``: a
+    callable returning the ``LoadedModel``.
+
+    The cascade is best effort: when it fails (an object store that cannot be reached, where the new KV would go)
+    the erasure still stands and is reported (a client told otherwise would take the memory for one that is still
+    there), its facts are never served again, and what is left (stale facts, segments still holding erased KV) is
+    recorded for the upkeep (``Store.defer_compaction``; ``Memory.reencode_pending``), counted in ``deferred``.
+
+    Returns ``{"version", "erased": n facts, "turns": n turns, "reencoded": n, "deferred": n}``."""
+    segments, n = set(job.segments), 0
     try:
-        if got["stale"] and defer_s is None:
+        if job.stale and defer_s is None:
             n, old = reencode_stale(lm(), store, user)  # and any a concurrent write left behind erased text
             segments |= set(old)
         if segments:
@@ -516,8 +530,8 @@ def erase_facts(lm, store: Store, user: str, delete, turns: list[int] = (), defe
             logger.warning("erasure of %r: cannot record its deferred rewrite (%s)", user, again)
     return {
         "version": version,
-        "erased": len(got["erased"]),
-        "turns": got["turns"],
+        "erased": len(job.erased),
+        "turns": job.turns_erased,
         "reencoded": n,
-        "deferred": len(got["stale"]) - n,
+        "deferred": len(job.stale) - n,
     }

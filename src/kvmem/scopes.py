@@ -175,6 +175,30 @@ def _compare(op: str, have, want) -> bool:
     return isinstance(have, str) and isinstance(want, str) and want.lower() in have.lower()  # icontains
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_operand(key: str, op: str, want) -> None:
+    """Operator ``op``'s operand on field ``key``: ``in`` / ``nin`` a list; ``gt`` / ``gte`` / ``lt`` / ``lte``
+    a number or a string (ISO dates compare as strings); ``contains`` / ``icontains`` a string; ``eq`` / ``ne``
+    any JSON value. Raises ScopeError naming the field, the operator and what it takes."""
+    if op not in OPERATORS:
+        raise ScopeError(
+            f"unsupported filter operator {op!r} on {key!r}; supported: {', '.join(OPERATORS)}, AND, OR, NOT"
+        )
+    if op in ("in", "nin"):
+        ok, takes = isinstance(want, list), "a list"
+    elif op in ("gt", "gte", "lt", "lte"):
+        ok, takes = _number(want) or isinstance(want, str), "a number or a string"
+    elif op in ("contains", "icontains"):
+        ok, takes = isinstance(want, str), "a string"
+    else:
+        ok, takes = True, ""
+    if not ok:
+        raise ScopeError(f"filter on {key!r}: operator {op!r} takes {takes}, not {type(want).__name__} {want!r:.40}")
+
+
 def _condition(key: str, cond) -> Callable[[dict], bool]:
     if not isinstance(key, str) or not key:
         raise ScopeError(f"filter keys must be non-empty strings, not {key!r}")
@@ -186,14 +210,7 @@ def _condition(key: str, cond) -> Callable[[dict], bool]:
         raise ScopeError(f"filter on {key!r} has no operator")
     checks = []
     for op, want in cond.items():
-        if op not in OPERATORS:
-            raise ScopeError(
-                f"unsupported filter operator {op!r} on {key!r}; supported: {', '.join(OPERATORS)}, AND, OR, NOT"
-            )
-        if op in ("in", "nin") and not isinstance(want, list):
-            raise ScopeError(f"filter operator {op!r} on {key!r} takes a list")
-        if op == "icontains" and not isinstance(want, str):
-            raise ScopeError(f"filter operator 'icontains' on {key!r} takes a string")
+        check_operand(key, op, want)  # before any memory is looked at: a bad operand is the caller's 400
         checks.append((op, want))
     return lambda m: all(_compare(op, m.get(key), want) for op, want in checks)
 
@@ -218,8 +235,10 @@ def check_filter_depth(filters) -> None:
 
 def compile_filters(filters: dict | None) -> tuple[Callable[[dict], bool], set[str]]:
     """A predicate over a memory's fields (entity ids, builtin fields, metadata keys; a missing field is None)
-    and the field names it reads. Raises ScopeError for an unknown operator, a malformed filter, or ``AND`` /
-    ``OR`` / ``NOT`` nested deeper than ``MAX_FILTER_DEPTH``."""
+    and the field names it reads. Every operand is checked here, before any memory is (``check_operand``). Raises
+    ScopeError naming the field for an unknown operator, a bad operand, a malformed filter (not an object; ``AND``
+    / ``OR`` / ``NOT`` not a non-empty list of objects), or ``AND`` / ``OR`` / ``NOT`` nested deeper than
+    ``MAX_FILTER_DEPTH``."""
     check_filter_depth(filters)
     fields: set[str] = set()
 
@@ -228,9 +247,11 @@ def compile_filters(filters: dict | None) -> tuple[Callable[[dict], bool], set[s
             raise ScopeError(f"a filter must be an object, not {type(f).__name__}")
         parts = []
         for key, value in f.items():
+            if not isinstance(key, str) or not key:
+                raise ScopeError(f"filter keys must be non-empty strings, not {key!r}")
             if key in ("AND", "OR", "NOT"):
                 if not isinstance(value, list) or not value:
-                    raise ScopeError(f"{key} takes a non-empty list of filters")
+                    raise ScopeError(f"filter {key} takes a non-empty list of filters, not {type(value).__name__}")
                 subs = [build(v) for v in value]
                 if key == "AND":
                     parts.append(lambda m, s=subs: all(p(m) for p in s))
@@ -255,6 +276,10 @@ def entity_constraints(filters: dict | None) -> dict[str, str]:
     memories. Raises ScopeError when two of them disagree, or for filters nested deeper than
     ``MAX_FILTER_DEPTH``."""
     check_filter_depth(filters)
+    if filters is not None and not isinstance(filters, dict):
+        raise ScopeError(f"a filter must be an object, not {type(filters).__name__}")
+    if not isinstance((filters or {}).get("AND", []), list):
+        raise ScopeError(f"filter AND takes a non-empty list of filters, not {type(filters['AND']).__name__}")
     out = {}
     for name in ENTITIES:
         v = (filters or {}).get(name)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .. import scopes
 from ..config import config_kwargs
-from ..ingest import erase_facts, open_or_create_store, reencode_stale, render_turns, write_facts
+from ..ingest import erase_facts, finish_erasure, open_or_create_store, reencode_stale, render_turns, write_facts
 from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from ..policy import Encoding
 from ..retrieve import HYBRID, Embedder, Fusion, IndexCache, search
@@ -37,12 +37,14 @@ from ..scopes import Scope
 from ..store import (
     ALL,
     CACHE_BYTES,
+    Erasure,
     FactRecord,
     Store,
     StoreConflict,
     StoreError,
     StoreUnavailable,
     UnknownUser,
+    came_from,
     check_kv_format,
     check_segments_url,
     is_url,
@@ -230,6 +232,7 @@ class Memory:
         """The store users a read of ``filters`` (plus top-level entity ids ``ids``) covers, and the checked
         filters (``mem0.read_filters``). Raises MemoryInputError."""
         filters, named = mem0.read_filters(filters, ids)
+        mem0.compile_filters(filters)  # every operand checked, whether or not the scopes hold memories
         if len(named.ids()) == len(scopes.ENTITIES):  # one scope: no need to look it up
             return [named.key(namespace)], filters
         return self._scopes_of(named, namespace), filters
@@ -422,13 +425,15 @@ class Memory:
         """The ``window`` turns before new turn ``upto`` (stored turns, then this add's), rendered like LoCoMo's."""
         return self._context(user, new_turns, upto)[0]
 
-    def _context(self, user: str, new_turns: list[dict], upto: int) -> tuple[str, tuple[int, ...]]:
+    def _context(
+        self, user: str, new_turns: list[dict], upto: int, skip: set[int] = frozenset()
+    ) -> tuple[str, tuple[int, ...]]:
         """``encoding_context`` and its turns' references (provenance: stored turns by index, this add's ``i``-th
-        new turn as ``-(i + 1)``)."""
+        new turn as ``-(i + 1)``); ``skip``: stored turns left out (those the same commit erases)."""
         window = self._encoding(user)[0]
         if window == 0:
             return "", ()
-        stored = self.store.turns(user, last=window)
+        stored = [t for t in self.store.turns(user, last=window + len(skip)) if t["idx"] not in skip]
         turns = [(t, t["idx"]) for t in stored] + [(t, -(i + 1)) for i, t in enumerate(new_turns[:upto])]
         turns = turns[-window:]
         return render_turns([t for t, _ in turns]), tuple(r for _, r in turns)
@@ -447,6 +452,7 @@ class Memory:
         window: int | None = None,
         provenance: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
         expect: dict[str, int] | None = None,
+        erase: Erasure | None = None,
     ) -> tuple[str, list[FactRecord]]:
         """Every commit of this facade: through the one write path (``ingest.write_facts``), in one store
         transaction. new: (text, fact id or None for a fresh uuid, metadata); ``delete``: ids, or ``store.ALL``
@@ -455,7 +461,9 @@ class Memory:
         ``window``: the window recorded for the scope (None: the scope's encoding, ``_encoding``);
         ``provenance``: per new fact (its window's turn references, the turns it came from), as ``_context``
         gives them (None: unknown); ``expect``: fact id -> the row read, a compare-and-set (MemoryConflict when
-        one changed since). The model and embedder load only for a write with new facts. Returns (the new
+        one changed since; checked before anything is written, the erasure's ids included); ``erase``: facts
+        erased in the same commit (``Store.commit``; filled in with what it covered; its cascade is the caller's,
+        ``ingest.finish_erasure``). The model and embedder load only for a write with new facts. Returns (the new
         version, the new facts' records)."""
 
         scope_window, neighbours, history = self._encoding(user)
@@ -495,6 +503,7 @@ class Memory:
                 now=now,
                 encoding=Encoding(window, neighbours, history),
                 expect=expect,
+                erase=erase,
             )
         except StoreConflict as exc:
             raise MemoryConflict(str(exc)) from None
@@ -573,7 +582,11 @@ class Memory:
         not the user's own is dropped; an explicit request to forget deletes the memory it is about; a
         correction turns the ADD of the corrected fact into an UPDATE of the memory it corrects. With nothing to
         change the turns are still committed (the context of later facts). The result says when nothing was
-        extracted or kept (``message``)."""
+        extracted or kept (``message``).
+
+        All or nothing: the ADDs, UPDATEs and DELETEs (erasures, ``_erase``'s row work) are one store commit,
+        a compare-and-set on every memory updated or deleted as read here, so MemoryConflict means nothing was
+        applied. The re-encoding of what was computed behind the erased text follows it (``finish_erasure``)."""
         extractor = lambda: self.extractor  # made (and the model loaded) only when there is text to extract from
         got = reconcile.extract(msgs, extractor, date_label(now), prompt)
         ukv = self._snapshot([user])  # read after the extraction, just before the decisions
@@ -581,7 +594,10 @@ class Memory:
         plan = reconcile.decide(got, extractor, similar, metadata, self.extraction_counts)
         kept = {n[1] for n in plan.new}
         gone = [t for t in plan.delete if t not in kept]  # deleted for good (an UPDATE's id is re-added)
-        erasure = self._erase(user, gone) if gone else None  # first: nothing new is encoded behind it
+        deleted = [t for t in plan.delete if t in kept]
+        # the memories updated or deleted, as read: a compare-and-set, so a concurrent change is never overwritten
+        read = {f.fact_id: f for f in (ukv.facts if ukv is not None else ())}
+        expect = {t: read[t].row for t in plan.delete if t in read}
         if got.forgets:  # a request to forget is not kept as a turn: it may repeat what it asks to forget
             turns = [
                 {**t, "content": " ".join(p for p in grounding.sentences(t["content"]) if p not in got.forgets)}
@@ -589,19 +605,18 @@ class Memory:
                 for t, m in zip(turns, msgs)
             ]  # fmt: skip
             turns = [t for t in turns if t["content"]]
-        text, refs = self._context(user, turns, len(turns) - 1)
+        erasing = self._sources(user, [read[t] for t in gone if t in read])  # nothing new is encoded behind them
+        text, refs = self._context(user, turns, len(turns) - 1, erasing)
         source = tuple(-(i + 1) for i in range(len(turns)))
-        created = {t: f.created_at for t in plan.delete if (f := self.store.fact(t, user)) is not None}
-        deleted = [t for t in plan.delete if t in kept]
-        # the memories updated, as read: a compare-and-set, so a concurrent update of one is never overwritten
-        read = {f.fact_id: f for f in (ukv.facts if ukv is not None else ())}
-        if erasure is not None and erasure.get("reencoded"):  # our own erasure re-encoded some: their rows moved
-            read.update({t: f for t in deleted if (f := self.store.fact(t, user)) is not None})
-        expect = {t: read[t].row for t in deleted if t in read}
-        _, records = self._write(
+        created = {t: read[t].created_at for t in plan.delete if t in read}
+        job = Erasure(gone, defer_s=self.defer_reencode_s or 0.0) if gone else None
+        version, records = self._write(
             user, plan.new, deleted, turns, [text] * len(plan.new), plan.events, now, created,
-            provenance=[(refs, source)] * len(plan.new), expect=expect,
+            provenance=[(refs, source)] * len(plan.new), expect=expect, erase=job,
         )  # fmt: skip
+        erasure = None
+        if job is not None:
+            erasure = _counts(finish_erasure(lambda: self.lm, self.store, user, job, version, self.defer_reencode_s))
         added = [r for r, n in zip(records, plan.new) if n[1] is None]
         out: dict = {"results": mem0.added(added) + plan.results}
         if erasure is not None:
@@ -614,6 +629,14 @@ class Memory:
                 else "no facts found"
             )
             out["message"] = f"nothing remembered: {why}"
+        return out
+
+    def _sources(self, user: str, facts: list[FactRecord]) -> set[int]:
+        """The stored turns ``facts`` came from (``store.came_from``: what erasing them erases)."""
+        out = {t for f in facts if f.context_turns is not None for t in f.source_turns}
+        if any(f.context_turns is None for f in facts):
+            rows = [(t["idx"], t["dia_id"], t["content"]) for t in self.store.turns(user)]
+            out |= {t for f in facts if f.context_turns is None for t in came_from(None, f.source_turn, f.text, rows)}
         return out
 
     def update(

@@ -77,7 +77,8 @@ def read_export(
     actor, categories and expiration date kept. ``live(id)``: the store's live memory with that id, or None.
     Raises ImportTooLarge, or MemoryInputError naming up to five bad records by index (not an object, a bad
     scope or text, an id that is not a string, repeated, or live with another scope or text; a bad time or
-    date): then nothing may be written."""
+    date; a ``role`` or ``actor_id`` that is not a short string, ``categories`` not a list of strings, metadata
+    that is not JSON or too long with them): every check a commit makes, so nothing may be written."""
     records = check_size(export)
     by_scope: dict[str, list[Item]] = {}
     errors, seen, occurrences = [], set(), {}
@@ -105,11 +106,17 @@ def read_export(
                 plan.existing += 1  # imported before (an import run again): skipped
                 continue
             meta = mem0.user_metadata(rec.get("metadata"))
-            for key in ("role", "actor_id", "categories"):
+            for key in ("role", "actor_id"):
                 if rec.get(key) is not None:
-                    meta[key] = rec[key]
+                    meta[key] = mem0.check_text(rec[key], f"'{key}'", mem0.MAX_NAME_CHARS)
+            cats = rec.get("categories")
+            if cats is not None:
+                if not isinstance(cats, list) or not all(isinstance(c, str) for c in cats):
+                    raise MemoryInputError("'categories' must be a list of strings")
+                meta["categories"] = cats
             if rec.get("expiration_date") is not None:
                 meta["expiration_date"] = mem0.check_expiration(rec["expiration_date"], past=True)
+            mem0.check_metadata(meta)  # as the commit will: every check before the first batch is written
             by_scope.setdefault(user, []).append((created, text, fid, meta))
         except MemoryInputError as exc:
             errors.append(f"record {i}: {exc}")

@@ -28,7 +28,12 @@ IDENTITY = frozenset({"user_id", "agent_id", "run_id", "actor_id"})  # set by th
 
 class MemoryInputError(ValueError):
     """Bad input (unknown memory id, empty or oversized message, malformed message list, bad user_id, empty
-    update): nothing is changed. The CLI prints it as one ``error:`` line and exits 2."""
+    update, a malformed filter): nothing is changed. The CLI prints it as one ``error:`` line and exits 2.
+    ``param``: the request field at fault where one is (``filters``), which the server names in its 400."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class MemoryConflict(RuntimeError):
@@ -244,7 +249,7 @@ def read_filters(filters, ids: dict) -> tuple[dict, Scope]:
     """A read's ``filters`` with the top-level entity ``ids`` merged in, checked, and the scope they name (its
     entity ids, each checked). Raises MemoryInputError for conflicting ids, no entity id, or a malformed filter."""
     if filters is not None and not isinstance(filters, dict):
-        raise MemoryInputError("filters must be an object")
+        raise MemoryInputError("filters must be an object", "filters")
     filters = dict(filters or {})
     try:
         for name, value in ids.items():
@@ -256,7 +261,7 @@ def read_filters(filters, ids: dict) -> tuple[dict, Scope]:
             filters[name] = value
         want = scopes.entity_constraints(filters)
     except ScopeError as exc:
-        raise MemoryInputError(str(exc)) from None
+        raise MemoryInputError(str(exc), "filters") from None
     if not want:
         raise MemoryInputError(
             "filters must contain at least one of: user_id, agent_id, run_id (e.g. filters={'user_id': 'u1'})"
@@ -269,11 +274,11 @@ def read_filters(filters, ids: dict) -> tuple[dict, Scope]:
 
 def compile_filters(filters: dict):
     """``scopes.compile_filters``: (predicate over ``filter_fields``, the field names it reads). Raises
-    MemoryInputError for an unknown operator."""
+    MemoryInputError (``param`` "filters") for an unknown operator, a bad operand or a malformed filter."""
     try:
         return scopes.compile_filters(filters)
     except ScopeError as exc:
-        raise MemoryInputError(str(exc)) from None
+        raise MemoryInputError(str(exc), "filters") from None
 
 
 def by_ids_only(filters: dict) -> bool:
@@ -285,7 +290,7 @@ def check_fields(used: set[str], known: set[str]) -> None:
     """A filter may only name a field some memory of the scope has. Raises MemoryInputError."""
     unknown = sorted(used - known)
     if unknown:
-        raise MemoryInputError(f"filter on {unknown[0]!r}: no memory in this scope has that field")
+        raise MemoryInputError(f"filter on {unknown[0]!r}: no memory in this scope has that field", "filters")
 
 
 # --- output shapes ----------------------------------------------------------------------------------------------

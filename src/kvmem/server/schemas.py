@@ -352,7 +352,9 @@ def error_of(exc: Exception) -> APIError:
         return APIError(400, str(exc), "context_length_exceeded", "messages")
     if isinstance(exc, MemoryInputError):
         msg = str(exc)
-        return APIError(404 if "not found" in msg else 400, msg, "memory_not_found" if "not found" in msg else None)
+        if "not found" in msg:
+            return APIError(404, msg, "memory_not_found")
+        return APIError(400, msg, param=getattr(exc, "param", None))
     # the store's own words name its location (a path, a PostgreSQL URL) and quote the database: logged here,
     # never sent to the client
     if isinstance(exc, StoreBusy):

@@ -47,6 +47,7 @@ from .. import kvformat
 from . import backends
 from . import segments as seg_files
 from .copy import copy_store
+from .erasure import Erasure, came_from
 from .location import (
     StoreBusy,
     StoreConflict,
@@ -70,6 +71,8 @@ from .write import ALL, RETIRE_AFTER_S, Writer
 
 __all__ = [
     "ALL",
+    "Erasure",
+    "came_from",
     "CACHE_BYTES",
     "DISK_CACHE_BYTES",
     "FORMAT_VERSION",
@@ -530,14 +533,16 @@ class Store:
         neighbours: int | None = None,
         history: bool | None = None,
         expect: dict[str, int] | None = None,
+        erase: Erasure | None = None,
     ) -> str:
         """``Writer.commit``, the one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every
-        live fact), append ``add`` as a new KV segment, append ``turns`` and history ``events``; ``expect``
-        (fact id -> the row read) makes it a compare-and-set. Returns the new memory version. Raises StoreError,
-        with nothing written, for bad input; StoreConflict when an ``expect``ed memory changed."""
+        live fact), carry out ``erase`` (``erasure.Erasure``, filled in with what it covered), append ``add`` as a
+        new KV segment, append ``turns`` and history ``events``; ``expect`` (fact id -> the row read) makes it a
+        compare-and-set, checked before anything else. Returns the new memory version. Raises StoreError, with
+        nothing written, for bad input; StoreConflict when an ``expect``ed memory changed."""
         return self.writes.commit(
             user, add, keys, values, embeddings, delete, replace, turns, events, window, source, now, neighbours,
-            history, expect,
+            history, expect, erase,
         )  # fmt: skip
 
     def put_user(

@@ -25,6 +25,7 @@ import torch
 from ..policy import check_store_user
 from ..scopes import index_parts
 from . import segments as seg_files
+from .erasure import Erasure, erase_rows, inherited
 from .location import StoreConflict, StoreError, UnknownUser
 from .read import FactRecord, Reader, segment_name, user_prefix
 from .rows import Rows
@@ -173,31 +174,40 @@ class Writer:
         replace: bool = False,
         turns: list[dict] = (),
         events: list[tuple] = (),
-        window: int = 0,
+        window: int | None = 0,
         source: str | None = None,
         now: float | None = None,
         neighbours: int | None = None,
         history: bool | None = None,
         expect: dict[str, int] | None = None,
+        erase: Erasure | None = None,
     ) -> str:
         """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
-        user), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
+        user), carry out ``erase`` (``erasure``: facts erased with the turns they came from; it is filled in with
+        what it covered), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
+        A fact of ``add`` whose id ``delete`` tombstones (an update) keeps the turns the old row came from in its
+        provenance's ``source``, besides its own (``erasure.inherited``).
 
         keys/values: one [L, H, n_i, D] per added fact (n_i its token count); embeddings: [F, E]. ``events``:
         (fact_id, event, old_memory, new_memory); ADD/DELETE events for ``add``/``delete`` are recorded here.
-        ``window``, ``neighbours`` and ``history`` (None: unchanged) record how the user's latest facts were
-        encoded. ``expect``: a compare-and-set, fact id -> the ``row`` of the live fact the caller read (a memory's
-        version: every update makes a new row); StoreConflict, with nothing written, when any of them is no
-        longer that live row (updated or deleted by another writer since), checked inside the commit's
-        transaction under the user's writer lock.
+        ``window`` (None, for an erasure alone: unchanged), ``neighbours`` and ``history`` (None: unchanged)
+        record how the user's latest facts were encoded. ``expect``: a compare-and-set, fact id -> the ``row`` of
+        the live fact the caller read (a memory's version: every update makes a new row; ids updated, deleted
+        or erased alike); StoreConflict, with nothing written, when any of them is no longer that live row
+        (updated or deleted by another writer since), checked first inside the commit's transaction under the
+        user's writer lock.
         The segment file and its directory are fsynced before the commit that points at them, so a new fact is
         visible to readers only once its KV and embedding are durable. Returns the new memory version.
         Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
-        or a ``delete`` id that is not a live fact of this user.
+        a ``delete`` or ``erase`` id that is not a live fact of this user, or an id both deleted and erased.
         """
         check_store_user(user)
         add, keys, values = list(add), list(keys), list(values)
         delete = [ALL] if delete is ALL else list(delete)
+        if erase is not None and (
+            set(erase.facts) & ({f.fact_id for f in add} | set(delete)) or erase.everything and (add or delete)
+        ):
+            raise StoreError(f"user {user!r}: a commit erases a memory it also writes or deletes")
         if add:
             if embeddings is None or not (len(keys) == len(values) == len(add) == embeddings.shape[0]):
                 raise StoreError(
@@ -248,12 +258,13 @@ class Writer:
                         neighbours,
                         history,
                         expect,
+                        erase,
                     )
                 except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
                     if name is not None and not self.segment_committed(user, segment):
                         self.segments.delete(name)
                     raise
-                self.landed(user)
+                self.landed(user, scrub=erase is not None)
         return version
 
     def segment_committed(self, user: str, segment: str) -> bool:
@@ -284,6 +295,7 @@ class Writer:
         neighbours=None,
         history=None,
         expect=None,
+        erase=None,
     ) -> str:
         db = self.rows
         with db.transaction():
@@ -303,6 +315,9 @@ class Writer:
                         f"({'deleted' if changed[0] not in have else 'updated'} by another writer); read it again"
                     )
             version = db.next_version()
+            if erase is not None:
+                set_meta(db, [(f"turns:{user}", next_turn(db, user))])  # the erased indexes stay taken
+                erase_rows(db, user, erase, set(delete) | {f.fact_id for f in add}, version, now)
             everything = replace or delete == [ALL]
             if everything:
                 live = dict(db.execute('SELECT fact_id, text FROM facts WHERE "user"=? AND deleted IS NULL', (user,)))
@@ -321,6 +336,9 @@ class Writer:
             for fid in gone:
                 if fid not in live:
                     raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
+            if add and not replace:  # an update keeps the turns its memory came from
+                kept = inherited(db, user, [f.fact_id for f in add if f.fact_id in live])
+                add = [keep_sources(f, kept.get(f.fact_id, ())) for f in add]
             db.executemany(
                 'UPDATE facts SET deleted=?, updated_at=? WHERE "user"=? AND fact_id=? AND deleted IS NULL',
                 [(version, now, user, fid) for fid in gone],
@@ -356,6 +374,9 @@ class Writer:
                 "VALUES (?,?,?,?,?,?,?)",
                 [(user, *e, now, version) for e in events],
             )
+            if window is None:  # an erasure alone: the encoding stays as it was
+                db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
+                return str(version)
             db.execute(
                 'INSERT INTO users ("user", version, "window", source, updated) VALUES (?,?,?,?,?) ON CONFLICT("user") '
                 'DO UPDATE SET version=excluded.version, "window"=excluded."window", '
@@ -475,86 +496,20 @@ class Writer:
         return self.erase(user, ALL)["version"]
 
     def erase(self, user: str, delete, turns: list[int] = (), now: float | None = None, defer_s: float = 0.0) -> dict:
-        """Erase facts ``delete`` (ids of live facts of ``user``, or ``ALL``) in one commit: each fact is
-        tombstoned and its row's text, token ids, metadata and embedding blanked (every row of its id: an
-        update's older rows too); its history events keep the event with the text removed; the turns it came
-        from (its provenance's ``source``; with ``ALL`` every turn of the user) and ``turns`` (indexes) are
-        deleted. Every live fact whose KV was computed behind an erased turn or fact (its provenance; an unknown
-        one: behind every turn and every fact written before it) is marked stale: its KV must be re-encoded
-        (``stale``, ``reencode``) by ``now + defer_s``.
+        """Erase facts ``delete`` (ids of live facts of ``user``, or ``ALL``: with every turn of the user) in one
+        commit (``commit(erase=...)``; ``erasure`` says what that erases and marks stale), and turns ``turns``
+        (indexes); the stale facts are to be re-encoded (``stale``, ``reencode``) by ``now + defer_s``.
 
         Returns ``{"version", "erased": [fact ids], "turns": n erased, "stale": [fact ids], "segments":
         [segments that held erased KV]}``. Raises StoreError, with nothing written, for an id that is not a live
         fact of ``user``."""
-        check_store_user(user)
-        now = time.time() if now is None else now
-        with self.writer(user):
-            db = self.rows
-            with db.transaction():
-                version = db.next_version()
-                cols = '"row", fact_id, provenance, segment, added, source_turn, text'
-                live = {r[1]: r for r in db.execute(
-                    f'SELECT {cols} FROM facts WHERE "user"=? AND deleted IS NULL', (user,))}  # fmt: skip
-                gone = list(live) if delete is ALL else list(dict.fromkeys(delete))
-                for fid in gone:
-                    if fid not in live:
-                        raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
-                all_turns = db.execute('SELECT idx, dia_id, content FROM turns WHERE "user"=?', (user,)).fetchall()
-                erased = {t[0] for t in all_turns} if delete is ALL else set(turns)
-                for fid in gone:
-                    _, _, prov, _, _, dia, text = live[fid]
-                    if prov is not None:
-                        erased |= set(json.loads(prov).get("source", ()))
-                    else:  # unknown: the turns that hold its words, and its LoCoMo source turn
-                        erased |= {i for i, d, c in all_turns if (dia and d == dia) or (text and text in c)}
-                erased &= {t[0] for t in all_turns}
-                gone_set, first_gone = set(gone), min((live[f][4] for f in gone), default=None)
-                stale = []
-                for fid, (_, _, prov, _, added, _, _) in live.items():
-                    if fid in gone_set:
-                        continue
-                    if prov is None:  # unknown: behind every earlier turn and fact
-                        hit = bool(erased) or (first_gone is not None and first_gone <= added)
-                    else:
-                        p = json.loads(prov)
-                        hit = bool(erased.intersection(p["turns"])) or bool(gone_set.intersection(p["facts"]))
-                    if hit:
-                        stale.append(fid)
-                set_meta(db, [(f"turns:{user}", next_turn(db, user))])  # the erased indexes stay taken
-                for i in range(0, len(gone), 500):
-                    chunk = gone[i : i + 500]
-                    marks = ",".join("?" * len(chunk))
-                    db.execute(
-                        "UPDATE facts SET deleted=COALESCE(deleted, ?), updated_at=?, text='', token_ids='[]', "
-                        f"metadata='{{}}', embedding=?, provenance=NULL, stale=NULL WHERE \"user\"=? AND fact_id IN "
-                        f"({marks})",
-                        (version, now, b"", user, *chunk),
-                    )
-                    db.execute(
-                        f'UPDATE history SET old_memory=NULL, new_memory=NULL WHERE "user"=? AND fact_id IN ({marks})',
-                        (user, *chunk),
-                    )
-                db.executemany(
-                    'INSERT INTO history ("user", fact_id, event, old_memory, new_memory, time, version) '
-                    "VALUES (?,?,?,?,?,?,?)",
-                    [(user, fid, "DELETE", None, None, now, version) for fid in gone],
-                )
-                db.executemany('DELETE FROM turns WHERE "user"=? AND idx=?', [(user, t) for t in sorted(erased)])
-                by = now + max(defer_s, 0.0)
-                db.executemany(
-                    'UPDATE facts SET stale=? WHERE "user"=? AND fact_id=? AND deleted IS NULL AND '
-                    "(stale IS NULL OR stale > ?)",
-                    [(by, user, fid, by) for fid in stale],
-                )
-                db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
-            self.landed(user, scrub=True)
+        everything = delete is ALL
+        job = Erasure([] if everything else list(delete), everything, list(turns), defer_s)
+        version = self.commit(user, window=None, now=now, erase=job)
         return {
-            "version": str(version),
-            "erased": gone,
-            "turns": len(erased),
-            "stale": stale,
-            "segments": sorted({live[f][3] for f in gone}),
-        }
+            "version": version, "erased": job.erased, "turns": job.turns_erased, "stale": job.stale,
+            "segments": job.segments,
+        }  # fmt: skip
 
     def stale(self, user: str | None = None) -> list[tuple[str, str, str, float]]:
         """Live facts whose KV awaits re-encoding after an erasure: (user, fact_id, segment, re-encode by (Unix
@@ -674,6 +629,13 @@ def next_turn(db: Rows, user: str) -> int:
     top = db.execute('SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE "user"=?', (user,)).fetchone()[0]
     kept = db.execute("SELECT value FROM meta WHERE key=?", (f"turns:{user}",)).fetchone()
     return max(int(top), int(kept[0]) if kept else 0)
+
+
+def keep_sources(f: FactRecord, sources) -> FactRecord:
+    """``f`` with the turns ``sources`` (indexes) added to the turns it came from; one of unknown provenance
+    records none."""
+    extra = tuple(sorted(set(sources) - set(f.source_turns)))
+    return f if not extra or f.context_turns is None else dataclasses.replace(f, source_turns=(*f.source_turns, *extra))
 
 
 def resolve(f: FactRecord, first: int) -> str | None:
