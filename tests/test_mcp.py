@@ -176,6 +176,22 @@ def test_the_caller_is_checked_before_the_session(base):
     assert post("/mcp/u/alice?user_id=bob").status_code == 400
     ok = post("/mcp/u/alice")
     assert ok.status_code == 200 and ok.json()["result"]["serverInfo"]["name"] == "kvmem"
+    counted = [
+        ln for ln in httpx.get(f"{base}/metrics").text.splitlines() if ln.startswith('kvmem_requests_total{route="/mcp')
+    ]
+    assert any('route="/mcp/u/{user_id}",status="200"' in ln for ln in counted)  # by route template, not raw path
+    assert counted and not any('status="500"' in ln for ln in counted)
+
+
+def test_the_user_an_mcp_url_names():
+    """What the ingress of ``--replicas`` routes MCP requests by (unchecked: the replica's gate checks)."""
+    from kvmem.server.mcp import mcp_user
+
+    assert mcp_user("/mcp", b"user_id=alice&x=1") == "alice"
+    assert mcp_user("/mcp/", "user_id=al%20ice") == "al ice"
+    assert mcp_user("/mcp/u/bob", b"") == mcp_user("/mcp/cursor/http/bob/", b"") == "bob"
+    assert mcp_user("/mcp", b"") is None and mcp_user("/mcp/cursor/sse/bob", b"") is None
+    assert mcp_user("/v1/memories", b"user_id=alice") is None
 
 
 def test_stdio_kvmem_mcp(tmp_path):
