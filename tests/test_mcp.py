@@ -216,7 +216,7 @@ def test_stdio_kvmem_mcp(tmp_path):
             "1",
             "--no-infer",
         ],  # fmt: skip
-        env={"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"},
     )
 
     async def main():
