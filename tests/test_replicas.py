@@ -37,7 +37,7 @@ def cluster(postgres, tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "kvmem.cli", "serve", "--store", url, "--segments", (where / "kv").as_uri(),
            "--model", FAST, "--engine", "hf", "--window", "0", "--replicas", "2", "--port", str(port),
-           "--api-keys", str(where / "keys.json"), "--timeout", "60", "--max-queue", "4"]  # fmt: skip
+           "--api-keys", str(where / "keys.json"), "--timeout", "60", "--max-queue", "4", "--no-mcp-infer"]  # fmt: skip
     with open(where / "serve.log", "w") as log:
         proc = subprocess.Popen(
             cmd,
@@ -238,6 +238,38 @@ def test_openai_client_unchanged_streaming_included(cluster):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content  # greedy: the same answer through either path
     assert chunks[-1].model_extra["kvmem"]["replica"] == r.model_extra["kvmem"]["replica"]
+
+
+def test_mcp_through_the_ingress_reaches_the_users_replica(cluster):
+    """The MCP tools behind the ingress: each request goes to the replica of the user its URL names (stateless
+    streamable HTTP: every POST stands alone), and the SDK's client adds and finds a memory through it."""
+    import anyio
+    import httpx2
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    _, base, _ = cluster
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18",
+            "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}  # fmt: skip
+    for replica, user in two_users_on_two_replicas(base).items():
+        for url in (f"{base}/mcp?user_id={user}", f"{base}/mcp/u/{user}"):
+            r = httpx.post(url, json=init, headers={**auth(KEY_A), "Accept": "application/json, text/event-stream"},
+                           timeout=60)  # fmt: skip
+            assert r.status_code == 200 and r.headers["x-kvmem-replica"] == replica, r.text
+
+    async def main():
+        async with (
+            httpx2.AsyncClient(headers=auth(KEY_A), timeout=120) as http,
+            streamable_http_client(f"{base}/mcp?user_id=erin", http_client=http) as (read, write),
+            ClientSession(read, write) as s,
+        ):
+            await s.initialize()
+            added = json.loads((await s.call_tool("add_memories", {"text": "Erin rows on the Douro."})).content[0].text)
+            found = json.loads((await s.call_tool("search_memory", {"query": "Where does Erin row?"})).content[0].text)
+            return added["results"][0]["id"], found["results"]
+
+    fid, found = anyio.run(main)
+    assert found[0]["id"] == fid and found[0]["memory"] == "Erin rows on the Douro."
 
 
 def test_bad_options_are_one_line_before_ray_starts(cluster):

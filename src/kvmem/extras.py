@@ -9,6 +9,7 @@ extra           modules                     what needs it
 ``replicas``    ray (Ray Serve)             ``kvmem serve --replicas N`` / ``--ray`` / ``--ray-address``
 ``postgres``    psycopg                     a ``postgresql://`` store (its rows in PostgreSQL)
 ``s3``          obstore, diskcache          KV segments by URL (``--segments s3://``, ``file://``, ...), ``--cache-dir``
+``mcp``         mcp (the official SDK)      ``/mcp`` in ``kvmem serve``, ``kvmem mcp`` (MCP tools over stdio)
 ==============  ==========================  =====================================================================
 
 The check looks the modules up without importing them (``importlib.util.find_spec``), so it costs nothing on a
@@ -26,6 +27,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "replicas": ("ray",),
     "postgres": ("psycopg",),
     "s3": ("obstore", "diskcache"),
+    "mcp": ("mcp",),
 }
 
 BENCH_FEATURE = "benchmarking (kvmem bench, kvmem eval)"  # what needs the bench extra, as its error names it

@@ -1,9 +1,9 @@
 """Command line: thin wrappers that parse, call and print. Known errors become one line and exit code 2.
 
-One module per command group: ``serve``, ``ask``, ``memory``, ``store`` (with ``ingest-locomo``), ``models`` (with
-``doctor`` and ``check-exactness``), ``bench`` (with ``eval``) and ``demo``; the options they share are spelled
-once in ``common``. Each command imports what it runs inside its own body, so ``kvmem --help`` and argument
-errors answer without loading torch, transformers or vLLM."""
+One module per command group: ``serve``, ``mcp``, ``ask``, ``memory``, ``store`` (with ``ingest-locomo``),
+``models`` (with ``doctor`` and ``check-exactness``), ``bench`` (with ``eval``) and ``demo``; the options they
+share are spelled once in ``common``. Each command imports what it runs inside its own body, so ``kvmem --help``
+and argument errors answer without loading torch, transformers or vLLM."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import typer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from . import ask, bench, demo, memory, models, serve, store
+from . import ask, bench, demo, mcp, memory, models, serve, store
 from .common import friendly
 
 __all__ = ["app", "friendly", "main"]
@@ -48,6 +48,7 @@ def exit_on_signals() -> None:
 app.command("doctor")(models.doctor)
 app.command("ingest-locomo")(store.ingest_locomo)
 app.command("serve")(serve.serve_cmd)
+app.command("mcp")(mcp.mcp_cmd)
 app.command("ask")(ask.ask)
 app.command("check-exactness")(models.check_exactness)
 app.command("demo")(demo.demo)

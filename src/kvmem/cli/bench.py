@@ -288,6 +288,26 @@ def bench_memory(
     online_memory.run(data, out, sample, turns, facts, window, model, searches, deletes, echo=typer.echo)
 
 
+@bench_app.command("mcp")
+@friendly
+def bench_mcp(
+    rounds: int = typer.Option(30, "--rounds", help="Rounds timed (after one warm-up), each a new MCP session."),
+    model: str = typer.Option("smollm2-135m-instruct", "--model"),
+    dtype: str = DTYPE,
+    out: Path = typer.Option(Path("runs/bench/mcp"), "--out"),
+):
+    """MCP round trips over streamable HTTP (/mcp): a session, tools/list, add_memories, search_memory, side by
+    side with the REST memories API's add and search, against an in-process server (p50 / p95, ms)."""
+    from ..extras import require
+    from ..hardware import resolve_dtype
+
+    mcp_tools = bench_module("mcp_tools")
+    require("mcp", "kvmem bench mcp")
+    if rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    mcp_tools.run(out, model, rounds, resolve_dtype(None if dtype == "auto" else dtype), echo=typer.echo)
+
+
 @bench_app.command("erasure")
 @friendly
 def bench_erasure(

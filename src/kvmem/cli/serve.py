@@ -120,6 +120,12 @@ def serve_cmd(
         "memories computed behind the erased text to a background task, which runs within this bound (the derived "
         "KV is served until then). Default: re-encode at once, in the erasing request.",
     ),
+    mcp_infer: bool = typer.Option(
+        True,
+        "--mcp-infer/--no-mcp-infer",
+        help="The MCP tool add_memories (/mcp) extracts facts with the model, as a REST add does by default "
+        "(Mem0's infer=True), or stores the text verbatim.",
+    ),
     hybrid: bool = typer.Option(
         True,
         "--hybrid/--no-hybrid",
@@ -167,6 +173,7 @@ def serve_cmd(
             max_tokens=max(4096, max_tokens),
             allow_cold=allow_cold,
             send_timeout_s=send_timeout,
+            mcp_infer=mcp_infer,
         ),
         cache_bytes=cache_bytes,
         kv_cache_memory_bytes=kv_cache_bytes,

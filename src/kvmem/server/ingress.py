@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from ..scopes import Scope, ScopeError, parse_key
+from .mcp import mcp_user
 from .replicas import LIVE, ROUTED, UNREADY, Replicas
 from .routes import body_limit_error
 from .runtime import store_bytes_gauge
@@ -52,8 +53,9 @@ async def route_key(cluster: Replicas, method: str, path: str, query: bytes, hea
     """The one rule of which replica a request prefers (``replicas.UserAffinityRouter`` hashes what this
     returns): the store user of the request's user alone in the caller's tenant (``user_key``), whatever scope
     (agent, run) it also names, so one user's chats and memories stay on one replica. The user is the chat's
-    ``user``, the memories API's ``user_id`` (body, filters or query), or the user of ``/v1/memories/{id}``'s
-    owner. None without one (the router spreads such requests). Only a hint: errors are the replica's."""
+    ``user``, the memories API's ``user_id`` (body, filters or query), the user of ``/v1/memories/{id}``'s
+    owner, or the user an MCP URL names (``mcp.mcp_user``). None without one (the router spreads such requests).
+    Only a hint: errors are the replica's."""
     try:
         tenant = cluster.tenants.tenant(headers.get("authorization"))
     except APIError:
@@ -71,6 +73,8 @@ async def route_key(cluster: Replicas, method: str, path: str, query: bytes, hea
                 user = doc["filters"].get("user_id")
     elif path == "/v1/memories":
         user = (parse_qs(query.decode("latin-1")).get("user_id") or [None])[0]
+    elif path == "/mcp" or path.startswith("/mcp/"):  # the MCP tools: the user is on the URL (``mcp``)
+        user = mcp_user(path, query)
     elif path.startswith("/v1/memories/"):
         owner = await cluster.owner(path.split("/")[3])
         scope = parse_key(owner, tenant) if owner is not None else None

@@ -29,6 +29,27 @@ ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id"}
 ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503, 507)  # what any memories route may answer
 
 
+async def queued_write(server: KvmemServer, steps) -> object:
+    """Run ``steps`` (callables) in order on the model thread as one write holding one place in the write queue:
+    at most ``max_writes`` writes are queued (then 429 ``writes_busy``); each step is its own task there, so chats
+    queued meanwhile run between an import's batches. Returns the last step's result. A queued write is never
+    timed out: a write that answered 503 must not land later (a retry would duplicate it). 409 for a lost race.
+    The REST memories API and the MCP tools (``mcp``) write through here."""
+    server.start_upkeep(asyncio.get_running_loop())
+    if server.pending_writes >= server.max_writes:
+        raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
+    server.pending_writes += 1
+    try:
+        out = None
+        for step in steps:
+            out = await server.on_model_thread(step)
+        return out
+    except MemoryConflict as exc:
+        raise APIError(409, str(exc), "memory_conflict") from None
+    finally:
+        server.pending_writes -= 1
+
+
 def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     def route(method: str, path: str):
         """Register ``path`` with and without a trailing slash."""
@@ -52,26 +73,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         return f
 
     async def write(fn, *args, **kwargs):
-        """Writes queue on the model thread, at most ``max_queue`` at a time (then 429). A queued write is never
-        timed out: a write that answered 503 must not land later (a retry would duplicate it)."""
-        return await write_steps([lambda: fn(*args, **kwargs)])
-
-    async def write_steps(steps):
-        """``write`` of several steps (an import's batches) holding one place in the queue: each step is its own
-        task on the model thread, so chats queued meanwhile run between them. 409 for a lost race."""
-        server.start_upkeep(asyncio.get_running_loop())
-        if server.pending_writes >= server.max_writes:
-            raise APIError(429, f"{server.pending_writes} writes are queued; retry later", "writes_busy")
-        server.pending_writes += 1
-        try:
-            out = None
-            for step in steps:
-                out = await server.on_model_thread(step)
-            return out
-        except MemoryConflict as exc:
-            raise APIError(409, str(exc), "memory_conflict") from None
-        finally:
-            server.pending_writes -= 1
+        return await queued_write(server, [lambda: fn(*args, **kwargs)])
 
     def read(fn, *args, **kwargs):
         return server.off_loop(lambda: fn(*args, **kwargs))
@@ -142,7 +144,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         except ImportTooLarge as exc:
             raise APIError(413, str(exc), "too_many_records") from None
         steps = [lambda b=b: server.memory.import_batch(b) for b in plan.batches]
-        await write_steps(steps)
+        await queued_write(server, steps)
         return plan.result()
 
     @route("DELETE", "/v2/entities/{entity_type}/{name}")

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..policy import Method
 from ..scopes import Scope, ScopeError
+from .mcp import mount_mcp
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
 from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses, store_unavailable
@@ -39,6 +40,7 @@ def create_app(server: KvmemServer) -> FastAPI:
     _service_routes(app, server, tenant_of)
     memory_routes(app, server, tenant_of)
     _chat_route(app, server, tenant_of)
+    mount_mcp(app, server)  # /mcp: the memory tools over the Model Context Protocol
     # outermost: a client that stops reading never holds its request (a streamed chat's engine slot) past the bound
     app.add_middleware(
         SendTimeout, timeout_s=lambda: server.limits.send_timeout_s, on_stall=server.metrics.send_timeouts.inc
