@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import store_worker as sw
 from kvmem.cli import app
+from kvmem.memory import Memory
 from kvmem.store import FactRecord, Store, StoreError, copy_store
 from test_erasure import SECRET, assert_same_kv, memory, shared  # noqa: F401 (``shared``: the module's model)
 
@@ -104,22 +105,23 @@ def test_a_disk_cache_drops_what_the_store_removed(tmp_path):
 
 
 def test_a_copy_keeps_what_a_deferred_erasure_left_to_reencode(tmp_path, shared):  # noqa: F811
-    """A store whose erasure deferred its re-encoding (a fact's KV still computed behind the erased turn and
-    fact), copied: the copy keeps the stale mark with its deadline and the provenance that names the erased turn
-    and fact (neither of them copied), so its ``fsck`` reports the same ``derived`` facts as the source's, and its
+    """A store whose erasure deferred its re-encoding (a fact's KV still computed behind the erased turn, its
+    window), copied: the copy keeps the stale mark with its deadline and the provenance that names the erased
+    turn (not copied), so its ``fsck`` reports the same ``derived`` facts as the source's, and its
     ``reencode_pending`` makes the KV equal, in fp32, that of a store that never saw the secret. Before, the copy
-    dropped the erased turn from the provenance and the mark: its derived KV passed for clean."""
-    a = memory((tmp_path / "a", None), shared, defer_reencode_s=30.0)
+    dropped the erased turn from the provenance, and with it the mark: its derived KV passed for clean."""
+    lm, emb = shared
+    window = lambda root, **kw: Memory(root, model=lm, embedder=emb, window=5, neighbours=0, **kw)
+    a = window(tmp_path / "a", defer_reencode_s=30.0)
     secret = a.add(f"My social security number is {SECRET}.", "u", infer=False)["results"][0]["id"]
     a.add("I walk my dog every morning.", "u", infer=False)
     assert a.delete(secret)["erasure"]["deferred"] == 1
     ((_, fid, _, by),) = a.store.stale()
     report = copy_store(a.store.root, tmp_path / "copy")
     assert report["stale"] == 1 and report["facts"] == 1 and report["turns"] == 1
-    c = memory((tmp_path / "copy", None), shared)
+    c = window(tmp_path / "copy")
     assert [(u, f, b) for u, f, _, b in c.store.stale()] == [("u", fid, by)]
     (fact,) = c.store.facts("u")
-    assert fact.context_facts == (secret,) and c.store.fact(secret) is None
     assert [t["content"] for t in c.store.turns("u")] == ["I walk my dog every morning."]
     assert len(fact.context_turns) == 1 and fact.context_turns[0] not in {t["idx"] for t in c.store.turns("u")}
     derived = lambda st: sorted(f for fs in st.fsck()["derived"].values() for f in fs)
@@ -128,7 +130,7 @@ def test_a_copy_keeps_what_a_deferred_erasure_left_to_reencode(tmp_path, shared)
     assert fact.context_turns[0] not in {t["idx"] for t in c.store.turns("u")}
     assert c.reencode_pending()["reencoded"] == 1
     assert c.store.stale() == [] and derived(c.store) == []
-    b = memory((tmp_path / "b", None), shared)
+    b = window(tmp_path / "b")
     b.add("I walk my dog every morning.", "u", infer=False)
     b.add("I play chess on Sundays.", "u", infer=False)
     assert_same_kv(c, b, "u")
