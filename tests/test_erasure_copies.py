@@ -63,7 +63,7 @@ def test_an_erased_user_leaves_no_segment_after_one_upkeep_round(tmp_path, share
     assert a.collect() == 0 and a.store.fsck()["replaced"] == []
 
 
-def _store_with_random_kv(root: Path, objects: Path) -> tuple[Store, bytes]:
+def _store_with_random_kv(root, objects: Path) -> tuple[Store, bytes]:
     """A store with its segments at ``objects`` (``file://``) and one user's one fact of random KV; the bytes of
     its keys."""
     header = torch.zeros(2, 1, 3, 64)
@@ -75,13 +75,23 @@ def _store_with_random_kv(root: Path, objects: Path) -> tuple[Store, bytes]:
     return st, keys[:, :, 0, :].contiguous().numpy().tobytes()
 
 
-def test_a_disk_cache_drops_what_the_store_removed(tmp_path):
+@pytest.fixture(params=["sqlite", "postgres"])
+def rows_at(request, tmp_path):
+    """Where a test store's rows go: a directory, or a schema of the session's PostgreSQL cluster."""
+    if request.param == "sqlite":
+        return tmp_path / "s"
+    from conftest import postgres_schema
+
+    return postgres_schema(request.getfixturevalue("postgres"), "erasure_cache_sweep")
+
+
+def test_a_disk_cache_drops_what_the_store_removed(tmp_path, rows_at):
     """Two servers' disk caches (``--cache-dir``) each hold a copy of a segment; the user is erased. A cache keeps
     its copy while the store still holds the segment for readers (retired less than ``retire_after_s`` ago), then
     the upkeep's sweep (``Store.sweep_cache``) drops it; ``fsck --cache-dir`` (``Store.fsck(cache_dir=...)``)
     drops and names it in a cache no server sweeps. Before, no cache ever dropped a copy: tiers took stored KV
     for immutable."""
-    st, mark = _store_with_random_kv(tmp_path / "s", tmp_path / "kv")
+    st, mark = _store_with_random_kv(rows_at, tmp_path / "kv")
     (name,) = st.segments.names()
     caches = [tmp_path / "cache1", tmp_path / "cache2"]
     readers = [Store.open(st.root, cache_dir=c) for c in caches]
@@ -126,11 +136,10 @@ def test_a_copy_keeps_what_a_deferred_erasure_left_to_reencode(tmp_path, shared)
     assert len(fact.context_turns) == 1 and fact.context_turns[0] not in {t["idx"] for t in c.store.turns("u")}
     derived = lambda st: sorted(f for fs in st.fsck()["derived"].values() for f in fs)
     assert derived(c.store) == derived(a.store) == [fid]
-    c.add("I play chess on Sundays.", "u", infer=False)  # a new turn never takes the erased turn's index
+    c.store.commit("u", turns=[{"content": "I play chess on Sundays."}])  # a new turn: never the erased index
     assert fact.context_turns[0] not in {t["idx"] for t in c.store.turns("u")}
     assert c.reencode_pending()["reencoded"] == 1
     assert c.store.stale() == [] and derived(c.store) == []
     b = window(tmp_path / "b")
     b.add("I walk my dog every morning.", "u", infer=False)
-    b.add("I play chess on Sundays.", "u", infer=False)
     assert_same_kv(c, b, "u")
