@@ -62,11 +62,11 @@ def collect(writes: Writer, now: float | None = None) -> list[str]:
     return [k.removeprefix("retired:") for k in removed]
 
 
-def held(writes: Writer, now: float | None = None, retire_after_s: float | None = None) -> set[str]:
+def held(writes: Writer, now: float | None = None) -> set[str]:
     """The segment names the store still holds for its readers: every segment row's, and every retired one's not
-    yet due for removal (retired less than ``retire_after_s``, default the store's, ago; 0: none of them)."""
+    yet due for removal (retired less than ``writes.retire_after_s`` ago)."""
     now = time.time() if now is None else now
-    after = writes.retire_after_s if retire_after_s is None else retire_after_s
+    after = writes.retire_after_s
     with writes._lock:
         live = {segment_name(u, s) for u, s in writes.rows.execute('SELECT "user", segment FROM segments')}
         retired = writes.rows.execute("SELECT key, value FROM meta WHERE key LIKE 'retired:%'").fetchall()
