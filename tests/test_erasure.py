@@ -158,7 +158,7 @@ def test_deferred_reencoding_is_bounded_and_reported(tmp_path, shared):
     ((user, _, _, by),) = a.store.stale()
     assert user == "u" and by > 0
     assert list(a.store.fsck()["derived"].values()) == [[a.store.facts("u")[0].fact_id]]
-    assert a.reencode_pending() == {"reencoded": 1, "scopes": 1}
+    assert a.reencode_pending() == {"reencoded": 1, "scopes": 1, "collected": 0}
     assert a.store.stale() == [] and a.store.fsck()["derived"] == {}
     b.add("I walk my dog every morning.", "u", infer=False)
     assert_same_kv(a, b, "u")

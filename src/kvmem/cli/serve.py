@@ -93,7 +93,8 @@ def serve_cmd(
         None,
         "--cache-dir",
         help="A local disk cache of a shared store's KV segments (byte-bounded, least recently used first), in the "
-        "server and the vLLM worker. Segments are immutable and checksummed: a cached copy is never stale.",
+        "server and the vLLM worker. Segments are immutable and checksummed: a cached copy is never stale; each upkeep "
+        "round (30 s) drops the copies of segments the store removed (an erasure's, after 60 s).",
     ),
     replicas: int = typer.Option(
         1,

@@ -81,19 +81,30 @@ def ingest_locomo(
 
 @store_app.command("fsck")
 @friendly
-def store_fsck(store: str = store_option(), as_json: bool = JSON):
+def store_fsck(
+    store: str = store_option(),
+    cache_dir: str | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="A disk cache of this store's segments (what `kvmem serve --cache-dir` filled): remove from it the "
+        "segments the store no longer holds.",
+    ),
+    as_json: bool = JSON,
+):
     """Check every user's rows, files and KV checksum; remove files left by a killed writer and segments commits
-    replaced; name every segment still holding KV of erased text or computed behind it (an erasure whose
-    re-encoding is deferred or was cut short). Exit 1 if a user is bad or such a segment is left."""
+    replaced (and, with --cache-dir, the cached copies of segments the store no longer holds); name every segment
+    still holding KV of erased text or computed behind it (an erasure whose re-encoding is deferred or was cut
+    short). Exit 1 if a user is bad or such a segment is left."""
     from ..store import Store
 
-    report = Store.open(store).fsck()
+    report = Store.open(store).fsck(cache_dir=cache_dir)
     if as_json:
         emit(report, True)
     else:
+        cached = f"; removed {len(report['cache_removed'])} cached segments" if cache_dir is not None else ""
         typer.echo(
             f"{report['users']} users: {len(report['ok'])} ok, {len(report['bad'])} bad; removed "
-            f"{len(report['removed'])} orphaned files and {len(report['replaced'])} replaced segments"
+            f"{len(report['removed'])} orphaned files and {len(report['replaced'])} replaced segments{cached}"
         )
         for user, why in report["bad"].items():
             typer.echo(f"  {user}: {why}")
@@ -148,4 +159,5 @@ def store_copy(
         typer.echo(
             f"copied {report['users']} users: {report['facts']} facts ({report['kv_bytes'] / 2**20:.1f} MiB of KV), "
             f"{report['turns']} turns, {report['events']} history events; every segment verified"
+            + (f"; {report['stale']} facts still to re-encode after an erasure (kept stale)" if report["stale"] else "")
         )

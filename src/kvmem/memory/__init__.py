@@ -732,7 +732,7 @@ class Memory:
         """The background half of a deferred erasure: re-encode every scope's stale facts (those due within
         ``due_within_s`` seconds; None: all) and rewrite the segments that held their old KV; and finish the
         erasures whose cascade failed after they landed (``Store.compactions``: every segment of the scope still
-        holding dead KV is rewritten). Returns ``{"reencoded": n, "scopes": n}``."""
+        holding dead KV is rewritten); then ``collect``. Returns ``{"reencoded": n, "scopes": n, "collected": n}``."""
         horizon = None if due_within_s is None else time.time() + due_within_s
         deferred = set(self.store.compactions())
         users = sorted({u for u, _, _, by in self.store.stale() if horizon is None or by <= horizon} | deferred)
@@ -745,7 +745,14 @@ class Memory:
                 self.store.compact(user, sorted(rewrite))
             if user in deferred:
                 self.store.compacted(user)
-        return {"reencoded": n, "scopes": len(users)}
+        return {"reencoded": n, "scopes": len(users), "collected": self.collect()}
+
+    def collect(self) -> int:
+        """Remove the files (or objects) of every scope's segments retired ``store.retire_after_s`` or more ago
+        (``Store.collect``), so what an erasure left in them goes within that bound even for a scope that never
+        writes again (one erased whole); no model. Run by ``reencode_pending`` (the server's upkeep round); a
+        library user calls either now and then. Returns how many segments were removed."""
+        return len(self.store.collect())
 
     def expire(self, today: str | None = None) -> dict:
         """Erase every memory whose ``expiration_date`` has passed (before ``today``, YYYY-MM-DD; default

@@ -84,6 +84,7 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
 
     @app.middleware("http")
     async def _limits_and_metrics(request: Request, call_next):
+        server.start_upkeep(asyncio.get_running_loop())  # a server that never writes sweeps its disk cache too
         too_big = body_limit_error(request.headers, limits.max_body_bytes)
         if too_big is not None:
             resp = too_big.response()

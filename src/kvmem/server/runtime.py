@@ -34,7 +34,7 @@ from .storesize import StoreSize
 from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
-UPKEEP_S = 30.0  # the upkeep task's round: deferred re-encodings due before the next round, then expiry
+UPKEEP_S = 30.0  # the upkeep task's round: deferred re-encodings due before the next round, collection, cache sweep
 EXPIRE_EVERY_S = 600.0  # expired memories are erased at least this often
 
 
@@ -343,10 +343,12 @@ class KvmemServer:
         )
 
     def start_upkeep(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start (once, at the first write) the upkeep task on ``loop``: on the model thread, re-encode what
-        deferred erasures left (``Memory.reencode_pending``: the facts due before the next round, so none outlives
-        its bound by more than one re-encoding) and erase expired memories (``Memory.expire``, every
-        ``EXPIRE_EVERY_S``)."""
+        """Start (once, at the first request) the upkeep task on ``loop``: every round, on the model thread,
+        re-encode what deferred erasures left (``Memory.reencode_pending``: the facts due before the next round,
+        so none outlives its bound by more than one re-encoding) and remove every segment retired
+        ``retire_after_s`` or more ago (``Memory.collect``, which it runs); off it, drop from this server's disk
+        cache (``--cache-dir``) every segment the store no longer holds (``Store.sweep_cache``); and erase expired
+        memories (``Memory.expire``, every ``EXPIRE_EVERY_S``)."""
         if getattr(self, "_upkeep", None) is not None:
             return
         every = UPKEEP_S if self.memory.defer_reencode_s is None else min(UPKEEP_S, self.memory.defer_reencode_s / 2)
@@ -357,11 +359,12 @@ class KvmemServer:
                 await asyncio.sleep(every)
                 try:
                     await self.on_model_thread(self.memory.reencode_pending, 2 * every)
+                    await self.off_loop(self.service.store.sweep_cache)
                     if time.monotonic() - last_expiry >= EXPIRE_EVERY_S:
                         await self.on_model_thread(self.memory.expire)
                         last_expiry = time.monotonic()
                 except Exception:  # a busy store, a closed pool: the next round tries again
-                    logger.exception("upkeep: re-encoding or expiry failed; tried again in %.0f s", every)
+                    logger.exception("upkeep: re-encoding, collection or expiry failed; tried again in %.0f s", every)
 
         self._upkeep = loop.create_task(upkeep())
 

@@ -22,6 +22,7 @@ The parts, each with one job (``Store`` composes them; nothing outside this pack
 * ``write``: ``commit`` (the one write path), compaction, garbage collection, ``fsck``;
 * ``read``: snapshots (``UserKV``), the facts' KV read by span, the read tiers, prefetch;
 * ``copy``: ``copy_store``;
+* ``upkeep``: the collection of retired segments and the sweep of disk caches (what bounds erased KV's copies);
 * ``location``: store locations (URLs, redaction) and the errors a store raises;
 * ``rows``: the ``Rows`` seam over SQLite and PostgreSQL (every backend-specific ability is there);
 * ``schema``: the tables, defined once and rendered to both SQL dialects;
@@ -67,6 +68,7 @@ from .read import VERIFIED_SEGMENTS, FactRecord, Reader, UserKV, segment_name
 from .rows import Rows
 from .schema import SCHEMA_VERSION
 from .tiers import CountingLRU
+from .upkeep import cache_at, collect, held, sweep
 from .write import ALL, RETIRE_AFTER_S, Writer
 
 __all__ = [
@@ -609,6 +611,31 @@ class Store:
         """``Writer.reset``: delete every user's facts, turns and history."""
         self.writes.reset()
 
-    def fsck(self) -> dict:
-        """``Writer.fsck``: check every user and remove orphaned files; returns the report."""
-        return self.writes.fsck()
+    def fsck(self, cache_dir: str | Path | None = None) -> dict:
+        """``Writer.fsck``: check every user and remove orphaned files; returns the report. ``cache_dir``: a disk
+        cache of this store's segments (``kvmem serve --cache-dir``) to sweep too: the report's ``cache_removed``
+        names the cached segments the store no longer holds, removed from it (``upkeep.sweep``). Raises
+        StoreError for a ``cache_dir`` that is no such cache."""
+        tier = None if cache_dir is None else cache_at(cache_dir)  # a bad path fails before anything is removed
+        try:
+            report = self.writes.fsck()
+            if tier is not None:
+                report["cache_removed"] = sweep(tier, f"{self.manifest['store_id']}/", held(self.writes))
+        finally:
+            if tier is not None:
+                tier.cache.close()
+        return report
+
+    def collect(self, now: float | None = None) -> list[str]:
+        """``upkeep.collect``: remove every user's segments retired ``retire_after_s`` or more ago (a user erased
+        whole never commits again), without a writer lock. Returns the removed names. The upkeep's round."""
+        return collect(self.writes, now)
+
+    def sweep_cache(self) -> list[str]:
+        """``upkeep.sweep``: drop from this object's disk cache (``cache_dir``) every segment the store no longer
+        holds for readers (neither a segment row nor retired less than ``retire_after_s`` ago); [] without a disk
+        cache. Returns the dropped names. The upkeep's round, on every server with a cache directory."""
+        tier = getattr(self.segments, "tier", None)
+        if tier is None:
+            return []
+        return sweep(tier, self.segments.prefix, held(self.writes))

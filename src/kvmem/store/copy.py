@@ -4,6 +4,7 @@ store (or one without those users) at another location, on either backend, optio
 
 from __future__ import annotations
 
+import json
 from contextlib import closing
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from .. import kvformat
 from .backends import open_rows
 from .location import StoreError, UnknownUser
 from .read import FactRecord, UserKV
+from .write import next_turn, set_meta
 
 
 def copy_store(
@@ -28,14 +30,18 @@ def copy_store(
     segment verified against its checksum first), embeddings, turns, history events and encoding, one commit per
     user. The copy is a new store (its own ``store_id``) for the same model. Afterwards every user's fact, turn
     and event counts are compared and every new segment is verified. History keeps each fact's events in order;
-    their times become the copy's.
+    their times become the copy's. What an erasure left to re-encode stays so: each fact's provenance (an erased
+    turn it names is named in the copy too, by an index no turn gets) and its stale mark with its deadline, so the
+    copy's ``fsck`` reports the same ``derived`` facts and its upkeep re-encodes them; the erased facts' own KV
+    and text are not copied. Each user is read under its writer lock (its facts, marks and turns of one version).
 
     ``force``: copy into a store already at ``dst`` (same model) that has users, none of them a user copied
     (histories are not merged); without it a store with users is refused, as is a non-empty directory that is not
     a store. ``users``: only these (default: every user, those whose facts are all deleted too). ``kv_format``:
     the copy's KV format (``kvformat``; default the source's): a lossless store may be copied into any format, a
     lossy one only into its own, so dequantised KV is never stored as lossless. Returns
-    ``{"users", "facts", "turns", "events", "kv_bytes"}`` (``kv_bytes``: KV read, in the model dtype). Raises
+    ``{"users", "facts", "turns", "events", "kv_bytes", "stale"}`` (``kv_bytes``: KV read, in the model dtype;
+    ``stale``: facts copied with their stale mark). Raises
     StoreError, StoreMismatch."""
     from . import Store, check_segments_url  # the facade, which re-exports this function
 
@@ -64,7 +70,7 @@ def copy_store(
                 dst, fingerprint, m["header"]["text"], m["header"]["token_ids"], hk, hv, m["embedder"],
                 segments_url=segments_url,
             )  # fmt: skip
-        report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0}
+        report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0, "stale": 0}
         try:
             todo = source.users(with_no_live_facts=True) if users is None else users
             taken = [u for u in todo if target.version(u) is not None]
@@ -77,15 +83,17 @@ def copy_store(
                 info = source.encoding_of(user)
                 if info is None:
                     raise UnknownUser(f"unknown user {user!r} in store {source.name}")
-                try:
-                    ukv = source.snapshot(user)
-                except UnknownUser:  # every fact deleted: its turns and history still go
-                    ukv = UserKV(user, info["version"], [], {}, torch.zeros(0, 1))
-                source.reads.check_segments(ukv)
-                turns, events = source.turns(user), source.events(user)
-                parts = [ukv.gather([i], dtype=source.reads.rewrite_dtype()) for i in range(len(ukv.facts))]
+                with source.writer(user):  # its facts, stale marks, turns and events as of one version
+                    stale = {fid: by for _, fid, _, by in source.stale(user)}
+                    try:
+                        ukv = source.snapshot(user)
+                    except UnknownUser:  # every fact deleted: its turns and history still go
+                        ukv = UserKV(user, info["version"], [], {}, torch.zeros(0, 1))
+                    source.reads.check_segments(ukv)
+                    turns, events = source.turns(user), source.events(user)
+                    parts = [ukv.gather([i], dtype=source.reads.rewrite_dtype()) for i in range(len(ukv.facts))]
                 had = len(target.events(user))
-                pos = {t["idx"]: i for i, t in enumerate(turns)}  # provenance: a turn is the copy's new turn i
+                pos = _positions(turns, ukv.facts)
                 facts = [
                     FactRecord(**{
                         **f.__dict__, "row": 0, "segment": "", "token_offset": 0,
@@ -108,6 +116,7 @@ def copy_store(
                     neighbours=info["neighbours"],
                     history=info["history"],
                 )
+                report["stale"] += _carry_stale(target, user, [f.fact_id for f in ukv.facts], stale)
                 n_facts = 0
                 if ukv.facts:
                     copied = target.snapshot(user)
@@ -131,6 +140,40 @@ def copy_store(
         source.close()
 
 
+def _positions(turns: list[dict], facts: list[FactRecord]) -> dict[int, int]:
+    """Source turn index -> the copy commit's new turn it becomes (``i``: the ``i``-th copied turn). A turn that
+    provenance names but that is gone (erased) becomes one past the copied turns, never written, so the copy's
+    provenance names a turn it lacks, as the source's does (``erase`` and ``reencode_stale`` read it so)."""
+    pos = {t["idx"]: i for i, t in enumerate(turns)}
+    named = {t for f in facts for t in (*(f.context_turns or ()), *f.source_turns)}
+    for t in sorted(named - set(pos)):
+        pos[t] = len(pos)
+    return pos
+
+
 def _refs(turns, pos: dict[int, int]) -> tuple[int, ...]:
     """Turn indexes of the source as references to the copy commit's new turns (``-(i + 1)``)."""
-    return tuple(-(pos[t] + 1) for t in turns if t in pos)
+    return tuple(-(pos[t] + 1) for t in turns)
+
+
+def _carry_stale(target, user: str, fact_ids: list[str], stale: dict[str, float]) -> int:
+    """After the commit that copied ``user``: each copied fact's stale mark set as the source's (``stale``: fact id
+    -> re-encode by; the commit marked those whose provenance names a gone turn or fact at once, but not one of
+    unknown provenance, nor with the source's deadline), and the user's turn indexes kept past every one its
+    provenance names (an erased turn's index is never given to a new turn). Returns the marks carried."""
+    with target.writer(user):
+        db = target.rows
+        with db.transaction():
+            db.executemany(
+                'UPDATE facts SET stale=? WHERE "user"=? AND fact_id=? AND deleted IS NULL',
+                [(stale.get(fid), user, fid) for fid in fact_ids],
+            )
+            named = [0]
+            for (prov,) in db.execute(
+                'SELECT provenance FROM facts WHERE "user"=? AND deleted IS NULL AND provenance IS NOT NULL', (user,)
+            ).fetchall():
+                p = json.loads(prov)
+                named += [t + 1 for t in (*p["turns"], *p["source"])]
+            set_meta(db, [(f"turns:{user}", max(next_turn(db, user), *named))])
+        target.reads.forget(user)
+    return sum(fid in stale for fid in fact_ids)

@@ -447,11 +447,11 @@ class CachedSegments(SegmentStore):
     """``inner``'s segments with a byte-bounded local disk cache in front (``tiers.DiskTier``, least recently used
     first): the first ``open`` of a segment fetches it whole into ``cache_dir``, later ones read the local copy by
     ``pread``. Segments are immutable and each is verified against its checksum by the store that reads it, so a
-    cached copy is never stale (a corrupt one is refused like any other copy). For segments in a remote object
-    store; ``key_prefix`` keeps stores that share one cache directory apart."""
+    cached copy is never stale (a corrupt one is refused like any other copy; one the store removed goes at the
+    upkeep's sweep, ``upkeep.sweep``). For segments in a remote object store; ``key_prefix``: this store's keys."""
 
     def __init__(self, inner: SegmentStore, cache_dir, max_bytes: int, key_prefix: str = ""):
-        self.inner, self.url, self._prefix = inner, inner.url, key_prefix
+        self.inner, self.url, self.prefix = inner, inner.url, key_prefix
         self.tier = DiskTier(cache_dir, max_bytes)
         self._stats = {"disk_hits": 0, "disk_misses": 0, "disk_fetched_bytes": 0, "disk_errors": 0}
         self._fetching: dict[str, threading.Lock] = {}  # segment key -> held while this process fetches it
@@ -467,7 +467,7 @@ class CachedSegments(SegmentStore):
             f.close()
 
     def open(self, name: str) -> SegmentHandle:
-        key = self._prefix + name
+        key = self.prefix + name
         handle = self._cached(key)
         if handle is None:
             # one fetch of a segment at a time in this process: a racing reader (the prefetch thread and the
@@ -513,7 +513,7 @@ class CachedSegments(SegmentStore):
     def prefetch(self, name: str, spans: list[tuple[int, int]]) -> None:
         """Fetch the whole segment into the disk cache now, if it is not there (a read then finds it local)."""
         try:
-            if not self.tier.contains(self._prefix + name):
+            if not self.tier.contains(self.prefix + name):
                 self.open(name).close()
         except Exception:  # a hint: the read that follows reports any error
             pass
@@ -524,11 +524,11 @@ class CachedSegments(SegmentStore):
         return {**self._stats, "disk_cache_bytes": self.tier.nbytes(), "disk_evictions": self.tier.evictions()}
 
     def discard(self, name: str) -> None:
-        self.tier.remove(self._prefix + name)
+        self.tier.remove(self.prefix + name)
 
     def evict(self, name: str) -> None:
         try:
-            self.tier.remove(self._prefix + name, counted=False)
+            self.tier.remove(self.prefix + name, counted=False)
         except Exception:
             pass
 

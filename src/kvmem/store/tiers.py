@@ -4,7 +4,8 @@
 ``MemoryTier``, this process's facts' KV (``kvformat.SpanKV``, as stored, bounded in bytes), and ``DiskTier``, a
 local disk copy of whole segments from a remote object store (diskcache, bounded in bytes, shared by processes).
 The read path composes them: the memory tier first, then the segments (through a disk tier, for an object store).
-Both keep the least recently used entries. Stored KV never changes, so nothing held is ever stale.
+Both keep the least recently used entries. Stored KV never changes, so nothing held is ever stale; a segment that
+leaves the store (an erasure retired it) is dropped from a disk tier by the upkeep's sweep (``upkeep``).
 """
 
 from __future__ import annotations
@@ -115,14 +116,17 @@ class MemoryTier(ReadTier):
 class DiskTier(ReadTier):
     """Whole segments (bytes) in a local directory (diskcache, least recently used first, ``max_bytes``), shared
     by the processes that open it; ``get`` returns the local copy as an open file. ``stored`` / ``discarded``
-    count what this object put in and took out (``evictions``: what the bound pushed out besides)."""
+    count what this object put in and took out (``evictions``: what the bound pushed out besides). ``max_bytes``
+    None: the directory's own settings, as its server set them (``kvmem store fsck --cache-dir``).
 
-    def __init__(self, directory, max_bytes: int):
+    Stored KV never changes, but a segment an erasure retired leaves the store: ``upkeep.sweep`` drops it here."""
+
+    def __init__(self, directory, max_bytes: int | None):
         import diskcache
 
-        self.cache = diskcache.Cache(
-            str(directory), size_limit=int(max_bytes), eviction_policy="least-recently-used", disk_min_file_size=0
-        )
+        settings = {"eviction_policy": "least-recently-used", "disk_min_file_size": 0}
+        own = {} if max_bytes is None else {"size_limit": int(max_bytes), **settings}
+        self.cache = diskcache.Cache(str(directory), **own)
         self.stored = self.discarded = 0
 
     def contains(self, key) -> bool:
