@@ -29,9 +29,8 @@ its raw UTF-8 bytes). After the run:
    misses a fact, a copy that loses its stale marks, a deferred re-encoding that never runs all fail here.
 5. ``fsck`` reports no derived KV and nothing bad.
 
-The operations (``OPS``) and which are on by default (``DEFAULT_OPS``): the kinds whose known defects are being
-fixed on other branches are off (``PENDING``); ``KVMEM_ERASURE_OPS`` (comma-separated, ``all``, or ``+kind`` to
-add to the defaults) turns them on.
+The operations (``OPS``, each with its weight; all on by default, ``DEFAULT_OPS``); ``KVMEM_ERASURE_OPS``
+(comma-separated: exactly those kinds; ``+kind``: the defaults and those; ``all``) picks others.
 """
 
 from __future__ import annotations
@@ -80,16 +79,7 @@ OPS = {
     "cached_read": 2,  # every live fact's KV through a second Store with a disk cache (object-store runs only)
     "retire": 0,  # no op: a mode, retire_after_s > 0 (else 0: gc removes a replaced segment at its commit)
 }
-# Known defects, fixed on other branches: their op kinds fail on the code without those fixes.
-PENDING = {
-    "retire": "retired segments are not collected after delete_all (nor after any erasure whose scope writes no "
-    "more): with retire_after_s > 0 the files stay",
-    "cached_read": "a disk cache keeps erased segments",
-    "copy": "store copy drops stale marks",
-    "infer_update": "an inferred add's UPDATE loses the original provenance (the original turn survives deletion)",
-    "infer_conflict": "an inferred add erases before its compare-and-set",
-}
-DEFAULT_OPS = frozenset(OPS) - set(PENDING)
+DEFAULT_OPS = frozenset(OPS)
 
 SUBJECTS = [
     "I enjoy hiking near",
@@ -626,11 +616,14 @@ class Run:
                         self.found.append(f"secret {hit[0]} in a row of table {t}: {row[:200]}")
 
     def finish(self) -> None:
-        """The upkeep round (``retire_after_s`` after the last op: ``Memory.reencode_pending``, and the cached
-        reader's ``Store.sweep_cache`` where that exists), then the checks of the module docstring; every finding
+        """Two upkeep rounds, ``retire_after_s`` apart (``Memory.reencode_pending``: the first re-encodes what
+        deferred erasures left, the second collects what that retired; then the cached reader's
+        ``Store.sweep_cache``: docs/operations.md's bound), then the checks of the module docstring; every finding
         is reported (``Failure``), not just the first."""
-        self.note("reencode_pending (the end)")
+        self.note("reencode_pending (the end), then the next round retire_after_s later")
         time.sleep(self.mem.store.retire_after_s)
+        self.mem.reencode_pending()  # re-encodes what deferred erasures left; the segments it rewrites retire now
+        time.sleep(self.mem.store.retire_after_s)  # the bound: retire_after_s + one round after the re-encoding
         self.mem.reencode_pending()
         sweep = getattr(self.reader, "sweep_cache", None)  # a server's own upkeep of its disk cache
         if sweep is not None:

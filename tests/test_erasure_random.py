@@ -6,10 +6,10 @@ memories as the operations leave them, every survivor's KV equal in fp32 to its 
 context less the erased parts, and a clean ``fsck``. SQLite and PostgreSQL; a tiny random-weight Llama (2 layers,
 hidden 32) over smollm2-135m-instruct's tokenizer, built once per module with the embedder.
 
-Tiers: 20 seeds on SQLite in the fast tier; 200 seeds per backend under ``slow`` (and ``postgres``). The op kinds
-whose known defects are fixed on other branches (``erasure_checker.PENDING``) are off in the sweeps;
-``test_a_pending_defect_is_found`` (slow) turns each on alone and asserts that some seed finds its defect: once
-the fix is merged it fails, and the kind belongs in ``DEFAULT_OPS``.
+Tiers: 20 seeds on SQLite in the fast tier; 200 seeds per backend under ``slow`` (and ``postgres``).
+``test_the_checker_finds_a_defect_put_back`` (slow) shows the checker can fail: four defects it found before they
+were fixed (retired segments never collected, a disk cache never swept, a copy dropping stale marks, an update
+forgetting its original turns) put back one at a time, each found within 40 seeds.
 ``KVMEM_ERASURE_OPS`` (``all``, ``+kind``, or a list) changes what the sweeps run.
 
 A failure names the seed, the operations and what was found where, and the command that replays it:
@@ -35,15 +35,15 @@ from kvmem.models import MANIFEST, model_dir
 
 FAST_SEEDS = range(20)
 FULL_SEEDS = range(200)
-# what the checker finds of each pending defect (the message's pattern), within PENDING_SEEDS
-FINDS = {
-    "retire": r"KV of .* in (objects|store/users)/",
-    "cached_read": r"in cache/",
-    "copy": r"the copy copy0: ",
-    "infer_update": r"secret zq[a-z]{8} in store/meta\.sqlite",
-    "infer_conflict": r"concurrent update|conflicting inferred add",
+# defects that were real once, put back one at a time (what stood in for the fix: (module, name, stand-in)), and
+# what the checker must then find (the message's pattern) within DEFECT_SEEDS
+DEFECTS = {
+    "retire": ("kvmem.store.Store", "collect", lambda self, now=None: [], r"KV of .* in (objects|store/users)/"),
+    "cached_read": ("kvmem.store.Store", "sweep_cache", lambda self: [], r"in cache/"),
+    "copy": ("kvmem.store.copy", "_carry_stale", lambda *a, **k: 0, r"the copy copy0: "),
+    "infer_update": ("kvmem.store.write", "inherited", lambda *a, **k: {}, r"secret zq[a-z]{8} in store/meta\.sqlite"),
 }
-PENDING_SEEDS = range(40)
+DEFECT_SEEDS = range(40)
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +89,22 @@ def test_replay(request, tmp_path, tools):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(FINDS))
-def test_a_pending_defect_is_found(kind, tmp_path, tools):
-    """With op kind ``kind`` on, some seed of ``PENDING_SEEDS`` finds the defect ``PENDING[kind]`` names (what it
-    finds: ``FINDS[kind]``; the first such seed ends the test). Once that defect's fix is merged this fails: move
-    ``kind`` into ``DEFAULT_OPS`` (drop it from ``PENDING``) and its entry here."""
-    for seed in PENDING_SEEDS:
+@pytest.mark.parametrize("kind", sorted(DEFECTS))
+def test_the_checker_finds_a_defect_put_back(kind, tmp_path, tools, monkeypatch):
+    """The checker can fail: with one fixed defect put back (``DEFECTS[kind]``: the collection of retired
+    segments, the disk cache's sweep, a copy's stale marks, an update's inherited source turns, each replaced by
+    a stand-in that does nothing), some seed of ``DEFECT_SEEDS`` finds it, and says where."""
+    import importlib
+
+    where, name, stand_in, finds = DEFECTS[kind]
+    module, _, cls = where.rpartition(".") if where.endswith("Store") else (where, "", "")
+    target = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+    monkeypatch.setattr(target, name, stand_in)
+    for seed in DEFECT_SEEDS:
         try:
-            sweep([seed], "sqlite", tmp_path, tools, ec.DEFAULT_OPS | {kind})
+            sweep([seed], "sqlite", tmp_path, tools, ec.DEFAULT_OPS)
         except AssertionError as exc:
-            if re.search(FINDS[kind], str(exc)):
+            if re.search(finds, str(exc)):
                 return
             raise
-    pytest.fail(f"no seed of {PENDING_SEEDS} found {kind!r} ({ec.PENDING[kind]}): fixed? turn it on (module doc)")
+    pytest.fail(f"no seed of {DEFECT_SEEDS} found the defect {kind!r} put back")

@@ -321,15 +321,25 @@ def bench_erasure(
         5, "--check", help="Erasures run for real on the LoCoMo store to confirm the count (-1: skip that part)."
     ),
     model: str = typer.Option("smollm2-135m-instruct", "--model"),
+    copies: int = typer.Option(
+        0,
+        "--copies",
+        min=0,
+        help="Memories of the user in the copies part (0: skip it): deletes on a local store "
+        "and on an object store read through a disk cache, then upkeep rounds until no file holds the KV.",
+    ),
+    retire_after: float = typer.Option(2.0, "--retire-after", min=0.0, help="retire_after_s in the copies part, s."),
+    round_s: float = typer.Option(1.0, "--round", min=0.01, help="The upkeep's round in the copies part, s."),
     out: Path = typer.Option(Path("runs/bench/erasure"), "--out"),
 ):
-    """Erasure: the time to delete one memory (re-encoding at once, and deferred) and the facts re-encoded per
-    deleted fact on a LoCoMo conversation (w=5, m=4)."""
+    """Erasure: the time to delete one memory (re-encoding at once, and deferred), the facts re-encoded per
+    deleted fact on a LoCoMo conversation (w=5, m=4), and (``--copies``) the time until no copy holds it."""
     from ..bench.common import int_list
 
     erasure = bench_module("erasure")
     sizes = int_list(counts, "--counts", 1) if counts else []
-    erasure.run(data, out, sample, sizes, model, deletes, check=check, echo=typer.echo)
+    erasure.run(data, out, sample, sizes, model, deletes, check=check, echo=typer.echo, copies_n=copies,
+                retire_s=retire_after, round_s=round_s)  # fmt: skip
 
 
 @bench_app.command("extract")
