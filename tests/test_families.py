@@ -275,3 +275,53 @@ def test_latent_rotation_is_the_familys_own(case):
         else:
             cached = mod.apply_rotary_pos_emb(k_pe, k_pe, *pe)[1]
     assert torch.allclose(out[0, :, :, :r], cached[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_format", ["native", "int8"])
+def test_latent_store_serves_its_own_layout(tmp_path, kv_format):
+    """A DeepSeek V3 store holds the latent row, (kv_lora_rank + qk_rope_head_dim) x layers values per token, and
+    its segment is served back: natively, [header][fact] composed from the store equals a prefill of the same
+    tokens (max |dlogit| <= 1e-5 x max |logit|, 20 identical greedy tokens); in int8 within int8's error. The
+    store refuses a fingerprint of another layout."""
+    from safetensors import safe_open
+
+    from kvmem.compose import compose
+    from kvmem.encode import encode_spans
+    from kvmem.engines.hf import HFEngine
+    from kvmem.models import LoadedModel, fingerprint
+    from kvmem.rope import Rotary
+    from kvmem.store import FactRecord, Store, StoreMismatch
+
+    model = _model("deepseek_v3")
+    cfg = model.config
+    fp = fingerprint(LoadedModel("tiny-deepseek", model, None, False, "w"))
+    header, fact, query = random_ids(8, seed=50), random_ids(40, seed=51), random_ids(6, seed=52)
+    hkv, fkv = encode_spans(model, [header, header + fact], [(0, 8), (8, 48)])
+    st = Store.create(tmp_path / "s", fp, "hdr", header, hkv.keys, hkv.values, {"name": "e"}, kv_format=kv_format)
+    rec = FactRecord("u/0", "u", "fact", "A", "D1:1", "d", tuple(fact), 0, 0)
+    st.put_user("u", [rec], [fkv.keys], [fkv.values], torch.ones(1, 4), window=0)
+    ukv = st.user_kv("u")
+    (seg,) = ukv.segments
+    with safe_open(st.segment_path("u", seg), "pt") as f:
+        k, v = f.get_tensor("keys"), f.get_tensor("values")
+    assert k.shape == v.shape == (40, cfg.num_hidden_layers, 1, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) // 2)
+    per_token = (k.nbytes + v.nbytes) // 40
+    itemsize = 4 if kv_format == "native" else 1
+    assert per_token == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * itemsize
+    memory = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [0])
+    assert memory.token_ids == header + fact
+    engine = HFEngine(model, eos_token_ids=[])
+    steps = 20 if kv_format == "native" else 1
+    kv = engine.run(query, memory, "kv", steps, keep_step_logits=True)
+    ref = engine.run(query, memory, "prompt", steps, keep_step_logits=True)
+    worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(kv.step_logits, ref.step_logits))
+    if kv_format == "native":
+        assert worst <= REL_TOL and kv.token_ids == ref.token_ids and len(set(kv.token_ids)) > 1
+    else:
+        got_k, got_v = ukv.fact_kv(0)
+        for got, want in ((got_k, fkv.keys), (got_v, fkv.values)):
+            assert 0 < float((got - want).abs().amax() / want.abs().amax()) < 0.01
+        assert 0 < worst < 0.05
+    other = {k: v for k, v in fp.items() if k != "kv_layout"}
+    with pytest.raises(StoreMismatch, match="kv_layout"):
+        Store.open(tmp_path / "s", fingerprint=other)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...models import MANIFEST, head_dim, weights_hash
+from ...models import MANIFEST, kv_identity, weights_hash
 from ...rope import LENGTH_DEPENDENT, rope_type
 from ...store import canonical
 
@@ -72,9 +72,7 @@ def engine_identity(vllm_config) -> dict:
     return {
         "weights_sha256": weights,
         "dtype": str(mc.dtype).removeprefix("torch."),
-        "num_layers": cfg.num_hidden_layers,
-        "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": head_dim(cfg),
+        **kv_identity(cfg),
     }
 
 
