@@ -19,7 +19,8 @@ from .rope import is_length_dependent, reset_rope_state, served_length
 
 @dataclass
 class SpanKV:
-    """Pre-RoPE keys and raw values of one token span: both [L, num_kv_heads, num_tokens, head_dim]."""
+    """Pre-RoPE keys and raw values of one token span: both [L, H, num_tokens, D] (``models.kv_shape``: num_kv_heads
+    x head_dim, or for latent attention one head of the latent row's halves)."""
 
     keys: torch.Tensor
     values: torch.Tensor
