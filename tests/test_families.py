@@ -325,3 +325,25 @@ def test_latent_store_serves_its_own_layout(tmp_path, kv_format):
     other = {k: v for k, v in fp.items() if k != "kv_layout"}
     with pytest.raises(StoreMismatch, match="kv_layout"):
         Store.open(tmp_path / "s", fingerprint=other)
+
+
+def test_latent_selective_recompute_of_every_fact_token_is_a_prefill():
+    """kv-sel100 on latent attention: independently encoded facts, recomputed whole on the injected latent cache,
+    give prompt injection's logits; without the recompute they differ (the facts never saw each other)."""
+    from kvmem.compose import compose_raw
+    from kvmem.encode import encode_spans
+    from kvmem.engines.hf import HFEngine
+    from kvmem.rope import Rotary
+
+    model = _model("deepseek_v2")
+    model.set_attn_implementation("sdpa")
+    h, f1, f2, q = random_ids(8, seed=60), random_ids(20, seed=61), random_ids(20, seed=62), random_ids(6, seed=63)
+    kvs = encode_spans(model, [h, h + f1, h + f2], [(0, 8), (8, 28), (8, 28)])
+    keys, values = torch.cat([k.keys for k in kvs], 2), torch.cat([k.values for k in kvs], 2)
+    engine = HFEngine(model, eos_token_ids=[])
+    memory = compose_raw(Rotary.for_model(model), h + f1 + f2, keys, values)
+    ref = engine.run(q, memory, "prompt", 1).first_logits
+    sel = engine.run(q, memory, "kv", 1, recompute=1.0, header_len=8).first_logits
+    plain = engine.run(q, memory, "kv", 1).first_logits
+    assert (sel - ref).abs().max() <= REL_TOL * ref.abs().max()
+    assert (plain - ref).abs().max() > 1e-3 * ref.abs().max()
