@@ -72,6 +72,25 @@ def tiny_model(family: str, **overrides):
         overrides.setdefault("layer_types", ["sliding_attention"] * 3 + ["full_attention"])
         cfg = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=24, query_pre_attn_scalar=16, **overrides)
         cls = tf.Gemma3ForCausalLM
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        # latent attention: c_kv 24 + k_pe 8 wide (a stored row of 32 = 2 x 16); layer 0 dense, layer 1 MoE
+        common.update(num_hidden_layers=2, num_key_value_heads=4)
+        mla = dict(
+            kv_lora_rank=24,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            q_lora_rank=32,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+        )
+        if family == "deepseek_v3":
+            mla.update(n_group=2, topk_group=1)
+            cfg, cls = tf.DeepseekV3Config(**common, **(mla | overrides)), tf.DeepseekV3ForCausalLM
+        else:
+            cfg, cls = tf.DeepseekV2Config(**common, **(mla | overrides)), tf.DeepseekV2ForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"

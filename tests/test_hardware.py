@@ -200,7 +200,7 @@ def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
 
 
 def test_connector_refuses_what_it_does_not_implement():
-    """TP > 1, fp8 KV caches, several KV-cache groups and length-dependent RoPE are
+    """TP > 1, fp8 KV caches, several KV-cache groups, latent attention and length-dependent RoPE are
     refused at engine start with one clear error, not served wrongly."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     from types import SimpleNamespace as NS
@@ -225,6 +225,10 @@ def test_connector_refuses_what_it_does_not_implement():
         check_engine_config(cfg(cache_dtype="fp8"))
     with pytest.raises(ValueError, match="2 KV-cache groups"):
         check_engine_config(cfg(), NS(kv_cache_groups=[1, 2]))
+    deepseek = cfg()
+    deepseek.model_config.hf_config = tf.DeepseekV3Config()
+    with pytest.raises(ValueError, match="latent-attention models .* use --engine hf"):
+        check_engine_config(deepseek)
     for rope in (
         {"rope_type": "dynamic", "factor": 2.0},
         {

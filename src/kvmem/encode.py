@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .models import head_dim, kv_taps
+from .models import head_dim, kv_taps, split_latent
 from .rope import is_length_dependent, reset_rope_state, served_length
 
 
 @dataclass
 class SpanKV:
-    """Pre-RoPE keys and raw values of one token span: both [L, num_kv_heads, num_tokens, head_dim]."""
+    """Pre-RoPE keys and raw values of one token span: both [L, H, num_tokens, D] (``models.kv_shape``: num_kv_heads
+    x head_dim, or for latent attention one head of the latent row's halves)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -45,7 +46,8 @@ def _to_bhtd(x: torch.Tensor, layout: str, num_kv_heads: int, dim: int, q_size: 
 @contextmanager
 def capture_kv(model):
     """Hook every attention layer; yields ``(keys, values)`` lists filled on each forward with
-    per-layer [B, num_kv_heads, T, head_dim] pre-RoPE keys and raw values."""
+    per-layer [B, H, T, D] pre-RoPE keys and raw values (``models.kv_shape``: H = num_kv_heads, D = head_dim; for
+    latent attention H = 1 and the latent row [pre-RoPE k_pe | c_kv] split in halves, ``models.split_latent``)."""
     cfg = model.config
     taps = kv_taps(cfg)
     h, d = cfg.num_key_value_heads, head_dim(cfg)
@@ -57,9 +59,15 @@ def capture_kv(model):
         attn = layer.self_attn
 
         def k_hook(_m, _inp, out, i=i):
+            if taps.key_layout == "mla_k_pe":  # [B, T, c + r]: k_pe is the tail; joined with c_kv in v_hook
+                keys[i] = out[..., cfg.kv_lora_rank :].unsqueeze(1)
+                return
             keys[i] = _to_bhtd(out, taps.key_layout, h, d, q_size)
 
         def v_hook(_m, _inp, out, i=i):
+            if taps.value_layout == "mla_c_kv":  # [B, T, c], after k_hook of this layer: both in stored form
+                keys[i], values[i] = split_latent(keys[i], out.unsqueeze(1))
+                return
             values[i] = _to_bhtd(out, taps.value_layout, h, d, q_size)
 
         handles.append(getattr(attn, taps.key_module).register_forward_hook(k_hook))

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from .compose import compose_raw
 from .encode import capture_kv, encode_spans
 from .engines.select import reference_engine
+from .models import from_cache
 from .rope import Rotary
 
 REL_TOL = 1e-5
@@ -26,6 +27,11 @@ REL_TOL = 1e-5
 def _rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     diff = (a.float() - b.float()).abs().max().item()
     return diff, diff / max(b.float().abs().max().item(), 1e-30)
+
+
+def _cached(model, cache: DynamicCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill's cache layer in kvmem's stored form: rotated keys, values [1, H, T, D] (``models.from_cache``)."""
+    return from_cache(model.config, cache.layers[layer].keys, cache.layers[layer].values)
 
 
 def check_joint(model, memory_ids: list[int], query_ids: list[int], steps: int = 20, start: int = 0) -> dict:
@@ -77,7 +83,7 @@ def check_relocated_keys(model, memory_ids: list[int], start: int) -> dict:
         rotated = rotary.rotate_keys(keys, positions)
         worst = (0.0, 0.0)
         for layer in range(rotated.shape[0]):
-            ref = cache.layers[layer].keys[0]
+            ref = _cached(model, cache, layer)[0][0]
             worst = max(worst, _rel(rotated[layer, :, -ref.shape[1] :], ref))
         out[f"max_abs_key_diff_{name}"], out[f"rel_key_diff_{name}"] = worst
     return out
@@ -102,8 +108,9 @@ def check_window(
     n = len(fact_ids)
     k_worst, v_worst = (0.0, 0.0), (0.0, 0.0)
     for layer in range(rotated.shape[0]):
-        k_worst = max(k_worst, _rel(rotated[layer], cache.layers[layer].keys[0, :, -n:]))
-        v_worst = max(v_worst, _rel(kv.values[layer], cache.layers[layer].values[0, :, -n:]))
+        keys, values = _cached(model, cache, layer)
+        k_worst = max(k_worst, _rel(rotated[layer], keys[0, :, -n:]))
+        v_worst = max(v_worst, _rel(kv.values[layer], values[0, :, -n:]))
     return {
         "max_abs_key_diff": k_worst[0],
         "rel_key_diff": k_worst[1],

@@ -403,10 +403,23 @@ def fingerprint(lm: LoadedModel) -> dict:
         "tokenizer_sha256": tok_hash,
         "dtype": str(lm.dtype).removeprefix("torch."),
         "rope": rope_config(cfg),
-        "num_layers": cfg.num_hidden_layers,
-        "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": head_dim(cfg),
+        **kv_identity(cfg),
     }
+
+
+def kv_identity(cfg) -> dict:
+    """The stored KV's shape in a fingerprint: layers, heads and width of what each layer stores per token
+    (``kv_shape``), and for latent attention the latent layout (``kv_layout``), so a store of one layout is never
+    served to a model of another. Other models' entries are as they always were (their stores stay valid)."""
+    h, d = kv_shape(cfg)
+    out = {"num_layers": cfg.num_hidden_layers, "num_kv_heads": h, "head_dim": d}
+    if is_latent(cfg):
+        out["kv_layout"] = {
+            "latent": "k_pe|c_kv",
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        }
+    return out
 
 
 def rope_config(cfg) -> dict:
@@ -427,6 +440,66 @@ def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+# --- multi-head latent attention (DeepSeek V2 / V3) ----------------------------------------------------------
+#
+# An MLA layer caches, per token, one latent ``c_kv`` (``kv_lora_rank`` wide, after ``kv_a_layernorm``, no
+# position in it) and one decoupled RoPE key ``k_pe`` (``qk_rope_head_dim`` wide, shared by all heads). kvmem
+# stores the latent row ``[k_pe | c_kv]`` (pre-RoPE ``k_pe`` first) of W = r + c channels as one "head", split
+# in halves so the segment format's keys and values stay equal-shaped: keys = row[:W/2] (``k_pe`` and the first
+# c_kv channels), values = row[W/2:]. Chunked RoPE rotates the first r channels of the keys only
+# (``rope.Rotary``); the engines rebuild ``c_kv`` and the rotated ``k_pe`` (``join_latent``).
+
+LATENT = ("deepseek_v2", "deepseek_v3")
+
+
+def is_latent(cfg) -> bool:
+    """Whether ``cfg`` is a multi-head latent attention model (its cache holds ``c_kv`` and ``k_pe``)."""
+    return cfg.model_type in LATENT
+
+
+def kv_shape(cfg) -> tuple[int, int]:
+    """(heads, width) of what each layer stores per token, for keys and for values alike: (num_key_value_heads,
+    head_dim), or (1, (kv_lora_rank + qk_rope_head_dim) / 2) for latent attention. Raises ModelError for a
+    latent row of odd width (it cannot be split in halves) or one whose RoPE part does not fit the first half."""
+    if not is_latent(cfg):
+        return cfg.num_key_value_heads, head_dim(cfg)
+    c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    if (c + r) % 2 or r > c:
+        raise ModelError(f"latent attention with kv_lora_rank={c} and qk_rope_head_dim={r} is not supported")
+    return 1, (c + r) // 2
+
+
+def split_latent(k_pe: torch.Tensor, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k_pe`` [..., r] and ``c_kv`` [..., c] -> the stored keys, values [..., (r + c) / 2] (new tensors)."""
+    row = torch.cat([k_pe, c_kv], dim=-1)
+    half = row.shape[-1] // 2
+    return row[..., :half].contiguous(), row[..., half:].contiguous()
+
+
+def join_latent(keys: torch.Tensor, values: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``split_latent``: stored keys, values [..., W/2] -> ``k_pe`` [..., rope_dim], ``c_kv``
+    [..., W - rope_dim] (new tensors)."""
+    row = torch.cat([keys, values], dim=-1)
+    return row[..., :rope_dim].contiguous(), row[..., rope_dim:].contiguous()
+
+
+def to_cache(cfg, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What transformers' cache holds for a layer, from kvmem's keys, values [..., H, T, D] (keys rotated): the
+    same two tensors, or for latent attention ``c_kv`` [..., 1, T, c] in its key slot and the rotated ``k_pe``
+    [..., 1, T, r] in its value slot (transformers' DeepSeek V2 / V3 cache the latent, not per-head K/V)."""
+    if not is_latent(cfg):
+        return keys, values
+    k_pe, c_kv = join_latent(keys, values, cfg.qk_rope_head_dim)
+    return c_kv, k_pe
+
+
+def from_cache(cfg, cache_keys: torch.Tensor, cache_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``to_cache``: a transformers cache layer's two tensors -> kvmem's keys (rotated), values."""
+    if not is_latent(cfg):
+        return cache_keys, cache_values
+    return split_latent(cache_values, cache_keys)
+
+
 # --- family quirks: where pre-RoPE keys and raw values come out of attention -------------------------
 
 
@@ -434,7 +507,9 @@ def head_dim(cfg) -> int:
 class KVTaps:
     """Forward-hook points on ``self_attn``. ``layout`` of the key tap output:
     "flat" [B, T, H*D] (a projection), "bthd" [B, T, H, D], "bhtd" [B, H, T, D] (a k-norm),
-    "qkv_k"/"qkv_v" the key/value slice of a fused [q | k | v] projection."""
+    "qkv_k"/"qkv_v" the key/value slice of a fused [q | k | v] projection; "mla_k_pe" the pre-RoPE ``k_pe`` tail
+    of a latent attention's [c_kv | k_pe] projection and "mla_c_kv" its normalised ``c_kv`` (stored as
+    ``split_latent`` lays them out)."""
 
     key_module: str
     key_layout: str
@@ -450,6 +525,9 @@ _TAPS = {
     "gemma2": KVTaps("k_proj", "flat"),
     "gemma3_text": KVTaps("k_norm", "bhtd"),
     "phi3": KVTaps("qkv_proj", "qkv_k", "qkv_proj", "qkv_v"),
+    # latent attention: k_pe is the tail of the kv_a_proj_with_mqa output, c_kv the kv_a_layernorm output
+    "deepseek_v2": KVTaps("kv_a_proj_with_mqa", "mla_k_pe", "kv_a_layernorm", "mla_c_kv"),
+    "deepseek_v3": KVTaps("kv_a_proj_with_mqa", "mla_k_pe", "kv_a_layernorm", "mla_c_kv"),
 }
 
 _REFUSED = {
@@ -458,8 +536,6 @@ _REFUSED = {
     "falcon": "ALiBi/rotary variants are not supported",
     "mamba": "recurrent state-space layers have no KV cache to inject into",
     "jamba": "hybrid recurrent (Mamba) layers have no KV cache to inject into",
-    "deepseek_v2": "multi-head latent attention with decoupled RoPE is not supported",
-    "deepseek_v3": "multi-head latent attention with decoupled RoPE is not supported",
 }
 
 
@@ -470,6 +546,7 @@ def kv_taps(cfg) -> KVTaps:
         raise ModelError(f"cannot inject KV into {mt!r}: {_REFUSED[mt]}")
     if mt not in _TAPS:
         raise ModelError(f"model type {mt!r} is not supported for KV injection (supported: {', '.join(_TAPS)})")
+    kv_shape(cfg)  # a latent layout that cannot be stored is refused here
     return _TAPS[mt]
 
 

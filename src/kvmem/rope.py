@@ -6,6 +6,12 @@ We never re-implement RoPE: cos/sin come from the family's own rotary module (``
 layer type where the family has several, with its ``attention_scaling`` folded in), and the rotation is the
 modeling file's own ``apply_rotary_pos_emb``. ``Rotary.from_config`` builds the same module without weights,
 for processes that hold no transformers model (the vLLM worker).
+
+Latent attention (DeepSeek V2 / V3) rotates only its decoupled key ``k_pe``, the first ``qk_rope_head_dim``
+channels of the stored keys (``models.split_latent``), with the modeling file's own rotation: V3's
+``apply_rotary_pos_emb_interleave`` where the config sets ``rope_interleave`` (its output is de-interleaved, as the
+model caches it), V2's complex ``apply_rotary_emb`` (its rotary module yields complex frequencies, kept here as
+their real and imaginary parts, which rebuild them exactly).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ class Rotary:
         self.config = config
         self.module = rotary_module
         self.apply = apply_fn
+        # latent attention: only the keys' first channels (k_pe) rotate, the rest (c_kv) is position-free
+        latent = getattr(config, "kv_lora_rank", None) is not None  # the configs of models.LATENT
+        self.rope_dim: int | None = config.qk_rope_head_dim if latent else None
         types = getattr(config, "layer_types", None)
         self.layer_types: list[str | None] = list(types) if types else [None] * config.num_hidden_layers
         self._takes_layer_type = "layer_type" in inspect.signature(rotary_module.forward).parameters
@@ -36,7 +45,7 @@ class Rotary:
     def for_model(cls, model) -> Rotary:
         """From a loaded transformers causal LM (``model.model.rotary_emb``)."""
         base = getattr(model, "model", model)
-        return cls(model.config, base.rotary_emb, sys.modules[type(base).__module__].apply_rotary_pos_emb)
+        return cls(model.config, base.rotary_emb, _rotation(sys.modules[type(base).__module__], model.config))
 
     @classmethod
     def from_config(cls, config, device: torch.device | str = "cpu") -> Rotary:
@@ -46,7 +55,7 @@ class Rotary:
         names = [n for n in dir(mod) if n.endswith("RotaryEmbedding")]
         if len(names) != 1:
             raise ValueError(f"expected one rotary embedding class for {config.model_type!r}, found {names}")
-        return cls(config, getattr(mod, names[0])(config).to(device), mod.apply_rotary_pos_emb)
+        return cls(config, getattr(mod, names[0])(config).to(device), _rotation(mod, config))
 
     def cos_sin(
         self,
@@ -71,9 +80,12 @@ class Rotary:
                 pos = torch.cat([pos, torch.tensor([served_len - 1], device=device)])
             pos = pos.view(1, -1)
             if self._takes_layer_type:
-                cos, sin = self.module(x, pos, layer_type or self.layer_types[0])
+                out = self.module(x, pos, layer_type or self.layer_types[0])
             else:
-                cos, sin = self.module(x, pos)
+                out = self.module(x, pos)
+        if torch.is_tensor(out) and out.is_complex():  # DeepSeek V2: complex frequencies [1, T, rotary_dim / 2]
+            out = (out.real.contiguous(), out.imag.contiguous())
+        cos, sin = out
         return cos[0, :n], sin[0, :n]
 
     def rotate_keys(self, keys: torch.Tensor, positions: torch.Tensor, served_len: int | None = None) -> torch.Tensor:
@@ -107,7 +119,18 @@ class Rotary:
         Where the family's ``apply_rotary_pos_emb`` is the half-split form ``x * cos + rotate_half(x) * sin`` (checked
         once per layer type, dtype and device against that function itself, on these cos/sin), the rotation is
         four fused multiply-adds over the two halves, with no temporaries: rotation is memory-bound, and at k=50 it
-        touches tens of MB. Otherwise (interleaved pairs, partial rotary, anything else) it is the family's function."""
+        touches tens of MB. Otherwise (interleaved pairs, partial rotary, anything else) it is the family's function.
+        Latent attention: the first ``rope_dim`` channels (``k_pe``) rotate so, the rest is copied as it is."""
+        r = self.rope_dim
+        if r is not None and r < keys.shape[-1]:
+            out = torch.empty_like(keys) if out is None else out
+            out[..., r:] = keys[..., r:]
+            # contiguous: V2's complex rotation views channel pairs, which needs even strides
+            self._rotate(keys[..., :r].contiguous(), cos, sin, layer_type, out[..., :r])
+            return out
+        return self._rotate(keys, cos, sin, layer_type, out)
+
+    def _rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_type, out) -> torch.Tensor:
         if self._half_split(keys, cos, sin, layer_type):
             d = keys.shape[-1] // 2
             c, s = cos[:, :d], sin[:, :d]
@@ -161,6 +184,20 @@ class Rotary:
         return self._halves_ok[key]
 
 
+def _rotation(mod, config):
+    """The modeling module ``mod``'s own rotation for ``config``, as ``f(q, k, cos, sin) -> (q, k)``."""
+    if getattr(config, "rope_interleave", False) and hasattr(mod, "apply_rotary_pos_emb_interleave"):
+        return mod.apply_rotary_pos_emb_interleave  # DeepSeek V3's interleaved pairs
+    if not hasattr(mod, "apply_rotary_pos_emb") and hasattr(mod, "apply_rotary_emb"):  # DeepSeek V2: complex
+        complex_rotation = mod.apply_rotary_emb
+
+        def apply(q, k, cos, sin):
+            return complex_rotation(q, k, torch.complex(cos, sin))
+
+        return apply
+    return mod.apply_rotary_pos_emb
+
+
 @contextmanager
 def served_length(model, served_len: int | None):
     """While active, the model's own forward passes pick length-dependent RoPE frequencies (``dynamic``,
@@ -187,6 +224,8 @@ def served_length(model, served_len: int | None):
 
     def trim(_module, _args, _kwargs, output):
         n = widths.pop()
+        if torch.is_tensor(output):  # DeepSeek V2: one complex tensor of frequencies
+            return output[..., :n, :]
         return tuple(t[..., :n, :] for t in output)
 
     handles = [

@@ -23,6 +23,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from ..compose import ComposedMemory, compose
+from ..models import to_cache
 from ..rope import Rotary, reset_rope_state, served_length
 from ..store import StoreError
 from .base import (
@@ -136,13 +137,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Ge
 
 
 def build_cache(model, memory: ComposedMemory) -> DynamicCache:
-    """A transformers cache holding the composed memory's rotated keys and values, [1, H, m, D] per layer.
+    """A transformers cache holding the composed memory's rotated keys and values, [1, H, m, D] per layer (for
+    latent attention ``c_kv`` and the rotated ``k_pe``, as the model caches them: ``models.to_cache``).
 
     Sliding-window layers (Gemma 3) keep their last ``window - 1`` positions, exactly as after a prefill.
     """
     cache = DynamicCache(config=model.config)
     for layer in range(memory.keys.shape[0]):
-        cache.update(memory.keys[layer][None], memory.values[layer][None], layer)
+        k, v = to_cache(model.config, memory.keys[layer][None], memory.values[layer][None])
+        cache.update(k, v, layer)
     return cache
 
 

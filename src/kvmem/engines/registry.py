@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..policy import Method
 
-__all__ = ["ENGINES", "Capabilities", "capabilities", "refusal"]
+__all__ = ["ENGINES", "Capabilities", "capabilities", "latent_refusal", "refusal"]
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,13 @@ class Capabilities:
 
     ``label``: how messages name it; ``selective_recompute``: recomputes chosen tokens inside the injected memory
     (``kv-sel<p>``); ``batches``: concurrent requests run in one batch (continuous batching) rather than one at a
-    time; ``why_not``: per ability this engine lacks, the reason, as users read it."""
+    time; ``latent_attention``: injects the latent KV of multi-head latent attention models (DeepSeek V2 / V3);
+    ``why_not``: per ability this engine lacks, the reason, as users read it."""
 
     label: str
     selective_recompute: bool = False
     batches: bool = False
+    latent_attention: bool = True
     why_not: dict[str, str] = field(default_factory=dict)
 
 
@@ -34,8 +36,10 @@ ENGINES: dict[str, Capabilities] = {
     "vllm": Capabilities(
         "vLLM",
         batches=True,
+        latent_attention=False,
         why_not={
-            "selective_recompute": "its KV connector can report an injected prefix, not tokens to recompute inside it"
+            "selective_recompute": "its KV connector can report an injected prefix, not tokens to recompute inside it",
+            "latent_attention": "its KV connector writes per-head K/V pages, not vLLM's latent (MLA) cache",
         },
     ),
 }
@@ -64,3 +68,14 @@ def refusal(method: Method, engine: str, *, started: bool = True) -> str | None:
         )
     reason = capabilities(engine).why_not.get("selective_recompute", "it cannot recompute inside injected memory")
     return f"kv-sel (query-aware selective recompute) runs on {labels} only, not on {engine}: {reason}"
+
+
+def latent_refusal(engine: str) -> str | None:
+    """Why ``engine`` cannot inject a multi-head latent attention model's KV (DeepSeek V2 / V3), as one line
+    naming the engines that can, or None when it can."""
+    caps = capabilities(engine)
+    if caps.latent_attention:
+        return None
+    able = " or ".join(f"--engine {name}" for name, c in ENGINES.items() if c.latent_attention)
+    reason = caps.why_not.get("latent_attention", "it cannot inject latent attention KV")
+    return f"latent-attention models (DeepSeek V2/V3) cannot take injected KV on {caps.label}: {reason}; use {able}"

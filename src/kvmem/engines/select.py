@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..hardware import resolve_engine
-from ..models import REGISTRY, LoadedModel, load, model_dir, stop_token_ids
+from ..models import REGISTRY, LoadedModel, is_latent, load, model_dir, stop_token_ids
 from .base import AsyncEngine, Engine, EngineUnavailable
+from .registry import latent_refusal
 
 VLLM_MAX_MODEL_LEN = 32768  # vLLM's context is capped here (and then to what its KV cache holds)
 
@@ -56,13 +57,15 @@ def open_engine(
     ``cache_bytes``: the LRU bound of the vLLM worker's store caches (its own process); ``cache_dir``: its disk
     cache of segments in an object store.
 
-    Raises EngineUnavailable (``engine="vllm"`` where it cannot run or start), ModelError (not installed),
-    ValueError (unknown engine or dtype).
+    Raises EngineUnavailable (``engine="vllm"`` where it cannot run or start, or for a latent-attention model),
+    ModelError (not installed), ValueError (unknown engine or dtype).
     """
     name, note = resolve_engine(engine)
     if name == "vllm":
         lm = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, weights=False)
         try:
+            if is_latent(lm.config):
+                raise EngineUnavailable(latent_refusal("vllm"))
             return Opened(
                 lm,
                 _vllm(

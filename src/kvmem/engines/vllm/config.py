@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...models import MANIFEST, head_dim, weights_hash
+from ...models import MANIFEST, is_latent, kv_identity, weights_hash
 from ...rope import LENGTH_DEPENDENT, rope_type
 from ...store import canonical
+from ..registry import latent_refusal
 
 
 @dataclass(frozen=True)
@@ -72,16 +73,15 @@ def engine_identity(vllm_config) -> dict:
     return {
         "weights_sha256": weights,
         "dtype": str(mc.dtype).removeprefix("torch."),
-        "num_layers": cfg.num_hidden_layers,
-        "num_kv_heads": cfg.num_key_value_heads,
-        "head_dim": head_dim(cfg),
+        **kv_identity(cfg),
     }
 
 
 def check_engine_config(vllm_config, kv_cache_config=None) -> None:
     """Refuse, with one clear error (ValueError) at engine start, what the connector does not implement: tensor or
-    pipeline parallelism > 1, fp8 KV caches, more than one KV-cache group, and length-dependent RoPE (keys rotated
-    for one served length would enter the prefix cache and be reused at another)."""
+    pipeline parallelism > 1, fp8 KV caches, more than one KV-cache group, latent attention (DeepSeek V2 / V3:
+    ``registry.latent_refusal``), and length-dependent RoPE (keys rotated for one served length would enter the
+    prefix cache and be reused at another)."""
     par = vllm_config.parallel_config
     if getattr(par, "tensor_parallel_size", 1) > 1 or getattr(par, "pipeline_parallel_size", 1) > 1:
         raise ValueError("kvmem connector: tensor/pipeline parallelism > 1 is not supported yet")
@@ -97,6 +97,8 @@ def check_engine_config(vllm_config, kv_cache_config=None) -> None:
             f"kvmem connector: {len(groups)} KV-cache groups (hybrid/sliding-window manager) are not supported yet"
         )
     cfg = vllm_config.model_config.hf_config
+    if is_latent(getattr(cfg, "text_config", None) or cfg):
+        raise ValueError(f"kvmem connector: {latent_refusal('vllm')}")
     rt = rope_type(getattr(cfg, "text_config", None) or cfg)
     if any(x in rt for x in LENGTH_DEPENDENT):
         raise ValueError(

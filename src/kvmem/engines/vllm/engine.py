@@ -27,7 +27,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 from vllm.config import KVTransferConfig  # imported here, so that a missing vLLM fails at import (engines.select)
 
 from ...hardware import resolve_dtype
-from ...models import head_dim
+from ...models import head_dim, is_latent
 from ...policy import Method
 from ...store import canonical, secrets
 from ..base import (
@@ -147,10 +147,13 @@ def line_stop_at(token_ids: list[int], sampling: Sampling, seen_text: bool = Fal
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
-    """KV-cache bytes one token takes in vLLM: 2 (K, V) x layers x num_kv_heads x head_dim x dtype bytes. Every
-    layer counts at full length: the connector does not implement ``SupportsHMA``, so sliding-window layers get
-    full-size KV too."""
+    """KV-cache bytes one token takes in vLLM: 2 (K, V) x layers x num_kv_heads x head_dim x dtype bytes, or for
+    latent attention layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes (vLLM's MLA cache holds the latent
+    row). Every layer counts at full length: the connector does not implement ``SupportsHMA``, so sliding-window
+    layers get full-size KV too."""
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    if is_latent(config):
+        return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim(config) * itemsize
 
 
