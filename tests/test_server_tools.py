@@ -58,7 +58,7 @@ def base(tmp_path_factory):
         engine="hf",
         dtype="float32",
         window=2,
-        limits=Limits(default_max_tokens=40),
+        limits=Limits(default_max_tokens=40, request_timeout_s=600),  # 2 shared cores, fp32
     )
     with http_server(srv) as url:
         for fact in ("Alice lives in Lisbon, in Portugal.", "Alice's favourite colour is teal."):
@@ -156,8 +156,9 @@ def test_a_forced_call_parses_streams_the_same_and_uses_the_memory(client):
 
 def test_the_follow_up_turn_answers_from_the_tool_result_with_memory(client):
     """The history: the user's question, the assistant's call (``content`` null), the tool's result (by
-    ``tool_call_id``). The answer (text, greedy) uses the result's word, in kv mode with the memory still
-    injected (the retrieval question is the last user message), the same as prompt mode."""
+    ``tool_call_id``), with ``tool_choice`` none (a text answer now; the tools are not shown). The answer (greedy)
+    uses the result's word, in kv mode with the memory still injected (the retrieval question is the last user
+    message), the same as prompt mode."""
     history = ASK + [
         {
             "role": "assistant",
@@ -178,6 +179,7 @@ def test_the_follow_up_turn_answers_from_the_tool_result_with_memory(client):
             model=MODEL,
             messages=history,
             tools=TOOLS,
+            tool_choice="none",
             user="alice",
             temperature=0,
             max_tokens=40,

@@ -128,7 +128,7 @@ def bad_request(reason: str) -> PydanticCustomError:
 
 
 MAX_TOOLS = 128  # tools per request
-MAX_TOOLS_BYTES = 64 << 10  # the tools block as JSON text: it is rendered into every prompt of the chat
+MAX_TOOLS_BYTES = 32 << 10  # the tools block as JSON text: it is rendered into every prompt of the chat
 
 
 def _local_refs_only(schema) -> None:
