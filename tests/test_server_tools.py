@@ -253,3 +253,58 @@ def test_tools_are_rendered_by_the_template_after_the_memory():
     assert not sfmt.tools
     with pytest.raises(ValueError, match="chat template has no tools"):
         sfmt.conversation_ids(small, ASK, tools=TOOLS)
+
+
+def test_langgraph_react_agent_calls_the_tool_with_the_memory(base):
+    """LangChain's ``ChatOpenAI(...).bind_tools`` inside a LangGraph ReAct agent, pointed at kvmem: the agent
+    reads kvmem's ``tool_calls`` (auto), runs the tool with arguments from Alice's memory, sends its result back
+    as a ``tool`` message kvmem accepts, and ends with the model's answer."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    seen = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        seen.append(city)
+        return "hailstorm, 3 degrees"
+
+    llm = ChatOpenAI(
+        model=MODEL, base_url=f"{base}/v1", api_key="none", temperature=0, max_tokens=40, max_retries=0, timeout=600
+    ).bind(user="alice")
+    agent = create_react_agent(llm, [get_weather])
+    out = agent.invoke({"messages": [("user", "What's the weather like where I live?")]}, {"recursion_limit": 6})
+    kinds = [m.type for m in out["messages"]]
+    assert kinds[:3] == ["human", "ai", "tool"] and kinds[-1] == "ai", kinds
+    assert seen and "lisb" in seen[0].lower(), seen
+    assert out["messages"][1].tool_calls[0]["name"] == "get_weather"
+
+
+def test_openai_agents_sdk_runs_the_tool_through_kvmem(base):
+    """The OpenAI Agents SDK's ``OpenAIChatCompletionsModel`` over an ``AsyncOpenAI`` client at kvmem: the run
+    calls the function tool with arguments from Alice's memory and finishes with a final output."""
+    import openai
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)  # no trace export: nothing outside this machine is reached
+    seen = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        seen.append(city)
+        return "hailstorm, 3 degrees"
+
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+    agent = Agent(
+        name="weather",
+        instructions="Answer briefly.",
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(temperature=0, max_tokens=40, extra_body={"user": "alice"}),
+        tools=[get_weather],
+    )
+    result = Runner.run_sync(agent, "What's the weather like where I live?", max_turns=4)
+    assert seen and "lisb" in seen[0].lower(), seen
+    assert isinstance(result.final_output, str)
