@@ -597,6 +597,7 @@ def test_bad_tools_and_tool_messages_are_a_400_naming_the_field(server):
             "not a valid JSON Schema at 'properties/x/type'",
         ),
         ({"tools": [tool(parameters={"type": "string"})]}, "tools.0.function.parameters", "JSON object"),
+        ({"tools": [tool(parameters={"type": "object", "$schema": 5})]}, "tools.0.function.parameters", "'$schema'"),
         (
             {"tools": [tool(parameters={"$ref": "https://example.com/s.json"})]},
             "tools.0.function.parameters",

@@ -272,8 +272,15 @@ def test_langgraph_react_agent_calls_the_tool_with_the_memory(base):
         return "hailstorm, 3 degrees"
 
     llm = ChatOpenAI(
-        model=MODEL, base_url=f"{base}/v1", api_key="none", temperature=0, max_tokens=40, max_retries=0, timeout=600
-    ).bind(user="alice")
+        model=MODEL,
+        base_url=f"{base}/v1",
+        api_key="none",
+        temperature=0,
+        max_tokens=40,
+        max_retries=0,
+        timeout=600,
+        extra_body={"user": "alice"},  # whose memory (kept when the agent binds its tools)
+    )
     agent = create_react_agent(llm, [get_weather])
     out = agent.invoke({"messages": [("user", "What's the weather like where I live?")]}, {"recursion_limit": 6})
     kinds = [m.type for m in out["messages"]]
@@ -283,8 +290,9 @@ def test_langgraph_react_agent_calls_the_tool_with_the_memory(base):
 
 
 def test_openai_agents_sdk_runs_the_tool_through_kvmem(base):
-    """The OpenAI Agents SDK's ``OpenAIChatCompletionsModel`` over an ``AsyncOpenAI`` client at kvmem: the run
-    calls the function tool with arguments from Alice's memory and finishes with a final output."""
+    """The OpenAI Agents SDK's ``OpenAIChatCompletionsModel`` over an ``AsyncOpenAI`` client at kvmem: with
+    ``tool_choice`` required on the first turn (the SDK resets it to auto after a call), the run calls the
+    function tool with arguments from Alice's memory and finishes with a final output."""
     import openai
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
 
@@ -302,7 +310,9 @@ def test_openai_agents_sdk_runs_the_tool_through_kvmem(base):
         name="weather",
         instructions="Answer briefly.",
         model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-        model_settings=ModelSettings(temperature=0, max_tokens=40, extra_body={"user": "alice"}),
+        model_settings=ModelSettings(
+            temperature=0, max_tokens=40, tool_choice="required", extra_body={"user": "alice"}
+        ),
         tools=[get_weather],
     )
     result = Runner.run_sync(agent, "What's the weather like where I live?", max_turns=4)

@@ -152,11 +152,15 @@ def check_json_schema(schema: dict) -> dict:
     from jsonschema.validators import validator_for
 
     _local_refs_only(schema)
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request("'$schema' must be a string (a JSON Schema draft's URI)")
     try:
         validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(x) for x in exc.absolute_path)
         raise bad_request(f"not a valid JSON Schema at '{where}': {exc.message[:200]}") from None
+    except Exception as exc:  # the checker failing on input it did not expect is still bad input, never a 500
+        raise bad_request(f"not a valid JSON Schema ({type(exc).__name__})") from None
     if schema.get("type", "object") != "object":
         raise bad_request("a tool's parameters must describe a JSON object ('type': 'object')")
     return schema
