@@ -574,6 +574,84 @@ def test_text_parts_developer_role_and_refused_fields(server, alice):
     assert ok.status_code == 200
 
 
+def test_bad_tools_and_tool_messages_are_a_400_naming_the_field(server):
+    """Tools are checked by the request models (so ``/openapi.json`` carries them): a tool schema that is not a
+    JSON Schema of an object (the ``jsonschema`` meta-schema), a remote ``$ref``, ``tool_choice`` naming no tool
+    of ``tools``, too many tools or too large a tools block, two tools of one name, a tool message that answers
+    no earlier call, call arguments that are not a JSON object: each a 400 whose ``param`` names the field, never
+    a 422 or a 500. Valid tools on a model whose chat template has none (the smallest model's) are a 400 that
+    says so; validation comes first, so none of these reaches the model."""
+    _, base = server
+
+    def tool(name="f", parameters=None):
+        params = {"type": "object", "properties": {"x": {"type": "string"}}} if parameters is None else parameters
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": "1"}'}}
+    ask = [{"role": "user", "content": "hi"}]
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    cases = [
+        (
+            {"tools": [tool(parameters={"type": "object", "properties": {"x": {"type": "strng"}}})]},
+            "tools.0.function.parameters",
+            "not a valid JSON Schema at 'properties/x/type'",
+        ),
+        ({"tools": [tool(parameters={"type": "string"})]}, "tools.0.function.parameters", "JSON object"),
+        ({"tools": [tool(parameters={"type": "object", "$schema": 5})]}, "tools.0.function.parameters", "'$schema'"),
+        (
+            {"tools": [tool(parameters={"$ref": "https://example.com/s.json"})]},
+            "tools.0.function.parameters",
+            "only local '$ref's",
+        ),
+        (
+            {"tools": [tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "names 'g', which is not in 'tools'",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+        ({"tools": [tool(f"t{i}") for i in range(129)]}, "tools", "at most 128 tools"),
+        ({"tools": [tool(parameters={"type": "object", "description": "d" * 40000})]}, "tools", "at most 32768"),
+        ({"tools": [tool(), tool()]}, "tools", "two tools are named 'f'"),
+        (
+            {"messages": [*ask, {"role": "tool", "tool_call_id": "call_9", "content": "r"}]},
+            "messages",
+            "no earlier assistant tool call has id 'call_9'",
+        ),
+        ({"messages": [*ask, {"role": "tool", "content": "r"}]}, "messages.1", "needs the 'tool_call_id'"),
+        ({"messages": [*ask, {"role": "user", "content": None}]}, "messages.1", "needs 'content'"),
+        (
+            {
+                "messages": [
+                    *ask,
+                    {**history[1], "tool_calls": [{**call, "function": {"name": "f", "arguments": "[1]"}}]},
+                    {"role": "user", "content": "?"},
+                ]
+            },
+            "messages.1",
+            "JSON text of an object",
+        ),
+    ]
+    for extra, param, words in cases:
+        body = {"model": FAST, "messages": ask, "max_tokens": 4, **extra}
+        r = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json=body, timeout=60)
+        assert r.status_code == 400, (param, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], (param, err)
+    # well-formed, but this model's template has no tools: refused, whether in tools or in the history
+    for extra, param in (
+        ({"tools": [tool()]}, "tools"),
+        ({"messages": [*history, {"role": "tool", "tool_call_id": "call_1", "content": "r"}]}, "messages"),
+    ):
+        body = {"model": FAST, "messages": ask, "max_tokens": 4, **extra}
+        r = httpx.post(f"{base}/v1/chat/completions", headers=_h(), json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "tools_unsupported" and err["param"] == param, r.text
+        assert "chat template has no tools" in err["message"]
+    spec = httpx.get(f"{base}/openapi.json").json()["components"]["schemas"]
+    assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(spec["ChatRequest"]["properties"])
+    assert {"tool_calls", "tool_call_id"} <= set(spec["ChatMessage"]["properties"])
+
+
 @pytest.mark.slow
 def test_concurrent_searches_and_writes_never_duplicate_an_id(server):
     """Rounds of one add followed by 8 concurrent searches (and a chat): no result list holds an id twice, and

@@ -225,3 +225,59 @@ def test_vllm_clients_that_stop_reading_are_cut_off_and_free_their_engine_slots(
         timeout=120,
     )
     assert r.status_code == 200, r.text
+
+
+def test_vllm_server_refuses_tools_for_a_model_without_them(base):
+    """The session's vLLM server runs the smallest model, whose chat template has no tools: a chat with tools
+    is a 400 that says so (the route's check, before any engine work), and the server goes on answering. Tool
+    calls on a model with tools are checked on the transformers engine (tests/test_server_tools.py); the
+    engines share the rendering, the grammar (vLLM's structured outputs take the same JSON Schema) and the parse."""
+    h = {"Authorization": f"Bearer {KEY_A}"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"model": FAST, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [tool]}
+    r = httpx.post(f"{base}/v1/chat/completions", headers=h, json=body, timeout=300)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "tools_unsupported" and err["param"] == "tools", r.text
+    del body["tools"]
+    assert httpx.post(f"{base}/v1/chat/completions", headers=h, json=body, timeout=300).status_code == 200
+
+
+HERMES_CASES = [
+    'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lisbon"}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "send_email", "arguments": {"to": "bo", "body": "hi ✓"}}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',  # left open at the end
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>',  # broken JSON: text
+    "No call here, just text.",
+]
+
+
+def test_the_tool_call_parse_agrees_with_vllms_hermes_parser():
+    """``server.toolcalls.ToolPlan.parse`` (auto) reads the Hermes format as vLLM's own ``hermes`` tool parser
+    does: the same calls (names, arguments as JSON text), the same content before them, and text where vLLM
+    finds no call."""
+    from transformers import AutoTokenizer
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from kvmem.models import model_dir
+    from kvmem.server.toolcalls import ToolPlan
+
+    plan = ToolPlan(
+        "auto",
+        {
+            "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}},
+            "send_email": {"type": "object", "properties": {"to": {"type": "string"}, "body": {"type": "string"}}},
+        },
+    )
+    vllm_parser = Hermes2ProToolParser(AutoTokenizer.from_pretrained(model_dir(FAST)))
+    for text in HERMES_CASES:
+        theirs = vllm_parser.extract_tool_calls(text, None)
+        ours = plan.parse(text)
+        if not theirs.tools_called:
+            assert ours is None, text
+            continue
+        content, calls = ours
+        assert content == theirs.content, text
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in theirs.tool_calls
+        ], text

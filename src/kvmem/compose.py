@@ -8,6 +8,7 @@ so the baseline is fair by construction.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class PromptFormat:
     query_suffix: str
     bos_token_id: int | None = None  # prepended to the header ids (completion-style models that need BOS)
     chat: bool = False  # the split comes from the tokenizer's chat template
+    tools: bool = False  # the chat template renders OpenAI tools (``conversation_ids(..., tools=)``)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, chat: bool) -> PromptFormat:
@@ -50,7 +52,9 @@ class PromptFormat:
                 add_generation_prompt=True,
             )
             i, j = text.index(_MEM), text.index(_Q)
-            return cls(text[:i], text[i + len(_MEM) : j], text[j + len(_Q) :], chat=True)
+            return cls(
+                text[:i], text[i + len(_MEM) : j], text[j + len(_Q) :], chat=True, tools=_renders_tools(tokenizer)
+            )
         bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", True) else None
         return cls(HEADER_TEXT, "\nQuestion: ", "\nShort answer:", bos)
 
@@ -62,26 +66,42 @@ class PromptFormat:
         check_text(question, "the question")
         return tokenizer(self.query_prefix + question + self.query_suffix, add_special_tokens=False)["input_ids"]
 
-    def conversation_ids(self, tokenizer, messages: list[dict], memory: bool = True) -> list[int]:
+    def conversation_ids(
+        self, tokenizer, messages: list[dict], memory: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """A multi-turn chat after the memory: the ids that follow ``header + facts``, ending in the assistant's
-        generation prompt. ``messages``: OpenAI-style [{role, content}], the last one from the user; a system
-        message's text follows the memory inside the one system block. For a single user message this equals
-        ``query_ids``. ``memory=False``: the whole prompt of the same chat without any memory block."""
+        generation prompt. ``messages``: OpenAI-style [{role, content}] as chat templates take them (an
+        assistant's ``tool_calls`` with object ``arguments``, ``tool`` results); a system message's text follows
+        the memory inside the one system block. For a single user message this equals ``query_ids``.
+        ``memory=False``: the whole prompt of the same chat without any memory block. ``tools``: OpenAI tool
+        definitions, rendered by the model's own chat template (in its system part, after the memory, so the
+        header ids and the injected KV stay the same). Raises ValueError for bad text, for tools or tool messages
+        on a model whose template has none, and for a template that would put tools before the memory."""
         system = "".join("\n\n" + m["content"] for m in messages if m["role"] == "system")
         turns = [m for m in messages if m["role"] != "system"]
         for m in messages:
             check_text(m["content"], f"a {m['role']} message")
+        has_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if has_tools and not self.tools:
+            raise ValueError("this model's chat template has no tools: tool calls are not available with it")
+        if has_tools:
+            check_text(json.dumps([tools, [m.get("tool_calls") for m in turns]], ensure_ascii=False), "the tools")
+        kw = {"tools": tools} if tools else {}
         if self.chat:
             if not memory:
                 sys_msg = [{"role": "system", "content": system.strip()}] if system.strip() else []
-                text = tokenizer.apply_chat_template(sys_msg + turns, tokenize=False, add_generation_prompt=True)
+                text = tokenizer.apply_chat_template(sys_msg + turns, tokenize=False, add_generation_prompt=True, **kw)
                 return tokenizer(text, add_special_tokens=False)["input_ids"]
             text = tokenizer.apply_chat_template(
                 [{"role": "system", "content": HEADER_TEXT + _MEM + system}] + turns,
                 tokenize=False,
                 add_generation_prompt=True,
+                **kw,
             )
-            return tokenizer(text[text.index(_MEM) + len(_MEM) :], add_special_tokens=False)["input_ids"]
+            at = text.index(_MEM)
+            if text[:at] != self.header:  # the injected header's KV would not be this prompt's
+                raise ValueError("this model's chat template renders tools before the system message")
+            return tokenizer(text[at + len(_MEM) :], add_special_tokens=False)["input_ids"]
         past = "".join(f"\n{m['role'].capitalize()}: {m['content']}" for m in turns[:-1])
         text = system.strip() + past + self.query_prefix + turns[-1]["content"] + self.query_suffix
         if not memory:
@@ -89,6 +109,21 @@ class PromptFormat:
                 text.lstrip("\n"), add_special_tokens=False
             )["input_ids"]
         return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+_PROBE_TOOL = "kvmem_probe_tool_7f3a"
+
+
+def _renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders OpenAI ``tools`` (a probe tool's name shows in the text)."""
+    tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "", "parameters": {}}}
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}], tools=[tool], tokenize=False, add_generation_prompt=True
+        )
+    except Exception:  # a template that fails on tools has none
+        return False
+    return _PROBE_TOOL in text
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -145,6 +145,7 @@ class MemoryService:
         messages: list[dict] | None = None,
         tail_recompute: int | None = None,
         cold: bool = False,
+        tools: list[dict] | None = None,
     ) -> Prepared:
         """Everything before composition: embed, retrieve, order, check the budget.
 
@@ -158,6 +159,7 @@ class MemoryService:
         retrieved as one; users without memories are left out, and expired memories are never retrieved.
         ``cold`` (load tests): the retrieved facts are dropped from every cache tier first (``Store.evict``; the
         engine's prefix cache and the vLLM worker's read cache by the plan's nonce), then prefetched as usual.
+        ``tools``: OpenAI tool definitions the chat template renders after the memory (``messages`` only).
         Raises ValueError for an empty question, top_k < 1, an unknown mode or one this engine cannot serve;
         StoreError (UnknownUser) when no user has memories; ContextOverflow when memory + query +
         ``max_new_tokens`` exceed the model context (the message gives the k that fits, paper Corollary 7).
@@ -186,7 +188,7 @@ class MemoryService:
             self.store.prefetch(ukv, retrieved.rows)
         t2 = time.perf_counter()
         query_ids = (
-            self.fmt.conversation_ids(self.lm.tokenizer, messages)
+            self.fmt.conversation_ids(self.lm.tokenizer, messages, tools=tools)
             if messages
             else self.fmt.query_ids(self.lm.tokenizer, question)
         )
@@ -241,12 +243,16 @@ class MemoryService:
         return need
 
     def bare(
-        self, question: str | None = None, max_new_tokens: int = 32, messages: list[dict] | None = None
+        self,
+        question: str | None = None,
+        max_new_tokens: int = 32,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> Prepared:
-        """A request without memory (``mode`` "off"): the bare question, or the chat ``messages``. Raises
-        ContextOverflow when it and the answer exceed the context."""
+        """A request without memory (``mode`` "off"): the bare question, or the chat ``messages`` (with
+        ``tools``). Raises ContextOverflow when it and the answer exceed the context."""
         ids = (
-            self.fmt.conversation_ids(self.lm.tokenizer, messages, memory=False)
+            self.fmt.conversation_ids(self.lm.tokenizer, messages, memory=False, tools=tools)
             if messages
             else self.fmt.query_ids(self.lm.tokenizer, question)
         )
@@ -300,14 +306,17 @@ class MemoryService:
         cold: bool = False,
         *,
         run: Callable[..., Awaitable],
+        tools: list[dict] | None = None,
     ) -> Prepared:
-        """One chat request of the server (an ``AsyncEngine``): retrieval for the last message, then the
-        engine's memory. ``method`` "off", an empty last message, or a user with no memories yet: the plain
-        chat (``bare``). ``run(fn, *args)``: awaits blocking work (retrieval) off the event loop. Raises what
-        ``plan`` raises (ValueError, ContextOverflow, StoreError)."""
+        """One chat request of the server (an ``AsyncEngine``): retrieval for the last user message (tool
+        results after it are conversation, not the question), then the engine's memory. ``method`` "off", an
+        empty or missing user message, or a user with no memories yet: the plain chat (``bare``). ``tools``:
+        OpenAI tool definitions for the chat template. ``run(fn, *args)``: awaits blocking work (retrieval) off
+        the event loop. Raises what ``plan`` raises (ValueError, ContextOverflow, StoreError)."""
+        question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         return await self._pipeline(
             user,
-            messages[-1]["content"],
+            question,
             top_k,
             method,
             max_new_tokens,
@@ -317,6 +326,7 @@ class MemoryService:
             plain_fallback=True,
             run=run,
             memory=self.engine.memory,
+            tools=tools,
         )
 
     async def _pipeline(
@@ -333,18 +343,19 @@ class MemoryService:
         plain_fallback: bool,
         run: Callable[..., Awaitable],
         memory: Callable[[MemoryPlan], Awaitable],
+        tools: list[dict] | None = None,
     ) -> Prepared:
         """``plan``, then the engine's ``memory``; planned again (at most ``PLANS`` times, then StoreError) when
         a write replaced the memory version between retrieval and the KV read (LookupError). With
         ``plain_fallback`` (the server's chats), method "off", an empty question or a user without memories
         is the plain chat instead (``bare``)."""
-        bare = lambda: self.bare(max_new_tokens=max_new_tokens, messages=messages)
+        bare = lambda: self.bare(max_new_tokens=max_new_tokens, messages=messages, tools=tools)
         if plain_fallback and (str(method) == "off" or not question.strip()):
             return await run(bare)
         for attempt in range(PLANS):
             try:
                 req = await run(
-                    self.plan, user, question, top_k, method, max_new_tokens, messages, tail_recompute, cold
+                    self.plan, user, question, top_k, method, max_new_tokens, messages, tail_recompute, cold, tools
                 )
             except UnknownUser:  # no memories yet: answer without any
                 if not plain_fallback:

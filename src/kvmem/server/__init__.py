@@ -11,7 +11,8 @@ everything in ``prompt`` mode, and the bare chat in ``off`` mode (``streaming``)
 version).
 
 Modules: ``schemas`` (request models, errors), ``tenants``, ``runtime`` (wiring: ``KvmemServer.start``, metrics),
-``streaming`` (one chat generation, SSE), ``routes`` (the FastAPI app); with ``--replicas``: ``replicas`` (the Ray
+``streaming`` (one chat generation, SSE), ``toolcalls`` (a tool call's grammar, parse and streamed form),
+``routes`` (the FastAPI app); with ``--replicas``: ``replicas`` (the Ray
 Serve deployment and its user-affinity router) and ``ingress`` (the HTTP front that forwards to them).
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 401 missing or

@@ -24,6 +24,7 @@ from .runtime import KvmemServer, logger
 from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses, store_unavailable
 from .stalls import SendTimeout
 from .streaming import ChatGeneration, ChatStream, prepare_chat, sse, watched
+from .toolcalls import ToolPlan
 
 READY_PROBE_S = 3.0  # /ready answers 503 store_unavailable when the store's probe takes longer
 
@@ -65,6 +66,8 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
             return APIError(400, "the body is not a valid JSON object", "invalid_json").response()
         e = errs[0] if errs else {}
         loc = ".".join(str(x) for x in e.get("loc", ())[1:]) or None
+        if e.get("type") == "bad_request":  # a check of the request models (tools, tool messages): 400
+            return APIError(400, f"{loc}: {e.get('msg')}", "invalid_request", loc).response()
         if e.get("type") == "extra_forbidden":  # e.g. a Mem0 v1/v2 field a v3 client would not send
             return APIError(400, f"field {loc!r} is not supported by this server", "unsupported_field", loc).response()
         return APIError(422, f"{loc or 'body'}: {e.get('msg', 'invalid value')}", "invalid_value", loc).response()
@@ -195,8 +198,8 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
                 "model_not_found",
                 "model",
             )
-        if body.messages[-1].role != "user":
-            raise APIError(400, "the last message must be from the user", param="messages")
+        if body.messages[-1].role not in ("user", "tool"):
+            raise APIError(400, "the last message must be from the user or a tool", param="messages")
         opts = body.memory or MemoryOptions()
         mode = opts.mode or limits.default_mode
         top_k = opts.top_k or limits.default_top_k
@@ -204,8 +207,9 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         if max_tokens > limits.max_tokens:
             raise APIError(400, f"max_tokens: at most {limits.max_tokens} on this server", param="max_tokens")
         body.check_supported()
-        messages = [{"role": m.chat_role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         svc = server.service
+        tools = tool_plan(body, svc.fmt.tools)
         user = chat_scopes(tenant, body.user, opts.agent_id, opts.run_id)
         if user is None and opts.mode is None:  # a plain OpenAI client (an extractor, say): no memory to use
             mode = "off"
@@ -222,11 +226,15 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             )
         sel = server.selective_recompute if opts.selective_recompute is None else opts.selective_recompute
         method = Method.of(mode, opts.tail_recompute, sel)
+        rendered = [t.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for t in body.tools or []]
         prep = await asyncio.wait_for(
-            prepare_chat(server, user, messages, top_k, method, max_tokens, opts.cache == "cold"),
+            prepare_chat(
+                server, user, messages, top_k, method, max_tokens, opts.cache == "cold", rendered if tools else None
+            ),
             limits.request_timeout_s,
         )
 
+        schema = body.response_format.schema_json() if body.response_format is not None else None
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
             raise APIError(400, "stop: at most 4 non-empty strings", param="stop")
@@ -236,15 +244,20 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             top_p=body.top_p or 1.0,
             seed=body.seed,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            json_schema=body.response_format.schema_json() if body.response_format is not None else None,
+            json_schema=tools.grammar() if tools is not None and tools.mode != "auto" else schema,
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = ChatGeneration(server, rid, prep, sampling, stops, t_arrive)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
-            return ChatStream(sse(gen, first, include_usage), media_type="text/event-stream")
+            return ChatStream(sse(gen, first, include_usage, tools), media_type="text/event-stream")
         text = await watched(server, gen.collect(), limits.request_timeout_s, request)
+        message = {"role": "assistant", "content": text}
+        parsed = tools.parse(text) if tools is not None else None
+        if parsed is not None:
+            message = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
+            gen.finish_reason = "tool_calls"
         return {
             "id": rid,
             "object": "chat.completion",
@@ -253,7 +266,7 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": gen.logprobs_json(),
                     "finish_reason": gen.finish_reason,
                 }
@@ -261,3 +274,23 @@ def _chat_route(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             "usage": gen.usage(),
             "kvmem": gen.kvmem(),
         }
+
+
+def tool_plan(body: ChatRequest, template_has_tools: bool) -> ToolPlan | None:
+    """The request's ``ToolPlan`` (None: a text answer). APIError 400 for tools or tool messages on a model
+    whose chat template has no tools, and for ``tool_choice`` "required" or named with a ``response_format``."""
+    in_history = any(m.role == "tool" or m.tool_calls for m in body.messages)
+    if (body.tools or in_history) and not template_has_tools:
+        raise APIError(
+            400,
+            "this model's chat template has no tools: tool calls are not available with it (docs/server.md, Tools)",
+            "tools_unsupported",
+            "tools" if body.tools else "messages",
+        )
+    plan = ToolPlan.of(body)
+    fmt = body.response_format
+    if plan is not None and plan.mode != "auto" and fmt is not None and fmt.type != "text":
+        raise APIError(
+            400, "tool_choice 'required' or a named function excludes a response_format", param="tool_choice"
+        )
+    return plan

@@ -12,7 +12,7 @@ import time
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..compose import ContextOverflow
@@ -122,19 +122,134 @@ class Body(BaseModel):
         return _check_no_nul(data)
 
 
+def bad_request(reason: str) -> PydanticCustomError:
+    """A validation error answered 400 (not 422) naming the field where it arose (``routes``)."""
+    return PydanticCustomError("bad_request", "{reason}", {"reason": reason})
+
+
+MAX_TOOLS = 128  # tools per request
+MAX_TOOLS_BYTES = 32 << 10  # the tools block as JSON text: it is rendered into every prompt of the chat
+
+
+def _local_refs_only(schema) -> None:
+    """Raises ``bad_request`` for a ``$ref`` that points outside the schema (nothing is fetched, ever)."""
+    todo = [schema]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            ref = x.get("$ref")
+            if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+                raise bad_request(f"only local '$ref's (starting with '#') are allowed, not {str(ref)[:80]!r}")
+            todo += list(x.values())
+        elif isinstance(x, list):
+            todo += x
+
+
+def check_json_schema(schema: dict) -> dict:
+    """``schema`` if it is a valid JSON Schema (its own meta-schema, the ``jsonschema`` library: 2020-12 unless
+    ``$schema`` names another draft) describing an object, with local ``$ref``s only; else ``bad_request``."""
+    import jsonschema
+    from jsonschema.validators import validator_for
+
+    _local_refs_only(schema)
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request("'$schema' must be a string (a JSON Schema draft's URI)")
+    try:
+        validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(x) for x in exc.absolute_path)
+        raise bad_request(f"not a valid JSON Schema at '{where}': {exc.message[:200]}") from None
+    except Exception as exc:  # the checker failing on input it did not expect is still bad input, never a 500
+        raise bad_request(f"not a valid JSON Schema ({type(exc).__name__})") from None
+    if schema.get("type", "object") != "object":
+        raise bad_request("a tool's parameters must describe a JSON object ('type': 'object')")
+    return schema
+
+
+class ToolFunction(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = Field(None, max_length=8000)
+    parameters: dict | None = None  # JSON Schema of the arguments object; None: no arguments
+    strict: bool | None = None  # arguments always match the schema under tool_choice required or named
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v):
+        return None if v is None else check_json_schema(v)
+
+    def schema(self) -> dict:
+        """The arguments' JSON Schema (an object without properties when none was given)."""
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    """OpenAI's ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(BaseModel):
+    name: str = Field(max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: the answer is one call of it."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str = Field(max_length=32000)
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(max_length=64)
+    arguments: str = Field(max_length=32000)  # JSON text of an object, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made, in a history: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+
+    id: str = Field(max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]  # developer: newer clients' system role
-    content: str | list[TextPart | dict] = Field(max_length=32000)
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: newer clients' system role
+    # None: only an assistant message that carries tool_calls
+    content: str | list[TextPart | dict] | None = Field(None, max_length=32000)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant messages only
+    tool_call_id: str | None = Field(None, max_length=128)  # tool messages only: the call this answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request("only an assistant message may carry 'tool_calls'")
+        if self.role == "tool" and not self.tool_call_id:
+            raise bad_request("a tool message needs the 'tool_call_id' of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise bad_request("only a tool message may carry 'tool_call_id'")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_request(f"a {self.role} message needs 'content' (null only beside 'tool_calls')")
+        for call in self.tool_calls or []:
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise bad_request(f"tool call {call.id!r}: 'arguments' must be the JSON text of an object")
+        return self
 
     def text(self) -> str:
-        """The message's text: a string, or its text parts joined. Raises APIError 400 for other parts
-        (images, audio, files: this server's models read text only)."""
+        """The message's text: a string, or its text parts joined ("" for an assistant's calls without text).
+        Raises APIError 400 for other parts (images, audio, files: this server's models read text only)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -157,11 +272,26 @@ class ChatMessage(BaseModel):
     def chat_role(self) -> str:
         return "system" if self.role == "developer" else self.role
 
+    def for_template(self) -> dict:
+        """The message as chat templates take it (``compose.PromptFormat``): role and text; an assistant's
+        ``tool_calls`` with ``arguments`` as an object; a tool result's ``tool_call_id``."""
+        out = {"role": self.chat_role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
 
 # OpenAI fields that change the response and that this server does not implement: refused, never ignored.
 UNSUPPORTED_FIELDS = (
-    "tools",
-    "tool_choice",
     "functions",
     "function_call",
     "audio",
@@ -173,7 +303,6 @@ IGNORED_FIELDS = (
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
-    "parallel_tool_calls",
     "store",
     "metadata",
     "service_tier",
@@ -237,6 +366,59 @@ class ChatRequest(Body):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     memory: MemoryOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_follow_calls(cls, messages: list[ChatMessage]):
+        """Each tool message answers a call (by ``tool_call_id``) that an earlier assistant message made."""
+        calls: set[str] = set()
+        for i, m in enumerate(messages):
+            calls.update(c.id for c in m.tool_calls or [])
+            if m.role == "tool" and m.tool_call_id not in calls:
+                raise bad_request(f"messages[{i}]: no earlier assistant tool call has id {m.tool_call_id!r}")
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_bounded(cls, tools: list[Tool] | None):
+        if not tools:
+            return None
+        if len(tools) > MAX_TOOLS:
+            raise bad_request(f"at most {MAX_TOOLS} tools per request, not {len(tools)}")
+        size = len(json.dumps([t.model_dump(exclude_none=True) for t in tools], ensure_ascii=False).encode())
+        if size > MAX_TOOLS_BYTES:
+            raise bad_request(f"the tools take {size} bytes as JSON; at most {MAX_TOOLS_BYTES}")
+        names = [t.function.name for t in tools]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise bad_request(f"two tools are named {dup!r}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, choice, info: ValidationInfo):
+        if "tools" not in info.data:  # the tools failed their own checks: that error is the one answered
+            return choice
+        tools = info.data["tools"] or []
+        if choice is None or choice in ("none", "auto"):
+            return choice
+        if not tools:
+            raise bad_request("tool_choice other than 'none' or 'auto' needs 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in 'tools'")
+        return choice
+
+    def tool_mode(self) -> str:
+        """How the answer may use the tools: "none" (text only; no tools, or tool_choice none), "auto" (text
+        or calls, the model's choice), "required" (one call of any tool) or "named" (one call of the named)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice is None or self.tool_choice == "auto":
+            return "auto"
+        return "required" if self.tool_choice == "required" else "named"
 
     def check_supported(self) -> None:
         """APIError 400 naming the first field set that this server would otherwise silently ignore."""

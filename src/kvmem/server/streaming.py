@@ -18,6 +18,7 @@ from ..policy import Method
 from ..service import Prepared
 from .detok import IncrementalText
 from .schemas import APIError, engine_dead, error_of
+from .toolcalls import ToolPlan, ToolStream
 
 if TYPE_CHECKING:
     from .runtime import KvmemServer
@@ -31,10 +32,14 @@ async def prepare_chat(
     method: Method,
     max_tokens: int,
     cold: bool = False,
+    tools: list[dict] | None = None,
 ) -> Prepared:
     """The service's chat pipeline (``MemoryService.prepare_chat``: fallbacks, retrieval, the engine's memory,
-    the retry) with retrieval off the event loop. ValueError (HTTP 400) for a method the engine cannot serve."""
-    return await server.service.prepare_chat(user, messages, top_k, method, max_tokens, cold, run=server.off_loop)
+    the retry) with retrieval off the event loop; ``tools``: OpenAI tool definitions for the chat template.
+    ValueError (HTTP 400) for a method the engine cannot serve, or tools the model's template has none of."""
+    return await server.service.prepare_chat(
+        user, messages, top_k, method, max_tokens, cold, run=server.off_loop, tools=tools
+    )
 
 
 POLL_S = 0.25  # how often a wait on the engine checks that the engine and the client are still there
@@ -231,9 +236,12 @@ class ChatStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-async def sse(gen: ChatGeneration, first, include_usage: bool):
+async def sse(gen: ChatGeneration, first, include_usage: bool, tools: ToolPlan | None = None):
     """OpenAI's chat.completion.chunk stream: a role delta, content deltas, the finish chunk (with ``kvmem``),
-    an optional usage chunk, then ``[DONE]``. A mid-stream error ends the stream with an error event."""
+    an optional usage chunk, then ``[DONE]``. A mid-stream error ends the stream with an error event. With
+    ``tools``, text that may be a call is held back (``toolcalls.ToolStream``); each call goes out once whole:
+    a delta with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments`` ""), then one with its
+    ``arguments``; the finish reason is then "tool_calls"."""
     base = {
         "id": gen.rid,
         "object": "chat.completion.chunk",
@@ -247,10 +255,24 @@ async def sse(gen: ChatGeneration, first, include_usage: bool):
             choice["logprobs"] = gen.logprobs_json(new_only=True)
         return "data: " + json.dumps({**base, "choices": [choice], **extra}) + "\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
+    held = ToolStream(tools) if tools is not None else None
+    yield chunk({"role": "assistant", "content": "" if held is None else None})
     try:
         async for piece in gen.deltas(first):
-            yield chunk({"content": piece})
+            piece = held.feed(piece) if held is not None else piece
+            if piece:
+                yield chunk({"content": piece})
+        if held is not None:
+            rest, calls = held.finish()
+            if rest:
+                yield chunk({"content": rest})
+            for i, call in enumerate(calls):
+                fn = call["function"]
+                head = {"index": i, "id": call["id"], "type": "function"}
+                yield chunk({"tool_calls": [{**head, "function": {"name": fn["name"], "arguments": ""}}]})
+                yield chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
+            if calls:
+                gen.finish_reason = "tool_calls"
     except Exception as exc:
         err = error_of(exc) if gen.server.engine.healthy() else engine_dead()
         yield (
