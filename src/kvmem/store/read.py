@@ -384,11 +384,13 @@ class Reader:
                 raise LookupError(f"memory version {version} of {user!r} is no longer current")
             for i in range(0, len(wanted), ID_BATCH):
                 chunk = wanted[i : i + ID_BATCH]
+                # a join on the ids' VALUES, not ``fact_id IN (...)``: with IN, SQLite's planner takes the (user,
+                # deleted) index and walks every live row of the user; an equality join probes live_fact per id
                 q = (
-                    'SELECT fact_id, token_ids FROM facts WHERE "user"=? AND deleted IS NULL AND fact_id IN '
-                    f"({', '.join('?' * len(chunk))})"
+                    f"WITH w(id) AS (VALUES {', '.join(['(?)'] * len(chunk))}) SELECT f.fact_id, f.token_ids "
+                    'FROM w JOIN facts f ON f."user"=? AND f.fact_id=w.id AND f.deleted IS NULL'
                 )
-                for fid, ids in self.rows.execute(q, (user, *chunk)):
+                for fid, ids in self.rows.execute(q, (*chunk, user)):
                     out[fid] = tuple(json.loads(ids))
         return out
 
