@@ -122,11 +122,18 @@ class Rows(ABC):
         """Whether the store here was deleted or created again since this object opened it."""
         return False
 
-    def scrub(self) -> None:
+    def scrub(self) -> bool:
         """After an erasure: leave no copy of erased rows' bytes in the backend's own files where it can (SQLite:
         deleted content is zeroed as it is freed, ``secure_delete``; the WAL, which still holds the old pages, is
-        checkpointed and truncated). PostgreSQL's dead tuples go at its next (auto)vacuum."""
-        return None
+        checkpointed and truncated). PostgreSQL's dead tuples go at its next (auto)vacuum. Returns whether it
+        completed; when it did not (SQLite: a reader of an older snapshot kept the WAL busy past a few short
+        tries) it is logged and recorded, and ``scrub_pending`` says so until a later scrub completes."""
+        return True
+
+    def scrub_pending(self) -> bool:
+        """Whether an earlier ``scrub`` did not complete (recorded in the store: any process's next commit retries
+        it)."""
+        return False
 
     def available(self) -> bool:
         """Whether the rows can be read and written now (a database that answers); never waits long."""

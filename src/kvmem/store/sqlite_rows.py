@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import time
@@ -18,6 +19,12 @@ from .schema import MIGRATIONS, SCHEMA_VERSION, SQLITE, migration, render, rende
 from .segments import fsync_dir
 
 BUSY_TIMEOUT_S = 30.0
+# an erasure's WAL checkpoint waits this long per try for readers of older snapshots, this many tries, so a long
+# read never holds the erasing writer for BUSY_TIMEOUT_S; then it is recorded and retried by the next commit
+SCRUB_WAIT_S, SCRUB_TRIES = 0.2, 5
+SCRUB_PENDING = "scrub:pending"  # meta key: the time of the erasure whose WAL checkpoint did not complete
+
+logger = logging.getLogger("kvmem.store")
 
 
 class SQLiteRows(Rows):
@@ -73,10 +80,41 @@ class SQLiteRows(Rows):
         db.execute("PRAGMA secure_delete=ON")  # freed content is zeroed: an erased text leaves no bytes behind
         return db
 
-    def scrub(self) -> None:
+    def scrub(self) -> bool:
         if self.has_text_index():  # FTS5 keeps a deleted row's terms in older index segments until they merge
             self.db.execute("INSERT INTO facts_text (facts_text) VALUES ('optimize')")
-        self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        pending = self.scrub_pending()
+        done = self._checkpoint()
+        if done and pending:
+            with self.transaction():
+                self.db.execute("DELETE FROM meta WHERE key=?", (SCRUB_PENDING,))
+            done = self._checkpoint()  # that delete's own frames: no erased text, but leave the WAL empty
+        elif not done:
+            logger.warning(
+                "store %s: the WAL still holds erased text (a reader holds an older snapshot); the next commit "
+                "checkpoints it again",
+                self.root,
+            )
+            if not pending:
+                with self.transaction():
+                    self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?)", (SCRUB_PENDING, time.time()))
+        return done
+
+    def _checkpoint(self) -> bool:
+        """``PRAGMA wal_checkpoint(TRUNCATE)``, each try bounded by ``SCRUB_WAIT_S`` (not the busy timeout), up to
+        ``SCRUB_TRIES`` tries. Whether it completed (its first column, busy, is 0: every frame was copied back and
+        the WAL truncated; a reader of an older snapshot keeps it busy)."""
+        self.db.execute(f"PRAGMA busy_timeout={int(SCRUB_WAIT_S * 1e3)}")
+        try:
+            for _ in range(SCRUB_TRIES):
+                if self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0:
+                    return True
+            return False
+        finally:
+            self.db.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1e3)}")
+
+    def scrub_pending(self) -> bool:
+        return self.db.execute("SELECT 1 FROM meta WHERE key=?", (SCRUB_PENDING,)).fetchone() is not None
 
     def exists(self) -> bool:
         return (self.root / "manifest.json").exists()

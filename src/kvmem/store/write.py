@@ -68,7 +68,7 @@ class Writer:
         commit that landed into an error, which a client would take for a write that did not happen), then the
         snapshots the commit made stale are dropped."""
         try:
-            if scrub:
+            if scrub or self.rows.scrub_pending():  # an earlier erasure's scrub that a reader kept from completing
                 self.rows.scrub()
             self.gc(user)
         except Exception as exc:
