@@ -4,10 +4,11 @@ another process's store object on the same store. Synthetic stores (``store_work
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 
 import store_worker as sw
-from kvmem.store import sqlite_rows
+from kvmem.store import Store, sqlite_rows
 
 
 def test_a_checkpoint_a_reader_blocks_is_recorded_and_retried_by_the_next_commit(tmp_path, monkeypatch):
@@ -34,3 +35,50 @@ def test_a_checkpoint_a_reader_blocks_is_recorded_and_retried_by_the_next_commit
     assert wal.stat().st_size == 0
     for path in (tmp_path / "s").glob("meta.sqlite*"):
         assert b"fact 0 of gen 1" not in path.read_bytes(), path
+
+
+def _facts(user: str, g: int):
+    facts, kv, emb = sw.generation(user, g)
+    return [dataclasses.replace(f, fact_id=f"{f.fact_id[-6:]}-{i}") for i, f in enumerate(facts)], kv, emb
+
+
+def test_an_erased_scopes_id_is_in_no_row_and_no_file(tmp_path):
+    """Erasing every scope of a user (what ``delete_all`` / mem0's ``delete_users`` run per scope: the erasure,
+    then the compaction of the segments that held its KV) leaves its id (an email) in no table and no byte of the
+    store's files; the history events stay, under the tenant alone; the scope written again starts afresh with a
+    newer version. The old code kept the id in ``users``, ``scopes``, ``history`` and ``meta``."""
+    from kvmem.ingest import erase_facts
+    from kvmem.store import ALL
+
+    email = "alice.liddell@example.com"
+    st = sw.create(tmp_path / "s")
+    st.retire_after_s = 0
+    scopes = [f"acme:{email}", f"acme:{email}/agent:coach"]
+    for g, user in enumerate(scopes, 1):
+        facts, kv, emb = _facts(user, g)
+        st.commit(user, facts, kv, kv, emb, turns=[{"content": "hello"}])
+    keep, kv, emb = _facts("acme:bob", 3)
+    st.commit("acme:bob", keep, kv, kv, emb)
+    old = int(st.version(scopes[0]))
+    gone = [f.fact_id for f in st.facts(scopes[0])]
+    for user in scopes:
+        assert erase_facts(lambda: None, st, user, ALL)["erased"] == 3
+    st.close()
+    db = sqlite3.connect(tmp_path / "s" / "meta.sqlite")
+    tables = [t for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    for table in tables:
+        for row in db.execute(f"SELECT * FROM {table}"):
+            assert email not in repr(row), (table, row)
+    assert db.execute("SELECT COUNT(*) FROM users").fetchone()[0] == 1  # acme:bob
+    assert {u for (u,) in db.execute('SELECT DISTINCT "user" FROM history')} == {"acme:", "acme:bob"}
+    db.close()
+    for path in (tmp_path / "s").rglob("*"):
+        if path.is_file():
+            assert email.encode() not in path.read_bytes(), path
+    assert not any("alice" in p.name for p in (tmp_path / "s").rglob("*"))  # segment files: named after the scope
+    st = Store.open(tmp_path / "s")
+    assert [e["event"] for e in st.history(gone[0])] == ["ADD", "DELETE"]
+    assert st.users() == ["acme:bob"] and st.version(scopes[0]) is None
+    facts, kv, emb = _facts(scopes[0], 4)
+    st.commit(scopes[0], facts, kv, kv, emb)
+    assert int(st.version(scopes[0])) > old and len(st.snapshot(scopes[0]).facts) == 3
