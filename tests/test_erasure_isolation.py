@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 
+import pytest
+
 import store_worker as sw
-from kvmem.store import Store, sqlite_rows
+from kvmem.store import Store, UnknownUser, sqlite_rows
 
 
 def test_a_checkpoint_a_reader_blocks_is_recorded_and_retried_by_the_next_commit(tmp_path, monkeypatch):
@@ -82,3 +84,47 @@ def test_an_erased_scopes_id_is_in_no_row_and_no_file(tmp_path):
     facts, kv, emb = _facts(scopes[0], 4)
     st.commit(scopes[0], facts, kv, kv, emb)
     assert int(st.version(scopes[0])) > old and len(st.snapshot(scopes[0]).facts) == 3
+
+
+def _held(st: Store, user: str) -> set:
+    """What ``st``'s caches hold of ``user``: texts (snapshot), KV keys (memory tier, as (segment, offset))."""
+    snap = st.reads.snapshot_cache.get(user)
+    kv = {(k[2], k[3]) for k in st.reads.memory.held() if k[1] == user}
+    return {f.text for f in snap.facts} if snap else set(), kv
+
+
+def test_an_erasure_by_another_process_leaves_nothing_in_this_ones_caches(tmp_path):
+    """Two store objects on one store stand for two replicas: B has read user u (snapshot, every fact's KV, its
+    vector index); A erases a fact. At B's next read of u the erased fact's text, KV and embedding are gone from
+    B's snapshot cache, memory tier and index (the old code kept the KV in the memory tier until evicted; the
+    index until a search); once A erases the rest, B's next read drops all of u (the old code kept the stale
+    snapshot and the index)."""
+    import torch
+
+    from kvmem.retrieve import IndexCache
+
+    facts, kv, emb = sw.generation("u", 1)
+    emb = torch.eye(4)[:3]
+    a = sw.create(tmp_path / "s")
+    a.put_user("u", facts, kv, kv, emb, window=0)
+    b = Store.open(tmp_path / "s")
+    indexes = IndexCache(1 << 20)
+    ukv = b.snapshot("u")
+    ukv.read([0, 1, 2])
+    indexes.search(b, ukv, emb[0], 3)
+    assert _held(b, "u") == ({f.text for f in facts}, {(f.segment, f.token_offset) for f in ukv.facts})
+    erased = ukv.facts[0]
+    a.erase("u", [erased.fact_id])
+    ukv = b.snapshot("u")  # B's next read of u
+    assert _held(b, "u") == ({f.text for f in facts[1:]}, {(f.segment, f.token_offset) for f in ukv.facts})
+    assert erased.fact_id not in {f.fact_id for f in ukv.facts}
+    import faiss
+
+    ids = set(faiss.vector_to_array(indexes._lru["u"].index.id_map).tolist())
+    assert ids == {f.row for f in ukv.facts} and erased.row not in ids
+    _, pos = indexes.search(b, ukv, emb[0], 3)
+    assert erased.fact_id not in [ukv.facts[p].fact_id for p in pos]
+    a.erase("u", [f.fact_id for f in ukv.facts])
+    with pytest.raises(UnknownUser):
+        b.snapshot("u")
+    assert _held(b, "u") == (set(), set()) and "u" not in indexes._lru

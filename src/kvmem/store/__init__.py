@@ -479,6 +479,10 @@ class Store:
         never waits."""
         return self.reads.cached(versions, fact_ids)
 
+    def watch(self, callback) -> None:
+        """``Reader.watch``: ``callback(user, live rows or None)`` whenever a read finds a user's memory changed."""
+        self.reads.watch(callback)
+
     def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
         """``Reader.changes``: (added [(row, embedding [E])], removed rows) since version ``since``, or None."""
         return self.reads.changes(user, since)
