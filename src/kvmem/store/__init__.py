@@ -56,9 +56,11 @@ from .location import (
     StoreUnavailable,
     UnknownUser,
     canonical,
+    has_credentials,
     is_url,
     password,
     redact,
+    redact_text,
     secrets,
     within,
 )
@@ -96,6 +98,8 @@ __all__ = [
     "is_url",
     "password",
     "redact",
+    "redact_text",
+    "has_credentials",
     "secrets",
     "within",
 ]
@@ -110,7 +114,8 @@ def check_segments_url(store: Store, url: str | None) -> None:
     have = store.manifest.get("segments_url")
     if url is not None and url != have:
         raise StoreError(
-            f"store {store.name} keeps its KV segments {'at ' + repr(have) if have else 'in its own directory'}; "
+            f"store {store.name} keeps its KV segments {'at ' + repr(redact(have)) if have else 'in its own directory'}"
+            "; "
             f"--segments applies only when a store is created"
         )
 
@@ -203,6 +208,13 @@ class Store:
         if kv_format != "native":
             fingerprint["kv_format"] = kv_format
         rows = backends.open_rows(root)
+        if has_credentials(segments_url):  # the manifest records the URL, and every reader opens it from there
+            rows.close()
+            raise StoreError(
+                f"--segments {redact(segments_url)} carries credentials, which the store would record in its "
+                "manifest: remove them from the URL and give them in the environment (AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_KEY, ...)"
+            )
         if segments_url is None and rows.shared:
             rows.close()
             raise StoreError(
