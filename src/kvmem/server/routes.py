@@ -21,7 +21,7 @@ from ..scopes import Scope, ScopeError
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
 from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses, store_unavailable
-from .stalls import SendTimeout
+from .stalls import BodyTimeout, SendTimeout
 from .streaming import ChatGeneration, ChatStream, prepare_chat, sse, watched
 
 READY_PROBE_S = 3.0  # /ready answers 503 store_unavailable when the store's probe takes longer
@@ -39,6 +39,7 @@ def create_app(server: KvmemServer) -> FastAPI:
     _service_routes(app, server, tenant_of)
     memory_routes(app, server, tenant_of)
     _chat_route(app, server, tenant_of)
+    app.add_middleware(BodyTimeout, timeout_s=lambda: server.limits.body_timeout_s)  # a trickled body: 408
     # outermost: a client that stops reading never holds its request (a streamed chat's engine slot) past the bound
     app.add_middleware(
         SendTimeout, timeout_s=lambda: server.limits.send_timeout_s, on_stall=server.metrics.send_timeouts.inc
