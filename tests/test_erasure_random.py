@@ -32,6 +32,7 @@ import torch
 import erasure_checker as ec
 from conftest import postgres_schema
 from kvmem.models import MANIFEST, model_dir
+from kvmem.store.copy import _carry_stale as _carry
 
 FAST_SEEDS = range(20)
 FULL_SEEDS = range(200)
@@ -40,7 +41,12 @@ FULL_SEEDS = range(200)
 DEFECTS = {
     "retire": ("kvmem.store.Store", "collect", lambda self, now=None: [], r"KV of .* in (objects|store/users)/"),
     "cached_read": ("kvmem.store.Store", "sweep_cache", lambda self: [], r"in cache/"),
-    "copy": ("kvmem.store.copy", "_carry_stale", lambda *a, **k: 0, r"the copy copy0: "),
+    "copy": (
+        "kvmem.store.copy",
+        "_carry_stale",
+        lambda target, user, ids, stale: _carry(target, user, ids, {}),
+        r"the copy copy0: ",
+    ),  # every copied mark cleared
     "infer_update": ("kvmem.store.write", "inherited", lambda *a, **k: {}, r"secret zq[a-z]{8} in store/meta\.sqlite"),
 }
 DEFECT_SEEDS = range(40)

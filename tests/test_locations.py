@@ -89,3 +89,56 @@ def test_the_other_credentials_reach_a_process_that_reopens_by_the_canonical_url
         monkeypatch.setenv(k, v)
     assert location.secret_params(location.canonical(url)) == {"sslpassword": "key pass"}
     assert location.secret_params(url) == {}
+
+
+SEGMENTS_WITH_KEYS = [
+    "s3://AKIAEXAMPLE:wJalrXUtnFEMIK7MDENG@minio:9000/kv",
+    "https://acct.blob.core.windows.net/kv?sv=2024&sig=wJalrXUtnFEMIK7MDENG",
+    "s3://kv/prefix?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=wJalrXUtnFEMIK7MDENG",
+]
+
+
+@pytest.mark.parametrize("url", SEGMENTS_WITH_KEYS)
+def test_a_segments_url_with_credentials_is_refused_before_anything_records_it(url, tmp_path):
+    """``--segments`` with credentials: a new store refuses it (its manifest would keep the URL, read by every
+    process that opens the store), and so does ``kvmem serve`` on Ray (the replicas' arguments), each with one
+    line that names neither secret; nothing is created. The old code wrote the URL into the manifest."""
+    import torch
+
+    from kvmem.server.replicas import refuse_secrets
+    from kvmem.store import Store, StoreError
+
+    with pytest.raises(StoreError, match="carries credentials") as err:
+        header = torch.zeros(2, 1, 3, 64)
+        Store.create(
+            tmp_path / "s", {"model": "m"}, "h", [1], header, header, {"name": "e", "dim": 4}, segments_url=url
+        )
+    assert "wJalrXUtnFEMIK7MDENG" not in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "s" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="carries credentials") as err:
+        refuse_secrets({"segments_url": url})
+    assert "wJalrXUtnFEMIK7MDENG" not in str(err.value) and "AKIAEXAMPLE:" not in str(err.value)
+
+
+def test_an_extractor_key_never_reaches_ray_nor_the_log(caplog, monkeypatch):
+    """An ``--extractor-url`` with a key (user part or query) or an extractor ``api_key`` is refused on Ray (Ray
+    records the replicas' arguments); a failing endpoint's log line names the URL without its key; a key in
+    ``$KVMEM_EXTRACTOR_API_KEY`` is what the replicas use instead."""
+    from kvmem.memory.extract import make_extractor
+    from kvmem.server.replicas import refuse_secrets
+
+    for spec in (
+        {"base_url": "http://me:sk-SECRET123@127.0.0.1:9/v1", "model": "m"},
+        {"base_url": "http://127.0.0.1:9/v1?api_key=sk-SECRET123", "model": "m"},
+        {"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key": "sk-SECRET123"},
+    ):
+        with pytest.raises(ValueError, match="KVMEM_EXTRACTOR_API_KEY") as err:
+            refuse_secrets({"extractor": spec})
+        assert "SECRET123" not in str(err.value)
+    refuse_secrets({"extractor": {"base_url": "http://127.0.0.1:9/v1", "model": "m"}, "segments_url": "s3://kv/p"})
+    ex = make_extractor({"base_url": "http://me:sk-SECRET123@127.0.0.1:9/v1?key=sk-SECRET456", "model": "m"}, None)
+    with caplog.at_level("WARNING", logger="kvmem.extract"):
+        assert ex.complete("hi", {"type": "object"}) == ""  # nothing listens on port 9: refused
+    assert "extractor endpoint failed" in caplog.text and "SECRET" not in caplog.text
+    monkeypatch.setenv("KVMEM_EXTRACTOR_API_KEY", "sk-FROM-ENV")
+    assert make_extractor({"base_url": "http://127.0.0.1:9/v1", "model": "m"}, None).api_key == "sk-FROM-ENV"

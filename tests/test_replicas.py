@@ -147,7 +147,7 @@ def test_tenants_are_isolated_on_every_replica(cluster):
     fid, _ = add(base, "carol", "Carol's locker code is 4417.")
     for rep in replicas_of(base):
         r = httpx.get(f"{base}/v1/memories/{fid}", headers=auth(KEY_B, rep), timeout=60)
-        assert r.status_code == 403 and r.headers["x-kvmem-replica"] == rep, r.text
+        assert r.status_code == 404 and r.headers["x-kvmem-replica"] == rep, r.text
         r = httpx.get(f"{base}/v1/memories/{fid}", headers=auth(KEY_A, rep), timeout=60)
         assert r.status_code == 200 and r.json()["memory"].startswith("Carol's locker")
         out = chat(base, "carol", key=KEY_B, replica=rep)  # tenant b's "carol" is another user: no memory

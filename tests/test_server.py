@@ -1,6 +1,6 @@
 """``kvmem serve`` on the transformers engine: the real ``openai`` client and ``httpx`` against a
 server on a loopback port. Chat (sync and streaming, memory kv / prompt / off), KV injection equal to prompt
-injection through HTTP, the memories REST API with a write visible to the next chat, tenant isolation (403 /
+injection through HTTP, the memories REST API with a write visible to the next chat, tenant isolation (404 /
 401), and bad input that gets the right status and never a 500."""
 
 from __future__ import annotations
@@ -262,8 +262,11 @@ def test_tenants_are_isolated(server, alice):
         ("DELETE", f"/v1/memories/{alice['canary']}", None),
     ]:
         r = b.request(method, path, json=body)
-        assert r.status_code == 403, (method, path, r.text)
         assert "PINEAPPLE" not in r.text
+        # answered as an id that exists nowhere: same status, same body (but for the id it names)
+        nowhere = b.request(method, path.replace(alice["canary"], "no-such-memory-id"), json=body)
+        assert r.status_code == nowhere.status_code == 404, (method, path, r.text)
+        assert r.text.replace(alice["canary"], "X") == nowhere.text.replace("no-such-memory-id", "X"), (method, path)
     # the same user_id in another tenant is another user: nothing of acme's is listed, found or injected
     assert b.get("/v1/memories", params={"user_id": "alice"}).json() == {"results": []}
     assert b.post("/v1/memories/search", json={"query": "code word", "user_id": "alice"}).json() == {"results": []}
@@ -1107,3 +1110,27 @@ def test_malformed_filters_are_400s_naming_the_field(server, alice, bad, names):
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["param"] == "filters" and names in err["message"], (path, err)
+
+
+def test_a_trickled_body_gets_408_within_the_bound(server):
+    """A client that sends its headers and part of its body, then nothing (slowloris), is answered 408 and its
+    connection closed once ``body_timeout_s`` has passed (uvicorn alone would wait for as long as it stays)."""
+    import socket
+
+    srv, base = server
+    host, port = base.removeprefix("http://").split(":")
+    srv.limits.body_timeout_s = 0.5
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(
+                f"POST /v1/memories/search HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n"
+                'Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{"query": '.encode()
+            )
+            t0, got = time.monotonic(), b""
+            while chunk := s.recv(4096):  # until the server closes the connection
+                got += chunk
+            took = time.monotonic() - t0
+    finally:
+        srv.limits.body_timeout_s = 30.0
+    assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+    assert b'"code":"request_timeout"' in got.replace(b" ", b"") and 0.4 <= took < 5, took

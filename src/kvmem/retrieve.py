@@ -171,6 +171,26 @@ class IndexCache:
         with self._lock:
             self._lru.clear()
 
+    def forget(self, user: str, live: set[int] | None) -> None:
+        """``user``'s memory changed (``Store.watch``): drop the embeddings of rows no longer ``live`` from its
+        index now (None: the whole index), so an erased fact's embedding is not kept until the next search."""
+        with self._lock:
+            index = self._lru.pop(user, None) if live is None else self._lru.get(user)
+        if index is None or live is None:
+            return
+        if not index.lock.acquire(blocking=False):  # a search holds it, maybe waiting on the store: never wait here
+            with self._lock:
+                if self._lru.get(user) is index:
+                    self._lru.pop(user)  # rebuilt at the next search
+            return
+        try:
+            ids = faiss.vector_to_array(index.index.id_map)
+            gone = ids[~np.isin(ids, np.fromiter(live, dtype=np.int64, count=len(live)))]
+            if gone.size:
+                index.index.remove_ids(gone)
+        finally:
+            index.lock.release()
+
     @property
     def nbytes(self) -> int:
         """Bytes the cached indexes hold."""
@@ -200,6 +220,7 @@ class IndexCache:
                 index = UserIndex(ukv.embeddings.shape[1])
             else:
                 self.hits += 1
+        store.watch(self.forget)  # once per store: an erasure anywhere reaches this cache at the next read
         with index.lock:
             index.sync(store, ukv)
             found = index.search(query, top_k, ukv, allowed)

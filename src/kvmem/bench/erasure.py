@@ -95,7 +95,8 @@ def copies(lm, emb, turns, n: int, k: int, batch: int, seed: int, retire_s: floa
                 victim = rng.choice(facts)
                 ukv = mem.store.snapshot("u")
                 i = next(j for j, f in enumerate(ukv.facts) if f.fact_id == victim.fact_id)
-                needle = ukv.fact_kv(i)[0][0, 0, 0].float().numpy().tobytes()  # its first key vector, as stored
+                # its last token's key in the last layer, as stored: layer 0's first key is the same for every fact
+                needle = ukv.fact_kv(i)[0][-1, 0, -1].float().numpy().tobytes()
                 if reader is not None:  # the server's cache holds every segment
                     rk = reader.snapshot("u")
                     for j in range(len(rk.facts)):

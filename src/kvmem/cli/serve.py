@@ -60,6 +60,12 @@ def serve_cmd(
         help="A client that takes none of a response's bytes for this long, s, is cut off: its request ends (a "
         "streamed chat's engine request is aborted) and its connection is closed.",
     ),
+    body_timeout: float = typer.Option(
+        30.0,
+        "--body-timeout",
+        help="A request whose body has not all arrived this long after its headers, s, gets HTTP 408 and its "
+        "connection is closed (a client that trickles its body holds nothing longer).",
+    ),
     send_buffer: int | None = typer.Option(
         None,
         "--send-buffer",
@@ -144,14 +150,15 @@ def serve_cmd(
         min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1
         or timeout <= 0
         or send_timeout <= 0
+        or body_timeout <= 0
         or write_timeout <= 0
         or (window or 0) < 0
         or tail_recompute < 0
         or not 0 < port < 65536
     ):
         raise ValueError(
-            "--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and "
-            "--timeout, --send-timeout, --write-timeout must be positive, --window >= 0, --port in 1-65535"
+            "--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and --timeout, "
+            "--send-timeout, --body-timeout, --write-timeout must be positive, --window >= 0, --port in 1-65535"
         )
     if window is not None or neighbours is not None or history is not None:
         Encoding.of(window, neighbours, history)
@@ -175,6 +182,7 @@ def serve_cmd(
             allow_cold=allow_cold,
             send_timeout_s=send_timeout,
             mcp_infer=mcp_infer,
+            body_timeout_s=body_timeout,
         ),
         cache_bytes=cache_bytes,
         kv_cache_memory_bytes=kv_cache_bytes,

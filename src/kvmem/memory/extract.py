@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 import httpx
 
 from ..engines.select import reference_engine
+from ..store import redact_text
 
 logger = logging.getLogger("kvmem.extract")
+EXTRACTOR_KEY_ENV = "KVMEM_EXTRACTOR_API_KEY"  # the extractor endpoint's key, where no config gives one
 
 FACTS_SCHEMA = {
     "type": "object",
@@ -196,17 +199,19 @@ class OpenAIExtractor(Extractor):
             r.raise_for_status()
             return r.json()["choices"][0]["message"]["content"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            logger.warning("extractor endpoint failed: %s", exc)
+            logger.warning("extractor endpoint failed: %s", redact_text(str(exc)))  # httpx quotes the URL
             return ""
 
 
 def make_extractor(spec, lm, engine=None) -> Extractor:
     """None -> the local answer model (through ``engine`` when given: vLLM guided decoding); a dict
-    {"base_url", "model", "api_key"?} -> that endpoint; an Extractor."""
+    {"base_url", "model", "api_key"?} -> that endpoint (no key given: ``$KVMEM_EXTRACTOR_API_KEY``, so a key need
+    not travel in a URL or a config); an Extractor."""
     if spec is None:
         return LocalExtractor(lm, engine=engine)
     if isinstance(spec, Extractor):
         return spec
     if isinstance(spec, dict) and {"base_url", "model"} <= set(spec):
-        return OpenAIExtractor(spec["base_url"], spec["model"], spec.get("api_key", "none"))
+        key = spec.get("api_key") or os.environ.get(EXTRACTOR_KEY_ENV) or "none"
+        return OpenAIExtractor(spec["base_url"], spec["model"], key)
     raise ValueError("extractor must be None (the local model), an Extractor, or {'base_url', 'model', 'api_key'}")

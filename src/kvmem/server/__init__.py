@@ -16,7 +16,7 @@ Modules: ``schemas`` (request models, errors), ``tenants``, ``runtime`` (wiring:
 Serve deployment and its user-affinity router) and ``ingress`` (the HTTP front that forwards to them).
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 401 missing or
-unknown key, 403 another tenant's memory, 404 unknown memory id / model / route, 409 a write that lost a race,
+unknown key, 404 unknown memory id (or another tenant's: answered alike) / model / route, 409 a write that lost a race,
 413 body too large, 422 a field of the wrong type, 429 engine queue full, 503 not ready or timed out.
 """
 

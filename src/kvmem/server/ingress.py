@@ -35,7 +35,7 @@ from .replicas import LIVE, ROUTED, UNREADY, Replicas
 from .routes import body_limit_error
 from .runtime import store_bytes_gauge
 from .schemas import APIError
-from .stalls import SendTimeout
+from .stalls import BodyTimeout, SendTimeout
 
 logger = logging.getLogger("kvmem.server")
 
@@ -277,6 +277,7 @@ def create_ingress(cluster: Replicas) -> FastAPI:
     # a client that stops reading: its stream is cancelled on its replica too (``stalls``)
     stalls = Counter("kvmem_send_timeouts", "Requests cut off because their client stopped reading for --send-timeout",
                      registry=registry)  # fmt: skip
+    app.add_middleware(BodyTimeout, timeout_s=lambda: limits.body_timeout_s)  # a trickled body: 408
     app.add_middleware(SendTimeout, timeout_s=lambda: limits.send_timeout_s, on_stall=stalls.inc)
     return app
 

@@ -26,7 +26,7 @@ from .schemas import AddMemoryRequest, APIError, ListRequest, SearchRequest, Upd
 from .tenants import Tenants
 
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id"}
-ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503, 507)  # what any memories route may answer
+ERRORS = error_responses(400, 401, 404, 409, 413, 422, 429, 503, 507)  # what any memories route may answer
 
 
 async def queued_write(server: KvmemServer, steps) -> object:
@@ -66,10 +66,8 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
             f = await server.off_loop(server.memory.store.fact, str(memory_id))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
-        if f is None:
+        if f is None or not Tenants.owns(tenant, f.user):  # another tenant's id answers as one that never existed
             raise APIError(404, f"memory {str(memory_id)[:64]!r} not found", "memory_not_found")
-        if not Tenants.owns(tenant, f.user):
-            raise APIError(403, "this memory belongs to another tenant", "forbidden")
         return f
 
     async def write(fn, *args, **kwargs):
@@ -223,8 +221,8 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     async def memory_history(memory_id: str, request: Request):
         tenant = tenant_of(request)
         events = await read(server.memory.history, memory_id)
-        if not all(Tenants.owns(tenant, e["user_id"]) for e in events):
-            raise APIError(403, "this memory belongs to another tenant", "forbidden")
+        if not all(Tenants.owns(tenant, e["user_id"]) for e in events):  # as an id that never existed
+            raise MemoryInputError(f"memory {memory_id!r} not found")
         for e in events:  # the store's scope key -> the caller's entity ids
             scope = parse_key(e.pop("user_id"), tenant)
             e.update(scope.ids() if scope is not None else {})

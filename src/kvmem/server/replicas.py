@@ -17,7 +17,9 @@ to the replica that holds their memory warm (paper §7, "route each request to w
   shows them to the cluster's operators. A replica gets the store's canonical URL (no credentials) and the path of
   the API-keys file, and reads the keys from that file, and the store's credentials from its node's environment
   (``PGPASSWORD``, a passfile: libpq's own), itself. A local Ray started here inherits this process's environment;
-  a ``--store`` URL with credentials is refused (Ray records the driver's command line in its GCS).
+  a ``--store`` URL with credentials is refused (Ray records the driver's command line in its GCS), and so are a
+  ``--segments`` URL with credentials and an extractor with a key (``refuse_secrets``): the object store's
+  credentials and ``KVMEM_EXTRACTOR_API_KEY`` come from each node's environment.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
-from ..store import Store, canonical, secrets
+from ..store import Store, canonical, has_credentials, redact, secrets
 from .routes import create_app
 from .runtime import KvmemServer, Limits, preflight
 from .storesize import StoreSize
@@ -227,6 +229,27 @@ def _fingerprint(cfg: ReplicaConfig, replicas: int, resources: dict, env: dict, 
     return h.hexdigest()[:32]
 
 
+def refuse_secrets(start: dict) -> None:
+    """Raise ValueError (one line, no secret in it) when ``KvmemServer.start``'s arguments, which Ray records as
+    the replicas' deployment arguments, carry a credential: in the ``--segments`` URL (user part, signed query) or
+    the extractor (a key in ``--extractor-url`` or an ``api_key``). Each can come from the environment of every
+    node instead, where a local Ray started here inherits it."""
+    seg = start.get("segments_url")
+    if has_credentials(seg):
+        raise ValueError(
+            f"the --segments URL {redact(seg)} carries credentials, which Ray would record (its GCS keeps the "
+            "replicas' arguments and this command line): remove them and give them in the environment of kvmem "
+            "serve and of every Ray node (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)"
+        )
+    ex = start.get("extractor")
+    if isinstance(ex, dict) and (has_credentials(ex.get("base_url")) or ex.get("api_key") not in (None, "", "none")):
+        raise ValueError(
+            f"the extractor ({redact(str(ex.get('base_url')))}) carries a key, which Ray would record (its GCS "
+            "keeps the replicas' arguments and this command line): remove it and set KVMEM_EXTRACTOR_API_KEY in "
+            "the environment of kvmem serve and of every Ray node"
+        )
+
+
 def _running(fingerprint: str):
     """The handle of the kvmem app already RUNNING on the joined cluster with ``fingerprint`` (deployed by an
     ingress that died without stopping it, kill -9 say), else None: a restarted ingress attaches to its
@@ -283,6 +306,7 @@ class Replicas:
                 "remove them from the URL and set PGPASSWORD (or a passfile, PGPASSFILE) in the environment of "
                 "kvmem serve and of every Ray node"
             )
+        refuse_secrets(start_kwargs)
         preflight(store, **start_kwargs)  # bad options are one line here, not N failed replicas
         if ray_address and ray_address.startswith("ray://"):
             raise ValueError(

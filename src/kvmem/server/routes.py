@@ -22,7 +22,7 @@ from .mcp import mount_mcp
 from .memories import memory_routes
 from .runtime import KvmemServer, logger
 from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of, error_responses, store_unavailable
-from .stalls import SendTimeout
+from .stalls import BodyTimeout, SendTimeout
 from .streaming import ChatGeneration, ChatStream, prepare_chat, sse, watched
 from .toolcalls import ToolPlan
 
@@ -42,6 +42,7 @@ def create_app(server: KvmemServer) -> FastAPI:
     memory_routes(app, server, tenant_of)
     _chat_route(app, server, tenant_of)
     mount_mcp(app, server)  # /mcp: the memory tools over the Model Context Protocol
+    app.add_middleware(BodyTimeout, timeout_s=lambda: server.limits.body_timeout_s)  # a trickled body: 408
     # outermost: a client that stops reading never holds its request (a streamed chat's engine slot) past the bound
     app.add_middleware(
         SendTimeout, timeout_s=lambda: server.limits.send_timeout_s, on_stall=server.metrics.send_timeouts.inc

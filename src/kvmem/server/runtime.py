@@ -49,6 +49,7 @@ class Limits:
     allow_cold: bool = False  # memory.cache "cold" (load tests: every cache tier bypassed); else a 400
     send_timeout_s: float = 30.0  # a send the client has not drained by then ends its request (``stalls``)
     mcp_infer: bool = True  # MCP add_memories extracts facts (Mem0's default, as a REST add's); False: verbatim
+    body_timeout_s: float = 30.0  # a request body not all there this long after its headers: 408 (``stalls``)
 
 
 # the connector's counters file becomes label values of kvmem_connector_events: names of its own shape only, and

@@ -7,7 +7,6 @@ import asyncio
 import errno
 import json
 import logging
-import re
 import time
 from typing import Literal
 
@@ -18,7 +17,8 @@ from pydantic_core import PydanticCustomError
 from ..compose import ContextOverflow
 from ..engines.base import EngineBusy
 from ..memory import MemoryInputError
-from ..store import StoreBusy, StoreError, StoreUnavailable, redact
+from ..store import StoreBusy, StoreError, StoreUnavailable
+from ..store import redact_text as _redact_text
 
 MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("kvmem.server")
@@ -506,8 +506,8 @@ def engine_dead() -> APIError:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with the password of every URL in it removed (``store.redact``), for the server's log."""
-    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)
+    """``text`` with the credentials of every URL in it removed (``store.redact_text``), for the server's log."""
+    return _redact_text(text)
 
 
 _LOGGED = [0.0]  # when a store outage was last logged (once per STORE_LOG_EVERY_S: a stall fails every request)

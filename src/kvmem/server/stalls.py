@@ -1,5 +1,6 @@
 """A bound on every send to an HTTP client: a client that stops reading is cut off, and its request ends with it
-(a pure ASGI middleware, outside every other one).
+(a pure ASGI middleware, outside every other one); and one on a request's body (``BodyTimeout``): a client that
+trickles it gets a 408.
 
 uvicorn's ``send`` waits for the socket to drain with no time limit, so a client that stops reading would hold
 its request, and the engine slot a streamed chat holds, for as long as it keeps the connection open. Here a
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 
 logger = logging.getLogger("kvmem.server")
@@ -90,3 +92,68 @@ class SendTimeout:
                 scope.get("method"),
                 scope.get("path"),
             )
+
+
+class BodyTimeout:
+    """ASGI middleware: a request's body must have arrived ``timeout_s`` seconds after its headers (uvicorn and
+    h11 bound neither: a client that sends headers, then trickles its body, would hold a connection and its
+    request for as long as it likes). Past the bound the client gets a 408 (OpenAI-shaped, ``request_timeout``,
+    ``Connection: close``), the app sees the client gone (``http.disconnect``), and uvicorn closes the
+    connection, whose body was never finished. A body complete in time is not bounded further; nor is waiting
+    for a disconnect after it (a streamed response's)."""
+
+    def __init__(self, app, timeout_s):
+        """``timeout_s``: seconds, or a function returning them (read per request: ``Limits.body_timeout_s``)."""
+        self.app, self._timeout = app, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        loop = asyncio.get_running_loop()
+        bound = float(self._timeout() if callable(self._timeout) else self._timeout)
+        deadline, done, late, started = loop.time() + bound, False, False, False
+
+        async def bounded_receive():
+            nonlocal done, late
+            if late:
+                return {"type": "http.disconnect"}
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                late = True
+                if not started:
+                    await _answer_408(send, bound)
+                return {"type": "http.disconnect"}
+            done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            if late:  # the 408 was the answer
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracked_send)
+        except Exception:
+            if not late:
+                raise
+
+
+async def _answer_408(send, bound: float) -> None:
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"the request body did not arrive within {bound:g} s",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+        }
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 408, "headers": [*headers, (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -58,9 +58,11 @@ from .location import (
     StoreUnavailable,
     UnknownUser,
     canonical,
+    has_credentials,
     is_url,
     password,
     redact,
+    redact_text,
     secrets,
     within,
 )
@@ -101,6 +103,8 @@ __all__ = [
     "is_url",
     "password",
     "redact",
+    "redact_text",
+    "has_credentials",
     "secrets",
     "within",
 ]
@@ -115,7 +119,8 @@ def check_segments_url(store: Store, url: str | None) -> None:
     have = store.manifest.get("segments_url")
     if url is not None and url != have:
         raise StoreError(
-            f"store {store.name} keeps its KV segments {'at ' + repr(have) if have else 'in its own directory'}; "
+            f"store {store.name} keeps its KV segments {'at ' + repr(redact(have)) if have else 'in its own directory'}"
+            "; "
             f"--segments applies only when a store is created"
         )
 
@@ -208,6 +213,13 @@ class Store:
         if kv_format != "native":
             fingerprint["kv_format"] = kv_format
         rows = backends.open_rows(root)
+        if has_credentials(segments_url):  # the manifest records the URL, and every reader opens it from there
+            rows.close()
+            raise StoreError(
+                f"--segments {redact(segments_url)} carries credentials, which the store would record in its "
+                "manifest: remove them from the URL and give them in the environment (AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_KEY, ...)"
+            )
         if segments_url is None and rows.shared:
             rows.close()
             raise StoreError(
@@ -483,6 +495,10 @@ class Store:
         """``Reader.cached``: the memory and spans of ``fact_ids`` when all of it is in memory, else None; no I/O,
         never waits."""
         return self.reads.cached(versions, fact_ids)
+
+    def watch(self, callback) -> None:
+        """``Reader.watch``: ``callback(user, live rows or None)`` whenever a read finds a user's memory changed."""
+        self.reads.watch(callback)
 
     def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
         """``Reader.changes``: (added [(row, embedding [E])], removed rows) since version ``since``, or None."""

@@ -99,6 +99,17 @@ def redact(url: str) -> str:
     return scheme + userinfo + body + ("" if query is None else "?" + query)
 
 
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it ``redact``-ed: for logs and messages that quote a URL (httpx's, obstore's)."""
+    return re.sub(r"[A-Za-z][A-Za-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)
+
+
+def has_credentials(url: str | None) -> bool:
+    """Whether ``url`` carries a credential that ``redact`` would remove (a password in its user part, a
+    credential-named query parameter)."""
+    return bool(url) and is_url(url) and redact(url) != url
+
+
 def canonical(location: str | Path) -> str:
     """One spelling per store: a URL without its credentials (``redact``: libpq reads a password from
     ``PGPASSWORD`` or ``~/.pgpass``; see ``secrets``), a directory as its absolute resolved path. What goes into an

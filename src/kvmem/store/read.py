@@ -283,6 +283,29 @@ class Reader:
         self._prefetcher = None  # one thread for ``prefetch``, made on first use
         self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
         self.scopes_indexed = rows.has_table("scopes")  # a store created before the scope index has none
+        self.watchers: list[Callable[[str, set[int] | None], None]] = []  # ``watch``
+
+    def watch(self, callback: Callable[[str, set[int] | None], None]) -> None:
+        """Call ``callback(user, live rows)`` whenever a snapshot finds ``user``'s memory changed since this object
+        last read it (another process's commit, or this one's), with its live facts' store row ids, or None when
+        it has none left: what a cache kept beside this store (``retrieve.IndexCache``) drops. Once per callback."""
+        with self._lock:
+            if callback not in self.watchers:
+                self.watchers.append(callback)
+
+    def _changed(self, user: str, live: list[FactRecord] | None) -> None:
+        """Under the lock, as a snapshot finds ``user``'s memory changed: drop from this process's caches what is
+        no longer live, the erased facts' KV (memory tier) and text and embeddings (the old snapshot), so an erasure
+        by any process leaves nothing here past this process's next read of the user; then tell ``watchers``."""
+        keep = {_fact_key(f) for f in live or ()}
+        for key in self.memory.held():
+            if key[0] == "fact" and key[1] == user and key not in keep:
+                self.memory.remove(key)
+        if live is None:
+            self.snapshot_cache.pop(user, None)
+        rows = None if live is None else {f.row for f in live}
+        for callback in self.watchers:
+            callback(user, rows)
 
     def close(self) -> None:
         if self._prefetcher is not None:
@@ -635,10 +658,12 @@ class Reader:
                 handle.close()
             with self._lock:
                 self._stats["kv_read_bytes"] += sum(kv.nbytes for kv in kvs)
+                newer = self.snapshot_cache.get(user)  # read from a version since replaced: served, not kept
+                keep = newer is None or newer.version == versions[user]
                 for i, kv in zip(idx, kvs):
                     parts[i] = kv
-                    f = facts[i]
-                    self.memory.put(_fact_key(f), kv)
+                    if keep:
+                        self.memory.put(_fact_key(facts[i]), kv)
         if timings is not None:
             timings["read"] = (time.perf_counter() - t0) * 1e3
         return parts
@@ -668,6 +693,7 @@ class Reader:
                 emb.append(r[-1])
             shas = dict(self.rows.execute('SELECT segment, kv_sha256 FROM segments WHERE "user"=?', (user,)))
         if not facts:
+            self._changed(user, None)
             raise UnknownUser(f"unknown user {user!r} in store {self.name} (no live memories)")
         if version is not None and current != version:
             raise LookupError(f"memory version {version} of {user!r} is no longer current")
@@ -677,6 +703,7 @@ class Reader:
             raise StoreError(f"store {self.name}: user {user!r} names a segment with no checksum row") from None
         embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
         ukv = UserKV(user, current, facts, segments, embeddings, self.read_facts, self.read_spans)
+        self._changed(user, facts)
         put_bounded(self.snapshot_cache, user, ukv)
         return ukv
 

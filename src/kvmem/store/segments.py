@@ -31,7 +31,7 @@ import torch
 
 from .. import kvformat
 from ..extras import require
-from .location import StoreUnavailable
+from .location import StoreUnavailable, redact, redact_text
 from .reach import Reach
 from .tiers import DiskTier
 
@@ -672,7 +672,7 @@ class ObjectSegments(SegmentStore):
                 probe = {**client, "connect_timeout": "1s", "timeout": f"{PROBE_TIMEOUT_S:g}s"}
                 self._probe_store = from_url(url, client_options=probe, retry_config={"max_retries": 0})
         except Exception as exc:
-            raise ValueError(f"segments URL {url.split('?', 1)[0]!r} cannot be used ({exc})") from None
+            raise ValueError(f"segments URL {redact(url)!r} cannot be used ({redact_text(str(exc))})") from None
         self._reach = _reach_of(url, self._probe_store) if self._probe_store is not None else None
 
     # --- availability (``Reach``, shared by every ``ObjectSegments`` of this URL in the process) -------------
@@ -700,7 +700,8 @@ class ObjectSegments(SegmentStore):
         except StoreUnavailable:
             if unreachable:
                 raise
-        return OSError(f"segments at {self.url.split('?', 1)[0]}: cannot {what} ({' '.join(str(exc).split())[:300]})")
+        why = redact_text(" ".join(str(exc).split()))[:300]
+        return OSError(f"segments at {redact(self.url)}: cannot {what} ({why})")
 
     def put(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
         from safetensors.torch import save
@@ -723,7 +724,7 @@ class ObjectSegments(SegmentStore):
 
     def delete(self, name: str) -> None:
         if self._down():  # best effort after a commit (gc): an OSError, logged there
-            raise OSError(f"segments at {self.url.split('?', 1)[0]}: cannot delete {name} (unreachable)")
+            raise OSError(f"segments at {redact(self.url)}: cannot delete {name} (unreachable)")
         try:
             self._obs.delete(self.store, name)
         except FileNotFoundError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -376,6 +377,7 @@ class Writer:
             )
             if window is None:  # an erasure alone: the encoding stays as it was
                 db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
+                forget_scope(db, user, self.reads.scopes_indexed)  # nothing was stored but turns: gone now
                 return str(version)
             db.execute(
                 'INSERT INTO users ("user", version, "window", source, updated) VALUES (?,?,?,?,?) ON CONFLICT("user") '
@@ -478,7 +480,8 @@ class Writer:
                     'UPDATE users SET version=?, compacted=?, updated=? WHERE "user"=?',
                     (version, version, time.time(), user),
                 )
-            self.landed(user)
+                purged = forget_scope(db, user, self.reads.scopes_indexed)
+            self.landed(user, scrub=purged)
         return str(version)
 
     def add_text_index(self) -> bool:
@@ -621,6 +624,30 @@ def set_meta(db: Rows, items: list[tuple[str, float]]) -> None:
     db.executemany(
         "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", items
     )
+
+
+TENANT_HEAD = re.compile(r"^[A-Za-z0-9_-]{1,64}:")  # a namespaced scope key's "<tenant>:" (``server.tenants``)
+
+
+def forget_scope(db: Rows, user: str, scopes: bool) -> bool:
+    """Inside a transaction: when scope ``user`` keeps no fact row (live or tombstone: an erasure's compaction
+    has run) and no turn, drop every row that names it: its ``users`` and ``scopes`` rows and its ``meta`` keys
+    (turn counter, encoding, deferred compaction). Its history events stay, for ``history(fact_id)``, filed under
+    its tenant's ``<tenant>:`` alone (``""`` for a key without one), so a user id (an email, say) is stored
+    nowhere once its scope is erased. Versions come from the store-wide counter, so a scope written again gets a
+    newer one and a reader of the old version still sees it replaced. Returns whether it dropped the scope."""
+    if db.execute('SELECT 1 FROM facts WHERE "user"=? LIMIT 1', (user,)).fetchone() is not None:
+        return False
+    if db.execute('SELECT 1 FROM turns WHERE "user"=? LIMIT 1', (user,)).fetchone() is not None:
+        return False
+    head = TENANT_HEAD.match(user)
+    db.execute('UPDATE history SET "user"=? WHERE "user"=?', (head.group(0) if head else "", user))
+    db.execute('DELETE FROM users WHERE "user"=?', (user,))
+    if scopes:
+        db.execute("DELETE FROM scopes WHERE scope=?", (user,))
+    db.executemany("DELETE FROM meta WHERE key=?", [(f"{k}:{user}",) for k in ("turns", "neighbours", "history",
+                                                                              "compact")])  # fmt: skip
+    return True
 
 
 def next_turn(db: Rows, user: str) -> int:
