@@ -298,7 +298,7 @@ def test_search_route_fuses_keywords_and_explains_on_request(server):
         ("/v3/memories/add/", {"messages": "x", "user_id": "erin", "output_format": "v1.1"}, "output_format"),
         ("/v3/memories/add/", {"messages": "x", "user_id": "erin", "async_mode": True}, "async_mode"),
         ("/v3/memories/add/", {"messages": "x", "app_id": "app"}, "app_id"),
-        ("/v3/memories/", {"filters": {"user_id": "erin", "n": {"gt": [1]}, "x": {"in": 3}}}, "takes a list"),
+        ("/v3/memories/", {"filters": {"user_id": "erin", "n": {"gt": 1}, "x": {"in": 3}}}, "takes a list"),
     ],
 )
 def test_bad_input_is_one_clear_error_and_changes_nothing(server, path, body, match):
