@@ -36,28 +36,11 @@ from ..store import (
 from . import grounding, importer, mem0, reconcile
 from .extract import make_extractor
 from .mem0 import (
-    MAX_MESSAGE_CHARS,
-    MAX_MESSAGES,
-    MAX_NAME_CHARS,
     MemoryConflict,
     MemoryInputError,
     check_messages,
-    check_user_id,
     date_label,
 )
-
-__all__ = [
-    "MAX_MESSAGES",
-    "MAX_MESSAGE_CHARS",
-    "MAX_NAME_CHARS",
-    "AsyncMemory",
-    "Memory",
-    "MemoryConflict",
-    "MemoryInputError",
-    "check_messages",
-    "check_user_id",
-    "default_store",
-]
 
 _UNSET = object()
 
