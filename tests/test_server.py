@@ -283,6 +283,19 @@ def test_tenants_are_isolated(server, alice):
     assert httpx.get(f"{base}/v1/memories", params={"user_id": "alice"}).status_code == 401
     assert httpx.get(f"{base}/v1/models", headers=_h("key-wrong-0123456789abcdef")).status_code == 401
     assert httpx.get(f"{base}/v1/memories/{alice['canary']}", headers=_h()).status_code == 200  # the owner can
+    # an import naming acme's id answers as one naming an id that exists nowhere: ids are looked up per tenant
+    answers = []
+    for fid in (alice["canary"], "0f8fad5b-d9cb-469f-a165-70867728950e"):
+        rec = {"id": fid, "memory": "The tea is green.", "user_id": "bob", "created_at": "2026-01-02T03:04:05Z"}
+        answers.append(b.post("/v1/memories/import", json={"results": [rec]}))
+    assert [r.status_code for r in answers] == [200, 200] and answers[0].json() == answers[1].json(), answers[0].text
+    mine = b.get(f"/v1/memories/{alice['canary']}").json()  # globex's own memory under that id
+    assert mine["memory"] == "The tea is green." and mine["user_id"] == "bob"
+    theirs = httpx.get(f"{base}/v1/memories/{alice['canary']}", headers=_h()).json()  # acme's, untouched
+    assert "PINEAPPLE" in theirs["memory"] and theirs["user_id"] == "alice"
+    assert all(e["user_id"] == "bob" for e in b.get(f"/v1/memories/{alice['canary']}/history").json())
+    assert b.delete(f"/v1/memories/{alice['canary']}").status_code == 200  # globex's goes, acme's stays
+    assert "PINEAPPLE" in httpx.get(f"{base}/v1/memories/{alice['canary']}", headers=_h()).text
 
 
 @pytest.mark.parametrize(

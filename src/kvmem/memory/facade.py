@@ -324,15 +324,16 @@ class Memory:
                     out[-1]["score_details"] = {**h.explain(fusion), "threshold": threshold}
         return {"results": out}
 
-    def _fact(self, memory_id) -> FactRecord | None:
+    def _fact(self, memory_id, namespace: str | None = None) -> FactRecord | None:
+        """The live memory with this id among ``namespace``'s scopes (a tenant sees its own ids only)."""
         try:
-            return self.store.fact(str(memory_id))
+            return self.store.fact(str(memory_id), within=_within(namespace))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
 
     def get(self, memory_id: str, namespace: str | None = None) -> dict | None:
         """One memory by id (Mem0's item, ``score`` None), or None."""
-        f = self._fact(memory_id)
+        f = self._fact(memory_id, namespace)
         return None if f is None else {**mem0.item(f, namespace), "score": None}
 
     def get_all(
@@ -363,7 +364,7 @@ class Memory:
     def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
         """Every event of a memory, oldest first (Mem0's history rows, ``mem0.history_rows``). Raises
         MemoryInputError for an id that never existed."""
-        return mem0.history_rows(self.store.history(str(memory_id)), memory_id)
+        return mem0.history_rows(self.store.history(str(memory_id), _within(namespace)), memory_id)
 
     # --- writes ---------------------------------------------------------------------------------------------
 
@@ -623,7 +624,7 @@ class Memory:
         text = data if text is None else text
         mem0.check_update(text, metadata, expiration_date is not _UNSET)
         text = None if text is None else mem0.check_text(text, "update text")
-        f = self._fact(memory_id)
+        f = self._fact(memory_id, namespace)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         meta = json.loads(f.metadata or "{}")
@@ -658,7 +659,7 @@ class Memory:
         """Erase one memory: it is never retrieved or injected again, and nothing keeps its words (``_erase``).
         Returns ``{"message", "erasure": {"erased", "turns", "reencoded", "deferred"}}``. Raises MemoryInputError
         if unknown."""
-        f = self._fact(memory_id)
+        f = self._fact(memory_id, namespace)
         if f is None:
             raise MemoryInputError(f"memory {memory_id!r} not found")
         try:
@@ -754,7 +755,7 @@ class Memory:
     def plan_import(self, export, namespace: str | None = None) -> importer.ImportPlan:
         """``import_memories``' checks, without writing: the export's batches (``importer.read_export``). Reads
         the store only (one indexed lookup per record), so it need not run on the model thread."""
-        return importer.read_export(export, namespace, self._fact, self.import_batch_size)
+        return importer.read_export(export, namespace, lambda i: self._fact(i, namespace), self.import_batch_size)
 
     def import_batch(self, batch: tuple[str, list]) -> str:
         """Encode and commit one batch of a ``plan_import``: (store user, items), in one commit. Returns the
@@ -786,6 +787,11 @@ class Memory:
         self.indexes.clear()
         self._fields.clear()
         return {"message": "Memory reset", "erasure": _counts({"erased": facts, "turns": turns})}
+
+
+def _within(namespace: str | None) -> str | None:
+    """The key prefix of ``namespace``'s scopes (``Scope.key``), or None (every scope)."""
+    return None if namespace is None else f"{namespace}:"
 
 
 def _counts(got) -> dict:

@@ -76,7 +76,7 @@ async def route_key(cluster: Replicas, method: str, path: str, query: bytes, hea
     elif path == "/mcp" or path.startswith("/mcp/"):  # the MCP tools: the user is on the URL (``mcp``)
         user = mcp_user(path, query)
     elif path.startswith("/v1/memories/"):
-        owner = await cluster.owner(path.split("/")[3])
+        owner = await cluster.owner(path.split("/")[3], tenant)
         scope = parse_key(owner, tenant) if owner is not None else None
         user = scope.user_id if scope is not None else None
     return user_key(tenant, user)

@@ -185,7 +185,8 @@ def build_server(tools: Tools):
 
     async def owned(who: Caller, memory_id: str):
         try:
-            f = await tools.read(mem.store.fact, memory_id)
+            within = None if who.tenant is None else f"{who.tenant}:"  # never another tenant's ids
+            f = await tools.read(lambda: mem.store.fact(memory_id, within=within))
         except LookupError:
             f = None
         if f is None or not who.owns(f.user):  # another user's memory reads as unknown: no existence oracle
@@ -224,7 +225,7 @@ def build_server(tools: Tools):
     async def update_memory(memory_id: str, text: str, ctx: Context) -> str:
         who = tools.caller(ctx)
         await owned(who, memory_id)
-        out = await tools.write([lambda: mem.update(memory_id, text=text)])
+        out = await tools.write([lambda: mem.update(memory_id, text=text, namespace=who.tenant)])
         return {**out, "id": memory_id}
 
     @tool(
@@ -239,7 +240,7 @@ def build_server(tools: Tools):
         for i in ids:  # every id checked before anything is erased
             await owned(who, i)
         reports: list[dict] = []
-        await tools.write([lambda i=i: reports.append(mem.delete(i)["erasure"]) for i in ids])
+        await tools.write([lambda i=i: reports.append(mem.delete(i, namespace=who.tenant)["erasure"]) for i in ids])
         total = Counter()
         for report in reports:
             total.update(report)

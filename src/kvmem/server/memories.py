@@ -63,7 +63,8 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
 
     async def owned_fact(tenant, memory_id: str):
         try:
-            f = await server.off_loop(server.memory.store.fact, str(memory_id))
+            within = None if tenant is None else f"{tenant}:"  # another tenant's ids are not looked at
+            f = await server.off_loop(lambda: server.memory.store.fact(str(memory_id), within=within))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
         if f is None or not Tenants.owns(tenant, f.user):  # another tenant's id answers as one that never existed
@@ -112,13 +113,13 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
         given = {k: getattr(body, k) for k in body.model_fields_set}  # an explicit null expiration_date clears it
         if not given:
             raise APIError(400, "At least one of text, metadata, or expiration_date must be provided.")
-        return await write(server.memory.update, memory_id, **given)
+        return await write(server.memory.update, memory_id, **given, namespace=tenant_of(request))
 
     @route("DELETE", "/v1/memories/{memory_id}")
     async def delete_memory(memory_id: str, request: Request, delete_linked: bool = False):
         # delete_linked: an update keeps its memory's id here, so no older memory is left to resurface
         await owned_fact(tenant_of(request), memory_id)
-        return await write(server.memory.delete, memory_id)
+        return await write(server.memory.delete, memory_id, namespace=tenant_of(request))
 
     @route("DELETE", "/v1/memories")
     async def delete_all(
@@ -220,7 +221,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     @route("GET", "/v1/memories/{memory_id}/history")
     async def memory_history(memory_id: str, request: Request):
         tenant = tenant_of(request)
-        events = await read(server.memory.history, memory_id)
+        events = await read(server.memory.history, memory_id, namespace=tenant)
         if not all(Tenants.owns(tenant, e["user_id"]) for e in events):  # as an id that never existed
             raise MemoryInputError(f"memory {memory_id!r} not found")
         for e in events:  # the store's scope key -> the caller's entity ids

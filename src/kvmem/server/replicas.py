@@ -372,16 +372,16 @@ class Replicas:
             raise
         return cls(handle.options(stream=True), started, replicas, limits, Tenants(api_keys or {}), store)
 
-    async def owner(self, memory_id: str) -> str | None:
-        """The store user of a memory id, for routing ``/v1/memories/{id}`` (None: unknown, route anywhere);
-        the store is read off the event loop."""
-        if memory_id in self._owners:
-            return self._owners[memory_id]
+    async def owner(self, memory_id: str, tenant: str | None = None) -> str | None:
+        """The store user of a memory id among ``tenant``'s scopes, for routing ``/v1/memories/{id}`` (None:
+        unknown, route anywhere); the store is read off the event loop."""
+        if (tenant, memory_id) in self._owners:
+            return self._owners[tenant, memory_id]
 
         def read():
             if self._store is None:
                 self._store = Store.open(self.store_location)
-            f = self._store.fact(memory_id)
+            f = self._store.fact(memory_id, within=None if tenant is None else f"{tenant}:")
             return f.user if f is not None else None
 
         try:
@@ -389,7 +389,7 @@ class Replicas:
         except Exception:  # routing is a hint: the replica answers the real error
             return None
         if user is not None:
-            self._owners[memory_id] = user
+            self._owners[tenant, memory_id] = user
         return user
 
     def close(self) -> None:

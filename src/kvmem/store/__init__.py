@@ -462,13 +462,14 @@ class Store:
     def facts(self, user: str) -> list[FactRecord]:
         return self.reads.snapshot(user).facts
 
-    def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
-        """``Reader.fact``: the live fact with this id (of ``user``, if given), or None."""
-        return self.reads.fact(fact_id, user)
+    def fact(self, fact_id: str, user: str | None = None, within: str | None = None) -> FactRecord | None:
+        """``Reader.fact``: the live fact with this id (of ``user``; of a user key starting ``within``), or None."""
+        return self.reads.fact(fact_id, user, within)
 
-    def history(self, fact_id: str) -> list[dict]:
-        """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
-        return self.reads.history(fact_id)
+    def history(self, fact_id: str, within: str | None = None) -> list[dict]:
+        """Every event of a fact (of user keys starting ``within``), oldest first: id, memory_id, user_id, event,
+        old_memory, new_memory, created_at."""
+        return self.reads.history(fact_id, within)
 
     def events(self, user: str) -> list[dict]:
         """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""

@@ -483,34 +483,37 @@ class Reader:
         }
 
     @_locked
-    def fact(self, fact_id: str, user: str | None = None) -> FactRecord | None:
-        """The live fact with this id (of ``user``, if given), or None. Ids are unique per user (``Memory`` ids
-        are UUIDs); an id live for several users without ``user`` raises LookupError."""
+    def fact(self, fact_id: str, user: str | None = None, within: str | None = None) -> FactRecord | None:
+        """The live fact with this id (of ``user``, if given; of a user whose key starts with ``within``, a
+        tenant's ``"<tenant>:"``, if given), or None. Ids are unique per user (``Memory`` ids are UUIDs, and
+        tenants look ids up ``within`` their own keys, so an id one tenant holds is no sign to another); an id
+        live for several users without ``user`` raises LookupError."""
+        where, args = _owner(user, within)
         rows = self.rows.execute(
-            f"SELECT {FACT_COLS} FROM facts WHERE fact_id=? AND deleted IS NULL "
-            + ('AND "user"=? ' if user is not None else "")
-            + 'ORDER BY "row"',
-            (fact_id, user) if user is not None else (fact_id,),
+            f'SELECT {FACT_COLS} FROM facts WHERE {where}fact_id=? AND deleted IS NULL ORDER BY "row"',
+            (*args, fact_id),
         ).fetchall()
         if len(rows) > 1:
             raise LookupError(f"memory id {fact_id!r} belongs to several users; name the user")
         return fact_of_row(rows[0]) if rows else None
 
-    def history(self, fact_id: str) -> list[dict]:
-        """Every event of a fact, oldest first: id, memory_id, user_id, event, old_memory, new_memory, created_at."""
-        return self._events("fact_id", fact_id)
+    def history(self, fact_id: str, within: str | None = None) -> list[dict]:
+        """Every event of a fact (of users whose key starts with ``within``, if given), oldest first: id,
+        memory_id, user_id, event, old_memory, new_memory, created_at."""
+        return self._events("fact_id", fact_id, within)
 
     def events(self, user: str) -> list[dict]:
         """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""
         return self._events('"user"', user)
 
     @_locked
-    def _events(self, column: str, value: str) -> list[dict]:
+    def _events(self, column: str, value: str, within: str | None = None) -> list[dict]:
+        where, args = _owner(None, within)
         q = 'SELECT id, fact_id, "user", event, old_memory, new_memory, time FROM history WHERE '
-        q += f"{column}=? ORDER BY id"
+        q += f"{where}{column}=? ORDER BY id"
         return [
             dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
-            for r in self.rows.execute(q, (value,))
+            for r in self.rows.execute(q, (*args, value))
         ]
 
     @_locked
@@ -780,3 +783,14 @@ class Reader:
             )
         ]
         return added, removed
+
+
+def _owner(user: str | None, within: str | None) -> tuple[str, tuple]:
+    """The SQL conditions (each followed by AND) and arguments of rows of ``user`` and of users whose key starts
+    with ``within``; either may be None (no condition)."""
+    parts, args = [], []
+    if user is not None:
+        parts, args = ['"user"=?'], [user]
+    if within is not None:
+        parts, args = [*parts, 'substr("user", 1, ?)=?'], [*args, len(within), within]
+    return "".join(p + " AND " for p in parts), tuple(args)
