@@ -80,6 +80,10 @@ def test_scheduler_and_chat_row_reads_follow_their_arguments(big_store):
     got = {}
     calls = _recorded(st, lambda: got.update(st.fact_token_ids("big", version, ids)))
     assert len(got) == 20 and all(v == tuple(range(4)) for v in got.values())
+    # an id looked up within a key prefix (a tenant's "<tenant>:"): found in its own users only, on either backend
+    assert st.fact(ids[0], within="bi").user == "big" and st.fact(ids[0], within="sm") is None
+    assert st.fact(ids[0], user="big", within="b") is not None and st.fact(ids[0], user="big", within="s") is None
+    assert st.history("big-g1-0", within="big") and st.history("big-g1-0", within="small") == []
     rows = [r for (r,) in st.rows.execute('SELECT "row" FROM facts WHERE "user"=? AND fact_id LIKE ?',
                                           ("big", "big-x1%")).fetchall()][:20]  # fmt: skip
     calls += _recorded(st, lambda: st.reads.rows_token_ids("big", rows))
