@@ -190,6 +190,11 @@ class Traced(Memory):
         self.after_commit()
         return out
 
+    def _infer(self, *args, **kwargs):  # its decisions' commit (``_write``), then its erasure's re-encoding
+        out = super()._infer(*args, **kwargs)
+        self.after_commit()
+        return out
+
     def reencode_pending(self, due_within_s=None):
         out = super().reencode_pending(due_within_s)
         self.after_commit()
@@ -344,11 +349,12 @@ class Run:
             except UnknownUser:
                 continue
             tokens = {f.fact_id: tuple(f.token_ids) for f in ukv.facts}
+            stale = {fid for _, fid, _, _ in store.stale(user)}  # awaiting re-encoding: recorded once re-encoded
             turns = None
             for i, f in enumerate(ukv.facts):
                 k, v = ukv.fact_kv(i)
                 h = kv_hash(k, v)
-                if h in self.versions:
+                if h in self.versions or f.fact_id in stale:
                     continue
                 if turns is None:
                     turns = {t["idx"]: t for t in store.turns(user)}
