@@ -34,18 +34,17 @@ from kvmem.store.copy import _carry_stale as _carry
 
 FAST_SEEDS = range(20)
 FULL_SEEDS = range(200)
-# defects that were real once, put back one at a time (what stood in for the fix: (module, name, stand-in)), and
+# defects that were real once, put back one at a time (the dotted place, what stands in there), and
 # what the checker must then find (the message's pattern) within DEFECT_SEEDS
 DEFECTS = {
-    "retire": ("kvmem.store.Store", "collect", lambda self, now=None: [], r"KV of .* in (objects|store/users)/"),
-    "cached_read": ("kvmem.store.Store", "sweep_cache", lambda self: [], r"in cache/"),
-    "copy": (
-        "kvmem.store.copy",
-        "_carry_stale",
+    "retire": ("kvmem.store.Store.collect", lambda self, now=None: [], r"KV of .* in (objects|store/users)/"),
+    "cached_read": ("kvmem.store.Store.sweep_cache", lambda self: [], r"in cache/"),
+    "copy": (  # every copied mark cleared
+        "kvmem.store.copy._carry_stale",
         lambda target, user, ids, stale: _carry(target, user, ids, {}),
         r"the copy copy0: ",
-    ),  # every copied mark cleared
-    "infer_update": ("kvmem.store.write", "inherited", lambda *a, **k: {}, r"secret zq[a-z]{8} in store/meta\.sqlite"),
+    ),
+    "infer_update": ("kvmem.store.write.inherited", lambda *a, **k: {}, r"secret zq[a-z]{8} in store/meta\.sqlite"),
 }
 DEFECT_SEEDS = range(40)
 
@@ -98,12 +97,8 @@ def test_the_checker_finds_a_defect_put_back(kind, tmp_path, tools, monkeypatch)
     """The checker can fail: with one fixed defect put back (``DEFECTS[kind]``: the collection of retired
     segments, the disk cache's sweep, a copy's stale marks, an update's inherited source turns, each replaced by
     a stand-in that does nothing), some seed of ``DEFECT_SEEDS`` finds it, and says where."""
-    import importlib
-
-    where, name, stand_in, finds = DEFECTS[kind]
-    module, _, cls = where.rpartition(".") if where.endswith("Store") else (where, "", "")
-    target = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
-    monkeypatch.setattr(target, name, stand_in)
+    target, stand_in, finds = DEFECTS[kind]
+    monkeypatch.setattr(target, stand_in)
     for seed in DEFECT_SEEDS:
         try:
             sweep([seed], "sqlite", tmp_path, tools, ec.DEFAULT_OPS)

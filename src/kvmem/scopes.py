@@ -89,6 +89,12 @@ class Scope:
         return out
 
 
+def namespace_prefix(namespace: str | None) -> str | None:
+    """What every store key of ``namespace``'s scopes starts with (``Scope.key``), or None (no namespace: any
+    key): a tenant looks memory ids up within its own keys only."""
+    return None if namespace is None else f"{namespace}:"
+
+
 def parse_key(key: str, namespace: str | None = None) -> Scope | None:
     """The scope a store user names, or None for a key outside ``namespace`` (or not a scope key)."""
     if namespace is not None:

@@ -327,7 +327,7 @@ class Memory:
     def _fact(self, memory_id, namespace: str | None = None) -> FactRecord | None:
         """The live memory with this id among ``namespace``'s scopes (a tenant sees its own ids only)."""
         try:
-            return self.store.fact(str(memory_id), within=_within(namespace))
+            return self.store.fact(str(memory_id), within=scopes.namespace_prefix(namespace))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
 
@@ -364,7 +364,7 @@ class Memory:
     def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
         """Every event of a memory, oldest first (Mem0's history rows, ``mem0.history_rows``). Raises
         MemoryInputError for an id that never existed."""
-        return mem0.history_rows(self.store.history(str(memory_id), _within(namespace)), memory_id)
+        return mem0.history_rows(self.store.history(str(memory_id), scopes.namespace_prefix(namespace)), memory_id)
 
     # --- writes ---------------------------------------------------------------------------------------------
 
@@ -787,11 +787,6 @@ class Memory:
         self.indexes.clear()
         self._fields.clear()
         return {"message": "Memory reset", "erasure": _counts({"erased": facts, "turns": turns})}
-
-
-def _within(namespace: str | None) -> str | None:
-    """The key prefix of ``namespace``'s scopes (``Scope.key``), or None (every scope)."""
-    return None if namespace is None else f"{namespace}:"
 
 
 def _counts(got) -> dict:

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs
 
 from ..extras import missing
 from ..memory import Memory
-from ..scopes import Scope, ScopeError, parse_key
+from ..scopes import Scope, ScopeError, namespace_prefix, parse_key
 from .runtime import KvmemServer
 from .schemas import APIError, error_of
 
@@ -185,8 +185,7 @@ def build_server(tools: Tools):
 
     async def owned(who: Caller, memory_id: str):
         try:
-            within = None if who.tenant is None else f"{who.tenant}:"  # never another tenant's ids
-            f = await tools.read(lambda: mem.store.fact(memory_id, within=within))
+            f = await tools.read(lambda: mem.store.fact(memory_id, within=namespace_prefix(who.tenant)))
         except LookupError:
             f = None
         if f is None or not who.owns(f.user):  # another user's memory reads as unknown: no existence oracle

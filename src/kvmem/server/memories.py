@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 
 from ..memory import MemoryConflict, MemoryInputError
 from ..memory.importer import ImportTooLarge
-from ..scopes import parse_key
+from ..scopes import namespace_prefix, parse_key
 from .runtime import KvmemServer
 from .schemas import AddMemoryRequest, APIError, ListRequest, SearchRequest, UpdateRequest, error_responses
 from .tenants import Tenants
@@ -63,7 +63,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
 
     async def owned_fact(tenant, memory_id: str):
         try:
-            within = None if tenant is None else f"{tenant}:"  # another tenant's ids are not looked at
+            within = namespace_prefix(tenant)  # another tenant's ids are not looked at
             f = await server.off_loop(lambda: server.memory.store.fact(str(memory_id), within=within))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None

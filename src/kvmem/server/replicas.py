@@ -40,6 +40,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
+from ..scopes import namespace_prefix
 from ..store import Store, canonical, has_credentials, redact, secrets
 from .routes import create_app
 from .runtime import KvmemServer, Limits, preflight
@@ -381,7 +382,7 @@ class Replicas:
         def read():
             if self._store is None:
                 self._store = Store.open(self.store_location)
-            f = self._store.fact(memory_id, within=None if tenant is None else f"{tenant}:")
+            f = self._store.fact(memory_id, within=namespace_prefix(tenant))
             return f.user if f is not None else None
 
         try:
