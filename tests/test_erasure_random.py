@@ -4,7 +4,8 @@ background re-encoding, a store copy and reads (search, ``get_all``, the KV thro
 then every check of ``tests/erasure_checker.py``: no erased text or KV in any file (or PostgreSQL row), the live
 memories as the operations leave them, every survivor's KV equal in fp32 to its encoding behind its recorded
 context less the erased parts, and a clean ``fsck``. SQLite and PostgreSQL; a tiny random-weight Llama (2 layers,
-hidden 32) over smollm2-135m-instruct's tokenizer, built once per module with the embedder.
+hidden 32) over smollm2-135m-instruct's tokenizer and a tiny random-weight BERT embedder over MiniLM's
+tokenizer, built once per module.
 
 Tiers: 20 seeds on SQLite in the fast tier; 200 seeds per backend under ``slow`` (and ``postgres``).
 ``test_the_checker_finds_a_defect_put_back`` (slow) shows the checker can fail: four defects it found before they
@@ -50,14 +51,12 @@ DEFECT_SEEDS = range(40)
 
 
 @pytest.fixture(scope="module")
-def tools():
+def tools(tmp_path_factory):
     if not (model_dir(ec.TOKENIZER_OF) / MANIFEST).exists():
         pytest.fail(f"{ec.TOKENIZER_OF} is not installed; run: kvmem models install {ec.TOKENIZER_OF}")
-    from kvmem.retrieve import Embedder
-
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: threads cost more than they give
-    yield ec.tools(Embedder())
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    yield ec.tools(ec.tiny_embedder(tmp_path_factory.mktemp("embedder")))
     torch.set_num_threads(threads)
 
 

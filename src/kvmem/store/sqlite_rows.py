@@ -133,7 +133,9 @@ class SQLiteRows(Rows):
         _write_durably(self.root / "header.safetensors", header)
         db = self._connect()
         try:
-            db.executescript(render(SQLITE) + render_text_index(SQLITE))
+            db.execute("PRAGMA journal_mode=WAL")  # first: it cannot change inside a transaction
+            # one transaction: one fsync for the whole schema, not one per statement
+            db.executescript(f"BEGIN;\n{render(SQLITE)}{render_text_index(SQLITE)}COMMIT;\n")
         finally:
             db.close()
         _write_durably(self.root / "manifest.json", json.dumps(manifest, indent=2).encode())
