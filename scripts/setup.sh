@@ -18,6 +18,11 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     echo "warning: PostgreSQL is not installed (sudo apt-get install postgresql); the shared-store tests need it" >&2
   fi
 fi
+# eatmydata (Debian's package): scripts/test.sh runs the suite under it, so fsync is a no-op there.
+if ! command -v eatmydata >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -q eatmydata >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q eatmydata; }) \
+    >/dev/null || echo "warning: eatmydata could not be installed; the suite runs with fsync (slower)" >&2
+fi
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 

@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -289,36 +288,11 @@ def assert_is_prefill(model, seq: list[int], keys, values, atol: float = 1e-4) -
 
 @contextmanager
 def http_server(srv, sndbuf: int | None = None):
-    """``kvmem serve``'s app for the ``KvmemServer`` ``srv`` on a free loopback port (uvicorn in a thread), until
-    the block ends; yields its base URL once ``/health`` answers. ``sndbuf``: the kernel send buffer of each
-    connection, bytes (fixed, not autotuned: a client that stops reading stalls the server's sends after a few
-    KB instead of megabytes)."""
-    import httpx
-    import uvicorn
+    """``kvmem.server.inthread.serve_in_thread``: ``srv``'s app on a free loopback port until the block ends."""
+    from kvmem.server.inthread import serve_in_thread
 
-    from kvmem.server import create_app
-
-    listener = socket.socket()
-    if sndbuf is not None:  # accepted connections inherit it
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(srv), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=uv.run, kwargs={"sockets": [listener]}, daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    try:
+    with serve_in_thread(srv, sndbuf) as base:
         yield base
-    finally:
-        uv.should_exit = True
-        th.join(timeout=10)
-        listener.close()
 
 
 def metric(base: str, name: str) -> float:

@@ -12,44 +12,14 @@ under ``--out``."""
 
 from __future__ import annotations
 
-import socket
 import tempfile
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
+from ..server.inthread import serve_in_thread
 from .common import machine, median, p95, ratio, table, write_summary_and_records
 
 OPS = ("mcp_session", "mcp_list_tools", "mcp_add", "mcp_search", "rest_add", "rest_search")
-
-
-@contextmanager
-def _served(srv):
-    """``kvmem serve``'s app for ``srv`` on a free loopback port (uvicorn in a thread); yields its base URL."""
-    import httpx
-    import uvicorn
-
-    from ..server import create_app
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(srv), log_level="warning"))
-    th = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(400):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    try:
-        yield base
-    finally:
-        uv.should_exit = True
-        th.join(timeout=10)
-        sock.close()
 
 
 async def _rounds(base: str, rounds: int) -> list[dict]:
@@ -104,7 +74,7 @@ def run(out: Path, model: str, rounds: int = 30, dtype: str | None = None, echo=
         srv = KvmemServer.start(Path(tmp) / "s", model=model, engine="hf", dtype=dtype, window=1,
                                 limits=Limits(mcp_infer=False))  # fmt: skip
         try:
-            with _served(srv) as base:
+            with serve_in_thread(srv) as base:
                 records = anyio.run(_rounds, base, rounds)
         finally:
             srv.close()

@@ -154,6 +154,39 @@ def extractor(url: str | None, model: str | None) -> dict | None:
     return {"base_url": url, "model": model or "default"} if url else None
 
 
+def open_memory(
+    store: str,
+    model: str | None = None,
+    window: int | None = None,
+    dtype: str = "auto",
+    extractor_url: str | None = None,
+    extractor_model: str | None = None,
+    create: bool = False,
+    neighbours: int | None = None,
+    history: bool | None = None,
+    segments: str | None = None,
+    kv_format: str | None = None,
+):
+    """``Memory`` over ``store`` with the CLI's options (``create``: a write may create the store; reads never
+    do: "no kvmem store at ...")."""
+    from ..memory import Memory
+    from ..store import Store
+
+    if not create:
+        Store.open(store).close()
+    return Memory(
+        store,
+        model=model,
+        window=window,
+        dtype=dtype,
+        extractor=extractor(extractor_url, extractor_model),
+        neighbours=neighbours,
+        history=history,
+        segments_url=segments,
+        kv_format=kv_format,
+    )
+
+
 # How a LoCoMo conversation's stores are encoded (ingest-locomo, eval locomo): policy.Encoding's defaults.
 WINDOW_HELP = (
     f"Conversation turns before each fact's source turn encoded with it (default {DEFAULT_WINDOW}, or 0 "

@@ -16,8 +16,8 @@ from .common import (
     USER_HISTORY,
     USER_NEIGHBOURS,
     USER_WINDOW,
-    extractor,
     friendly,
+    open_memory,
     store_option,
 )
 
@@ -43,7 +43,6 @@ def mcp_cmd(
     delete_memories, delete_all_memories; get_memory, update_memory) over stdio for one user, until stdin
     closes. The model loads at the first write."""
     from ..extras import require
-    from ..memory import Memory
     from ..scopes import Scope
 
     require("mcp", "kvmem mcp")
@@ -53,13 +52,6 @@ def mcp_cmd(
     from ..server.mcp import run_stdio
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's: a new store loads its model here
-        mem = Memory(
-            store,
-            model=model,
-            window=window,
-            dtype=dtype,
-            extractor=extractor(extractor_url, extractor_model),
-            neighbours=neighbours,
-            history=history,
-        )
+        mem = open_memory(store, model, window, dtype, extractor_url, extractor_model, create=True,
+                          neighbours=neighbours, history=history)  # fmt: skip
     run_stdio(mem, user_id, infer)

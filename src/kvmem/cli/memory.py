@@ -22,8 +22,8 @@ from .common import (
     USER_WINDOW,
     check_kv_format_name,
     emit,
-    extractor,
     friendly,
+    open_memory,
     store_option,
 )
 
@@ -37,37 +37,6 @@ _STORE = store_option("Created on the first add.")
 _USER = typer.Option(None, "--user", help="User id (Mem0's user_id).")
 _AGENT = typer.Option(None, "--agent", help="Agent id (Mem0's agent_id): with or instead of --user.")
 _RUN = typer.Option(None, "--run", help="Run id (Mem0's run_id): with or instead of --user.")
-
-
-def _memory(
-    store: str,
-    model: str | None = None,
-    window: int | None = None,
-    dtype: str = "auto",
-    extractor_url: str | None = None,
-    extractor_model: str | None = None,
-    create: bool = False,
-    neighbours: int | None = None,
-    history: bool | None = None,
-    segments: str | None = None,
-    kv_format: str | None = None,
-):
-    from ..memory import Memory
-    from ..store import Store
-
-    if not create:
-        Store.open(store).close()  # reads never create a store: "no kvmem store at ..."
-    return Memory(
-        store,
-        model=model,
-        window=window,
-        dtype=dtype,
-        extractor=extractor(extractor_url, extractor_model),
-        neighbours=neighbours,
-        history=history,
-        segments_url=segments,
-        kv_format=kv_format,
-    )
 
 
 def _message(out: dict, as_json: bool) -> None:
@@ -161,7 +130,7 @@ def memory_add(
     check_messages(messages)  # bad input fails before a model loads or a store is created
     Scope.of(user, agent, run)
     check_kv_format_name(kv_format)
-    mem = _memory(
+    mem = open_memory(
         store,
         model,
         window,
@@ -205,7 +174,7 @@ def memory_import(
     from ..memory.importer import check_size
 
     check_size(export)  # too many records: one error line before any store is made or model loaded
-    mem = _memory(store, model, None, dtype, None, None, create=True, segments=segments, kv_format=kv_format)
+    mem = open_memory(store, model, None, dtype, None, None, create=True, segments=segments, kv_format=kv_format)
     out = mem.import_memories(export)
     if as_json:
         emit(out, True)
@@ -231,7 +200,7 @@ def memory_search(
     as_json: bool = JSON,
 ):
     """The memories most similar to QUERY, best first, among those the scope and filters select."""
-    found = _memory(store).search(
+    found = open_memory(store).search(
         query, user, agent_id=agent, run_id=run, top_k=limit, threshold=threshold, filters=_filters(filters)
     )
     _print_memories(found["results"], as_json)
@@ -249,7 +218,7 @@ def memory_list(
     as_json: bool = JSON,
 ):
     """The live memories the scope and filters select, oldest first."""
-    found = _memory(store).get_all(user, agent_id=agent, run_id=run, top_k=limit, filters=_filters(filters))
+    found = open_memory(store).get_all(user, agent_id=agent, run_id=run, top_k=limit, filters=_filters(filters))
     _print_memories(found["results"], as_json)
 
 
@@ -266,7 +235,7 @@ def _filters(text: str | None) -> dict | None:
 @friendly
 def memory_get(memory_id: str, store: str = _STORE, as_json: bool = JSON):
     """One memory by id."""
-    m = _memory(store).get(memory_id)
+    m = open_memory(store).get(memory_id)
     if m is None:
         raise ValueError(f"memory {memory_id!r} not found")
     if as_json:
@@ -279,14 +248,14 @@ def memory_get(memory_id: str, store: str = _STORE, as_json: bool = JSON):
 @friendly
 def memory_update(memory_id: str, text: str, store: str = _STORE, as_json: bool = JSON):
     """Replace a memory's text (re-encoded; the id stays)."""
-    _message(_memory(store).update(memory_id, text), as_json)
+    _message(open_memory(store).update(memory_id, text), as_json)
 
 
 @memory_app.command("delete")
 @friendly
 def memory_delete(memory_id: str, store: str = _STORE, as_json: bool = JSON):
     """Delete one memory (it is never retrieved or injected again)."""
-    _message(_memory(store).delete(memory_id), as_json)
+    _message(open_memory(store).delete(memory_id), as_json)
 
 
 @memory_app.command("delete-all")
@@ -299,14 +268,14 @@ def memory_delete_all(
     as_json: bool = JSON,
 ):
     """Delete every memory whose scope has all the given ids (a user's: with its agents' and runs' too)."""
-    _message(_memory(store).delete_all(user, agent, run), as_json)
+    _message(open_memory(store).delete_all(user, agent, run), as_json)
 
 
 @memory_app.command("history")
 @friendly
 def memory_history(memory_id: str, store: str = _STORE, as_json: bool = JSON):
     """Every event of a memory: ADD, UPDATE (old and new text), DELETE, with times."""
-    events = _memory(store).history(memory_id)
+    events = open_memory(store).history(memory_id)
     if as_json:
         emit(events, True)
         return
@@ -324,4 +293,4 @@ def memory_compact(
     as_json: bool = JSON,
 ):
     """Rewrite one scope's KV segments without deleted rows."""
-    _message(_memory(store).compact(user, agent, run), as_json)
+    _message(open_memory(store).compact(user, agent, run), as_json)
