@@ -18,6 +18,15 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     echo "warning: PostgreSQL is not installed (sudo apt-get install postgresql); the shared-store tests need it" >&2
   fi
 fi
+# Chromium (Debian's package) for the browser tests of /ui (tests/test_ui.py drives it with Playwright).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q chromium; }) \
+      >/dev/null
+  else
+    echo "warning: Chromium is not installed (sudo apt-get install chromium); the browser tests need it" >&2
+  fi
+fi
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 
