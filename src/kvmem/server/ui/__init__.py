@@ -31,7 +31,7 @@ from fastapi.templating import Jinja2Templates
 from ...memory import MemoryInputError
 from ...policy import Method
 from ...scopes import Scope, ScopeError, namespace_prefix, parse_key
-from ...store import StoreError
+from ...store import StoreError, StoreUnavailable, redact_text
 from ..memories import queued_write
 from ..runtime import KvmemServer
 from ..schemas import APIError
@@ -109,6 +109,8 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
                 return render(request, "error.html", session, exc.status, message=exc.message)
             except APIError as exc:
                 return render(request, "error.html", session, exc.status, message=exc.message)
+            except StoreUnavailable as exc:  # the database did not answer: try again, as the REST API's 503 says
+                return render(request, "error.html", session, 503, message=redact_text(str(exc)))
             except (MemoryInputError, ScopeError, ValueError, StoreError) as exc:
                 return render(request, "error.html", session, 400, message=str(exc))
 
@@ -220,12 +222,11 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         user_id = request.path_params["user_id"]
         scope_of(user_id)
         n = number(request, "page", 1, 1, 1 << 31)
-        everything = await server.off_loop(
-            lambda: memory.get_all(user_id=user_id, top_k=1 << 30, namespace=session.tenant)
+        offset = (n - 1) * MEMORIES_PAGE
+        total, shown = await server.off_loop(
+            lambda: memory.page(user_id, offset=offset, limit=MEMORIES_PAGE, namespace=session.tenant)
         )
-        items = everything["results"][::-1]  # newest first
-        pages = max(1, math.ceil(len(items) / MEMORIES_PAGE))
-        shown = items[(n - 1) * MEMORIES_PAGE : n * MEMORIES_PAGE]
+        pages = max(1, math.ceil(total / MEMORIES_PAGE))
         prefix = namespace_prefix(session.tenant)
         size = kv_size()
 
@@ -248,7 +249,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
                 }
             )
         return render(
-            request, "user.html", session, user_id=user_id, rows=rows, total=len(items), page=n, pages=pages,
+            request, "user.html", session, user_id=user_id, rows=rows, total=total, page=n, pages=pages,
             kv_format=size.fmt,
         )  # fmt: skip
 
@@ -314,8 +315,8 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
     async def delete_all_form(request: Request, session: Session):
         user_id = request.path_params["user_id"]
         scope_of(user_id)
-        items = await server.off_loop(lambda: memory.get_all(user_id=user_id, top_k=1 << 30, namespace=session.tenant))
-        return render(request, "delete_all.html", session, user_id=user_id, count=len(items["results"]))
+        count, _ = await server.off_loop(lambda: memory.page(user_id, limit=0, namespace=session.tenant))
+        return render(request, "delete_all.html", session, user_id=user_id, count=count)
 
     get("/ui/users/{user_id}/delete", delete_all_form)
 
