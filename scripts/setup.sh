@@ -9,20 +9,19 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-# PostgreSQL (Debian's package) for the shared store's tests and benchmark; scripts/postgres.sh runs a cluster.
-if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+# Debian packages, installed as root where missing (apt-get update only when an install needs it).
+deb() {  # deb CHECK PACKAGE WHAT-NEEDS-IT
+  if bash -c "$1" >/dev/null 2>&1; then return 0; fi
   if [ "$(id -u)" = 0 ]; then
-    (apt-get install -y -q postgresql >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q postgresql; }) \
-      >/dev/null
+    (apt-get install -y -q "$2" >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q "$2"; }) >/dev/null \
+      || echo "warning: could not install $2; $3" >&2
   else
-    echo "warning: PostgreSQL is not installed (sudo apt-get install postgresql); the shared-store tests need it" >&2
+    echo "warning: $2 is not installed (sudo apt-get install $2); $3" >&2
   fi
-fi
-# eatmydata (Debian's package): scripts/test.sh runs the suite under it, so fsync is a no-op there.
-if ! command -v eatmydata >/dev/null && [ "$(id -u)" = 0 ]; then
-  (apt-get install -y -q eatmydata >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q eatmydata; }) \
-    >/dev/null || echo "warning: eatmydata could not be installed; the suite runs with fsync (slower)" >&2
-fi
+}
+deb "ls /usr/lib/postgresql/*/bin/initdb" postgresql "the shared-store tests need it (scripts/postgres.sh)"
+deb "command -v chromium" chromium "the browser tests of /ui need it (tests/test_ui.py, through Playwright)"
+deb "command -v eatmydata" eatmydata "scripts/test.sh runs the suite under it (fsync a no-op); without it, slower"
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 

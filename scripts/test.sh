@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (venv, packages, the test models) and run the test suite. This is README command (2); .ci/run runs it.
 #   bash scripts/test.sh            everything (vLLM, Ray, PostgreSQL, all three models)
-#   bash scripts/test.sh --fast     the fast tier: no vLLM, no Ray, no PostgreSQL, nothing slow, the smallest model
+#   bash scripts/test.sh --fast     the fast tier: no vLLM, no Ray, no PostgreSQL, no browser, nothing slow, the
+#                                   smallest model
 #   bash scripts/test.sh --cluster  the fault run on the namespace cluster alone (root; about 3 minutes; the full
 #                                   suite runs it too)
 # Other arguments pass through to pytest (e.g. -x, -k name, tests/test_store.py).
@@ -28,7 +29,7 @@ pytest=(.venv/bin/python -m pytest -q)
 if command -v eatmydata >/dev/null; then pytest=(eatmydata "${pytest[@]}"); fi
 if [ $fast = 1 ]; then
   # markers: pyproject.toml and tests/conftest.py
-  exec "${pytest[@]}" -m "not vllm and not ray and not postgres and not slow" ${args[@]+"${args[@]}"}
+  exec "${pytest[@]}" -m "not vllm and not ray and not postgres and not slow and not browser" ${args[@]+"${args[@]}"}
 fi
 if [ $cluster = 1 ]; then
   exec "${pytest[@]}" -m cluster ${args[@]+"${args[@]}"}

@@ -108,7 +108,7 @@ def random_ids(n: int, vocab: int = 320, seed: int = 1) -> list[int]:
 # A skip whose reason matches this is a component scripts/setup.sh installs that is missing or broken: under CI
 # (env CI set) it fails instead. A CPU that vLLM cannot run on is no missing component and stays a skip.
 _SETUP_COMPONENT = re.compile(
-    r"could not import '(vllm|ray|psycopg|psycopg_pool|mem0|openai)\b|scripts/setup\.sh|vLLM does not import"
+    r"could not import '(vllm|ray|psycopg|psycopg_pool|mem0|openai|playwright)\b|scripts/setup\.sh|vLLM does not import"
 )
 
 

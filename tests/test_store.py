@@ -326,3 +326,35 @@ def test_both_read_tiers_satisfy_the_seam(tmp_path, make):
     assert tier.put("huge", value(100_000)) is False and not tier.contains("huge")
     tier.clear()
     assert list(tier.held()) == [] and not tier.contains("a")
+
+
+def test_user_page_lists_one_tenants_users_by_page_and_substring(tmp_path):
+    """``Store.user_page`` (the users of /ui): a tenant's users with live memory counts (their agent scopes
+    summed in), tokens and last commit, ordered, paged and searched; another tenant's users, users whose facts
+    were all deleted and scopes without a user id are not listed; a LIKE wildcard in the search is a character."""
+    L, H, D = 2, 2, 4
+    st = Store.create(tmp_path / "s", FP, "hdr", [1, 2], torch.randn(L, H, 2, D), torch.randn(L, H, 2, D),
+                      {"name": "e", "dim": 8})  # fmt: skip
+
+    def put(user, n, tokens=3):
+        facts = [FactRecord(f"{user}#{i}", user, f"fact {i}", "", "", "", tuple(range(tokens))) for i in range(n)]
+        kv = [torch.randn(L, H, tokens, D) for _ in facts]
+        st.commit(user, facts, kv, kv, torch.nn.functional.normalize(torch.randn(n, 8), dim=1))
+        return [f.fact_id for f in facts]
+
+    for u in ("bob", "alice", "al_x", "carl"):
+        put(f"acme:{u}", 2)
+    put("acme:alice/agent:travel", 3, tokens=5)
+    put("acme:/agent:solo", 1)  # no user id
+    put("globex:alice", 4)
+    gone = put("acme:dora", 1)
+    st.erase("acme:dora", gone)
+    total, page = st.user_page("acme:")
+    assert total == 4 and [h for h, *_ in page] == ["acme:al_x", "acme:alice", "acme:bob", "acme:carl"]
+    alice = {h: rest for h, *rest in page}["acme:alice"]
+    assert alice[:2] == [5, 2 * 3 + 3 * 5] and alice[2] > 0  # both scopes: 5 facts, 21 tokens
+    assert st.user_page("acme:", offset=1, limit=2) == (4, page[1:3])
+    assert [h for h, *_ in st.user_page("acme:", "ALI")[1]] == ["acme:alice"]  # case-insensitive
+    assert st.user_page("acme:", "l_")[0] == 1  # '_' is itself, not any character
+    assert st.user_page("globex:")[0] == 1 and st.user_page("initech:") == (0, [])
+    st.close()

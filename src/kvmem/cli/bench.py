@@ -727,3 +727,20 @@ def bench_search(
     if min(memories, queries, k) < 1:
         raise ValueError("--memories, --queries and --k must be >= 1")
     search_cost.run(data, out, memories, queries, k, echo=typer.echo)
+
+
+@bench_app.command("ui")
+@friendly
+def bench_ui(
+    memories: int = typer.Option(10_000, "--memories", help="Memories of the one big user."),
+    users: int = typer.Option(1_000, "--users", help="More users of the tenant, one memory each."),
+    rounds: int = typer.Option(20, "--rounds", help="Requests timed per page (after a warm-up)."),
+    model: str = typer.Option("smollm2-135m-instruct", "--model", help="The server's model (pages read no KV)."),
+    out: Path = typer.Option(Path("runs/bench/ui"), "--out"),
+):
+    """/ui's page latency for a user with many memories in a tenant with many users: p50 and p95 per page."""
+    ui = bench_module("ui")
+
+    if min(memories, rounds) < 1 or users < 0:
+        raise ValueError("--memories and --rounds must be >= 1, --users >= 0")
+    ui.run(out, model, memories, users, rounds, echo=typer.echo)

@@ -361,6 +361,20 @@ class Memory:
         facts.sort(key=lambda f: (f.created_at, f.row))
         return {"results": [mem0.item(f, namespace) for f in facts[:top_k]]}
 
+    def page(
+        self, user_id: str, *, offset: int = 0, limit: int = 50, namespace: str | None = None
+    ) -> tuple[int, list[dict]]:
+        """What ``get_all(user_id=...)`` returns (every live, unexpired memory of the user's scopes), newest first,
+        as (how many there are, the ``limit`` items after the first ``offset``): only the page's items are built,
+        so a page of a user with 10,000 memories costs its 50, not 10,000 (the memory inspector's pages). Raises
+        MemoryInputError for a bad user id."""
+        ukv, allowed = self._read(None, {"user_id": user_id}, False, namespace)
+        if ukv is None:
+            return 0, []
+        facts = [f for f in ukv.facts if allowed is None or f.row in allowed]
+        facts.sort(key=lambda f: (f.created_at, f.row), reverse=True)
+        return len(facts), [mem0.item(f, namespace) for f in facts[offset : offset + limit]]
+
     def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
         """Every event of a memory, oldest first (Mem0's history rows, ``mem0.history_rows``). Raises
         MemoryInputError for an id that never existed."""

@@ -25,6 +25,7 @@ from .schemas import APIError, ChatRequest, MemoryOptions, engine_dead, error_of
 from .stalls import BodyTimeout, SendTimeout
 from .streaming import ChatGeneration, ChatStream, prepare_chat, sse, watched
 from .toolcalls import ToolPlan
+from .ui import mount_ui
 
 READY_PROBE_S = 3.0  # /ready answers 503 store_unavailable when the store's probe takes longer
 
@@ -42,6 +43,7 @@ def create_app(server: KvmemServer) -> FastAPI:
     memory_routes(app, server, tenant_of)
     _chat_route(app, server, tenant_of)
     mount_mcp(app, server)  # /mcp: the memory tools over the Model Context Protocol
+    mount_ui(app, server)  # /ui: the memory inspector in the browser
     app.add_middleware(BodyTimeout, timeout_s=lambda: server.limits.body_timeout_s)  # a trickled body: 408
     # outermost: a client that stops reading never holds its request (a streamed chat's engine slot) past the bound
     app.add_middleware(

@@ -431,6 +431,13 @@ class Store:
         found by index (``live``: with a live fact); None for a store created before the index."""
         return self.reads.scope_keys(query, live)
 
+    def user_page(
+        self, prefix: str, contains: str = "", offset: int = 0, limit: int = 50
+    ) -> tuple[int, list[tuple[str, int, int, float]]] | None:
+        """``Reader.user_page``: (users matching, one page of (head, live facts, their tokens, last commit)) of
+        the users under key ``prefix`` whose id contains ``contains``; None without the scope index."""
+        return self.reads.user_page(prefix, contains, offset, limit)
+
     def version(self, user: str) -> str | None:
         """The user's current memory version (changes on every committed write), or None if never written: one
         row read by the users table's primary key, whatever the user's or the store's fact count."""

@@ -363,6 +363,57 @@ class Reader:
         return [r[0] for r in self.rows.execute(q)]
 
     @_locked
+    def user_page(
+        self, prefix: str, contains: str = "", offset: int = 0, limit: int = 50
+    ) -> tuple[int, list[tuple[str, int, int, float]]] | None:
+        """One page of the users whose scope keys start with ``prefix`` (a tenant's ``"<tenant>:"``, or ``""``)
+        and hold a live fact, by the scope index: each user's head (``scopes.index_parts``) with its live facts,
+        their tokens and its last commit (Unix s), summed over its scopes (agent, run), ordered by head. Only
+        ``contains`` (a substring of the user id, case-insensitive) is listed. Returns (how many users match,
+        the page), or None for a store without the scope index. Costs the matching heads' index probes plus the
+        page's own facts, whatever the rest of the store holds."""
+        if not self.scopes_indexed:
+            return None
+        where, args = ["head>?"], [prefix]  # the bare prefix is the head of scopes without a user id
+        if prefix:
+            where.append("head<?")
+            args.append(prefix[:-1] + chr(ord(prefix[-1]) + 1))
+        if contains:
+            like = contains.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            where.append("LOWER(head) LIKE ? ESCAPE '\\'")
+            args.append(f"{prefix.lower()}%{like}%")
+        where.append('EXISTS (SELECT 1 FROM facts f WHERE f."user"=s.scope AND f.deleted IS NULL)')
+        cond = " AND ".join(where)
+        total = self.rows.execute(f"SELECT COUNT(DISTINCT head) FROM scopes s WHERE {cond}", args).fetchone()[0]
+        heads = [
+            r[0]
+            for r in self.rows.execute(
+                f"SELECT DISTINCT head FROM scopes s WHERE {cond} ORDER BY head LIMIT ? OFFSET ?",
+                (*args, limit, offset),
+            )
+        ]
+        if not heads:
+            return int(total), []
+        marks = ",".join("?" * len(heads))
+        facts = {
+            r[0]: (int(r[1]), int(r[2]))
+            for r in self.rows.execute(
+                f"SELECT s.head, COUNT(*), COALESCE(SUM({self.rows.tokens_sql}), 0) FROM scopes s JOIN facts f ON "
+                f'f."user"=s.scope AND f.deleted IS NULL WHERE s.head IN ({marks}) GROUP BY s.head',
+                heads,
+            )
+        }
+        last = {
+            r[0]: float(r[1])
+            for r in self.rows.execute(
+                f'SELECT s.head, MAX(u.updated) FROM scopes s JOIN users u ON u."user"=s.scope '
+                f"WHERE s.head IN ({marks}) GROUP BY s.head",
+                heads,
+            )
+        }
+        return int(total), [(h, *facts.get(h, (0, 0)), last.get(h, 0.0)) for h in heads]
+
+    @_locked
     def scope_keys(self, q: IndexQuery, live: bool = False) -> list[str] | None:
         """The store users the scope index files under ``q`` (``scopes.IndexQuery``; candidates, sorted), each
         by an index range, so the cost follows the matching scopes, not the store's size. ``live``: only those

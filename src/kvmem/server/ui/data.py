@@ -1,0 +1,81 @@
+"""What the inspector's pages show, read through the ``Memory`` facade and the ``Store`` facade (no second
+implementation of either): the bytes of stored KV, a memory's row with its provenance, and the preview of what
+erasing a memory will remove and re-encode."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ...store import FactRecord, Store, came_from
+
+
+@dataclass(frozen=True)
+class KvSize:
+    """Bytes of stored KV per (layer, head) pair: ``layers`` x ``heads`` pairs, head dim ``dim``, ``elem`` bytes
+    per element (native), for ``fmt`` (``kvformat``: int8 and fp8 keep 1-byte elements plus fp16 scales per fact
+    and channel (keys) and per token (values))."""
+
+    fmt: str
+    layers: int
+    heads: int
+    dim: int
+    elem: int
+
+    @classmethod
+    def of(cls, store: Store) -> KvSize:
+        keys, _ = store.header_kv()  # [L, H, h, D]
+        return cls(store.kv_format, keys.shape[0], keys.shape[1], keys.shape[3], keys.element_size())
+
+    def nbytes(self, tokens: int, facts: int) -> int:
+        """Bytes of ``facts`` facts' KV holding ``tokens`` tokens in all."""
+        pairs = self.layers * self.heads
+        if self.fmt == "native":
+            return pairs * tokens * 2 * self.dim * self.elem
+        return pairs * (tokens * (2 * self.dim + 2) + facts * 2 * self.dim)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def provenance(f: FactRecord) -> dict:
+    """A fact's provenance for the page: ``turns`` (indexes of the window turns its KV was computed behind),
+    ``facts`` (ids of the facts it was encoded behind), ``source`` (the turns it came from); ``known`` False for a
+    fact written before provenance was recorded."""
+    return {
+        "known": f.context_turns is not None,
+        "turns": [t for t in (f.context_turns or ()) if t >= 0],
+        "facts": list(f.context_facts),
+        "source": list(f.source_turns),
+    }
+
+
+def erasure_preview(store: Store, f: FactRecord) -> dict:
+    """What erasing ``f`` will do, by the rules the commit follows (``store.erasure``): ``turns``, the stored
+    turns it came from (erased with it), and ``reencode``, the live facts of its scope whose KV was computed
+    behind it or behind one of those turns (re-encoded without them). A preview: the erasure report of the
+    delete itself is what the commit did."""
+    turns = store.turns(f.user)
+    rows = [(t["idx"], t["dia_id"], t["content"]) for t in turns]
+    erased = came_from(f.provenance(), f.source_turn, f.text, rows) & {t["idx"] for t in turns}
+    stale = []
+    for g in store.facts(f.user):
+        if g.fact_id == f.fact_id:
+            continue
+        if g.context_turns is None:  # unknown provenance: behind every earlier turn and fact
+            hit = bool(erased) or g.created_at >= f.created_at
+        else:
+            hit = bool(erased.intersection(g.context_turns)) or f.fact_id in g.context_facts
+        if hit:
+            stale.append(g)
+    return {"turns": [t for t in turns if t["idx"] in erased], "reencode": stale}
+
+
+def metadata_text(f: FactRecord) -> str:
+    meta = json.loads(f.metadata or "{}")
+    return json.dumps(meta, ensure_ascii=False, sort_keys=True) if meta else ""
