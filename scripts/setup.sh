@@ -18,6 +18,15 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     echo "warning: PostgreSQL is not installed (sudo apt-get install postgresql); the shared-store tests need it" >&2
   fi
 fi
+# HAProxy (Debian's package): the cluster harness's front before its two ingresses (tests/cluster.py).
+if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q haproxy >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q haproxy; }) \
+      >/dev/null
+  else
+    echo "warning: HAProxy is not installed (sudo apt-get install haproxy); the cluster fault run needs it" >&2
+  fi
+fi
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 

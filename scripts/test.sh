@@ -26,6 +26,7 @@ if [ $fast = 1 ]; then
   exec .venv/bin/python -m pytest -q -m "not vllm and not ray and not postgres and not slow" ${args[@]+"${args[@]}"}
 fi
 if [ $cluster = 1 ]; then
+  export KVMEM_ALL_FAULTS=1  # every fault (tests/cluster_faults.py FAULTS); the full suite runs SUITE_FAULTS
   exec .venv/bin/python -m pytest -q -m cluster ${args[@]+"${args[@]}"}
 fi
 exec .venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
