@@ -1,8 +1,9 @@
 """Faults under load on the one-machine cluster (tests/cluster.py), with a history checker.
 
-    python tests/cluster_faults.py run [--hold 30] [--users 6] [--out DIR] [--faults a,b,...]
+    python tests/cluster_faults.py run [--hold 30] [--users 6] [--out DIR] [--faults a,b,...] [--json FILE]
         build the cluster, run the load, inject each fault in turn (hold it, heal it, wait until every user is
-        served again), stop the load, check the history, print the report (JSON, and a Markdown table), down.
+        served again, at most ``SERVED_WITHIN_S``), stop the load, check the history, print the report (JSON, and a
+        Markdown table), down. DIR keeps the events, every node's logs and the report; its path is printed.
     python tests/cluster_faults.py load URL KEY EVENTS USERS STOPFILE      (internal: run in the head namespace)
 
 The load: ``USERS`` users, one thread each, through the ingress with an API key. Each user first adds a unique
@@ -11,9 +12,11 @@ injected), lists of its memories, adds, updates and deletes of its own facts (at
 request is one event in EVENTS (JSON lines): the user, the operation, the memory id and text it wrote, the send and
 answer times, the outcome (``ack``: a 2xx; ``failed``: an error status or a refused connection, nothing written;
 ``unknown``: no answer, the write may or may not have happened) and what a read saw (the ids and texts of a list,
-the ``kvmem.fact_ids`` a chat injected); a 500, a 504 and a 503 ``replica_lost`` (the ingress's word for a
-write whose replica died while running it) are ``unknown`` too. When STOPFILE appears each user lists its
-memories until that succeeds.
+the ``kvmem.fact_ids`` a chat injected); a 500, a 502 (the front's, for an ingress lost mid-request), a 504 and a
+503 ``replica_lost`` (the ingress's word for a write whose replica died while running it) are ``unknown`` too.
+When STOPFILE appears each user lists its memories until that succeeds. Any exception in a user's thread
+(``guarded``) is a ``client_error`` event and the user goes on. The load runs in the ``front`` namespace and
+sends every request to the front (HAProxy), which spreads them over the two ingresses.
 
 The checker (``check``) replays each user's history (one thread per user: its requests are sequential) and
 reports: acknowledged writes lost (the last list lacks an acked fact or its acked text, or shows an acked delete);
@@ -39,13 +42,17 @@ import time
 import traceback
 from pathlib import Path
 
+SERVED_WITHIN_S = 120.0  # after a heal, how long the run waits for every user to be served before going on
 CLIENT_TIMEOUT_S = 30.0  # a request with no answer by then "hung" (a fail-fast server answers 503 well before)
 MAX_FACTS = 10
-# answers that promise nothing about a write: a gateway timeout, an internal error, and the ingress's 503
-# replica_lost ("the write may or may not have landed": its replica died while running it)
-UNKNOWN = {504, 500, "replica_lost"}
+# answers that promise nothing about a write: a gateway timeout, an internal error, the front's 502 (the ingress
+# it had sent the request to died before answering) and the ingress's 503 replica_lost ("the write may or may not
+# have landed": its replica died while running it)
+UNKNOWN = {504, 502, 500, "replica_lost"}
 MODEL = "smollm2-135m-instruct"
-FAULTS = ("db-cut", "s3-cut", "ingress-restart", "kill-worker", "pg-restart", "s3-restart")  # in the order run
+# every fault, in the order run; the suite's test runs SUITE_FAULTS (its time), ``scripts/test.sh --cluster`` all
+FAULTS = ("db-cut", "s3-cut", "ingress-kill", "ingress-restart", "kill-worker", "pg-restart", "s3-restart")
+SUITE_FAULTS = ("db-cut", "s3-cut", "ingress-kill", "kill-worker", "pg-restart", "s3-restart")
 
 
 def outcome_of(status: int, code: str | None) -> str:
@@ -66,7 +73,7 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
         with lock:  # out: the events file, open while the users run
             out.write(json.dumps(ev) + "\n")
 
-    def user_loop(u: str, seed: int) -> None:
+    def user_loop(u: str, seed: int) -> bool:
         rng = random.Random(seed)
         client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=CLIENT_TIMEOUT_S)
         live: dict[str, str] = {}  # what this user believes is live (acked), to pick ids for updates/deletes
@@ -113,11 +120,11 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
             return ev["outcome"] == "ack"
 
         canary = f"The canary word of {u} is {u}-{os.urandom(4).hex()}."
-        while not live:  # the canary is acked before the load begins
+        while not live and not os.path.exists(stop_file):  # the canary is acked before the load begins
             guarded(u, add, canary)
             if not live:
                 time.sleep(1)
-        canary_id = next(iter(live))
+        canary_id = next(iter(live), None)
 
         def step(n: int) -> None:
             p = rng.random()
@@ -167,21 +174,31 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
         end = time.monotonic() + 180
         while time.monotonic() < end:  # the final read: what the store holds once the faults are healed
             if guarded(u, final):
-                return
+                break
             time.sleep(1)
+        return True
 
     def guarded(u: str, fn, *args):
-        """``fn(*args)``; an exception of the client's own (a harness bug, an answer it cannot read) is recorded
-        as a ``client_error`` event and the user goes on: a load that loses a user cannot vouch for the server."""
+        """``fn(*args)``; any exception (a harness bug, an answer it cannot read) is recorded as a ``client_error``
+        event and the user goes on: a load that loses a user cannot vouch for the server. Should the record itself
+        fail, the traceback goes to stderr (the load's log) and the user still goes on."""
         try:
             return fn(*args)
         except Exception:
-            t = time.time()
-            record({"user": u, "op": "client_error", "t0": t, "t1": t, "outcome": "error",
-                    "error": traceback.format_exc(limit=6)})  # fmt: skip
+            t, tb = time.time(), traceback.format_exc(limit=6)
+            try:
+                record({"user": u, "op": "client_error", "t0": t, "t1": t, "outcome": "error", "error": tb})
+            except Exception:
+                print(f"{u}: client error not recorded:\n{tb}{traceback.format_exc(limit=2)}", file=sys.stderr)
             return None
 
-    threads = [threading.Thread(target=user_loop, args=(f"user{i}", i), daemon=True) for i in range(users)]
+    def user(u: str, seed: int) -> None:
+        """``user_loop`` with nothing let through: should it end on an exception all the same (one raised
+        outside ``guarded``), that is an event too, and the user starts over on a new client."""
+        while guarded(u, user_loop, u, seed) is None and not os.path.exists(stop_file):
+            time.sleep(1)
+
+    threads = [threading.Thread(target=user, args=(f"user{i}", i), daemon=True) for i in range(users)]
     with open(events_path, "a", buffering=1) as out:
         for t in threads:
             t.start()
@@ -193,7 +210,8 @@ def load(url: str, key: str, events_path: str, users: int, stop_file: str) -> No
 
 
 def check(events: list[dict], faults: list[dict]) -> dict:
-    """The history's report (see the module docstring). ``faults``: ``{"name", "inject", "heal"}`` (epoch s)."""
+    """The history's report (see the module docstring). ``faults``: ``{"name", "title", "inject", "heal"}`` (its
+    ``--faults`` name, what it did, epoch s); each fault's entry carries both (``name``, ``fault``: the title)."""
     by_user: dict[str, list[dict]] = {}
     owner: dict[str, str] = {}
     for ev in sorted(events, key=lambda e: e["t0"]):
@@ -274,7 +292,8 @@ def check(events: list[dict], faults: list[dict]) -> dict:
             after = [e["t1"] for e in evs if e["t0"] >= f["heal"] and e["outcome"] == "ack" and e["op"] != "final"]
             served[u] = min(after) - f["heal"] if after else None
         windows.append({
-            "fault": f["name"], "held_s": round(f["heal"] - f["inject"], 1), "requests": len(inside),
+            "name": f["name"], "fault": f.get("title", f["name"]), "held_s": round(f["heal"] - f["inject"], 1),
+            "requests": len(inside),
             "ack": sum(e["outcome"] == "ack" for e in inside),
             "failed": sum(e["outcome"] == "failed" for e in inside),
             "unknown": sum(e["outcome"] == "unknown" for e in inside),
@@ -328,6 +347,8 @@ def faults_of(c, model: str, events: Path) -> dict:
     strike the worker node whose replica served ``user0``'s latest chat (``node_of_user``), so that at least one
     user must be served elsewhere while the fault is held; the s3 cut strikes the other worker. A title names the
     node at inject time."""
+    from cluster import INGRESSES
+
     hit: dict[str, str] = {}
 
     def worker(other: bool = False) -> str:
@@ -335,9 +356,13 @@ def faults_of(c, model: str, events: Path) -> dict:
             hit["node"] = node_of_user(c, events, "user0")
         return ({"w1", "w2"} - {hit["node"]}).pop() if other else hit["node"]
 
-    def ingress_kill():
-        os.kill(c.procs["ingress"].pid, signal.SIGKILL)
-        c.procs["ingress"].wait()
+    def ingresses_kill():
+        for name in INGRESSES:
+            c.ingress_kill(name)
+
+    def ingresses_start():
+        for name in INGRESSES:
+            c.ingress_start(model, name=name)
 
     def cut(svc: str, other: bool = False) -> tuple:
         whose = "the other worker" if other else "user0's"
@@ -355,11 +380,17 @@ def faults_of(c, model: str, events: Path) -> dict:
         )
 
     # the cuts first, while each worker holds a replica (as placed at start): one node's users move; the ingress
-    # restart before the kill, so its replicas are still the ones placed at start
+    # faults before the kill, so the replicas are still the ones placed at start (and a restarted ingress sees the
+    # cluster's CPUs it deployed with: the same options, so it attaches)
     faults = {
         "db-cut": cut("db"),
         "s3-cut": cut("s3", other=True),
-        "ingress-restart": (lambda: "ingress killed, restarted", ingress_kill, lambda: c.ingress_start(model)),
+        "ingress-kill": (
+            lambda: "kill -9 one ingress (head's), restarted",
+            c.ingress_kill,
+            lambda: c.ingress_start(model),
+        ),
+        "ingress-restart": (lambda: "both ingresses killed, restarted", ingresses_kill, ingresses_start),
         "kill-worker": kill(),
         "pg-restart": (lambda: "PostgreSQL immediate restart", c.db_stop, c.db_start),
         "s3-restart": (lambda: "s3 killed, restarted", c.s3_kill, c.s3_start),
@@ -408,10 +439,11 @@ def read_events(events_path: Path) -> list[dict]:
     return out
 
 
-def wait_served(events_path: Path, since: float, users: int, timeout: float) -> float | None:
-    """Seconds from ``since`` until every user had a request acknowledged that was sent after it."""
+def wait_served(events_path: Path, since: float, users: int, timeout: float, load=None) -> float | None:
+    """Seconds from ``since`` until every user had a request acknowledged that was sent after it; None after
+    ``timeout`` s, or at once when the ``load`` process (a Popen) has exited: nothing more will come."""
     end = time.time() + timeout
-    while time.time() < end:
+    while time.time() < end and (load is None or load.poll() is None):
         ok: dict[str, float] = {}
         for e in read_events(events_path):
             if e["t0"] >= since and e["outcome"] == "ack":
@@ -440,8 +472,8 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         log(f"replicas: {placement}")
         mem = node_memory(c)
         log(f"memory (RSS, MiB): {mem}")
-        c.spawn("load", "head", [sys.executable, __file__, "load", c.url, c.api_key, events, users, stop])
-        t = wait_served(events, time.time(), users, 300)
+        load_proc = c.spawn("load", "front", [sys.executable, __file__, "load", c.url, c.api_key, events, users, stop])
+        t = wait_served(events, time.time(), users, 300, load_proc)
         log(f"load: every user served ({t and round(t, 1)} s); steady {settle * 2:.0f} s")
         time.sleep(settle * 2)
         table = faults_of(c, model, events)
@@ -450,7 +482,7 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             title, inject, heal = table[key]
             name = title()
             replicas = None  # Ray's live replica actors before the ingress restart: as placed, unless one died
-            if key == "ingress-restart":
+            if key in ("ingress-kill", "ingress-restart"):
                 replicas = set(c.placement()) if "kill-worker" in done else set(placement)
             done.append(key)
             before = rerouted(c)
@@ -462,16 +494,29 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             t_heal = time.time()
             after = rerouted(c)
             moved = after - before if None not in (before, after) and after >= before else None
-            timeline.append({"name": name, "inject": t_in, "heal": t_heal, "rerouted": moved})
-            back = wait_served(events, t_heal, users, 300)
+            timeline.append({"name": key, "title": name, "inject": t_in, "heal": t_heal, "rerouted": moved})
+            back = wait_served(events, t_heal, users, SERVED_WITHIN_S, load_proc)
             if replicas is not None:  # the restarted ingress attached to the running replicas: none replaced
                 timeline[-1]["replicas_kept"] = set(c.placement()) == replicas
-                log(f"replicas kept across the ingress restart: {timeline[-1]['replicas_kept']}")
+                log(f"replicas kept across {key}: {timeline[-1]['replicas_kept']}")
             log(f"healed: {name}; every user served again after {back and round(back, 1)} s")
             time.sleep(settle)
         stop.touch()
-        c.procs["load"].wait(timeout=240)
+        try:
+            load_proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:  # a user never got its final list: the checker reports it
+            log("the load did not end within 240 s of the stop: killed")
+            os.kill(load_proc.pid, signal.SIGKILL)
+            load_proc.wait()
         report = check([json.loads(x) for x in events.read_text().splitlines()], timeline)  # all whole now
+        # a clean stop of an ingress that attached (in2's) leaves the replicas to the others: none stopped
+        try:
+            live = set(c.placement())
+            code = c.ingress_stop("ingress2")
+            report["attached_ingress_stop"] = {"exit": code, "replicas_kept": set(c.placement()) == live}
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            report["attached_ingress_stop"] = {"error": str(exc)[-500:]}
+        log(f"in2's ingress stopped (SIGTERM): {report['attached_ingress_stop']}")
         report.update(placement=placement, memory_mib=mem, hold_s=hold, users=users, model=model,
                       statement_timeout=statement_timeout, timeline=timeline)  # fmt: skip
         (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -484,12 +529,17 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
 
 
 def rerouted(c) -> int | None:
-    """The ingress's count of reads and chats it moved off a replica that answered 503 ``store_unavailable``
-    (``kvmem_ingress_requests_total{outcome="rerouted"}``), or None when its /metrics does not answer."""
+    """The ingresses' count of reads and chats they moved off a replica that answered 503 ``store_unavailable``
+    (``kvmem_ingress_requests_total{outcome="rerouted"}``, summed over every ingress), or None when one's
+    /metrics does not answer."""
+    from cluster import INGRESSES
+
     code = (
         "import httpx\n"
-        f"r = httpx.get('{c.url}/metrics', headers={{'Authorization': 'Bearer {c.api_key}'}}, timeout=5)\n"
-        "print(sum(float(x.split()[-1]) for x in r.text.splitlines()"
+        f"urls = {[c.ingress_url(n) for n in INGRESSES]!r}\n"
+        f"auth = {{'Authorization': 'Bearer {c.api_key}'}}\n"
+        "rs = [httpx.get(u + '/metrics', headers=auth, timeout=5) for u in urls]\n"
+        "print(sum(float(x.split()[-1]) for r in rs for x in r.text.splitlines()"
         " if x.startswith('kvmem_ingress_requests_total{') and 'rerouted' in x))\n"
     )
     try:
@@ -532,12 +582,18 @@ def main(argv: list[str]) -> int:
                     "(PGOPTIONS), e.g. 2s: a replica cut from db answers 503 after it + 2 s (default: kvmem's, "
                     "10 s)")  # fmt: skip
     ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--json", default=None, help="write the report (report.json's fields) to this file too")
     a = ap.parse_args(argv)
     names = None if a.faults is None else [] if a.faults == "none" else a.faults.split(",")
     unknown = sorted(set(names or []) - set(FAULTS))
     if unknown:
         ap.error(f"--faults: unknown {', '.join(unknown)} (known: {', '.join(FAULTS)}, or none)")
-    rep = run(a.hold, a.users, Path(a.out), names, a.model, statement_timeout=a.statement_timeout)
+    try:
+        rep = run(a.hold, a.users, Path(a.out), names, a.model, statement_timeout=a.statement_timeout)
+    finally:
+        print(f"the run's folder: {a.out} (events.jsonl, cluster/logs/, each node's Ray logs, report.json)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rep, indent=1))
     t = rep["totals"]
     return 0 if t["acked_writes_lost"] == 0 and t["cross_user_injections"] == 0 else 1
 
