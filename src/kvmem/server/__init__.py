@@ -32,9 +32,10 @@ import time
 from pathlib import Path
 
 from ..extras import require
+from ..settings import Limits, ServeOptions
 from ..store import redact
 from .routes import create_app
-from .runtime import KvmemServer, Limits
+from .runtime import KvmemServer
 from .schemas import APIError
 from .tenants import Tenants, load_api_keys
 
@@ -42,7 +43,7 @@ EXIT_ENGINE_DIED = 3  # `kvmem serve`'s exit status when its engine died: a supe
 
 logger = logging.getLogger("kvmem.server")
 
-__all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_api_keys", "serve"]
+__all__ = ["APIError", "KvmemServer", "Limits", "ServeOptions", "Tenants", "create_app", "load_api_keys", "serve"]
 
 
 DEAD_GRACE_S = 2.0  # a server whose engine died answers 503 this long, then drains and exits

@@ -20,7 +20,6 @@ from ..memory import MemoryInputError
 from ..store import StoreBusy, StoreError, StoreUnavailable
 from ..store import redact_text as _redact_text
 
-MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("kvmem.server")
 
 
