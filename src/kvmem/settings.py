@@ -23,6 +23,7 @@ from .policy import Encoding
 
 MAX_QUEUE = 64  # requests in an engine at most (waiting or running); more get EngineBusy (HTTP 429)
 MAX_BODY_BYTES = 1 << 20  # a request body's bytes at most (HTTP 413)
+KV_CACHE_BYTES = 1 << 30  # vLLM's KV cache, bytes (every engine start: the server's, a bench's)
 
 Positive = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
@@ -73,7 +74,7 @@ class ServeOptions:
     arguments."""
 
     cache_bytes: Positive = 512 << 20
-    kv_cache_memory_bytes: Positive = 1 << 30
+    kv_cache_memory_bytes: Positive = KV_CACHE_BYTES
     max_queue: Positive = MAX_QUEUE
     window: Annotated[int, Field(ge=0)] | None = None
     neighbours: Annotated[int, Field(ge=0)] | None = None

@@ -182,6 +182,17 @@ def preflight(
         st.close()
 
 
+def server_of(request) -> KvmemServer:
+    """The ``KvmemServer`` behind a request's app (``routes.create_app`` sets it)."""
+    return request.app.state.kvmem
+
+
+def tenant_of(request) -> str | None:
+    """The caller's tenant, by its API key (``Tenants.tenant``: APIError 401 for a missing or unknown key;
+    None without keys)."""
+    return server_of(request).tenants.tenant(request.headers.get("authorization"))
+
+
 class KvmemServer:
     """What the app holds: the memory service (retrieval + composition), the Memory facade (writes), the
     engine, tenants, limits and metrics. Build with ``KvmemServer.start``; ``service.lm`` names the model."""

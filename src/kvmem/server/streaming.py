@@ -1,5 +1,5 @@
-"""One chat request against the engine: preparation (retrieval, then the engine's memory), the engine's deltas
-turned into text (incremental detokenization, ``detok``; stop strings), counts and timings, and OpenAI's
+"""One prepared chat request against the engine (``service.MemoryService.prepare_chat`` prepared it): the engine's
+deltas turned into text (incremental detokenization, ``detok``; stop strings), counts and timings, and OpenAI's
 streaming format (``chat.completion.chunk`` server-sent events)."""
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engines.base import Sampling
-from ..policy import Method
 from ..service import Prepared
 from .detok import IncrementalText
 from .schemas import APIError, engine_dead, error_of
@@ -22,24 +20,6 @@ from .toolcalls import ToolPlan, ToolStream
 
 if TYPE_CHECKING:
     from .runtime import KvmemServer
-
-
-async def prepare_chat(
-    server: KvmemServer,
-    user: str | list[str] | None,
-    messages: list[dict],
-    top_k: int,
-    method: Method,
-    max_tokens: int,
-    cold: bool = False,
-    tools: list[dict] | None = None,
-) -> Prepared:
-    """The service's chat pipeline (``MemoryService.prepare_chat``: fallbacks, retrieval, the engine's memory,
-    the retry) with retrieval off the event loop; ``tools``: OpenAI tool definitions for the chat template.
-    ValueError (HTTP 400) for a method the engine cannot serve, or tools the model's template has none of."""
-    return await server.service.prepare_chat(
-        user, messages, top_k, method, max_tokens, cold, run=server.off_loop, tools=tools
-    )
 
 
 POLL_S = 0.25  # how often a wait on the engine checks that the engine and the client are still there
@@ -81,12 +61,12 @@ async def watched(server: KvmemServer, aw, timeout_s: float, request: Request | 
 class ChatGeneration:
     """One engine request: deltas -> text (incremental detokenization, stop strings), counts and timings."""
 
-    def __init__(
-        self, server: KvmemServer, rid: str, prep: Prepared, sampling: Sampling, stops: list[str], t_arrive: float
-    ):
+    def __init__(self, server: KvmemServer, rid: str, prep: Prepared, stops: list[str], t_arrive: float):
+        """``prep``: the service's prepared chat, with its decoding (``MemoryService.prepare_chat``)."""
         self.server, self.rid, self.prep, self.stops, self.t_arrive = server, rid, prep, stops, t_arrive
         self.detok = IncrementalText(server.service.lm.tokenizer)  # each token decoded once
-        self._it = server.engine.stream(rid, prep.request(sampling))
+        sampling = prep.sampling
+        self._it = server.engine.stream(rid, prep.request())
         self.ids: list[int] = self.detok.ids
         self._longest_stop = max((len(s) for s in stops), default=0)
         self.logprobs = [] if sampling.logprobs is not None else None  # TokenLogprob per generated token
@@ -221,6 +201,27 @@ class ChatGeneration:
         if self.server.replica is not None:
             out["replica"] = self.server.replica
         return out
+
+
+def answer_json(gen: ChatGeneration, text: str, tools: ToolPlan | None) -> dict:
+    """A whole answer (``chat.completion``, ``schemas.ChatCompletion``) of a collected generation: its text,
+    or the tool calls it holds (then ``finish_reason`` "tool_calls"), with ``usage`` and ``kvmem``."""
+    message = {"role": "assistant", "content": text}
+    parsed = tools.parse(text) if tools is not None else None
+    if parsed is not None:
+        message = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
+        gen.finish_reason = "tool_calls"
+    return {
+        "id": gen.rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": gen.server.model_name,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": gen.logprobs_json(), "finish_reason": gen.finish_reason}
+        ],
+        "usage": gen.usage(),
+        "kvmem": gen.kvmem(),
+    }
 
 
 class ChatStream(StreamingResponse):
