@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 
@@ -29,6 +29,7 @@ from .tenants import Tenants
 
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id"}
 EntityType = Literal["user", "agent", "run"]
+Id = Annotated[str | None, Query(min_length=1)]  # an entity id in a query: an empty one is a 400
 ERRORS = error_responses(400, 401, 404, 409, 413, 422, 429, 503, 507)  # what any memories route may answer
 router = APIRouter()
 
@@ -139,9 +140,7 @@ async def delete_memory(memory_id: str, request: Request, delete_linked: bool = 
 
 
 @route("DELETE", "/v1/memories", model=out.Message)
-async def delete_all(
-    request: Request, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None
-):
+async def delete_all(request: Request, user_id: Id = None, agent_id: Id = None, run_id: Id = None):
     server, tenant = server_of(request), tenant_of(request)
     if "app_id" in request.query_params:
         raise APIError(400, "app_id is not supported: scope memories by user_id, agent_id or run_id")
@@ -199,9 +198,9 @@ async def search(body: SearchRequest, request: Request):
 @route("GET", "/v1/memories", model=out.Results)
 async def list_memories(
     request: Request,
-    user_id: str | None = None,
-    agent_id: str | None = None,
-    run_id: str | None = None,
+    user_id: Id = None,
+    agent_id: Id = None,
+    run_id: Id = None,
     limit: int = Query(100, ge=1, le=10000),
 ):
     server, tenant = server_of(request), tenant_of(request)

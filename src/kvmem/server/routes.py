@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from . import chat, memories
 from .mcp import mount_mcp
@@ -68,6 +69,17 @@ def _document(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def _empty(error: dict) -> bool:
+    """A validation error for an empty string (``min_length``) or a blank one (``schemas.NONBLANK``)."""
+    return error.get("type") == "string_too_short" or (error.get("ctx") or {}).get("pattern") == NONBLANK
+
+
+def _union_tag(part) -> bool:
+    """A part of a validation error's location that names a union's branch (``constrained-str``, ``list[str]``,
+    ``int``), not a field."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in ("str", "int", "float", "bool", "dict"))
+
+
 def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
     """OpenAI-shaped errors for every exception; body limits, a dead engine and request metrics per request."""
     limits = server.limits
@@ -82,13 +94,14 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
         if any(e.get("type") == "nul_character" for e in errs):
             return APIError(400, "NUL characters (\\u0000) are not allowed in a body", "invalid_request").response()
         e = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in e.get("loc", ())[1:]) or None
+        if e.get("type") != "bad_request":  # of a union's errors, an empty string's is the one to answer
+            e = next((x for x in errs if _empty(x)), e)
+        loc = ".".join(str(x) for x in e.get("loc", ())[1:] if not _union_tag(x)) or None
         if e.get("type") == "bad_request":  # a check of the request models (tools, tool messages): 400
             return APIError(400, f"{loc}: {e.get('msg')}" if loc else e.get("msg"), "invalid_request", loc).response()
         if any(e.get("type") in ("json_invalid", "json_type") or tuple(e.get("loc", ())) == ("body",) for e in errs):
             return APIError(400, "the body is not a valid JSON object", "invalid_json").response()
-        if e.get("type") == "string_too_short" or (e.get("ctx") or {}).get("pattern") == NONBLANK:
-            # an empty id, query or stop string: bad input (400), as the library answers it
+        if _empty(e):  # an empty id, query or stop string: bad input (400), as the library answers it
             return APIError(400, f"{loc}: {e.get('msg')}", "invalid_request", loc).response()
         if e.get("type") == "extra_forbidden":  # e.g. a Mem0 v1/v2 field a v3 client would not send
             return APIError(400, f"field {loc!r} is not supported by this server", "unsupported_field", loc).response()
@@ -97,7 +110,10 @@ def _errors_and_limits(app: FastAPI, server: KvmemServer) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         resp = APIError(exc.status_code, str(exc.detail)).response()
-        resp.headers.update(exc.headers or {})  # a 405's Allow: the methods the path answers
+        resp.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # Allow: every method the path answers (each is a route of its own)
+            allowed = {m for r in app.routes if r.matches(request.scope)[0] != Match.NONE for m in r.methods or ()}
+            resp.headers["allow"] = ", ".join(sorted(allowed))
         return resp
 
     @app.exception_handler(Exception)

@@ -363,7 +363,7 @@ class ChatRequest(Body):
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
-    stop: NonEmpty | list[NonEmpty] | None = Field(None, max_length=MAX_STOPS)
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1)
     logprobs: bool | None = None
@@ -454,11 +454,18 @@ class Scoped(Body):
     user_id: NonEmpty | int | None = None
     agent_id: NonEmpty | int | None = None
     run_id: NonEmpty | int | None = None
-    app_id: str | None = None
+    app_id: None = Field(None, description="Not supported: kvmem has no app scope (400).")
     filters: dict | None = None
 
+    @field_validator("app_id", mode="before")
+    @classmethod
+    def _no_app(cls, app_id):
+        if app_id is not None:
+            raise bad_request("app_id is not supported: scope memories by user_id, agent_id or run_id")
+        return app_id
+
     def ids(self) -> dict:
-        if self.app_id is not None or "app_id" in (self.filters or {}):
+        if "app_id" in (self.filters or {}):
             raise APIError(
                 400, "app_id is not supported: scope memories by user_id, agent_id or run_id", param="app_id"
             )
