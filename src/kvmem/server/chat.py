@@ -19,7 +19,7 @@ from ..scopes import Scope, ScopeError
 from .responses import ChatCompletion
 from .runtime import KvmemServer, server_of, tenant_of
 from .schemas import APIError, ChatRequest, MemoryOptions, error_responses
-from .streaming import ChatGeneration, ChatStream, answer_json, sse, watched
+from .streaming import answer
 from .toolcalls import ToolPlan
 
 router = APIRouter()
@@ -52,12 +52,8 @@ async def chat(body: ChatRequest, request: Request):
     prep = await asyncio.wait_for(
         server.service.prepare_chat(**call.prepare, run=server.off_loop), server.limits.request_timeout_s
     )
-    gen = ChatGeneration(server, f"chatcmpl-{uuid.uuid4().hex}", prep, call.stops, t_arrive)
-    if call.stream:
-        first = await gen.first()  # errors (busy, engine) become statuses before the stream starts
-        return ChatStream(sse(gen, first, call.include_usage, call.tools), media_type="text/event-stream")
-    text = await watched(server, gen.collect(), server.limits.request_timeout_s, request)
-    return answer_json(gen, text, call.tools)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    return await answer(server, rid, prep, call.stops, call.tools, call.stream, call.include_usage, t_arrive, request)
 
 
 def check_chat(server: KvmemServer, body: ChatRequest, tenant: str | None) -> ChatCall:

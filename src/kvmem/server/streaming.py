@@ -203,6 +203,30 @@ class ChatGeneration:
         return out
 
 
+async def answer(
+    server: KvmemServer,
+    rid: str,
+    prep: Prepared,
+    stops: list[str],
+    tools: ToolPlan | None,
+    stream: bool,
+    include_usage: bool,
+    t_arrive: float,
+    request: Request,
+):
+    """A prepared chat (``MemoryService.prepare_chat``) run on the engine and answered whole: with ``stream``, a
+    ``ChatStream`` of server-sent events (``sse``; the first delta awaited here, so an engine error is a status,
+    not a broken stream); else OpenAI's ``chat.completion`` JSON (``answer_json``), collected while the client
+    stays connected. ``tools``: the request's ``ToolPlan``. Raises APIError (busy, a dead engine, a client
+    gone), TimeoutError."""
+    gen = ChatGeneration(server, rid, prep, stops, t_arrive)
+    if stream:
+        first = await gen.first()
+        return ChatStream(sse(gen, first, include_usage, tools), media_type="text/event-stream")
+    text = await watched(server, gen.collect(), server.limits.request_timeout_s, request)
+    return answer_json(gen, text, tools)
+
+
 def answer_json(gen: ChatGeneration, text: str, tools: ToolPlan | None) -> dict:
     """A whole answer (``chat.completion``, ``schemas.ChatCompletion``) of a collected generation: its text,
     or the tool calls it holds (then ``finish_reason`` "tool_calls"), with ``usage`` and ``kvmem``."""
