@@ -282,8 +282,9 @@ async def sse(gen: ChatGeneration, first, include_usage: bool, tools: ToolPlan |
 
     held = ToolStream(tools) if tools is not None else None
     yield chunk({"role": "assistant", "content": "" if held is None else None})
+    pieces = gen.deltas(first)  # closed here, however the stream ends: that aborts the engine request at once
     try:
-        async for piece in gen.deltas(first):
+        async for piece in pieces:
             piece = held.feed(piece) if held is not None else piece
             if piece:
                 yield chunk({"content": piece})
@@ -314,6 +315,8 @@ async def sse(gen: ChatGeneration, first, include_usage: bool, tools: ToolPlan |
             + "\n\n"
         )
         return
+    finally:
+        await pieces.aclose()
     yield chunk({}, gen.finish_reason, kvmem=gen.kvmem())
     if include_usage:
         yield "data: " + json.dumps({**base, "choices": [], "usage": gen.usage()}) + "\n\n"
