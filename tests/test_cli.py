@@ -438,3 +438,62 @@ def test_memory_add_reads_json_messages_or_plain_text(tmp_path):
     ):
         with pytest.raises(ValueError, match=why):
             read_messages(file, message)
+
+
+def test_serve_help_shows_the_library_defaults():
+    """``kvmem serve --help`` shows, for each option of the server's settings, the default a library caller of
+    ``KvmemServer.start`` gets (``settings.Limits``, ``settings.ServeOptions``): one value, written once."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from kvmem.cli import app
+    from kvmem.settings import Limits, ServeOptions
+
+    out = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"}).output
+    blocks = {m[1]: m[2] for m in re.finditer(r"(--[a-z-]+)\b(.*?)(?=│ [ *] +--[a-z]|\Z)", out, re.S)}
+    lim, opt = Limits(), ServeOptions()
+    want = {
+        "--top-k": lim.default_top_k,
+        "--mode": lim.default_mode,
+        "--max-tokens": lim.default_max_tokens,
+        "--timeout": lim.request_timeout_s,
+        "--send-timeout": lim.send_timeout_s,
+        "--body-timeout": lim.body_timeout_s,
+        "--max-body-bytes": lim.max_body_bytes,
+        "--cache-bytes": opt.cache_bytes,
+        "--kv-cache-bytes": opt.kv_cache_memory_bytes,
+        "--max-queue": opt.max_queue,
+        "--write-timeout": opt.write_timeout_s,
+        "--tail-recompute": opt.tail_recompute,
+        "--selective-recompute": opt.selective_recompute,
+    }
+    assert (lim.default_top_k, lim.default_max_tokens, lim.request_timeout_s, opt.max_queue) == (5, 64, 120.0, 64)
+    for flag, value in want.items():
+        shown = re.search(r"\[default: ([^\]]+)\]", blocks[flag])
+        assert shown is not None and shown[1] == str(value), (flag, value, blocks[flag])
+
+
+def test_server_settings_are_checked_for_library_callers(tmp_path):
+    """A bad setting is refused by its bundle, for ``KvmemServer.start`` as for the CLI, before anything loads
+    (no store is created); the CLI names the option in one line."""
+    from pydantic import ValidationError
+
+    from kvmem.server import KvmemServer
+    from kvmem.settings import Limits, ServeOptions
+
+    with pytest.raises(ValidationError, match="default_top_k"):
+        Limits(default_top_k=0)
+    with pytest.raises(ValidationError, match="request_timeout_s"):
+        Limits(request_timeout_s=0)
+    with pytest.raises(ValidationError, match="history encoding and neighbours"):
+        ServeOptions(history=True, neighbours=2)
+    with pytest.raises(ValidationError, match="max_queue"):
+        KvmemServer.start(tmp_path / "s", model=FAST, engine="hf", max_queue=0)
+    with pytest.raises(ValidationError, match="bogus"):
+        KvmemServer.start(tmp_path / "s", model=FAST, engine="hf", bogus=1)
+    assert not (tmp_path / "s").exists()
+    p = run("serve", "--store", tmp_path / "s", "--top-k", "0", "--send-timeout", "-1", check_rc=None)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "error: --top-k: Input should be greater than or equal to 1; --send-timeout: Input should be greater than 0"
+    ), p.stderr

@@ -6,7 +6,7 @@ The rules every caller shares live here and only here: the method a request asks
 whether the engine can serve it (``check_methods`` before an engine starts, ``plan`` after), the retry when a
 write replaces the memory between retrieval and the KV read, and the plain chat a server request falls back to
 (mode off, an empty question, a user without memories). ``ask`` / ``prepare`` serve synchronous engines,
-``prepare_chat`` the server's; both run ``_pipeline``.
+``prepare_chat`` the server's (one call: retrieval, the engine's memory and the decoding); both run ``_pipeline``.
 Paper §3.3 (serving path) and §5.1 (position policy).
 """
 
@@ -307,14 +307,17 @@ class MemoryService:
         *,
         run: Callable[..., Awaitable],
         tools: list[dict] | None = None,
+        sampling: dict | None = None,
     ) -> Prepared:
-        """One chat request of the server (an ``AsyncEngine``): retrieval for the last user message (tool
-        results after it are conversation, not the question), then the engine's memory. ``method`` "off", an
-        empty or missing user message, or a user with no memories yet: the plain chat (``bare``). ``tools``:
-        OpenAI tool definitions for the chat template. ``run(fn, *args)``: awaits blocking work (retrieval) off
-        the event loop. Raises what ``plan`` raises (ValueError, ContextOverflow, StoreError)."""
+        """One chat request of the server (an ``AsyncEngine``), everything before the engine call: retrieval for
+        the last user message (tool results after it are conversation, not the question), then the engine's
+        memory, and the request's decoding (``sampling``: other ``Sampling`` fields, under this service's stop
+        rule), so the returned ``Prepared.request()`` is what the engine runs. ``method`` "off", an empty or
+        missing user message, or a user with no memories yet: the plain chat (``bare``). ``tools``: OpenAI tool
+        definitions for the chat template. ``run(fn, *args)``: awaits blocking work (retrieval) off the event
+        loop. Raises what ``plan`` raises (ValueError, ContextOverflow, StoreError)."""
         question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return await self._pipeline(
+        prep = await self._pipeline(
             user,
             question,
             top_k,
@@ -328,6 +331,8 @@ class MemoryService:
             memory=self.engine.memory,
             tools=tools,
         )
+        prep.sampling = self.sampling(max_new_tokens, **(sampling or {}))
+        return prep
 
     async def _pipeline(
         self,
@@ -430,6 +435,7 @@ class Prepared:
     plan: MemoryPlan | None
     timings_ms: dict[str, float]
     memory: object | None = None
+    sampling: Sampling | None = None  # the decoding ``request`` uses when given none (``prepare_chat``)
 
     def attach(self, memory: object | None) -> None:
         """Set the engine's memory for ``plan``; None (its KV failed the store's checks: ``Engine.memory``) makes
@@ -438,10 +444,14 @@ class Prepared:
         if memory is None:
             self.plan = None
 
-    def request(self, sampling: Sampling) -> EngineRequest:
-        """The engine request: kv mode injects ``memory`` and prefills ``query_ids``; otherwise all is prefilled."""
+    def request(self, sampling: Sampling | None = None) -> EngineRequest:
+        """The engine request: kv mode injects ``memory`` and prefills ``query_ids``; otherwise all is prefilled.
+        ``sampling``: the decoding (default: ``self.sampling``, set by ``prepare_chat``)."""
         if self.plan is not None and self.memory is None:
             raise ValueError("a kv-mode request needs its memory (MemoryService.prepare, or the engine's memory)")
+        sampling = sampling if sampling is not None else self.sampling
+        if sampling is None:
+            raise ValueError("no sampling given, and none prepared (MemoryService.prepare_chat)")
         return EngineRequest(self.prompt_ids, self.memory, len(self.query_ids), sampling)
 
 

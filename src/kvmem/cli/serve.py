@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 
-from ..policy import Encoding
+from ..settings import Limits, ServeOptions, one_line
 from .common import (
     DTYPE,
     ENGINE,
@@ -23,6 +25,27 @@ from .common import (
     store_option,
 )
 
+L, S = Limits, ServeOptions  # each option's default is the field's (settings: written once)
+# a field of the bundles -> its option, for one-line errors
+OPTION_OF = {
+    "max_body_bytes": "--max-body-bytes",
+    "request_timeout_s": "--timeout",
+    "default_top_k": "--top-k",
+    "default_mode": "--mode",
+    "default_max_tokens": "--max-tokens",
+    "send_timeout_s": "--send-timeout",
+    "body_timeout_s": "--body-timeout",
+    "cache_bytes": "--cache-bytes",
+    "kv_cache_memory_bytes": "--kv-cache-bytes",
+    "max_queue": "--max-queue",
+    "window": "--window",
+    "neighbours": "--neighbours",
+    "tail_recompute": "--tail-recompute",
+    "selective_recompute": "--selective-recompute",
+    "write_timeout_s": "--write-timeout",
+    "defer_reencode_s": "--defer-reencode",
+}
+
 
 @friendly
 def serve_cmd(
@@ -35,33 +58,37 @@ def serve_cmd(
         None, "--api-keys", help="JSON {key: tenant}; without it the server binds to loopback only."
     ),
     dtype: str = DTYPE,
-    top_k: int = typer.Option(5, "--top-k", help="Default memory.top_k (the frontier's best k on the default model)."),
-    mode: str = typer.Option("kv", "--mode", help="Default memory.mode: kv, prompt or off."),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Default max_tokens."),
+    top_k: int = typer.Option(
+        L.default_top_k, "--top-k", help="Default memory.top_k (the frontier's best k on the default model)."
+    ),
+    mode: str = typer.Option(L.default_mode, "--mode", help="Default memory.mode: kv, prompt or off."),
+    max_tokens: int = typer.Option(L.default_max_tokens, "--max-tokens", help="Default max_tokens."),
     window: int | None = USER_WINDOW,
     neighbours: int | None = USER_NEIGHBOURS,
     history: bool | None = USER_HISTORY,
     cache_bytes: int = typer.Option(
-        512 << 20,
+        S.cache_bytes,
         "--cache-bytes",
         help="LRU bound of each per-user cache (indexes, KV segments), bytes, in the server and the vLLM worker.",
     ),
-    kv_cache_bytes: int = typer.Option(1 << 30, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests in the engine at most; more get HTTP 429."),
+    kv_cache_bytes: int = typer.Option(S.kv_cache_memory_bytes, "--kv-cache-bytes", help="vLLM's KV cache, bytes."),
+    max_queue: int = typer.Option(
+        S.max_queue, "--max-queue", help="Requests in the engine at most; more get HTTP 429."
+    ),
     allow_cold: bool = typer.Option(
-        False,
+        L.allow_cold,
         "--allow-cold-requests",
         help="Accept memory.cache 'cold' (load tests: the request's facts are read past every cache tier).",
     ),
-    timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
+    timeout: float = typer.Option(L.request_timeout_s, "--timeout", help="Per-request timeout, s (then HTTP 503)."),
     send_timeout: float = typer.Option(
-        30.0,
+        L.send_timeout_s,
         "--send-timeout",
         help="A client that takes none of a response's bytes for this long, s, is cut off: its request ends (a "
         "streamed chat's engine request is aborted) and its connection is closed.",
     ),
     body_timeout: float = typer.Option(
-        30.0,
+        L.body_timeout_s,
         "--body-timeout",
         help="A request whose body has not all arrived this long after its headers, s, gets HTTP 408 and its "
         "connection is closed (a client that trickles its body holds nothing longer).",
@@ -75,21 +102,21 @@ def serve_cmd(
         "megabytes. Default: the kernel's.",
     ),
     write_timeout: float = typer.Option(
-        30.0,
+        S.write_timeout_s,
         "--write-timeout",
         help="How long a write waits for another process's writer lock (compaction, fsck, ingest), s; then HTTP 503.",
     ),
-    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes"),
+    max_body_bytes: int = typer.Option(
+        L.max_body_bytes, "--max-body-bytes", help="A larger body gets HTTP 413, bytes."
+    ),
     tail_recompute: int = typer.Option(
-        0,
+        S.tail_recompute,
         "--tail-recompute",
         help="Default memory.tail_recompute: kv mode prefills the last r retrieved facts with the conversation.",
     ),
     selective_recompute: int = typer.Option(
-        0,
+        S.selective_recompute,
         "--selective-recompute",
-        min=0,
-        max=100,
         help="Default memory.selective_recompute, --engine hf: kv "
         "mode recomputes the p% of fact tokens the query attends to most.",
     ),
@@ -120,21 +147,20 @@ def serve_cmd(
     extractor_url: str | None = EXTRACTOR_URL,
     extractor_model: str | None = EXTRACTOR_MODEL,
     defer_reencode: float | None = typer.Option(
-        None,
+        S.defer_reencode_s,
         "--defer-reencode",
-        min=1.0,
         help="Seconds: an erasure (a deleted memory, user or expiry, a request to forget) leaves re-encoding the "
         "memories computed behind the erased text to a background task, which runs within this bound (the derived "
         "KV is served until then). Default: re-encode at once, in the erasing request.",
     ),
     mcp_infer: bool = typer.Option(
-        True,
+        L.mcp_infer,
         "--mcp-infer/--no-mcp-infer",
         help="The MCP tool add_memories (/mcp) extracts facts with the model, as a REST add does by default "
         "(Mem0's infer=True), or stores the text verbatim.",
     ),
     hybrid: bool = typer.Option(
-        True,
+        S.hybrid,
         "--hybrid/--no-hybrid",
         help="Chats and memory searches rank by cosine fused with the store's keyword (BM25) scores (the default); "
         "--no-hybrid: cosine alone. A search's keyword_search overrides it.",
@@ -142,27 +168,43 @@ def serve_cmd(
 ):
     """An OpenAI-compatible chat server with KV-injected memory, plus the memories REST API and /metrics."""
     from ..hardware import resolve_dtype
-    from ..server import Limits, serve
+    from ..server import serve
 
-    if mode not in ("kv", "prompt", "off"):
-        raise ValueError(f"--mode must be kv, prompt or off, not {mode!r}")
-    if (
-        min(top_k, max_tokens, max_queue, max_body_bytes, cache_bytes, kv_cache_bytes) < 1
-        or timeout <= 0
-        or send_timeout <= 0
-        or body_timeout <= 0
-        or write_timeout <= 0
-        or (window or 0) < 0
-        or tail_recompute < 0
-        or not 0 < port < 65536
-    ):
-        raise ValueError(
-            "--top-k, --max-tokens, --max-queue, --max-body-bytes, --cache-bytes, --kv-cache-bytes and --timeout, "
-            "--send-timeout, --body-timeout, --write-timeout must be positive, --window >= 0, --port in 1-65535"
-        )
-    if window is not None or neighbours is not None or history is not None:
-        Encoding.of(window, neighbours, history)
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1-65535, not {port}")
     check_kv_format_name(kv_format)
+    try:  # the bundles check their own values (a library caller gets the same checks)
+        limits = Limits(
+            max_body_bytes=max_body_bytes,
+            request_timeout_s=timeout,
+            default_top_k=top_k,
+            default_mode=mode,
+            default_max_tokens=max_tokens,
+            max_tokens=max(L.max_tokens, max_tokens),
+            allow_cold=allow_cold,
+            send_timeout_s=send_timeout,
+            mcp_infer=mcp_infer,
+            body_timeout_s=body_timeout,
+        )
+        options = ServeOptions(
+            cache_bytes=cache_bytes,
+            kv_cache_memory_bytes=kv_cache_bytes,
+            max_queue=max_queue,
+            window=window,
+            tail_recompute=tail_recompute,
+            neighbours=neighbours,
+            selective_recompute=selective_recompute,
+            history=history,
+            write_timeout_s=write_timeout,
+            segments_url=segments,
+            kv_format=kv_format,
+            cache_dir=cache_dir,
+            extractor=extractor(extractor_url, extractor_model),
+            defer_reencode_s=defer_reencode,
+            hybrid=hybrid,
+        )
+    except ValidationError as exc:
+        raise ValueError(one_line(exc, OPTION_OF)) from None
     serve(
         store,
         host,
@@ -172,35 +214,10 @@ def serve_cmd(
         model=model,
         engine=engine,
         dtype=resolve_dtype(None if dtype == "auto" else dtype),
-        limits=Limits(
-            max_body_bytes,
-            timeout,
-            top_k,
-            mode,
-            max_tokens,
-            max_tokens=max(4096, max_tokens),
-            allow_cold=allow_cold,
-            send_timeout_s=send_timeout,
-            mcp_infer=mcp_infer,
-            body_timeout_s=body_timeout,
-        ),
-        cache_bytes=cache_bytes,
-        kv_cache_memory_bytes=kv_cache_bytes,
-        max_queue=max_queue,
-        window=window,
-        tail_recompute=tail_recompute,
-        neighbours=neighbours,
-        selective_recompute=selective_recompute,
-        history=history,
-        write_timeout_s=write_timeout,
-        segments_url=segments,
-        kv_format=kv_format,
-        cache_dir=cache_dir,
+        limits=limits,
         replicas=replicas,
         ray_address=ray_address,
         use_ray=use_ray,
         send_buffer=send_buffer,
-        extractor=extractor(extractor_url, extractor_model),
-        defer_reencode_s=defer_reencode,
-        hybrid=hybrid,
+        **asdict(options),
     )

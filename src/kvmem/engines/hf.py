@@ -25,6 +25,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from ..compose import ComposedMemory, compose
 from ..models import to_cache
 from ..rope import Rotary, reset_rope_state, served_length
+from ..settings import MAX_QUEUE
 from ..store import StoreError
 from .base import (
     SAMPLING_EPS,
@@ -484,7 +485,7 @@ class AsyncHFEngine(AsyncEngine):
 
     name = "hf"  # its abilities: engines.registry.ENGINES["hf"]
 
-    def __init__(self, engine: HFEngine, max_queue: int = 64, pool: ThreadPoolExecutor | None = None):
+    def __init__(self, engine: HFEngine, max_queue: int = MAX_QUEUE, pool: ThreadPoolExecutor | None = None):
         self.engine, self.max_model_len, self.max_queue = engine, engine.max_model_len, max_queue
         self._own_pool = pool is None
         self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmem-hf")

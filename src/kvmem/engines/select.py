@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..hardware import resolve_engine
 from ..models import REGISTRY, LoadedModel, is_latent, load, model_dir, stop_token_ids
+from ..settings import KV_CACHE_BYTES, MAX_QUEUE
 from .base import AsyncEngine, Engine, EngineUnavailable
 from .registry import latent_refusal
 
@@ -38,8 +39,8 @@ def open_engine(
     serving: bool = False,
     stores: list[str | Path] = (),
     max_model_len: int | None = None,
-    max_queue: int = 64,
-    kv_cache_memory_bytes: int = 1 << 30,
+    max_queue: int = MAX_QUEUE,
+    kv_cache_memory_bytes: int = KV_CACHE_BYTES,
     metrics_file: str | None = None,
     pool=None,
     cache_bytes: int | None = None,

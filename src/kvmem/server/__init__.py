@@ -2,18 +2,20 @@
 REST API in Mem0's platform shapes (FastAPI + uvicorn, pydantic models, prometheus_client metrics).
 
 Request path (chat): key -> tenant (``tenants``); the request's ``user`` is the memory owner inside the
-tenant's namespace; the route names the request's method once (``policy.Method``) and hands it to the service's
-one chat pipeline (``service.MemoryService.prepare_chat``: ``plan`` embeds the last user message, retrieves
-``top_k`` facts and orders them; the engine's ``memory`` composes them (``engines.base.AsyncEngine``); the retry
-and the plain-chat fallbacks are the service's), and the engine prefills only the conversation in ``kv`` mode,
-everything in ``prompt`` mode, and the bare chat in ``off`` mode (``streaming``). Writes (``POST /v1/memories``
-...) go through ``memory.Memory``'s one write path and are visible to the next chat request (a new memory
-version).
+tenant's namespace; the route (``chat``) checks the whole request, names its method once (``policy.Method``)
+and calls the service's one chat pipeline once (``service.MemoryService.prepare_chat``: ``plan`` embeds the last
+user message, retrieves ``top_k`` facts and orders them; the engine's ``memory`` composes them
+(``engines.base.AsyncEngine``); the retry and the plain-chat fallbacks are the service's; the decoding), and
+``streaming`` runs what it returns: the engine prefills only the conversation in ``kv`` mode, everything in
+``prompt`` mode, and the bare chat in ``off`` mode. Writes (``POST /v1/memories`` ...) go through
+``memory.Memory``'s one write path and are visible to the next chat request (a new memory version).
 
-Modules: ``schemas`` (request models, errors), ``tenants``, ``runtime`` (wiring: ``KvmemServer.start``, metrics),
-``streaming`` (one chat generation, SSE), ``toolcalls`` (a tool call's grammar, parse and streamed form),
-``routes`` (the FastAPI app); with ``--replicas``: ``replicas`` (the Ray
-Serve deployment and its user-affinity router) and ``ingress`` (the HTTP front that forwards to them).
+Modules: ``schemas`` (request models, errors), ``responses`` (each 200's schema), ``tenants``, ``runtime``
+(wiring: ``KvmemServer.start``, metrics), ``streaming`` (one prepared chat on the engine, SSE), ``toolcalls`` (a
+tool call's grammar, parse and streamed form), ``routes`` (the FastAPI app, the admin router), ``chat`` and
+``memories`` (their routers); the settings are ``kvmem.settings``' ``Limits`` and ``ServeOptions``; with
+``--replicas``: ``replicas`` (the Ray Serve deployment and its user-affinity router) and ``ingress`` (the HTTP
+front that forwards to them).
 
 Errors are OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 bad input, 401 missing or
 unknown key, 404 unknown memory id (or another tenant's: answered alike) / model / route, 409 a write that lost a race,
@@ -32,9 +34,10 @@ import time
 from pathlib import Path
 
 from ..extras import require
+from ..settings import Limits, ServeOptions
 from ..store import redact
 from .routes import create_app
-from .runtime import KvmemServer, Limits
+from .runtime import KvmemServer
 from .schemas import APIError
 from .tenants import Tenants, load_api_keys
 
@@ -42,7 +45,7 @@ EXIT_ENGINE_DIED = 3  # `kvmem serve`'s exit status when its engine died: a supe
 
 logger = logging.getLogger("kvmem.server")
 
-__all__ = ["APIError", "KvmemServer", "Limits", "Tenants", "create_app", "load_api_keys", "serve"]
+__all__ = ["APIError", "KvmemServer", "Limits", "ServeOptions", "Tenants", "create_app", "load_api_keys", "serve"]
 
 
 DEAD_GRACE_S = 2.0  # a server whose engine died answers 503 this long, then drains and exits

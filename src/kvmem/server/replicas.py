@@ -41,9 +41,10 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import RequestRouter
 
 from ..scopes import namespace_prefix
+from ..settings import Limits, ServeOptions
 from ..store import Store, canonical, has_credentials, redact, secrets
 from .routes import create_app
-from .runtime import KvmemServer, Limits, preflight
+from .runtime import KvmemServer, preflight
 from .storesize import StoreSize
 from .tenants import Tenants, load_api_keys
 
@@ -277,6 +278,9 @@ def _running(fingerprint: str):
     return handle if same else None
 
 
+SERVE_FIELDS = set(ServeOptions.__dataclass_fields__)
+
+
 class Replicas:
     """N replicas on Ray Serve: ``start`` joins ``ray_address`` or starts a local Ray with this machine's
     cores, deploys the replicas with ``UserAffinityRouter`` and waits until they are running (on a joined cluster
@@ -301,13 +305,13 @@ class Replicas:
         replicas: int,
         ray_address: str | None = None,
         api_keys_file: str | None = None,
-        max_queue: int = 64,
         **start_kwargs,
     ) -> Replicas:
         """``api_keys_file``: the JSON keys file (``tenants.load_api_keys``), read here for the ingress and by each
         replica on its node (the same path there). Raises ValueError for a bad replica count, a keys file that
         cannot be read, or a store URL with credentials when joining a cluster (its replicas could get them only
-        through Ray); what ``ray.init`` raises for an unreachable cluster."""
+        through Ray); what ``ray.init`` raises for an unreachable cluster. ``start_kwargs``: ``KvmemServer.start``'s
+        (``settings.ServeOptions`` fields among them, checked here before Ray starts)."""
         from ..hardware import usable_cores
 
         if replicas < 1:
@@ -320,6 +324,7 @@ class Replicas:
                 "kvmem serve and of every Ray node"
             )
         refuse_secrets(start_kwargs)
+        max_queue = ServeOptions(**{k: v for k, v in start_kwargs.items() if k in SERVE_FIELDS}).max_queue
         preflight(store, **start_kwargs)  # bad options are one line here, not N failed replicas
         if ray_address and ray_address.startswith("ray://"):
             raise ValueError(
@@ -366,7 +371,7 @@ class Replicas:
             split = started and not res.get("GPU") and hasattr(os, "sched_setaffinity")
             keys_path = str(Path(api_keys_file).resolve()) if api_keys_file else None
             # the store's size is measured once, by the ingress, not by every replica
-            start = {"max_queue": max_queue, **start_kwargs, "measure_store": False}
+            start = {**start_kwargs, "max_queue": max_queue, "measure_store": False}
             cfg = ReplicaConfig(canonical(store), keys_path, start, split)
             fp = _fingerprint(cfg, replicas, per, env, max_queue)
             handle = None if started else _running(fp)

@@ -15,7 +15,6 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,28 +27,14 @@ from ..models import DEFAULT_MODEL, load
 from ..policy import Method
 from ..retrieve import HYBRID, Embedder, IndexCache
 from ..service import MemoryService, check_methods
+from ..settings import MAX_QUEUE, Limits, ServeOptions
 from ..store import Store, check_kv_format, check_segments_url
-from .schemas import MAX_BODY_BYTES
 from .storesize import StoreSize
 from .tenants import Tenants
 
 logger = logging.getLogger("kvmem.server")
 UPKEEP_S = 30.0  # the upkeep task's round: deferred re-encodings due before the next round, collection, cache sweep
 EXPIRE_EVERY_S = 600.0  # expired memories are erased at least this often
-
-
-@dataclass
-class Limits:
-    max_body_bytes: int = MAX_BODY_BYTES
-    request_timeout_s: float = 120.0
-    default_top_k: int = 5  # the default model scores best at k=5 with every method (docs/benchmarks.md, Frontier)
-    default_mode: str = "kv"
-    default_max_tokens: int = 64
-    max_tokens: int = 4096  # a request asking for more new tokens gets a 400
-    allow_cold: bool = False  # memory.cache "cold" (load tests: every cache tier bypassed); else a 400
-    send_timeout_s: float = 30.0  # a send the client has not drained by then ends its request (``stalls``)
-    mcp_infer: bool = True  # MCP add_memories extracts facts (Mem0's default, as a REST add's); False: verbatim
-    body_timeout_s: float = 30.0  # a request body not all there this long after its headers: 408 (``stalls``)
 
 
 # the connector's counters file becomes label values of kvmem_connector_events: names of its own shape only, and
@@ -197,6 +182,17 @@ def preflight(
         st.close()
 
 
+def server_of(request) -> KvmemServer:
+    """The ``KvmemServer`` behind a request's app (``routes.create_app`` sets it)."""
+    return request.app.state.kvmem
+
+
+def tenant_of(request) -> str | None:
+    """The caller's tenant, by its API key (``Tenants.tenant``: APIError 401 for a missing or unknown key;
+    None without keys)."""
+    return server_of(request).tenants.tenant(request.headers.get("authorization"))
+
+
 class KvmemServer:
     """What the app holds: the memory service (retrieval + composition), the Memory facade (writes), the
     engine, tenants, limits and metrics. Build with ``KvmemServer.start``; ``service.lm`` names the model."""
@@ -209,7 +205,7 @@ class KvmemServer:
         tenants: Tenants,
         limits: Limits,
         model_pool: ThreadPoolExecutor,
-        max_writes: int = 64,
+        max_writes: int = MAX_QUEUE,
         selective_recompute: int = 0,
         measure_store: bool = True,
     ):
@@ -233,40 +229,21 @@ class KvmemServer:
         api_keys: dict | None = None,
         limits: Limits | None = None,
         dtype: str | None = None,
-        cache_bytes: int = 512 << 20,
-        kv_cache_memory_bytes: int = 1 << 30,
-        max_queue: int = 64,
-        window: int | None = None,
-        vllm_options: dict | None = None,
-        tail_recompute: int = 0,
-        neighbours: int | None = None,
-        selective_recompute: int = 0,
-        history: bool | None = None,
-        write_timeout_s: float | None = 30.0,
-        segments_url: str | None = None,
-        cache_dir: str | None = None,
-        extractor: dict | None = None,
-        kv_format: str | None = None,
-        defer_reencode_s: float | None = None,
-        measure_store: bool = True,
-        hybrid: bool = True,
+        options: ServeOptions | None = None,
+        **settings,
     ) -> KvmemServer:
         """Load the store, model, embedder and engine (``engines.select.open_engine``). ``engine``: auto | vllm |
-        hf; ``window``, ``neighbours``, ``history``: how writes encode new memories (``Memory``; None: each
-        user's recorded encoding); ``tail_recompute`` / ``selective_recompute``: the default ``memory`` options of
-        chat requests; ``cache_bytes``: the LRU bound of each cache (indexes, KV segments) here and in the vLLM
-        worker; ``write_timeout_s``: how long a write waits for another process's writer lock (then HTTP 503
-        "store busy"); ``segments_url``: for a new store, the object store its KV segments go to; ``cache_dir``: a
-        local disk cache of those segments here and in the vLLM worker (for a shared store's readers); ``extractor``:
-        ``{"base_url", "model", "api_key"}`` of an OpenAI-compatible endpoint for fact extraction (None: this
-        server's engine, with its batching and guided decoding); ``kv_format``: how a new store keeps KV
-        (``kvformat``), which an existing store must already hold; ``defer_reencode_s``: an erasure leaves the
-        re-encoding of what was computed behind the erased text to the upkeep task, within this many seconds
-        (None: at once, in the erasing request; ``Memory``); ``measure_store``: measure the store's size
-        for ``/metrics`` here (off: the ingress of ``--replicas`` measures it once); ``hybrid``: chats and searches
-        rank by cosine fused with the store's keyword scores (``retrieve.HYBRID``, the default); off, by cosine
-        alone. Raises StoreError, ModelError, EngineUnavailable (one line each); ValueError for selective
-        recompute off the transformers engine or with tail recompute."""
+        hf; ``limits``: each request's bounds and defaults (``settings.Limits``); ``options``, or its fields as
+        keyword arguments (``settings``): how the parts are built (``settings.ServeOptions``: caches, the
+        engine's queue, how writes encode, the write timeout, a new store's segments and KV format, extraction,
+        deferred re-encoding, hybrid retrieval, whether the store's size is measured here). Raises ValueError
+        (pydantic's ValidationError) for a bad option; StoreError, ModelError, EngineUnavailable (one line each);
+        ValueError for selective recompute off the transformers engine or with tail recompute."""
+        o = options if options is not None else ServeOptions(**settings)
+        if options is not None and settings:
+            raise ValueError(f"give options or its fields, not both: {', '.join(settings)}")
+        segments_url, kv_format, cache_bytes, cache_dir = o.segments_url, o.kv_format, o.cache_bytes, o.cache_dir
+        selective_recompute, tail_recompute, hybrid = o.selective_recompute, o.tail_recompute, o.hybrid
         preflight(store, model, engine, dtype, segments_url, selective_recompute, tail_recompute, kv_format)
         root = store
         embedder = Embedder()
@@ -290,13 +267,13 @@ class KvmemServer:
             dtype,
             serving=True,
             stores=[root],
-            max_queue=max_queue,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_queue=o.max_queue,
+            kv_cache_memory_bytes=o.kv_cache_memory_bytes,
             pool=pool,
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
             metrics_file=(metrics_file := private_metrics_file()),
-            vllm_options=vllm_options,
+            vllm_options=o.vllm_options,
         )
         if opened.note:
             logger.warning(opened.note)
@@ -319,18 +296,18 @@ class KvmemServer:
         mem = Memory(
             root,
             model=lm if lm.model.device.type != "meta" else lm.name,
-            window=window,
+            window=o.window,
             embedder=embedder,
             dtype=dtype,
-            neighbours=neighbours,
-            history=history,
+            neighbours=o.neighbours,
+            history=o.history,
             indexes=indexes,
             store_cache_bytes=cache_bytes,
-            extractor=extractor,
-            defer_reencode_s=defer_reencode_s,
+            extractor=o.extractor,
+            defer_reencode_s=o.defer_reencode_s,
             hybrid=hybrid,
         )
-        mem.store.write_timeout_s = svc.store.write_timeout_s = write_timeout_s
+        mem.store.write_timeout_s = svc.store.write_timeout_s = o.write_timeout_s
         return cls(
             svc,
             mem,
@@ -338,9 +315,9 @@ class KvmemServer:
             Tenants(api_keys or {}),
             limits or Limits(),
             pool,
-            max_queue,
+            o.max_queue,
             selective_recompute,
-            measure_store,
+            o.measure_store,
         )
 
     def start_upkeep(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -8,7 +8,7 @@ import errno
 import json
 import logging
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -20,7 +20,6 @@ from ..memory import MemoryInputError
 from ..store import StoreBusy, StoreError, StoreUnavailable
 from ..store import redact_text as _redact_text
 
-MAX_BODY_BYTES = 1 << 20
 logger = logging.getLogger("kvmem.server")
 
 
@@ -128,6 +127,9 @@ def bad_request(reason: str) -> PydanticCustomError:
 
 
 MAX_TOOLS = 128  # tools per request
+MAX_STOPS = 4  # stop strings per chat, as OpenAI's
+NonEmpty = Annotated[str, Field(min_length=1)]  # an empty string is a 400 (``routes``: string_too_short)
+NONBLANK = r"\S"  # a string with a character other than whitespace (else 400, ``routes``)
 MAX_TOOLS_BYTES = 32 << 10  # the tools block as JSON text: it is rendered into every prompt of the chat
 
 
@@ -351,7 +353,9 @@ class ResponseFormat(BaseModel):
 class ChatRequest(Body):
     model_config = ConfigDict(extra="allow")  # checked: UNSUPPORTED_FIELDS refused, IGNORED_FIELDS ignored
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    messages: list[ChatMessage] = Field(
+        min_length=1, max_length=256, description="The last message is the user's or a tool's (else 400)."
+    )
     user: str | None = Field(None, max_length=256)
     stream: bool = False
     stream_options: dict | None = None
@@ -359,7 +363,7 @@ class ChatRequest(Body):
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
-    stop: str | list[str] | None = None
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1)
     logprobs: bool | None = None
@@ -373,13 +377,20 @@ class ChatRequest(Body):
     @field_validator("messages")
     @classmethod
     def _tool_results_follow_calls(cls, messages: list[ChatMessage]):
-        """Each tool message answers a call (by ``tool_call_id``) that an earlier assistant message made."""
+        """Each tool message answers a call (by ``tool_call_id``) that an earlier assistant message made; the
+        last message is the user's or a tool's (the one to answer)."""
         calls: set[str] = set()
         for i, m in enumerate(messages):
             calls.update(c.id for c in m.tool_calls or [])
             if m.role == "tool" and m.tool_call_id not in calls:
                 raise bad_request(f"messages[{i}]: no earlier assistant tool call has id {m.tool_call_id!r}")
+        if messages and messages[-1].role not in ("user", "tool"):
+            raise bad_request("the last message must be from the user or a tool")
         return messages
+
+    def stops(self) -> list[str]:
+        """The stop strings (``stop``: one or a list), checked by the field: non-empty, at most ``MAX_STOPS``."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @field_validator("tools")
     @classmethod
@@ -440,14 +451,21 @@ class Scoped(Body):
     """Entity ids (Mem0's scopes) at the top level or inside ``filters``; ``app_id`` is refused (no app scope)."""
 
     model_config = ConfigDict(extra="forbid")
-    user_id: str | int | None = None
-    agent_id: str | int | None = None
-    run_id: str | int | None = None
-    app_id: str | None = None
+    user_id: NonEmpty | int | None = None
+    agent_id: NonEmpty | int | None = None
+    run_id: NonEmpty | int | None = None
+    app_id: None = Field(None, description="Not supported: kvmem has no app scope (400).")
     filters: dict | None = None
 
+    @field_validator("app_id", mode="before")
+    @classmethod
+    def _no_app(cls, app_id):
+        if app_id is not None:
+            raise bad_request("app_id is not supported: scope memories by user_id, agent_id or run_id")
+        return app_id
+
     def ids(self) -> dict:
-        if self.app_id is not None or "app_id" in (self.filters or {}):
+        if "app_id" in (self.filters or {}):
             raise APIError(
                 400, "app_id is not supported: scope memories by user_id, agent_id or run_id", param="app_id"
             )
@@ -473,19 +491,33 @@ class AddMemoryRequest(Scoped):
     timestamp: float | None = None
     expiration_date: str | None = None
     custom_instructions: str | None = Field(None, max_length=8000)
-    prompt: str | None = Field(None, max_length=8000)
+    prompt: str | None = Field(None, max_length=8000, description="Not with custom_instructions (400).")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt, info: ValidationInfo):
+        if prompt is not None and info.data.get("custom_instructions") is not None:
+            raise bad_request("give prompt or custom_instructions, not both")
+        return prompt
 
 
 class SearchRequest(Scoped):
-    query: str = Field(max_length=8000)
+    query: str = Field(max_length=8000, pattern=NONBLANK)
     limit: int | None = Field(None, ge=1, le=1000)
     top_k: int | None = Field(None, ge=0, le=1000)
     threshold: float | None = Field(None, ge=0, le=1)
     show_expired: bool = False
-    rerank: bool = False
+    rerank: bool = Field(False, json_schema_extra={"const": False})  # kvmem does not rerank (400)
     keyword_search: bool | None = None  # None: the server's --hybrid; True: cosine fused with keyword scores
     explain: bool = False  # each result's score_details: semantic and keyword parts
     latest_only: bool | None = None  # every memory is its latest version here (an update keeps its id)
+
+    @field_validator("rerank")
+    @classmethod
+    def _no_rerank(cls, rerank: bool):
+        if rerank:
+            raise bad_request("rerank is not supported: kvmem ranks by cosine, or fused with keywords")
+        return rerank
 
 
 class ListRequest(Scoped):
@@ -494,10 +526,16 @@ class ListRequest(Scoped):
 
 
 class UpdateRequest(Body):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
     text: str | None = None
     metadata: dict | None = None
     expiration_date: str | None = None
+
+    @model_validator(mode="after")
+    def _something(self):
+        if not self.model_fields_set:
+            raise bad_request("At least one of text, metadata, or expiration_date must be provided.")
+        return self
 
 
 def engine_dead() -> APIError:

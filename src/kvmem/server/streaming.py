@@ -1,5 +1,5 @@
-"""One chat request against the engine: preparation (retrieval, then the engine's memory), the engine's deltas
-turned into text (incremental detokenization, ``detok``; stop strings), counts and timings, and OpenAI's
+"""One prepared chat request against the engine (``service.MemoryService.prepare_chat`` prepared it): the engine's
+deltas turned into text (incremental detokenization, ``detok``; stop strings), counts and timings, and OpenAI's
 streaming format (``chat.completion.chunk`` server-sent events)."""
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..engines.base import Sampling
-from ..policy import Method
 from ..service import Prepared
 from .detok import IncrementalText
 from .schemas import APIError, engine_dead, error_of
@@ -22,24 +20,6 @@ from .toolcalls import ToolPlan, ToolStream
 
 if TYPE_CHECKING:
     from .runtime import KvmemServer
-
-
-async def prepare_chat(
-    server: KvmemServer,
-    user: str | list[str] | None,
-    messages: list[dict],
-    top_k: int,
-    method: Method,
-    max_tokens: int,
-    cold: bool = False,
-    tools: list[dict] | None = None,
-) -> Prepared:
-    """The service's chat pipeline (``MemoryService.prepare_chat``: fallbacks, retrieval, the engine's memory,
-    the retry) with retrieval off the event loop; ``tools``: OpenAI tool definitions for the chat template.
-    ValueError (HTTP 400) for a method the engine cannot serve, or tools the model's template has none of."""
-    return await server.service.prepare_chat(
-        user, messages, top_k, method, max_tokens, cold, run=server.off_loop, tools=tools
-    )
 
 
 POLL_S = 0.25  # how often a wait on the engine checks that the engine and the client are still there
@@ -81,12 +61,12 @@ async def watched(server: KvmemServer, aw, timeout_s: float, request: Request | 
 class ChatGeneration:
     """One engine request: deltas -> text (incremental detokenization, stop strings), counts and timings."""
 
-    def __init__(
-        self, server: KvmemServer, rid: str, prep: Prepared, sampling: Sampling, stops: list[str], t_arrive: float
-    ):
+    def __init__(self, server: KvmemServer, rid: str, prep: Prepared, stops: list[str], t_arrive: float):
+        """``prep``: the service's prepared chat, with its decoding (``MemoryService.prepare_chat``)."""
         self.server, self.rid, self.prep, self.stops, self.t_arrive = server, rid, prep, stops, t_arrive
         self.detok = IncrementalText(server.service.lm.tokenizer)  # each token decoded once
-        self._it = server.engine.stream(rid, prep.request(sampling))
+        sampling = prep.sampling
+        self._it = server.engine.stream(rid, prep.request())
         self.ids: list[int] = self.detok.ids
         self._longest_stop = max((len(s) for s in stops), default=0)
         self.logprobs = [] if sampling.logprobs is not None else None  # TokenLogprob per generated token
@@ -223,6 +203,51 @@ class ChatGeneration:
         return out
 
 
+async def answer(
+    server: KvmemServer,
+    rid: str,
+    prep: Prepared,
+    stops: list[str],
+    tools: ToolPlan | None,
+    stream: bool,
+    include_usage: bool,
+    t_arrive: float,
+    request: Request,
+):
+    """A prepared chat (``MemoryService.prepare_chat``) run on the engine and answered whole: with ``stream``, a
+    ``ChatStream`` of server-sent events (``sse``; the first delta awaited here, so an engine error is a status,
+    not a broken stream); else OpenAI's ``chat.completion`` JSON (``answer_json``), collected while the client
+    stays connected. ``tools``: the request's ``ToolPlan``. Raises APIError (busy, a dead engine, a client
+    gone), TimeoutError."""
+    gen = ChatGeneration(server, rid, prep, stops, t_arrive)
+    if stream:
+        first = await gen.first()
+        return ChatStream(sse(gen, first, include_usage, tools), media_type="text/event-stream")
+    text = await watched(server, gen.collect(), server.limits.request_timeout_s, request)
+    return answer_json(gen, text, tools)
+
+
+def answer_json(gen: ChatGeneration, text: str, tools: ToolPlan | None) -> dict:
+    """A whole answer (``chat.completion``, ``schemas.ChatCompletion``) of a collected generation: its text,
+    or the tool calls it holds (then ``finish_reason`` "tool_calls"), with ``usage`` and ``kvmem``."""
+    message = {"role": "assistant", "content": text}
+    parsed = tools.parse(text) if tools is not None else None
+    if parsed is not None:
+        message = {"role": "assistant", "content": parsed[0], "tool_calls": parsed[1]}
+        gen.finish_reason = "tool_calls"
+    return {
+        "id": gen.rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": gen.server.model_name,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": gen.logprobs_json(), "finish_reason": gen.finish_reason}
+        ],
+        "usage": gen.usage(),
+        "kvmem": gen.kvmem(),
+    }
+
+
 class ChatStream(StreamingResponse):
     """A streamed chat's response: its body (``sse``) is closed however the response ends (finished, the client
     gone, or cut off by ``stalls.SendTimeout``), shielded from the cancellation that ended it, so the engine
@@ -257,8 +282,9 @@ async def sse(gen: ChatGeneration, first, include_usage: bool, tools: ToolPlan |
 
     held = ToolStream(tools) if tools is not None else None
     yield chunk({"role": "assistant", "content": "" if held is None else None})
+    pieces = gen.deltas(first)  # closed here, however the stream ends: that aborts the engine request at once
     try:
-        async for piece in gen.deltas(first):
+        async for piece in pieces:
             piece = held.feed(piece) if held is not None else piece
             if piece:
                 yield chunk({"content": piece})
@@ -289,6 +315,8 @@ async def sse(gen: ChatGeneration, first, include_usage: bool, tools: ToolPlan |
             + "\n\n"
         )
         return
+    finally:
+        await pieces.aclose()
     yield chunk({}, gen.finish_reason, kvmem=gen.kvmem())
     if include_usage:
         yield "data: " + json.dumps({**base, "choices": [], "usage": gen.usage()}) + "\n\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .location import POSTGRES_SCHEMES, StoreError, is_url
+from .location import StoreError, is_postgres, is_url
 from .postgres_rows import PostgresRows
 from .rows import Rows
 from .sqlite_rows import SQLiteRows
@@ -17,7 +17,7 @@ def open_rows(location: str | Path, answer_cap_s: float | None = None) -> Rows:
     text = str(location)
     if is_url(text):
         scheme = text.split(":", 1)[0].lower()
-        if scheme in POSTGRES_SCHEMES:
+        if is_postgres(text):
             return PostgresRows(text, answer_cap_s)
         hint = (
             " (KV segments go by --segments URL; their rows by --store postgresql://…)"

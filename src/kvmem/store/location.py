@@ -62,6 +62,16 @@ def is_url(location: str | Path) -> bool:
     return bool(_URL.match(str(location)))
 
 
+def is_postgres(location: str | Path) -> bool:
+    """Whether ``location`` is a PostgreSQL URL (``postgresql://…`` or ``postgres://…``): the one rule."""
+    return is_url(str(location)) and _postgres_scheme(str(location))
+
+
+def _postgres_scheme(text: str) -> bool:
+    """Whether ``text`` (a URL, or its ``scheme:`` part) starts with a PostgreSQL scheme."""
+    return text.split(":", 1)[0].lower() in POSTGRES_SCHEMES
+
+
 def _parts(url: str) -> tuple[str, str, str, str | None]:
     """``url`` split as libpq splits a connection URI: (``scheme://``, userinfo, the rest up to ``?``, the query
     or None). The userinfo is what comes before the first ``@`` ahead of the first ``/`` (libpq's own rule), so a
@@ -79,7 +89,7 @@ def _parts(url: str) -> tuple[str, str, str, str | None]:
 
 
 def _is_secret(scheme: str, key: str) -> bool:
-    if scheme.split(":", 1)[0].lower() in POSTGRES_SCHEMES:
+    if _postgres_scheme(scheme):
         return key in PG_SECRETS
     return bool(_SECRET_NAME.match(key))
 
@@ -121,7 +131,7 @@ def _secret_values(location: str | Path) -> dict[str, str]:
     """The credentials in a ``postgresql://`` URL as libpq reads them (decoded; a parameter wins over the user
     part, as in libpq). Empty for anything else."""
     text = str(location)
-    if not is_url(text) or text.split(":", 1)[0].lower() not in POSTGRES_SCHEMES:
+    if not is_postgres(text):
         return {}
     scheme, userinfo, _, query = _parts(text)
     out = {}

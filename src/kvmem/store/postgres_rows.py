@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 from ..extras import require
 from .location import StoreBusy, StoreError, StoreUnavailable, redact, secret_params, secrets
-from .reach import Reach
+from .reach import PROBE_EVERY_S, PROBE_TIMEOUT_S, Reach
 from .rows import Rows
 from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, migration, render, render_text_index
 
@@ -47,8 +47,6 @@ PG_SESSION = {  # the server's settings for each session (libpq's ``options``, -
     "tcp_user_timeout": "25000",
 }
 ANSWER_GRACE_S = 2.0  # no answer within statement_timeout + this: the server is stalled (stopped, cut off, frozen)
-PROBE_TIMEOUT_S = 2.0  # a readiness probe (SELECT 1 on its own connection) waits this long at most
-PROBE_EVERY_S = 1.0  # while a store is unavailable, it is probed this often (in the background)
 
 
 PING_AFTER_S = 2.0  # a connection idle this long is checked (one round trip) before a transaction starts on it

@@ -13,6 +13,9 @@ from collections.abc import Callable
 
 from .location import StoreUnavailable
 
+PROBE_TIMEOUT_S = 2.0  # a probe (SELECT 1, a HEAD of the object store) waits this long at most: no answer, down
+PROBE_EVERY_S = 1.0  # while a service is unavailable, it is probed this often (in the background)
+
 
 class Reach:
     """Reachability of one service, probed by ``probe`` (a call bounded by its own timeout: True when the

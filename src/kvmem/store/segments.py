@@ -32,7 +32,7 @@ import torch
 from .. import kvformat
 from ..extras import require
 from .location import StoreUnavailable, redact, redact_text
-from .reach import Reach
+from .reach import PROBE_EVERY_S, PROBE_TIMEOUT_S, Reach
 from .tiers import DiskTier
 
 DTYPES = {
@@ -52,7 +52,6 @@ OBJECT_RETRY_S, OBJECT_RETRIES = 5, 2
 # Readiness of a remote object store (``ObjectSegments.available``): one HEAD of a name that is never written, on
 # a client without retries, at most once per PROBE_EVERY_S; no answer within PROBE_TIMEOUT_S: unavailable. A store
 # found unreachable (by a probe or by any call) fails every call at once until a background probe gets an answer.
-PROBE_TIMEOUT_S, PROBE_EVERY_S = 2.0, 1.0
 PROBE_NAME = ".kvmem-probe"
 _ALLOW_HTTP = ("AWS_ALLOW_HTTP", "AZURE_ALLOW_HTTP", "GOOGLE_ALLOW_HTTP")  # as obstore reads them
 

@@ -29,6 +29,7 @@ from vllm.config import KVTransferConfig  # imported here, so that a missing vLL
 from ...hardware import resolve_dtype
 from ...models import head_dim, is_latent
 from ...policy import Method
+from ...settings import KV_CACHE_BYTES, MAX_QUEUE
 from ...store import canonical, secrets
 from ..base import (
     AsyncEngine,
@@ -180,7 +181,7 @@ def fit_max_model_len(model: str | Path, dtype: str, kv_cache_memory_bytes: int,
 def engine_kwargs(
     model: str | Path,
     dtype: str | None = None,
-    kv_cache_memory_bytes: int = 1 << 30,
+    kv_cache_memory_bytes: int = KV_CACHE_BYTES,
     max_model_len: int = 8192,
     block_size: int | None = None,
     in_process: bool | None = None,
@@ -388,7 +389,7 @@ class AsyncVLLMEngine(AsyncEngine):
 
     name = "vllm"
 
-    def __init__(self, model: str | Path, max_queue: int = 256, **options):
+    def __init__(self, model: str | Path, max_queue: int = MAX_QUEUE, **options):
         kwargs = engine_kwargs(model, **{**options, "skip_tokenizer_init": False})
         self.max_model_len, self.max_queue, self._pending = kwargs["max_model_len"], max_queue, 0
         self.metrics_file = options.get("metrics_file")

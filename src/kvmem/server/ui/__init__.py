@@ -35,7 +35,7 @@ from ...store import StoreError, StoreUnavailable, redact_text
 from ..memories import queued_write
 from ..runtime import KvmemServer
 from ..schemas import APIError
-from ..streaming import ChatGeneration, prepare_chat, watched
+from ..streaming import ChatGeneration, watched
 from .data import KvSize, erasure_preview, human_bytes, metadata_text, provenance
 from .session import COOKIE, LOGIN_COOKIE, MAX_AGE_S, SECURITY_HEADERS, Session, Sessions, check_csrf
 
@@ -382,11 +382,13 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         messages = [{"role": "user", "content": q}]
         max_tokens = min(limits.default_max_tokens, limits.max_tokens)
         prep = await asyncio.wait_for(
-            prepare_chat(server, chat_users(session, user_id), messages, k, method, max_tokens),
+            server.service.prepare_chat(
+                chat_users(session, user_id), messages, k, method, max_tokens, run=server.off_loop,
+                sampling={"temperature": 0.0, "top_p": 1.0},
+            ),
             limits.request_timeout_s,
-        )
-        sampling = server.service.sampling(max_tokens, temperature=0.0, top_p=1.0)
-        gen = ChatGeneration(server, f"ui-{uuid.uuid4().hex}", prep, sampling, [], t0)
+        )  # fmt: skip
+        gen = ChatGeneration(server, f"ui-{uuid.uuid4().hex}", prep, [], t0)
         text = await watched(server, gen.collect(), limits.request_timeout_s)
         info = gen.kvmem()
         prefix = namespace_prefix(session.tenant)
