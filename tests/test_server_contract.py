@@ -21,7 +21,7 @@ def client():
         limits=Limits(),
         metrics=NS(send_timeouts=count, requests=NS(labels=lambda *a: count)),
         tenants=Tenants({}),
-        memory=None,  # nothing behind the routes: a request that reaches a write or a read fails
+        memory=NS(store=None),  # nothing behind the routes: a request that reaches a write or a read fails
         service=None,
         engine=NS(healthy=lambda: True),
         replica=None,
