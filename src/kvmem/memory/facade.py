@@ -28,6 +28,7 @@ from ..store import (
     StoreError,
     StoreUnavailable,
     UnknownUser,
+    Write,
     came_from,
     check_kv_format,
     check_segments_url,
@@ -65,7 +66,7 @@ class Memory:
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
             ``window``, ``neighbours`` and ``history`` left as None take, for each scope, how that scope's facts
-            were encoded so far (``Store.user_info``), and for a new scope the defaults 5, 4 and False (window 0
+            were encoded so far (``Store.reads.user_info``), and for a new scope the defaults 5, 4 and False (window 0
             and neighbours 0 with ``history=True``).
         neighbours: also encode each new fact behind its m most similar live facts of the scope (neighbour-aware
             encoding, ``ingest.scope_neighbours``; default ``policy.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
@@ -208,9 +209,9 @@ class Memory:
         """The store users that are scopes of ``namespace`` with every id ``named`` names (None: all of them;
         ``live``: with a live fact), found through the store's scope index, so the cost follows the caller's own
         scopes; a store created before the index lists its users."""
-        keys = self.store.scope_keys(scopes.IndexQuery.of(named, namespace), live)
+        keys = self.store.reads.scope_keys(scopes.IndexQuery.of(named, namespace), live)
         if keys is None:
-            keys = self.store.users(with_no_live_facts=not live)
+            keys = self.store.reads.users(with_no_live_facts=not live)
         return [k for k in keys if scopes.matches(k, named, namespace)]
 
     def entity_scopes(self, namespace: str | None = None) -> list[Scope]:
@@ -222,7 +223,7 @@ class Memory:
         """Rows and embeddings of the current version of ``users``' memories, read as one (no KV: reads never
         need it), or None when none has live memories."""
         try:
-            return self.store.snapshots([(u, None) for u in users]) if users else None
+            return self.store.reads.snapshots([(u, None) for u in users]) if users else None
         except UnknownUser:
             return None
 
@@ -327,7 +328,7 @@ class Memory:
     def _fact(self, memory_id, namespace: str | None = None) -> FactRecord | None:
         """The live memory with this id among ``namespace``'s scopes (a tenant sees its own ids only)."""
         try:
-            return self.store.fact(str(memory_id), within=scopes.namespace_prefix(namespace))
+            return self.store.reads.fact(str(memory_id), within=scopes.namespace_prefix(namespace))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
 
@@ -364,17 +365,19 @@ class Memory:
     def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
         """Every event of a memory, oldest first (Mem0's history rows, ``mem0.history_rows``). Raises
         MemoryInputError for an id that never existed."""
-        return mem0.history_rows(self.store.history(str(memory_id), scopes.namespace_prefix(namespace)), memory_id)
+        return mem0.history_rows(
+            self.store.reads.history(str(memory_id), scopes.namespace_prefix(namespace)), memory_id
+        )
 
     # --- writes ---------------------------------------------------------------------------------------------
 
     def _encoding(self, user: str) -> tuple[int, int, bool]:
         """(window, neighbours, history) of a write to ``user`` (a scope key): what the constructor was given,
-        else how the scope's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False; 0,
+        else how the scope's facts were encoded so far (``Store.reads.user_info``), else the defaults (5, 4, False; 0,
         0 with history), so one scope's facts keep one encoding across processes. A given ``history`` that
         switches the scope's method takes that method's defaults for what is not given."""
         try:
-            info = self.store.user_info(user)
+            info = self.store.reads.user_info(user)
         except StoreUnavailable:  # the database, not the scope: never write with guessed settings
             raise
         except StoreError:  # a new scope (or one whose every fact was deleted)
@@ -401,7 +404,7 @@ class Memory:
         window = self._encoding(user)[0]
         if window == 0:
             return "", ()
-        stored = [t for t in self.store.turns(user, last=window + len(skip)) if t["idx"] not in skip]
+        stored = [t for t in self.store.reads.turns(user, last=window + len(skip)) if t["idx"] not in skip]
         turns = [(t, t["idx"]) for t in stored] + [(t, -(i + 1)) for i, t in enumerate(new_turns[:upto])]
         turns = turns[-window:]
         return render_turns([t for t, _ in turns]), tuple(r for _, r in turns)
@@ -430,7 +433,7 @@ class Memory:
         ``provenance``: per new fact (its window's turn references, the turns it came from), as ``_context``
         gives them (None: unknown); ``expect``: fact id -> the row read, a compare-and-set (MemoryConflict when
         one changed since; checked before anything is written, the erasure's ids included); ``erase``: facts
-        erased in the same commit (``Store.commit``; filled in with what it covered; its cascade is the caller's,
+        erased in the same commit (``Store.writes.commit``; filled in with what it covered; its cascade is the caller's,
         ``ingest.finish_erasure``). The model and embedder load only for a write with new facts. Returns (the new
         version, the new facts' records)."""
 
@@ -461,17 +464,10 @@ class Memory:
                 self.lm if records else None,
                 self.embedder if records else None,
                 self.store,
-                user,
-                records,
+                Write(user, records, delete=delete, turns=turns, events=events, now=now, expect=expect, erase=erase),
                 list(contexts),
                 rendered,
-                delete=delete,
-                turns=turns,
-                events=events,
-                now=now,
                 encoding=Encoding(window, neighbours, history),
-                expect=expect,
-                erase=erase,
             )
         except StoreConflict as exc:
             raise MemoryConflict(str(exc)) from None
@@ -603,7 +599,7 @@ class Memory:
         """The stored turns ``facts`` came from (``store.came_from``: what erasing them erases)."""
         out = {t for f in facts if f.context_turns is not None for t in f.source_turns}
         if any(f.context_turns is None for f in facts):
-            rows = [(t["idx"], t["dia_id"], t["content"]) for t in self.store.turns(user)]
+            rows = [(t["idx"], t["dia_id"], t["content"]) for t in self.store.reads.turns(user)]
             out |= {t for f in facts if f.context_turns is None for t in came_from(None, f.source_turn, f.text, rows)}
         return out
 
@@ -699,24 +695,24 @@ class Memory:
     def reencode_pending(self, due_within_s: float | None = None) -> dict:
         """The background half of a deferred erasure: re-encode every scope's stale facts (those due within
         ``due_within_s`` seconds; None: all) and rewrite the segments that held their old KV; and finish the
-        erasures whose cascade failed after they landed (``Store.compactions``: every segment of the scope still
+        erasures whose cascade failed after they landed (``Store.writes.compactions``: every segment of the scope still
         holding dead KV is rewritten); then ``collect``. Returns ``{"reencoded": n, "scopes": n, "collected": n}``."""
         horizon = None if due_within_s is None else time.time() + due_within_s
-        deferred = set(self.store.compactions())
-        users = sorted({u for u, _, _, by in self.store.stale() if horizon is None or by <= horizon} | deferred)
+        deferred = set(self.store.writes.compactions())
+        users = sorted({u for u, _, _, by in self.store.reads.stale() if horizon is None or by <= horizon} | deferred)
         n = 0
         for user in users:
             got, old = reencode_stale(self.lm, self.store, user)
             n += got
-            rewrite = set(old) | (set(self.store.dead_segments(user)) if user in deferred else set())
+            rewrite = set(old) | (set(self.store.writes.dead_segments(user)) if user in deferred else set())
             if rewrite:
-                self.store.compact(user, sorted(rewrite))
+                self.store.writes.compact(user, sorted(rewrite))
             if user in deferred:
-                self.store.compacted(user)
+                self.store.writes.compacted(user)
         return {"reencoded": n, "scopes": len(users), "collected": self.collect()}
 
     def collect(self) -> int:
-        """Remove the files (or objects) of every scope's segments retired ``store.retire_after_s`` or more ago
+        """Remove the files (or objects) of every scope's segments retired ``store.writes.retire_after_s`` or more ago
         (``Store.collect``), so what an erasure left in them goes within that bound even for a scope that never
         writes again (one erased whole); no model. Run by ``reencode_pending`` (the server's upkeep round); a
         library user calls either now and then. Returns how many segments were removed."""
@@ -728,7 +724,7 @@ class Memory:
         "deferred"}``."""
         today = today or mem0.today()
         total = Counter()
-        for user in self.store.users():
+        for user in self.store.reads.users():
             ukv = self._snapshot([user])
             live = None if ukv is None else ukv.unexpired(today)
             if live is not None:
@@ -775,15 +771,14 @@ class Memory:
         user = mem0.scope_of(user_id, agent_id, run_id).key(namespace)
         if self._snapshot([user]) is None:
             return {"message": "nothing to compact"}
-        return {"message": "Memory compacted", "version": self.store.compact(user)}
+        return {"message": "Memory compacted", "version": self.store.writes.compact(user)}
 
     def reset(self) -> dict:
         """Delete every memory, turn and history row of the store (the model and header stay); nothing is left
         to re-encode. Returns ``{"message", "erasure": {"erased", "turns", "reencoded": 0, "deferred": 0}}``."""
-        with self.store.writer():
-            facts = self.store.rows.execute("SELECT COUNT(*) FROM facts WHERE deleted IS NULL").fetchone()[0]
-            turns = self.store.rows.execute("SELECT COUNT(*) FROM turns").fetchone()[0]
-        self.store.reset()
+        with self.store.writes.writer():
+            facts, turns = self.store.reads.totals()
+        self.store.writes.reset()
         self.indexes.clear()
         self._fields.clear()
         return {"message": "Memory reset", "erasure": _counts({"erased": facts, "turns": turns})}

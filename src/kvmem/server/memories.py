@@ -64,7 +64,7 @@ def memory_routes(app: FastAPI, server: KvmemServer, tenant_of) -> None:
     async def owned_fact(tenant, memory_id: str):
         try:
             within = namespace_prefix(tenant)  # another tenant's ids are not looked at
-            f = await server.off_loop(lambda: server.memory.store.fact(str(memory_id), within=within))
+            f = await server.off_loop(lambda: server.memory.store.reads.fact(str(memory_id), within=within))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
         if f is None or not Tenants.owns(tenant, f.user):  # another tenant's id answers as one that never existed
