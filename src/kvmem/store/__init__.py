@@ -64,8 +64,8 @@ from .location import (
     secrets,
     within,
 )
-from .read import VERIFIED_SEGMENTS, UserKV
-from .records import ALL, FactRecord, Write
+from .read import VERIFIED_SEGMENTS
+from .records import ALL, FactRecord, UserKV, Write
 from .rows import Rows
 from .schema import SCHEMA_VERSION
 from .tiers import CountingLRU

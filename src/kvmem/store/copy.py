@@ -13,8 +13,7 @@ from .. import kvformat
 from .backends import open_rows
 from .facade import Store, check_segments_url
 from .location import StoreError, UnknownUser
-from .read import UserKV
-from .records import FactRecord, Write
+from .records import FactRecord, UserKV, Write
 
 
 def copy_store(

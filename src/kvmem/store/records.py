@@ -1,23 +1,27 @@
-"""What a store holds and what a write brings, as values: ``FactRecord`` (one stored fact), ``Write`` (one commit's
-whole content, passed as one value from ``Memory`` through ``ingest.write_facts`` and ``Writer.commit`` down to the
+"""What a store holds and what a write brings, as values: ``FactRecord`` (one stored fact), ``UserKV`` (one
+version of a user's memory; its KV is read lazily, through the reader that made it), ``Write`` (one commit's whole
+content, passed as one value from ``Memory`` through ``ingest.write_facts`` and ``Writer.commit`` down to the
 rows' ``Rows.commit``), and the names of KV segments. No I/O here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
+
+import torch
 
 from ..policy import check_store_user
 from .location import StoreError
 
 if TYPE_CHECKING:
-    import torch
-
     from .erasure import Erasure
 
 ALL = "\x00all"  # Write(delete=ALL): every fact live at commit time
@@ -62,6 +66,129 @@ class FactRecord:
         return json.dumps(
             {"turns": list(self.context_turns), "facts": list(self.context_facts), "source": list(self.source_turns)}
         )
+
+
+@dataclass
+class UserKV:
+    """One version of a user's memory: its live facts (row order), their embeddings, and its KV segments.
+
+    ``segments``: segment name -> SHA-256 of the file; fact ``i`` owns tokens ``token_offset .. +num_tokens`` of
+    its segment. ``embeddings``: [F, E] float32, L2-normalised, row ``i`` = ``facts[i]``. KV is read lazily, by
+    fact (``gather``), through the store that took the snapshot."""
+
+    user: str
+    version: str
+    facts: list[FactRecord]
+    segments: dict[str, str]
+    embeddings: torch.Tensor
+    reader: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    span_reader: Callable[..., list] | None = field(default=None, repr=False)  # ``read``'s: spans as stored
+    parts: tuple[UserKV, ...] = ()  # a union's partitions (``union``); () for one user's snapshot
+
+    @classmethod
+    def union(cls, parts: list[UserKV]) -> UserKV:
+        """Several users' snapshots (entity scopes, ``scopes``) read as one memory: facts and embeddings in
+        ``parts`` order, positions offset by the parts before. ``user`` (a JSON list of the users) and ``version``
+        (their versions, comma-joined) name exactly this set of versions, so a cache salt over them covers every
+        scope it used. One part is returned as it is."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            raise ValueError("a union needs at least one snapshot")
+        return cls(
+            json.dumps([p.user for p in parts]),
+            ",".join(p.version for p in parts),
+            [f for p in parts for f in p.facts],
+            {(p.user, s): sha for p in parts for s, sha in p.segments.items()},
+            torch.cat([p.embeddings for p in parts]),
+            parts[0].reader,
+            parts[0].span_reader,
+            tuple(parts),
+        )
+
+    def versions(self) -> list[tuple[str, str]]:
+        """(user, version) of each partition: [(self.user, self.version)] for one user's snapshot."""
+        return [(p.user, p.version) for p in self.parts] or [(self.user, self.version)]
+
+    def segment_sha(self, user: str, segment: str) -> str:
+        return self.segments[(user, segment) if self.parts else segment]
+
+    def row_of(self) -> dict[str, int]:
+        """fact_id -> position in ``facts`` (and in ``embeddings``); built once per snapshot (a snapshot's facts never
+        change), so a request that looks up its k facts costs O(k), not O(facts). Read-only."""
+        return self._row_of
+
+    @functools.cached_property
+    def _row_of(self) -> dict[str, int]:
+        return {f.fact_id: i for i, f in enumerate(self.facts)}
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        """store row id -> position in ``facts`` (what the vector index returns -> what compose takes)."""
+        return {f.row: i for i, f in enumerate(self.facts)}
+
+    def fact_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each."""
+        return self.gather([i])
+
+    def read(self, rows: list[int], timings: dict | None = None) -> list:
+        """The stored KV of ``facts[rows]``, as stored (``kvformat.SpanKV`` each, not dequantised): ``gather``'s
+        reads alone, from the read cache or the segments, for a caller that assembles them elsewhere (the vLLM
+        worker reads on a loader thread and assembles on the engine's). ``timings`` gets ``read`` (ms). Raises
+        as ``gather`` does."""
+        if self.span_reader is None:
+            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
+        return self.span_reader(self, [self.facts[r] for r in rows], timings)
+
+    def gather(
+        self,
+        rows: list[int],
+        timings: dict | None = None,
+        dtype: torch.dtype | None = None,
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
+        empty=None,
+        spans: list | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
+        dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
+        ``timings``: gets ``read`` (cache and segment reads; not when ``spans`` are given) and ``dequantize``
+        (assembly) in ms. ``dtype``: of the result (default the model's; rewrites of a lossy store take fp32, where
+        dequantisation is exact).
+        ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
+        the result goes (``kvformat.assemble``). ``spans``: what ``read(rows)`` returned, assembled without
+        reading again.
+
+        Raises LookupError if this version was replaced and its files removed meanwhile, StoreError if a
+        segment is missing, truncated or corrupt."""
+        if self.reader is None:
+            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
+        if spans is not None and len(spans) != len(rows):
+            raise ValueError(f"{len(spans)} spans for {len(rows)} rows")
+        return self.reader(self, [self.facts[r] for r in rows], timings, dtype, prefix, empty, spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(f.num_tokens for f in self.facts)
+
+    @functools.cached_property
+    def expiring(self) -> dict[int, str]:
+        """store row id -> ``expiration_date`` (YYYY-MM-DD, Mem0's metadata field) of the facts that have one."""
+        if self.parts:  # each part's map is cached with its snapshot
+            return {r: d for p in self.parts for r, d in p.expiring.items()}
+        out = {}
+        for f in self.facts:
+            if '"expiration_date"' in f.metadata:
+                exp = json.loads(f.metadata).get("expiration_date")
+                if isinstance(exp, str):
+                    out[f.row] = exp
+        return out
+
+    def unexpired(self, today: str | None = None) -> set[int] | None:
+        """Store row ids of the facts not expired on ``today`` (YYYY-MM-DD, default the current UTC date; a fact
+        expires after its date), or None when none has expired (every row may be served)."""
+        today = today or datetime.now(UTC).date().isoformat()
+        gone = {r for r, d in self.expiring.items() if d < today}
+        return None if not gone else {f.row for f in self.facts} - gone
 
 
 @dataclass(frozen=True)
