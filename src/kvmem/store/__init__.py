@@ -17,16 +17,21 @@ Two backends, chosen by location; callers never know which they hold:
   header in ``kvmem_manifest``), and the segments as objects in an object store. With ``segments_url`` in the manifest
   (required for PostgreSQL) the segments are objects there (obstore: file://, s3://, gs://), under the same names.
 
-The parts, each with one job (``Store`` composes them; nothing outside this package needs them):
+The parts, each with one job (nothing outside this package needs them):
 
-* ``write``: ``commit`` (the one write path), compaction, garbage collection, ``fsck``;
-* ``read``: snapshots (``UserKV``), the facts' KV read by span, the read tiers, prefetch;
+* ``facade``: ``Store``, which composes the parts: its read side ``Store.reads`` and write side ``Store.writes``;
+* ``records``: values without I/O: ``FactRecord``, ``UserKV``, ``Write`` (one commit, whole);
+* ``write``: ``Writer.commit`` (the one write path), compaction, garbage collection, ``fsck``;
+* ``read``: ``Reader``: snapshots (``UserKV``), facts, turns, history, the facts' KV read by span, the read tiers;
+* ``erasure``: what an erasure erases and marks stale (``Erasure``);
 * ``copy``: ``copy_store``;
 * ``upkeep``: the collection of retired segments and the sweep of disk caches (what bounds erased KV's copies);
 * ``location``: store locations (URLs, redaction) and the errors a store raises;
-* ``rows``: the ``Rows`` seam over SQLite and PostgreSQL (every backend-specific ability is there);
+* ``rows``: the ``Rows`` seam, named row operations; ``sql_rows``: their SQL, shared by ``sqlite_rows`` and
+  ``postgres_rows``; ``backends``: which backend a location names;
 * ``schema``: the tables, defined once and rendered to both SQL dialects;
-* ``segments``: KV segment files and where they live; ``tiers``: the read tiers (memory, disk).
+* ``kvfile``: the KV segment file format; ``segments``: where segments live; ``tiers``: the read tiers (memory,
+  disk).
 
 One ``Store`` object may be shared by threads (a lock guards its connection). Stored KV carries the model
 fingerprint; opening a store with another model is refused (``StoreMismatch``). Opening never writes (no DDL), but for
