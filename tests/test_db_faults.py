@@ -115,7 +115,7 @@ def test_a_stalled_database_is_bounded_then_answered_at_once(cluster, tmp_path):
     st.writes.put_user("u", facts, kv, kv, emb, window=0)
     with stalled(data):
         st.reads.forget()
-        took, exc = timed(st.snapshot, "u")
+        took, exc = timed(st.reads.snapshot, "u")
         assert isinstance(exc, StoreUnavailable) and BOUND_S - 0.5 < took < BOUND_S + 2, (took, exc)
         facts, kv, emb = sw.generation("u", 2)
         for call in (lambda: st.reads.snapshot("u"), lambda: st.writes.put_user("u", facts, kv, kv, emb, window=0)):

@@ -100,7 +100,7 @@ def test_a_disk_cache_drops_what_the_store_removed(tmp_path, rows_at):
     assert [len(holding([mark], c)) for c in caches] == [1, 1]
     st.writes.delete_user("u")
     assert readers[0].sweep_cache() == [] and len(holding([mark], caches[0])) == 1  # still held for readers
-    readers[0].retire_after_s = 0  # retire_after_s has passed: due for removal, whether or not removed yet
+    readers[0].writes.retire_after_s = 0  # retire_after_s has passed: due for removal, whether or not removed yet
     assert readers[0].sweep_cache() == [name] and holding([mark], caches[0]) == []
     st.writes.retire_after_s = 0
     assert st.collect() == [name] and holding([mark], tmp_path / "kv") == []

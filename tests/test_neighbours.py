@@ -159,8 +159,8 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
     fids = pool_fids + [f"new{j}" for j in range(new_n)]
     want = [[fids[c] for c in row] for row in want_c]
     assert any(len(c) == m for c in want) and any(len(c) < m for c in want)
-    pages, read = [], st.embedding_page
-    st.embedding_page = lambda *a: pages.append(a[2]) or read(*a)  # counts the pages read
+    pages, read = [], st.reads.embedding_page
+    st.reads.embedding_page = lambda *a: pages.append(a[2]) or read(*a)  # counts the pages read
     for page in (7, 64, 5000):
         got_p, got = scope_neighbours(
             st, "u", new_emb, new_ids, [f"new{j}" for j in range(new_n)], gone, m, max_tokens=budget, page=page

@@ -66,6 +66,9 @@ class Store:
     ``root``: the location it was opened at (a ``Path``, or the ``postgresql://`` URL) and reopens it; ``name``:
     the same without credentials, for messages."""
 
+    # no other attribute: a setting of a side (``writes.retire_after_s``) set on the store would be lost silently
+    __slots__ = ("rows", "root", "name", "manifest", "_lock", "segments", "reads", "writes")
+
     def __init__(
         self,
         rows: Rows,
