@@ -31,7 +31,7 @@ def status(field: str) -> int:
 
 
 def build(root: str, memories: int) -> None:
-    from kvmem.store import FactRecord, Store
+    from kvmem.store import FactRecord, Store, Write
 
     hk = torch.zeros(1, 1, 3, 8)
     st = Store.create(root, FP, "hdr", [1, 2, 3], hk, hk.clone(), {"name": "fake", "dim": DIM})
@@ -44,7 +44,9 @@ def build(root: str, memories: int) -> None:
             for i in range(lo, lo + n)
         ]  # fmt: skip
         kv = [torch.zeros(1, 1, TOKENS, 8) for _ in facts]
-        st.commit("acme:u", facts, kv, kv, torch.nn.functional.normalize(torch.randn(n, DIM, generator=g), dim=1))
+        st.writes.commit(
+            Write("acme:u", facts, kv, kv, torch.nn.functional.normalize(torch.randn(n, DIM, generator=g), dim=1))
+        )
     st.close()
 
 
@@ -53,7 +55,7 @@ def measure(root: str, mode: str) -> None:
     from kvmem.store import Store
 
     st = Store.open(root, FP)
-    n = st.user_info("acme:u")["num_facts"]
+    n = st.reads.user_info("acme:u")["num_facts"]
     g = torch.Generator().manual_seed(1)
     emb = torch.nn.functional.normalize(torch.randn(NEW, DIM, generator=g), dim=1)
     ids = [list(range(900_000 + j * TOKENS, 900_000 + (j + 1) * TOKENS)) for j in range(NEW)]
@@ -61,7 +63,7 @@ def measure(root: str, mode: str) -> None:
     before = status("VmRSS")
     t0 = time.perf_counter()
     if mode == "snapshot":  # what write_facts did before: the scope's snapshot, searched whole
-        ukv = st.snapshot("acme:u")
+        ukv = st.reads.snapshot("acme:u")
         pool_emb, pool_ids = ukv.embeddings, [list(f.token_ids) for f in ukv.facts]
         chosen = neighbour_prefixes(emb, ids, pool_emb, pool_ids, 4)[1]
     else:

@@ -41,7 +41,7 @@ class FakeEmbedder:
 
 
 def build(root: str, users: int, memories: int) -> None:
-    from kvmem.store import FactRecord, Store
+    from kvmem.store import FactRecord, Store, Write
 
     header = torch.zeros(1, 1, 3, 8)
     st = Store.create(root, FP, "hdr", [1, 2, 3], header, header.clone(), FakeEmbedder().describe())
@@ -52,7 +52,7 @@ def build(root: str, users: int, memories: int) -> None:
         facts = [FactRecord(f"u{u}-m{i}", user, f"memory {i} of user {u}", "", "", "", (1, 2)) for i in range(memories)]
         kv = [torch.zeros(1, 1, 2, 8) for _ in facts]
         emb = torch.nn.functional.normalize(torch.randn(memories, DIM, generator=g), dim=1)
-        st.commit(user, facts, kv, kv, emb)
+        st.writes.commit(Write(user, facts, kv, kv, emb))
         if u % 1000 == 999:
             print(f"{u + 1} users, {time.perf_counter() - t0:.0f} s", flush=True)
     st.close()
@@ -75,7 +75,7 @@ def search(root: str, n: int) -> None:
         return {"p50": round(statistics.median(ms), 3), "p95": round(ms[int(0.95 * (len(ms) - 1))], 3)}
 
     out = {
-        "users": len(m.store.users()),
+        "users": len(m.store.reads.users()),
         "search_ms": timed(lambda: m.search("what do I like?", user_id="u0", namespace="acme", top_k=5)),
         "get_all_ms": timed(lambda: m.get_all(user_id="u0", namespace="acme", top_k=100)),
     }

@@ -43,14 +43,14 @@ from kvmem.engines.select import open_engine
 from kvmem.ingest import open_or_create_store
 from kvmem.models import head_dim
 from kvmem.retrieve import Embedder
-from kvmem.store import FactRecord, Store
+from kvmem.store import FactRecord, Store, Write
 
 root, model, dtype, fact_tokens, counts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]
 lm, emb = open_engine(model, "hf", dtype).lm, Embedder()
 st, _ = open_or_create_store(root, lm, emb)
-have = {u for u in st.users() if st.user_info(u)["num_facts"] == int(u[1:])}
-for u in set(st.users()) - have:  # a fill cut short: written again
-    st.delete_user(u)
+have = {u for u in st.reads.users() if st.reads.user_info(u)["num_facts"] == int(u[1:])}
+for u in set(st.reads.users()) - have:  # a fill cut short: written again
+    st.writes.delete_user(u)
 cfg = lm.config
 L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg)
 for n in map(int, counts):
@@ -63,7 +63,7 @@ for n in map(int, counts):
         recs = [FactRecord(f"m{start + j}", user, f"memory {start + j}", "", "", "", tuple(ids[j])) for j in range(m)]
         keys = [torch.randn(L, H, fact_tokens, D, generator=g).to(lm.dtype) for _ in range(m)]
         vecs = torch.nn.functional.normalize(torch.randn(m, emb.dim, generator=g), dim=1)
-        st.commit(user, recs, keys, keys, vecs)
+        st.writes.commit(Write(user, recs, keys, keys, vecs))
 st.close()
 """
 
@@ -98,7 +98,7 @@ def main() -> None:
     from kvmem.engines.vllm.params import MemoryRef
     from kvmem.locomo import get_conversation
     from kvmem.service import MemoryService
-    from kvmem.store import FactRecord
+    from kvmem.store import FactRecord, Write
 
     counts = [int(c) for c in args.counts.split(",")]
     tmp = None if args.store else tempfile.TemporaryDirectory(prefix="kvmem-crowded-")
@@ -133,18 +133,18 @@ def main() -> None:
     ask_all("first")  # each question's facts read by the worker for the first time
     st = svc.store
     for u in users:  # a new version with the same facts: a new cache salt, so no prefix-cache hit follows
-        ukv = st.snapshot(u)
+        ukv = st.reads.snapshot(u)
         f, (keys, values) = ukv.facts[0], ukv.fact_kv(0)
         bump = FactRecord(f"bump-{uuid.uuid4().hex}", u, f.text, "", "", "", f.token_ids)
-        st.commit(u, [bump], [keys], [values], ukv.embeddings[:1].clone())
-        st.commit(u, delete=[bump.fact_id])
+        st.writes.commit(Write(u, [bump], [keys], [values], ukv.embeddings[:1].clone()))
+        st.writes.commit(Write(u, delete=[bump.fact_id]))
         svc.ask(u, questions[0], args.k, "kv", max_new_tokens=1)  # the worker's snapshot of the new version
     ask_all("seen")  # the same facts again: in the worker's read cache, injected anew under the new salt
     # the scheduler side's check alone, in this process (its token cache warm after the first call)
     check_ms = {}
     st = svc.store
     for u in users:
-        ukv = st.snapshot(u)
+        ukv = st.reads.snapshot(u)
         ids = [f.fact_id for f in ukv.facts[: args.k]]
         ref = MemoryRef(root, st.manifest["store_id"], u, ukv.version, ids)
         stores.memory_token_ids(ref)

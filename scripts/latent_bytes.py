@@ -56,8 +56,8 @@ def measure(name: str, model: torch.nn.Module, per_head: int, root: Path) -> dic
     fp = fingerprint(LoadedModel(name, model, None, False, "-"))
     st = Store.create(root / name, fp, "", ids[:1], hkv.keys, hkv.values, {"name": "none"})
     rec = FactRecord("u/0", "u", "f", "", "", "", tuple(ids), 0, 0)
-    st.put_user("u", [rec], [kv.keys], [kv.values], torch.zeros(1, 4), 0)
-    (seg,) = st.user_kv("u").segments
+    st.writes.put_user("u", [rec], [kv.keys], [kv.values], torch.zeros(1, 4), 0)
+    (seg,) = st.reads.snapshot("u").segments
     path = st.segment_path("u", seg)
     st.close()
     size = path.stat().st_size

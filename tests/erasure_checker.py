@@ -327,7 +327,7 @@ class Run:
         encoding = {"history": True} if roll < 0.3 else {"neighbours": 0 if roll < 0.6 else 32}
         self.mem = Traced(root, model=self.model, embedder=self.embedder, extractor=self.extraction, window=64,
                           segments_url=self.segments, **encoding)  # fmt: skip
-        self.mem.store.retire_after_s = RETIRE_S if "retire" in self.ops else 0.0
+        self.mem.store.writes.retire_after_s = RETIRE_S if "retire" in self.ops else 0.0
         self.mem.after_commit = lambda: self.observe(self.mem.store)
         self.reader = None  # a second Store with a disk cache, made by the first cached_read
 
@@ -368,13 +368,13 @@ class Run:
     def observe(self, store: Store) -> None:
         """Record every live fact's KV version not seen before, with its provenance as it reads now (right after
         the commit that wrote it): the context facts' token ids of now are those it was computed behind."""
-        for user in store.users():
+        for user in store.reads.users():
             try:
-                ukv = store.snapshot(user)
+                ukv = store.reads.snapshot(user)
             except UnknownUser:
                 continue
             tokens = {f.fact_id: tuple(f.token_ids) for f in ukv.facts}
-            stale = {fid for _, fid, _, _ in store.stale(user)}  # awaiting re-encoding: recorded once re-encoded
+            stale = {fid for _, fid, _, _ in store.reads.stale(user)}  # awaiting re-encoding: recorded once re-encoded
             turns = None
             for i, f in enumerate(ukv.facts):
                 k, v = ukv.fact_kv(i)
@@ -382,7 +382,7 @@ class Run:
                 if h in self.versions or f.fact_id in stale:
                     continue
                 if turns is None:
-                    turns = {t["idx"]: t for t in store.turns(user)}
+                    turns = {t["idx"]: t for t in store.reads.turns(user)}
                 missing = [b for b in f.context_facts if b not in tokens] + [
                     t for t in f.context_turns or () if t not in turns
                 ]
@@ -407,7 +407,7 @@ class Run:
         if kind in ("update", "delete", "delete_deferred", "infer_update", "infer_conflict", "compact"):
             return bool(live)
         if kind == "copy":  # mostly while a deferred re-encoding is pending: what a copy must carry
-            return not self.copies and (bool(self.mem.store.stale()) or self.rng.random() < 0.2)
+            return not self.copies and (bool(self.mem.store.reads.stale()) or self.rng.random() < 0.2)
         if kind == "cached_read":
             return self.segments is not None and bool(live)
         return True
@@ -544,7 +544,7 @@ class Run:
             self.reader = Store.open(self.mem.store.root, cache_dir=self.where / "cache")
         for user in self.keys:
             try:
-                ukv = self.reader.snapshot(user)
+                ukv = self.reader.reads.snapshot(user)
             except UnknownUser:
                 continue
             for i in range(len(ukv.facts)):
@@ -575,9 +575,9 @@ class Run:
         return kv.keys, kv.values
 
     def check_kv(self, store: Store, erased_ids: set, erased: set, where: str) -> None:
-        for user in store.users():
+        for user in store.reads.users():
             try:
-                ukv = store.snapshot(user)
+                ukv = store.reads.snapshot(user)
             except UnknownUser:
                 continue
             for i, f in enumerate(ukv.facts):
@@ -624,7 +624,7 @@ class Run:
         blobs = [p.read_bytes() for p in self.where.rglob("*") if p.is_file()]
         for user in self.keys:
             try:
-                ukv = self.mem.store.snapshot(user)
+                ukv = self.mem.store.reads.snapshot(user)
             except UnknownUser:
                 continue
             for i, f in enumerate(ukv.facts):
@@ -652,9 +652,9 @@ class Run:
         ``Store.sweep_cache``: docs/operations.md's bound), then the checks of the module docstring; every finding
         is reported (``Failure``), not just the first."""
         self.note("reencode_pending (the end), then the next round retire_after_s later")
-        time.sleep(self.mem.store.retire_after_s)
+        time.sleep(self.mem.store.writes.retire_after_s)
         self.mem.reencode_pending()  # re-encodes what deferred erasures left; the segments it rewrites retire now
-        time.sleep(self.mem.store.retire_after_s)  # the bound: retire_after_s + one round after the re-encoding
+        time.sleep(self.mem.store.writes.retire_after_s)  # the bound: retire_after_s + one round after the re-encoding
         self.mem.reencode_pending()
         sweep = getattr(self.reader, "sweep_cache", None)  # a server's own upkeep of its disk cache
         if sweep is not None:
@@ -672,7 +672,7 @@ class Run:
         for dst, ids, secrets in self.copies:
             self.note(f"{dst.name}: reencode_pending")
             with Traced(dst, model=self.model, embedder=self.embedder) as cm:
-                cm.store.retire_after_s = 0.0
+                cm.store.writes.retire_after_s = 0.0
                 cm.after_commit = lambda cm=cm: self.observe(cm.store)
                 cm.reencode_pending()
                 self.check_kv(cm.store, ids, secrets, f"the copy {dst.name}")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvmem.store import FactRecord, Store, StoreError
+from kvmem.store import FactRecord, Store, StoreError, Write
 
 FP = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
 N_FACTS = 3
@@ -115,7 +115,7 @@ def main(argv):
         st = Store.open(root)
         for g in range(first, first + n):
             facts, kv, emb = generation(user, g, big)
-            st.put_user(user, facts, kv, kv, emb, window=0)
+            st.writes.put_user(user, facts, kv, kv, emb, window=0)
             print(g, flush=True)  # generation g is committed
         return
     if role == "churn":
@@ -127,17 +127,19 @@ def main(argv):
                 fid = f"c{i}"
                 f = FactRecord(fid, user, fid, "", "", "", (1, 2), 0, 0)
                 k = torch.full((2, 1, 2, 64), float(i))
-                st.commit(user, [f], [k], [k.clone()], torch.nn.functional.normalize(torch.randn(1, 4), dim=1))
+                st.writes.commit(
+                    Write(user, [f], [k], [k.clone()], torch.nn.functional.normalize(torch.randn(1, 4), dim=1))
+                )
                 live.append(fid)
             else:
-                st.commit(user, delete=[live.pop(rng.randrange(len(live)))])
+                st.writes.commit(Write(user, delete=[live.pop(rng.randrange(len(live)))]))
         return
     if role == "adds":
         st, prefix = Store.open(root), argv[3]
         for i in range(int(argv[4])):
             f = FactRecord(f"{prefix}{i}", user, f"{prefix}{i}", "", "", "", (1, 2), 0, 0)
             k = torch.full((2, 1, 2, 64), float(i))
-            st.commit(user, [f], [k], [k.clone()], torch.ones(1, 4) / 2)
+            st.writes.commit(Write(user, [f], [k], [k.clone()], torch.ones(1, 4) / 2))
             print(f.fact_id, flush=True)
         return
     seconds = float(argv[3])
@@ -147,7 +149,7 @@ def main(argv):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         try:
-            gens.add(check(st.user_kv(user)))
+            gens.add(check(st.reads.snapshot(user)))
         except AssertionError:
             torn += 1
         except (StoreError, OSError):

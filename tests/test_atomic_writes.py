@@ -58,18 +58,18 @@ def test_an_inferred_update_keeps_the_original_turn_and_deleting_it_erases_that_
     a.extractor = Script([said])
     [added] = a.add(said, "u")["results"]
     a.add("I walk my dog every morning.", "u", infer=False)
-    first = [t["idx"] for t in a.store.turns("u") if SECRET in t["content"]]
+    first = [t["idx"] for t in a.store.reads.turns("u") if SECRET in t["content"]]
     changed = f"My social security number is now {NEW_NUMBER}."
     a.extractor = Script([changed], lambda existing: [Decision("UPDATE", changed, added["id"])])
     out = a.add(changed, "u")
     assert [(r["event"], r["id"]) for r in out["results"]] == [("UPDATE", added["id"])]
-    now = a.store.fact(added["id"])
+    now = a.store.reads.fact(added["id"])
     assert now.text == changed and set(first) < set(now.source_turns) and len(now.source_turns) == 2
     got = a.delete(added["id"])["erasure"]
     assert got == {"erased": 1, "turns": 2, "reencoded": 1, "deferred": 0}
     b.add("I walk my dog every morning.", "u", infer=False)
     assert_same_kv(a, b, "u")
-    assert [t["content"] for t in a.store.turns("u")] == [t["content"] for t in b.store.turns("u")]
+    assert [t["content"] for t in a.store.reads.turns("u")] == [t["content"] for t in b.store.reads.turns("u")]
     assert a.store.fsck()["derived"] == {}
     assert_no_byte_of(a, SECRET)
     assert_no_byte_of(a, NEW_NUMBER)
@@ -82,14 +82,14 @@ def test_an_update_of_a_memory_of_unknown_provenance_keeps_the_turns_that_hold_i
     a = memory(tmp_path / "a", shared)
     [added] = a.add(f"My social security number is {SECRET}.", "u", infer=False)["results"]
     a.add("I walk my dog every morning.", "u", infer=False)
-    with a.store.writer("u"), a.store.rows.transaction():
+    with a.store.writes.writer("u"), a.store.rows.transaction():
         a.store.rows.execute("UPDATE facts SET provenance=NULL WHERE fact_id=?", (added["id"],))
     a.store.reads.forget("u")
-    assert a.store.fact(added["id"]).context_turns is None
+    assert a.store.reads.fact(added["id"]).context_turns is None
     a.update(added["id"], "My social security number changed.")
-    assert a.store.fact(added["id"]).source_turns == (0,)
+    assert a.store.reads.fact(added["id"]).source_turns == (0,)
     assert a.delete(added["id"])["erasure"]["turns"] == 1
-    assert [t["content"] for t in a.store.turns("u")] == ["I walk my dog every morning."]
+    assert [t["content"] for t in a.store.reads.turns("u")] == ["I walk my dog every morning."]
     assert_no_byte_of(a, SECRET)
 
 
@@ -101,7 +101,7 @@ def test_an_inferred_add_that_lost_a_race_applies_nothing(tmp_path, shared):
     other = memory(tmp_path / "a", shared)  # another writer of the same store
     [home] = a.add("I live in Porto.", "u", infer=False)["results"]
     [cat] = a.add("I have a cat named Tom.", "u", infer=False)["results"]
-    before, turns = a.store.fact(cat["id"]), a.store.turns("u")
+    before, turns = a.store.reads.fact(cat["id"]), a.store.reads.turns("u")
     said = "I live in Lisbon and I gave my cat away."
     a.extractor = Script(
         ["I live in Lisbon."],
@@ -110,16 +110,16 @@ def test_an_inferred_add_that_lost_a_race_applies_nothing(tmp_path, shared):
     )
     with pytest.raises(MemoryConflict):
         a.add(said, "u")
-    after = a.store.fact(cat["id"])
+    after = a.store.reads.fact(cat["id"])
     assert after is not None and (after.row, after.text) == (before.row, before.text)
-    assert a.store.turns("u") == turns
-    assert a.store.fact(home["id"]).text == "I live in Braga."
+    assert a.store.reads.turns("u") == turns
+    assert a.store.reads.fact(home["id"]).text == "I live in Braga."
     assert [e["event"] for e in a.history(cat["id"])] == ["ADD"]
     a.extractor.hook = None  # the same add again, with no race: both decisions land in one commit
     out = a.add(said, "u")
     assert sorted(r["event"] for r in out["results"]) == ["DELETE", "UPDATE"]
-    assert out["erasure"]["erased"] == 1 and a.store.fact(cat["id"]) is None
-    assert a.store.fact(home["id"]).text == "I live in Lisbon."
+    assert out["erasure"]["erased"] == 1 and a.store.reads.fact(cat["id"]) is None
+    assert a.store.reads.fact(home["id"]).text == "I live in Lisbon."
 
 
 def test_an_import_whose_last_record_is_bad_writes_nothing(tmp_path, shared):
@@ -137,4 +137,4 @@ def test_an_import_whose_last_record_is_bad_writes_nothing(tmp_path, shared):
         ]
         with pytest.raises(MemoryInputError, match="record 2"):
             a.import_memories(export)
-        assert a.store.version("jo") is None and a.store.users() == [], bad
+        assert a.store.reads.version("jo") is None and a.store.reads.users() == [], bad

@@ -115,7 +115,7 @@ def test_ask_both_modes_same_prompt(store):
     assert kv["fact_ids"] == pr["fact_ids"] and len(kv["fact_ids"]) == 5 and kv["k"] == 5
     assert kv["prompt_tokens"] == pr["prompt_tokens"]
     st = Store.open(store)
-    by_id = {f.fact_id: f for f in st.facts("conv-26")}
+    by_id = {f.fact_id: f for f in st.reads.snapshot("conv-26").facts}
     memory_tokens = len(st.header_token_ids) + sum(by_id[f].num_tokens for f in kv["fact_ids"])
     assert kv["prefilled_tokens"] == kv["prompt_tokens"] - memory_tokens  # only the query
     assert pr["prefilled_tokens"] == pr["prompt_tokens"]

@@ -16,7 +16,7 @@ import torch
 
 import store_worker as sw
 from conftest import store_backend
-from kvmem.store import FactRecord, Store, StoreError
+from kvmem.store import FactRecord, Store, StoreError, Write
 
 
 @pytest.fixture(params=["local", "postgres"])
@@ -30,7 +30,9 @@ def _commit(st: Store, user: str, n: int) -> str:
     ids = [(10 + i % 50, 11 + i % 7) for i in range(n)]
     facts = [FactRecord(f"{user}-{i}", user, f"fact {i}", "", "", "", ids[i], 0, 0) for i in range(n)]
     kv = [torch.full((2, 1, 2, 64), float(i)) for i in range(n)]
-    return st.commit(user, facts, kv, [k.clone() for k in kv], torch.nn.functional.normalize(torch.randn(n, 4), dim=1))
+    return st.writes.commit(
+        Write(user, facts, kv, [k.clone() for k in kv], torch.nn.functional.normalize(torch.randn(n, 4), dim=1))
+    )
 
 
 def _spy(monkeypatch, st: Store) -> list[tuple[str, tuple]]:
@@ -75,7 +77,7 @@ def _request(st: Store, user: str, version: str, fact_ids: list[str], rid: str =
     ref = MemoryRef(str(st.root), st.manifest["store_id"], user, version, fact_ids)
     ids = list(st.header_token_ids)
     for fid in fact_ids:
-        f = st.fact(fid, user)
+        f = st.reads.fact(fid, user)
         ids += list(f.token_ids) if f is not None else [1, 2]
     return NS(
         kv_transfer_params=ref.to_params(),
@@ -111,7 +113,7 @@ def test_the_scheduler_reads_one_version_row_per_request(backend, tmp_path, monk
     st = sw.create(tmp_path / "s")
     versions = {"few": _commit(st, "few", 8), "many": _commit(st, "many", 400)}
     _commit(st, "gone", 3)
-    versions["gone"] = st.commit("gone", delete=[f"gone-{i}" for i in range(3)])
+    versions["gone"] = st.writes.commit(Write("gone", delete=[f"gone-{i}" for i in range(3)]))
     conn = _scheduler(st)
     handle = stores.open_store(str(st.root))  # the scheduler side's own handle
     seen = _spy(monkeypatch, handle)
@@ -136,7 +138,7 @@ def test_the_scheduler_reads_one_version_row_per_request(backend, tmp_path, monk
     assert conn.metrics["store_error"] == 1
     assert not any("DISTINCT" in s or "COUNT" in s for s, _ in seen) and _full_scans(handle, seen) == []
     # a version replaced since: refused by the one version read, cached facts or not
-    new = st.commit("few", delete=["few-2"])
+    new = st.writes.commit(Write("few", delete=["few-2"]))
     del seen[:]
     assert conn.get_num_new_matched_tokens(_request(st, "few", versions["few"], ["few-5"]), 0) == (0, False)
     assert len(seen) == 1 and conn.metrics["store_error"] == 2
@@ -144,8 +146,8 @@ def test_the_scheduler_reads_one_version_row_per_request(backend, tmp_path, monk
 
 
 def test_store_version_is_one_indexed_row_read(backend, tmp_path, monkeypatch):
-    """``Store.version``, what the scheduler side reads per request, is one statement on the users table by its
-    primary key, and ``Store.fact_token_ids`` reads the named facts' rows alone, in one read transaction with the
+    """``Store.reads.version``, what the scheduler side reads per request, is one statement on the users table by its
+    primary key, and ``Store.reads.fact_token_ids`` reads the named facts' rows alone, in one read transaction with the
     version: the same statements at 8 facts as at 400, no full scan."""
     st = sw.create(tmp_path / "s")
     v = {"few": _commit(st, "few", 8), "many": _commit(st, "many", 400)}
@@ -154,15 +156,15 @@ def test_store_version_is_one_indexed_row_read(backend, tmp_path, monkeypatch):
     work = {}
     for user in ("few", "many"):
         del seen[:]
-        assert reader.version(user) == v[user]
-        got = reader.fact_token_ids(user, v[user], [f"{user}-3", f"{user}-0", "nope"])
+        assert reader.reads.version(user) == v[user]
+        got = reader.reads.fact_token_ids(user, v[user], [f"{user}-3", f"{user}-0", "nope"])
         assert got == {f"{user}-3": (13, 14), f"{user}-0": (10, 11)}
         work[user] = _shape(seen, user)
         assert _full_scans(reader, seen) == []
     assert work["few"] == work["many"]
     assert [s for s, _ in work["few"]].count('SELECT version FROM users WHERE "user"=?') == 2 and len(work["few"]) == 3
     with pytest.raises(LookupError, match="no longer current"):
-        reader.fact_token_ids("few", v["many"], ["few-0"])
+        reader.reads.fact_token_ids("few", v["many"], ["few-0"])
 
 
 def test_the_token_cache_stays_bounded_after_many_users(tmp_path, monkeypatch):
@@ -205,7 +207,7 @@ def test_a_segment_truncated_under_an_open_reader_is_a_read_error(tmp_path):
 
     st = sw.create(tmp_path / "s")
     _commit(st, "u", 40)
-    ukv = st.snapshot("u")
+    ukv = st.reads.snapshot("u")
     (name,) = ukv.segments
     path = st.segment_path("u", name)
     with seg.FileHandle(path) as handle:
@@ -216,7 +218,7 @@ def test_a_segment_truncated_under_an_open_reader_is_a_read_error(tmp_path):
             seg.read_spans(handle, layout, [(70, 2)])
         assert handle.read(0, 8)  # what is left still reads
     with pytest.raises(StoreError, match="truncated|checksum"):
-        Store.open(st.root, cache_bytes=1).snapshot("u").gather([35])
+        Store.open(st.root, cache_bytes=1).reads.snapshot("u").gather([35])
 
 
 def test_a_chat_reads_only_its_facts_kv_past_the_cache(backend, tmp_path):
@@ -229,9 +231,9 @@ def test_a_chat_reads_only_its_facts_kv_past_the_cache(backend, tmp_path):
     reader = Store.open(st.root, cache_bytes=1)
     fact_bytes = 2 * 2 * 1 * 2 * 64 * 4  # keys and values [L=2, H=1, n=2, D=64] fp32
     for user in ("few", "many"):
-        ukv = reader.snapshot(user)
-        before = reader.cache_stats()["kv_read_bytes"]
+        ukv = reader.reads.snapshot(user)
+        before = reader.reads.cache_stats()["kv_read_bytes"]
         for _ in range(3):  # every chat reads its facts again: nothing is cached
             keys, _ = ukv.gather([5, 1, 7, 3])
             assert keys.shape == (2, 1, 8, 64) and float(keys[0, 0, 0, 0]) == 5.0
-        assert reader.cache_stats()["kv_read_bytes"] - before == 3 * 4 * fact_bytes, user
+        assert reader.reads.cache_stats()["kv_read_bytes"] - before == 3 * 4 * fact_bytes, user

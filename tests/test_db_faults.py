@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import store_worker as sw
-from kvmem.store import Store, StoreUnavailable, postgres_rows
+from kvmem.store import Store, StoreUnavailable, Write, postgres_rows
 
 pytestmark = pytest.mark.postgres
 
@@ -112,13 +112,13 @@ def test_a_stalled_database_is_bounded_then_answered_at_once(cluster, tmp_path):
                      "idle_in_transaction_session_timeout": "60000"}  # fmt: skip
     assert conn.answer_within_s == BOUND_S
     facts, kv, emb = sw.generation("u", 1)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
     with stalled(data):
-        st.drop_caches()
-        took, exc = timed(st.snapshot, "u")
+        st.reads.forget()
+        took, exc = timed(st.reads.snapshot, "u")
         assert isinstance(exc, StoreUnavailable) and BOUND_S - 0.5 < took < BOUND_S + 2, (took, exc)
         facts, kv, emb = sw.generation("u", 2)
-        for call in (lambda: st.snapshot("u"), lambda: st.put_user("u", facts, kv, kv, emb, window=0)):
+        for call in (lambda: st.reads.snapshot("u"), lambda: st.writes.put_user("u", facts, kv, kv, emb, window=0)):
             took, exc = timed(call)
             assert isinstance(exc, StoreUnavailable) and took < 0.2, (took, exc)
         took, exc = timed(lambda: assert_false(st.available()))
@@ -129,11 +129,11 @@ def test_a_stalled_database_is_bounded_then_answered_at_once(cluster, tmp_path):
     while not st.available():
         assert time.monotonic() - t < 5, "not available 5 s after the database resumed"
         time.sleep(0.1)
-    st.drop_caches()
-    assert sw.check(st.snapshot("u")) == 1
+    st.reads.forget()
+    assert sw.check(st.reads.snapshot("u")) == 1
     facts, kv, emb = sw.generation("u", 3)
-    st.put_user("u", facts, kv, kv, emb, window=0)
-    assert sw.check(Store.open(url).snapshot("u")) == 3
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(Store.open(url).reads.snapshot("u")) == 3
     st.close()
 
 
@@ -157,7 +157,7 @@ def test_the_vllm_scheduler_side_holds_the_engine_core_at_most_a_second_once(clu
     st = Store.create(store_url(base, "scheduler"), sw.FP, "hdr", [1, 2, 3], head, head.clone(),
                       {"name": "e", "dim": 4}, segments_url=(tmp_path / "kv").as_uri())  # fmt: skip
     facts, kv, emb = sw.generation("u", 1)
-    version = st.commit("u", facts, kv, kv.copy(), emb)
+    version = st.writes.commit(Write("u", facts, kv, kv.copy(), emb))
     identity = {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")}
     conn = vs.KvmemScheduler(Settings(stores=[st.root], identity=identity))
     params = MemoryRef(str(st.root), st.manifest["store_id"], "u", version, [f.fact_id for f in facts]).to_params()

@@ -52,7 +52,7 @@ def memory(loc, shared, **kw) -> Memory:
 
 
 def kv_by_text(mem: Memory, user: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    ukv = mem.store.snapshot(user)
+    ukv = mem.store.reads.snapshot(user)
     return {f.text: ukv.fact_kv(i) for i, f in enumerate(ukv.facts)}
 
 
@@ -99,16 +99,16 @@ def test_a_deleted_secret_is_erased_and_what_follows_never_saw_it(where, shared)
     a.add("I like green tea.", "u", infer=False)
     secret = a.add(f"My social security number is {SECRET}.", "u", infer=False)["results"][0]["id"]
     a.add("I walk my dog every morning.", "u", infer=False)
-    behind = next(f for f in a.store.facts("u") if f.text.startswith("I walk"))
+    behind = next(f for f in a.store.reads.snapshot("u").facts if f.text.startswith("I walk"))
     assert secret in behind.context_facts and len(behind.context_turns) == 2  # its provenance: the secret
-    held = a.store.fact(secret).segment
+    held = a.store.reads.fact(secret).segment
     out = a.delete(secret)
     assert out["erasure"] == {"erased": 1, "turns": 1, "reencoded": 1, "deferred": 0}
     a.add("I play chess on Sundays.", "u", infer=False)
     for text in ("I like green tea.", "I walk my dog every morning.", "I play chess on Sundays."):
         b.add(text, "u", infer=False)
     assert_same_kv(a, b, "u")
-    assert [t["content"] for t in a.store.turns("u")] == [t["content"] for t in b.store.turns("u")]
+    assert [t["content"] for t in a.store.reads.turns("u")] == [t["content"] for t in b.store.reads.turns("u")]
     assert [(e["event"], e["old_memory"], e["new_memory"]) for e in a.history(secret)] == [
         ("ADD", None, None),
         ("DELETE", None, None),
@@ -123,8 +123,8 @@ def test_a_deleted_secret_is_erased_and_what_follows_never_saw_it(where, shared)
         copy_store(a.store.root, a.store.root.with_name("copy"))
 
         def behind(st):
-            text = {t["idx"]: t["content"] for t in st.turns("u")}
-            return {f.text: ([text[t] for t in f.context_turns], f.context_facts) for f in st.facts("u")}
+            text = {t["idx"]: t["content"] for t in st.reads.turns("u")}
+            return {f.text: ([text[t] for t in f.context_turns], f.context_facts) for f in st.reads.snapshot("u").facts}
 
         assert behind(Store.open(a.store.root.with_name("copy"))) == behind(a.store)
         assert behind(a.store)["I play chess on Sundays."][0] == ["I like green tea.", "I walk my dog every morning."]
@@ -142,7 +142,7 @@ def test_deleting_a_user_erases_its_scopes(where, shared):
     a.add("I play chess on Sundays.", "u", infer=False)
     b.add("I play chess on Sundays.", "u", infer=False)
     assert_same_kv(a, b, "u")
-    assert [t["content"] for t in a.store.turns("u")] == ["I play chess on Sundays."]
+    assert [t["content"] for t in a.store.reads.turns("u")] == ["I play chess on Sundays."]
     assert_no_byte_of(a, SECRET)
 
 
@@ -155,11 +155,11 @@ def test_deferred_reencoding_is_bounded_and_reported(tmp_path, shared):
     a.add("I walk my dog every morning.", "u", infer=False)
     out = a.delete(secret)
     assert out["erasure"] == {"erased": 1, "turns": 1, "reencoded": 0, "deferred": 1}
-    ((user, _, _, by),) = a.store.stale()
+    ((user, _, _, by),) = a.store.reads.stale()
     assert user == "u" and by > 0
-    assert list(a.store.fsck()["derived"].values()) == [[a.store.facts("u")[0].fact_id]]
+    assert list(a.store.fsck()["derived"].values()) == [[a.store.reads.snapshot("u").facts[0].fact_id]]
     assert a.reencode_pending() == {"reencoded": 1, "scopes": 1, "collected": 0}
-    assert a.store.stale() == [] and a.store.fsck()["derived"] == {}
+    assert a.store.reads.stale() == [] and a.store.fsck()["derived"] == {}
     b.add("I walk my dog every morning.", "u", infer=False)
     assert_same_kv(a, b, "u")
     assert_no_byte_of(a, SECRET)
@@ -185,7 +185,7 @@ def test_a_request_to_forget_erases_like_a_delete(where, shared):
     b.add("I walk my dog every morning.", "u", infer=False)
     b.add("I play chess on Sundays.", "u", infer=False)
     assert_same_kv(a, b, "u")
-    assert [t["content"] for t in a.store.turns("u")] == [t["content"] for t in b.store.turns("u")]
+    assert [t["content"] for t in a.store.reads.turns("u")] == [t["content"] for t in b.store.reads.turns("u")]
     assert_no_byte_of(a, SECRET)
 
 
@@ -195,6 +195,6 @@ def test_an_expired_memory_is_erased_and_reset_counts(tmp_path, shared):
     a.add(f"My social security number is {SECRET}.", "u", infer=False, expiration_date="2099-01-01")
     a.add("I walk my dog every morning.", "u", infer=False)
     assert a.expire(today="2099-01-02") == {"erased": 1, "turns": 1, "reencoded": 1, "deferred": 0}
-    assert [f.text for f in a.store.facts("u")] == ["I walk my dog every morning."]
+    assert [f.text for f in a.store.reads.snapshot("u").facts] == ["I walk my dog every morning."]
     assert_no_byte_of(a, SECRET)
     assert a.reset()["erasure"] == {"erased": 1, "turns": 1, "reencoded": 0, "deferred": 0}

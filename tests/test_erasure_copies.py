@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 import store_worker as sw
 from kvmem.cli import app
 from kvmem.memory import Memory
-from kvmem.store import FactRecord, Store, StoreError, copy_store
+from kvmem.store import FactRecord, Store, StoreError, Write, copy_store
 from test_erasure import SECRET, assert_same_kv, memory, shared  # noqa: F401 (``shared``: the module's model)
 
 
@@ -32,7 +32,7 @@ def holding(marks: list[bytes], *roots: Path) -> list[Path]:
 
 def first_token_keys(st: Store, user: str) -> list[bytes]:
     """Each live fact's first token's keys as a segment stores them ([L, H, D] of a token-major file, fp32)."""
-    ukv = st.snapshot(user)
+    ukv = st.reads.snapshot(user)
     out = []
     for i in range(len(ukv.facts)):
         k, _ = ukv.fact_kv(i)
@@ -51,13 +51,13 @@ def test_an_erased_user_leaves_no_segment_after_one_upkeep_round(tmp_path, share
     a = memory((tmp_path / "a", kv.as_uri() if objects else None), shared)
     a.add(f"My social security number is {SECRET}.", "u", infer=False)
     a.add("I walk my dog every morning.", "u", agent_id="coach", infer=False)
-    marks = [m for user in a.store.users() for m in first_token_keys(a.store, user)]
+    marks = [m for user in a.store.reads.users() for m in first_token_keys(a.store, user)]
     assert len(marks) == 2
     segments_at = [kv] if objects else [tmp_path / "a" / "users"]
     a.delete_all(user_id="u")
     assert len(holding(marks, *segments_at)) == 2  # retired, not yet removed: a reader may still read them
     assert a.reencode_pending() == {"reencoded": 0, "scopes": 0, "collected": 0}  # 60 s have not passed
-    a.store.retire_after_s = 0  # as if they had
+    a.store.writes.retire_after_s = 0  # as if they had
     assert a.reencode_pending() == {"reencoded": 0, "scopes": 0, "collected": 2}
     assert holding(marks, *segments_at) == [] and files_under(*segments_at) == []
     assert a.collect() == 0 and a.store.fsck()["replaced"] == []
@@ -71,7 +71,7 @@ def _store_with_random_kv(root, objects: Path) -> tuple[Store, bytes]:
                       segments_url=objects.as_uri())  # fmt: skip
     keys = torch.randn(2, 1, 4, 64)
     fact = FactRecord("f", "u", "a fact", "", "", "", (1, 2, 3, 4), 0, 0)
-    st.commit("u", [fact], [keys], [torch.randn(2, 1, 4, 64)], torch.ones(1, 4))
+    st.writes.commit(Write("u", [fact], [keys], [torch.randn(2, 1, 4, 64)], torch.ones(1, 4)))
     return st, keys[:, :, 0, :].contiguous().numpy().tobytes()
 
 
@@ -96,13 +96,13 @@ def test_a_disk_cache_drops_what_the_store_removed(tmp_path, rows_at):
     caches = [tmp_path / "cache1", tmp_path / "cache2"]
     readers = [Store.open(st.root, cache_dir=c) for c in caches]
     for r in readers:
-        r.snapshot("u").gather([0])  # fetched whole into the cache
+        r.reads.snapshot("u").gather([0])  # fetched whole into the cache
     assert [len(holding([mark], c)) for c in caches] == [1, 1]
-    st.delete_user("u")
+    st.writes.delete_user("u")
     assert readers[0].sweep_cache() == [] and len(holding([mark], caches[0])) == 1  # still held for readers
-    readers[0].retire_after_s = 0  # retire_after_s has passed: due for removal, whether or not removed yet
+    readers[0].writes.retire_after_s = 0  # retire_after_s has passed: due for removal, whether or not removed yet
     assert readers[0].sweep_cache() == [name] and holding([mark], caches[0]) == []
-    st.retire_after_s = 0
+    st.writes.retire_after_s = 0
     assert st.collect() == [name] and holding([mark], tmp_path / "kv") == []
     assert len(holding([mark], caches[1])) == 1  # the second server's copy, until its own sweep or fsck
     res = CliRunner().invoke(app, ["store", "fsck", "--store", str(st.root), "--cache-dir", str(caches[1]), "--json"])
@@ -126,20 +126,22 @@ def test_a_copy_keeps_what_a_deferred_erasure_left_to_reencode(tmp_path, shared)
     secret = a.add(f"My social security number is {SECRET}.", "u", infer=False)["results"][0]["id"]
     a.add("I walk my dog every morning.", "u", infer=False)
     assert a.delete(secret)["erasure"]["deferred"] == 1
-    ((_, fid, _, by),) = a.store.stale()
+    ((_, fid, _, by),) = a.store.reads.stale()
     report = copy_store(a.store.root, tmp_path / "copy")
     assert report["stale"] == 1 and report["facts"] == 1 and report["turns"] == 1
     c = window(tmp_path / "copy")
-    assert [(u, f, b) for u, f, _, b in c.store.stale()] == [("u", fid, by)]
-    (fact,) = c.store.facts("u")
-    assert [t["content"] for t in c.store.turns("u")] == ["I walk my dog every morning."]
-    assert len(fact.context_turns) == 1 and fact.context_turns[0] not in {t["idx"] for t in c.store.turns("u")}
+    assert [(u, f, b) for u, f, _, b in c.store.reads.stale()] == [("u", fid, by)]
+    (fact,) = c.store.reads.snapshot("u").facts
+    assert [t["content"] for t in c.store.reads.turns("u")] == ["I walk my dog every morning."]
+    assert len(fact.context_turns) == 1 and fact.context_turns[0] not in {t["idx"] for t in c.store.reads.turns("u")}
     derived = lambda st: sorted(f for fs in st.fsck()["derived"].values() for f in fs)
     assert derived(c.store) == derived(a.store) == [fid]
-    c.store.commit("u", turns=[{"content": "I play chess on Sundays."}])  # a new turn: never the erased index
-    assert fact.context_turns[0] not in {t["idx"] for t in c.store.turns("u")}
+    c.store.writes.commit(
+        Write("u", turns=[{"content": "I play chess on Sundays."}])
+    )  # a new turn: never the erased index
+    assert fact.context_turns[0] not in {t["idx"] for t in c.store.reads.turns("u")}
     assert c.reencode_pending()["reencoded"] == 1
-    assert c.store.stale() == [] and derived(c.store) == []
+    assert c.store.reads.stale() == [] and derived(c.store) == []
     b = window(tmp_path / "b")
     b.add("I walk my dog every morning.", "u", infer=False)
     assert_same_kv(c, b, "u")

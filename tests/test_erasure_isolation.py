@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 
 import store_worker as sw
-from kvmem.store import Store, UnknownUser, sqlite_rows
+from kvmem.store import Store, UnknownUser, Write, sqlite_rows
 
 
 def test_a_checkpoint_a_reader_blocks_is_recorded_and_retried_by_the_next_commit(tmp_path, monkeypatch):
@@ -20,19 +20,19 @@ def test_a_checkpoint_a_reader_blocks_is_recorded_and_retried_by_the_next_commit
     monkeypatch.setattr(sqlite_rows, "SCRUB_WAIT_S", 0.05)
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
     wal = tmp_path / "s" / "meta.sqlite-wal"
     reader = sqlite3.connect(tmp_path / "s" / "meta.sqlite", isolation_level=None)
     reader.execute("BEGIN")
     assert reader.execute("SELECT COUNT(*) FROM facts").fetchone()[0] == 3  # its snapshot: before the erasure
-    st.erase("u", [facts[0].fact_id])
+    st.writes.erase("u", [facts[0].fact_id])
     assert st.rows.scrub_pending()
     assert st.rows.execute("SELECT COUNT(*) FROM meta WHERE key='scrub:pending'").fetchone()[0] == 1
     assert b"fact 0 of gen 1" in wal.read_bytes()  # the reader's pages: still there
     reader.execute("COMMIT")
     reader.close()
     facts, kv, emb = sw.generation("other", 2)  # texts "fact i of gen 2"
-    st.put_user("other", facts, kv, kv, emb, window=0)  # any commit retries it
+    st.writes.put_user("other", facts, kv, kv, emb, window=0)  # any commit retries it
     assert not st.rows.scrub_pending()
     assert wal.stat().st_size == 0
     for path in (tmp_path / "s").glob("meta.sqlite*"):
@@ -54,15 +54,15 @@ def test_an_erased_scopes_id_is_in_no_row_and_no_file(tmp_path):
 
     email = "alice.liddell@example.com"
     st = sw.create(tmp_path / "s")
-    st.retire_after_s = 0
+    st.writes.retire_after_s = 0
     scopes = [f"acme:{email}", f"acme:{email}/agent:coach"]
     for g, user in enumerate(scopes, 1):
         facts, kv, emb = _facts(user, g)
-        st.commit(user, facts, kv, kv, emb, turns=[{"content": "hello"}])
+        st.writes.commit(Write(user, facts, kv, kv, emb, turns=[{"content": "hello"}]))
     keep, kv, emb = _facts("acme:bob", 3)
-    st.commit("acme:bob", keep, kv, kv, emb)
-    old = int(st.version(scopes[0]))
-    gone = [f.fact_id for f in st.facts(scopes[0])]
+    st.writes.commit(Write("acme:bob", keep, kv, kv, emb))
+    old = int(st.reads.version(scopes[0]))
+    gone = [f.fact_id for f in st.reads.snapshot(scopes[0]).facts]
     for user in scopes:
         assert erase_facts(lambda: None, st, user, ALL)["erased"] == 3
     st.close()
@@ -79,11 +79,11 @@ def test_an_erased_scopes_id_is_in_no_row_and_no_file(tmp_path):
             assert email.encode() not in path.read_bytes(), path
     assert not any("alice" in p.name for p in (tmp_path / "s").rglob("*"))  # segment files: named after the scope
     st = Store.open(tmp_path / "s")
-    assert [e["event"] for e in st.history(gone[0])] == ["ADD", "DELETE"]
-    assert st.users() == ["acme:bob"] and st.version(scopes[0]) is None
+    assert [e["event"] for e in st.reads.history(gone[0])] == ["ADD", "DELETE"]
+    assert st.reads.users() == ["acme:bob"] and st.reads.version(scopes[0]) is None
     facts, kv, emb = _facts(scopes[0], 4)
-    st.commit(scopes[0], facts, kv, kv, emb)
-    assert int(st.version(scopes[0])) > old and len(st.snapshot(scopes[0]).facts) == 3
+    st.writes.commit(Write(scopes[0], facts, kv, kv, emb))
+    assert int(st.reads.version(scopes[0])) > old and len(st.reads.snapshot(scopes[0]).facts) == 3
 
 
 def _held(st: Store, user: str) -> set:
@@ -106,16 +106,16 @@ def test_an_erasure_by_another_process_leaves_nothing_in_this_ones_caches(tmp_pa
     facts, kv, emb = sw.generation("u", 1)
     emb = torch.eye(4)[:3]
     a = sw.create(tmp_path / "s")
-    a.put_user("u", facts, kv, kv, emb, window=0)
+    a.writes.put_user("u", facts, kv, kv, emb, window=0)
     b = Store.open(tmp_path / "s")
     indexes = IndexCache(1 << 20)
-    ukv = b.snapshot("u")
+    ukv = b.reads.snapshot("u")
     ukv.read([0, 1, 2])
     indexes.search(b, ukv, emb[0], 3)
     assert _held(b, "u") == ({f.text for f in facts}, {(f.segment, f.token_offset) for f in ukv.facts})
     erased = ukv.facts[0]
-    a.erase("u", [erased.fact_id])
-    ukv = b.snapshot("u")  # B's next read of u
+    a.writes.erase("u", [erased.fact_id])
+    ukv = b.reads.snapshot("u")  # B's next read of u
     assert _held(b, "u") == ({f.text for f in facts[1:]}, {(f.segment, f.token_offset) for f in ukv.facts})
     assert erased.fact_id not in {f.fact_id for f in ukv.facts}
     import faiss
@@ -124,7 +124,7 @@ def test_an_erasure_by_another_process_leaves_nothing_in_this_ones_caches(tmp_pa
     assert ids == {f.row for f in ukv.facts} and erased.row not in ids
     _, pos = indexes.search(b, ukv, emb[0], 3)
     assert erased.fact_id not in [ukv.facts[p].fact_id for p in pos]
-    a.erase("u", [f.fact_id for f in ukv.facts])
+    a.writes.erase("u", [f.fact_id for f in ukv.facts])
     with pytest.raises(UnknownUser):
-        b.snapshot("u")
+        b.reads.snapshot("u")
     assert _held(b, "u") == (set(), set()) and "u" not in indexes._lru

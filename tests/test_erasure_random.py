@@ -45,7 +45,11 @@ DEFECTS = {
         lambda target, user, ids, stale: _carry(target, user, ids, {}),
         r"the copy copy0: ",
     ),
-    "infer_update": ("kvmem.store.write.inherited", lambda *a, **k: {}, r"secret zq[a-z]{8} in store/meta\.sqlite"),
+    "infer_update": (
+        "kvmem.store.sql_rows.SQLRows.inherited",
+        lambda *a, **k: {},
+        r"secret zq[a-z]{8} in store/meta\.sqlite",
+    ),
 }
 DEFECT_SEEDS = range(40)
 

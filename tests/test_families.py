@@ -299,8 +299,8 @@ def test_latent_store_serves_its_own_layout(tmp_path, kv_format):
     hkv, fkv = encode_spans(model, [header, header + fact], [(0, 8), (8, 48)])
     st = Store.create(tmp_path / "s", fp, "hdr", header, hkv.keys, hkv.values, {"name": "e"}, kv_format=kv_format)
     rec = FactRecord("u/0", "u", "fact", "A", "D1:1", "d", tuple(fact), 0, 0)
-    st.put_user("u", [rec], [fkv.keys], [fkv.values], torch.ones(1, 4), window=0)
-    ukv = st.user_kv("u")
+    st.writes.put_user("u", [rec], [fkv.keys], [fkv.values], torch.ones(1, 4), window=0)
+    ukv = st.reads.snapshot("u")
     (seg,) = ukv.segments
     with safe_open(st.segment_path("u", seg), "pt") as f:
         k, v = f.get_tensor("keys"), f.get_tensor("values")
@@ -308,7 +308,7 @@ def test_latent_store_serves_its_own_layout(tmp_path, kv_format):
     per_token = (k.nbytes + v.nbytes) // 40
     itemsize = 4 if kv_format == "native" else 1
     assert per_token == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * itemsize
-    memory = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [0])
+    memory = compose(Rotary.for_model(model), header, st.reads.header_kv(), ukv, [0])
     assert memory.token_ids == header + fact
     engine = HFEngine(model, eos_token_ids=[])
     steps = 20 if kv_format == "native" else 1

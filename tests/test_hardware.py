@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvmem import hardware
+from kvmem.store import Write
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from kvmem.hardware import CpuFacts, EngineUnavailable, choose_dtype, plan, resolve_dtype, resolve_engine, vllm_kernels
@@ -256,7 +257,7 @@ def test_scheduler_side_errors_are_counted_fallbacks(tmp_path, monkeypatch):
 
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
-    version = st.commit("u", facts, kv, kv.copy(), emb)
+    version = st.writes.commit(Write("u", facts, kv, kv.copy(), emb))
     identity = {k: st.fingerprint[k] for k in ("weights_sha256", "dtype")}
     conn = vs.KvmemScheduler(Settings(stores=[st.root], identity=identity))
     params = MemoryRef(str(st.root), st.manifest["store_id"], "u", version, [f.fact_id for f in facts]).to_params()
@@ -314,7 +315,7 @@ def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tm
 
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
-    version = st.commit("u", facts, kv, kv.copy(), emb)
+    version = st.writes.commit(Write("u", facts, kv, kv.copy(), emb))
     settings = Settings(stores=[st.root], identity={k: st.fingerprint[k] for k in ("weights_sha256", "dtype")})
     reader = LoadReader(settings)
     ids = [f.fact_id for f in facts][::-1]

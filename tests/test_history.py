@@ -118,8 +118,8 @@ def test_memory_history_stores_a_prefill_behind_earlier_facts(tmp_path, lm_emb):
         infer=False,
     )
     store = mem.store
-    assert store.user_info("maya")["history"] is True
-    ukv = store.snapshot("maya")
+    assert store.reads.user_info("maya")["history"] is True
+    ukv = store.reads.snapshot("maya")
     facts = ukv.facts
     assert len(facts) == 3
     last = len(facts) - 1
@@ -128,8 +128,8 @@ def test_memory_history_stores_a_prefill_behind_earlier_facts(tmp_path, lm_emb):
     assert_is_prefill(lm.model, seq, keys, values)
     plain = Memory(tmp_path / "p", model=lm, embedder=emb, window=0, neighbours=0)
     plain.add("Maya adopted a dog named Biscuit.", user_id="maya", infer=False)
-    assert plain.store.user_info("maya")["history"] is False
-    assert (plain.store.snapshot("maya").fact_kv(0)[1][1:] - values[1:]).abs().max() > 1e-2
+    assert plain.store.reads.user_info("maya")["history"] is False
+    assert (plain.store.reads.snapshot("maya").fact_kv(0)[1][1:] - values[1:]).abs().max() > 1e-2
 
 
 def test_history_and_neighbours_do_not_combine(tmp_path, lm_emb):
@@ -162,13 +162,13 @@ def test_ingest_locomo_history_cli(tmp_path, tiny_locomo):
     hist = ingest(tmp_path / "h0", "--history")  # --window 0 by default
     plain = ingest(tmp_path / "p0", "--neighbours", "0", "--window", "0")
     st = Store.open(tmp_path / "h0")
-    assert hist["history"] is True and hist["neighbours"] == 0 and st.user_info("conv-26")["history"] is True
+    assert hist["history"] is True and hist["neighbours"] == 0 and st.reads.user_info("conv-26")["history"] is True
     assert hist["num_fact_tokens"] == plain["num_fact_tokens"] and hist["num_facts"] == plain["num_facts"] > 10
     assert hist["num_encoded_tokens"] == len(st.header_token_ids) + hist["num_fact_tokens"]
     hw = ingest(tmp_path / "h1", "--history", "--window", "1")
     plain1 = ingest(tmp_path / "p1", "--neighbours", "0", "--window", "1")
     turn_tokens = plain1["num_encoded_tokens"] - plain["num_encoded_tokens"]  # the window's turns alone
-    last_fact = st.snapshot("conv-26").facts[-1].num_tokens
+    last_fact = st.reads.snapshot("conv-26").facts[-1].num_tokens
     # the chain without its last fact, then every fact behind its turns
     assert hw["num_encoded_tokens"] == hist["num_encoded_tokens"] - last_fact + turn_tokens + hist["num_fact_tokens"]
 
@@ -186,27 +186,27 @@ def test_a_users_encoding_is_kept_across_processes(tmp_path, lm_emb):
     reopened = Memory(tmp_path / "s", model=lm, embedder=emb)
     first = reopened.get_all(user_id="maya")["results"][0]["id"]
     reopened.update(first, "Maya moved to Porto in 2021.")
-    info = reopened.store.user_info("maya")
+    info = reopened.store.reads.user_info("maya")
     assert (info["window"], info["neighbours"], info["history"]) == (0, 0, True)
     reopened.add("Bo bakes bread.", user_id="bo", infer=False)
-    info = reopened.store.user_info("bo")
+    info = reopened.store.reads.user_info("bo")
     assert (info["window"], info["neighbours"], info["history"]) == (2, 3, False)
     # the updated fact is now the newest: its KV is a prefill behind the other two live facts, in write order
     store = reopened.store
-    ukv = store.snapshot("maya")
+    ukv = store.reads.snapshot("maya")
     facts = ukv.facts
     assert facts[-1].text == "Maya moved to Porto in 2021." and len(facts) == 3
     seq = store.header_token_ids + [t for f in facts for t in f.token_ids]
     assert_is_prefill(lm.model, seq, *ukv.fact_kv(len(facts) - 1))
     Memory(tmp_path / "s", model=lm, embedder=emb, neighbours=2).add("Maya likes tea.", user_id="maya", infer=False)
-    info = store.user_info("maya")
+    info = store.reads.user_info("maya")
     assert (info["window"], info["neighbours"], info["history"]) == (5, 2, False)  # explicit m: history off
     # switching a user's method takes that method's defaults, not the old method's window
     Memory(tmp_path / "s", model=lm, embedder=emb, history=True).add("Bo grows basil.", user_id="bo", infer=False)
-    info = store.user_info("bo")
+    info = store.reads.user_info("bo")
     assert (info["window"], info["neighbours"], info["history"]) == (0, 0, True)
     Memory(tmp_path / "s", model=lm, embedder=emb, history=False).add("Bo rides a bike.", user_id="bo", infer=False)
-    info = store.user_info("bo")
+    info = store.reads.user_info("bo")
     assert (info["window"], info["neighbours"], info["history"]) == (5, 4, False)
 
 

@@ -12,7 +12,7 @@ import torch
 
 import store_worker as sw
 from conftest import store_backend
-from kvmem.store import FactRecord, Store
+from kvmem.store import FactRecord, Store, Write
 
 
 @pytest.fixture(params=["local", "postgres"])
@@ -29,15 +29,15 @@ def _add(st: Store, user: str, texts: list[str], prefix: str, emb=None, metadata
     kv = [torch.zeros(2, 1, 2, 64) for _ in facts]
     if emb is None:
         emb = torch.nn.functional.normalize(torch.ones(len(facts), 4), dim=1)
-    return st.commit(user, facts, kv, kv, emb)
+    return st.writes.commit(Write(user, facts, kv, kv, emb))
 
 
 def _found(st: Store, user: str, query: str) -> list[str]:
     """Fact ids of ``user``'s keyword matches for ``query``, best first (scores checked positive, descending)."""
-    got = st.keyword_search(user, query, 10)
+    got = st.reads.keyword(user, query, 10)
     scores = [s for _, s in got]
     assert all(s > 0 for s in scores) and scores == sorted(scores, reverse=True), got
-    by_row = {f.row: f.fact_id for f in st.facts(user)} if got else {}
+    by_row = {f.row: f.fact_id for f in st.reads.snapshot(user).facts} if got else {}
     return [by_row[r] for r, _ in got]
 
 
@@ -51,16 +51,19 @@ def test_the_keyword_index_follows_every_write(tmp_path, backend):
     assert _found(st, "u-2", "hiking") == ["b0"] and _found(st, "nobody", "hiking") == []
     assert _found(st, "u", "what is the") == []  # stop words only
     assert _found(st, "u", '"sunsets" OR NEAR( owner : * -') == ["a1"]  # only the words reach the index
-    st.commit("u", delete=["a0"])
+    st.writes.commit(Write("u", delete=["a0"]))
     assert _found(st, "u", "Caroline hiking") == ["a2"]
     _add(st, "u", ["Caroline hikes every Sunday"], "c")
     assert _found(st, "u", "Caroline hiking") == ["c0", "a2"]
-    rows = {f.fact_id: f.row for f in st.facts("u")}
-    st.compact("u")
-    assert {f.fact_id: f.row for f in st.facts("u")} == rows and _found(st, "u", "Caroline hiking") == ["c0", "a2"]
-    st.delete_user("u")
+    rows = {f.fact_id: f.row for f in st.reads.snapshot("u").facts}
+    st.writes.compact("u")
+    assert {f.fact_id: f.row for f in st.reads.snapshot("u").facts} == rows and _found(st, "u", "Caroline hiking") == [
+        "c0",
+        "a2",
+    ]
+    st.writes.delete_user("u")
     assert _found(st, "u", "Caroline hiking") == [] and _found(st, "u-2", "Caroline") == ["b0"]
-    st.reset()
+    st.writes.reset()
     assert _found(st, "u-2", "Caroline") == []
     st.close()
 
@@ -73,8 +76,8 @@ def test_a_store_from_before_the_index_is_searched_by_cosine_until_it_gets_one(t
     root = tmp_path / "old"
     shutil.copytree(Path(__file__).with_name("fixtures") / "store_0cc4d45", root)
     st = Store.open(root, sw.FP)
-    assert st.keyword_search("v", "a later fact", 5) is None
-    ukv = st.snapshot("v")
+    assert st.reads.keyword("v", "a later fact", 5) is None
+    ukv = st.reads.snapshot("v")
     (hit,) = search(IndexCache(1 << 20), st, ukv, torch.tensor([1.0, 0, 0, 0]), "later", 5, None, Fusion())
     assert (hit.position, hit.keyword, hit.score) == (0, None, 1.0)
     from typer.testing import CliRunner
@@ -82,8 +85,8 @@ def test_a_store_from_before_the_index_is_searched_by_cosine_until_it_gets_one(t
     from kvmem.cli import app
 
     res = CliRunner().invoke(app, ["store", "text-index", "--store", str(root)])  # another connection
-    assert res.exit_code == 0 and "full-text index created" in res.output and st.has_text_index
-    assert st.add_text_index() is False
+    assert res.exit_code == 0 and "full-text index created" in res.output and st.reads.has_text_index()
+    assert st.writes.add_text_index() is False
     assert _found(st, "v", "later") == ["x1"]
     assert _found(st, "u", "gen") == ["u-g1-1", "u-g1-2"]  # live facts only: the fixture deleted u-g1-0
     _add(st, "v", ["another later fact"], "y")
@@ -217,7 +220,7 @@ def test_evidence_recall_counts_turns_per_category(tmp_path, embedder):
     st = sw.create(tmp_path / "s")
     rec = [FactRecord(f.fact_id, "c", f.text, "", f.source_turn, "", (1, 2)) for f in facts]
     kv = [torch.zeros(2, 1, 2, 64) for _ in rec]
-    st.commit("c", rec, kv, kv, embedder.embed(texts))
+    st.writes.commit(Write("c", rec, kv, kv, embedder.embed(texts)))
     conv = Conversation("c", [], facts, questions)
     for fusion in (None, Fusion()):
         got = evidence_recall([(conv, st, IndexCache(1 << 20))], embedder, (1, 3), fusion)

@@ -30,7 +30,7 @@ def _store(root, model, kv_format="native"):
     ]
     kvs = encode_spans(model, [HEADER + list(f.token_ids) for f in facts], [(6, 6 + f.num_tokens) for f in facts])
     emb = torch.nn.functional.normalize(torch.randn(len(facts), 8, generator=torch.Generator().manual_seed(0)), dim=1)
-    st.put_user("u", facts, [k.keys for k in kvs], [k.values for k in kvs], emb, window=0)
+    st.writes.put_user("u", facts, [k.keys for k in kvs], [k.values for k in kvs], emb, window=0)
     return st, kvs
 
 
@@ -39,7 +39,7 @@ def test_lossy_segments_record_their_format_and_stay_within_their_error(tmp_path
     model = tiny_model("llama")
     st, kvs = _store(tmp_path / "s", model, fmt)
     assert st.kv_format == fmt and st.fingerprint["kv_format"] == fmt
-    ukv = st.user_kv("u")
+    ukv = st.reads.snapshot("u")
     (seg,) = ukv.segments
     path = st.segment_path("u", seg)
     with safe_open(path, "pt") as f:
@@ -61,9 +61,9 @@ def test_lossy_segments_record_their_format_and_stay_within_their_error(tmp_path
     assert torch.equal(v, torch.cat([ukv.fact_kv(i)[1] for i in order], dim=2))
     # compaction re-quantises with the same groups: the same integers and scales, so not one value moves
     before = ukv.gather(list(range(len(LENS))))
-    st.compact("u")
-    st.drop_caches()
-    after = st.user_kv("u").gather(list(range(len(LENS))))
+    st.writes.compact("u")
+    st.reads.forget()
+    after = st.reads.snapshot("u").gather(list(range(len(LENS))))
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
 
@@ -131,8 +131,8 @@ def test_a_native_store_copies_into_int8_and_answers_like_it(tmp_path):
     query = random_ids(8, seed=7)
     logits = {}
     for name, st in (("native", native), ("int8", quant)):
-        ukv = st.user_kv("u")
-        mem = compose(rot, st.header_token_ids, st.header_kv(), ukv, [4, 1, 2])
+        ukv = st.reads.snapshot("u")
+        mem = compose(rot, st.header_token_ids, st.reads.header_kv(), ukv, [4, 1, 2])
         cache = build_cache(model, mem)
         pos = torch.arange(mem.end, mem.end + len(query))[None]
         with torch.no_grad():
@@ -149,22 +149,22 @@ def test_the_read_cache_holds_stored_bytes_and_counts_evictions(tmp_path, fmt):
     model = tiny_model("llama")
     _store(tmp_path / "s", model, fmt)[0].close()
     st = Store.open(tmp_path / "s", cache_bytes=10_000)  # all 34 fp32 tokens take 26 KB, int8 8 KB
-    ukv = st.snapshot("u")
+    ukv = st.reads.snapshot("u")
     for i in range(len(LENS)):
         ukv.fact_kv(i)
-    s = st.cache_stats()
+    s = st.reads.cache_stats()
     assert s["kv_misses"] == len(LENS) and s["kv_cache_bytes"] <= 10_000
     if fmt == "native":
         assert s["kv_evictions"] >= 2 and s["kv_evicted_bytes"] > 0
     else:  # every int8 fact fits at once
         assert s["kv_evictions"] == 0 and s["kv_cache_bytes"] < 26_112 / 3
         ukv.gather(list(range(len(LENS))))
-        assert st.cache_stats()["kv_hits"] == len(LENS)
+        assert st.reads.cache_stats()["kv_hits"] == len(LENS)
 
 
 def _stored(st, user="u") -> dict[str, torch.Tensor]:
     """The one segment of ``user`` as stored: integers and scales."""
-    (seg,) = st.user_kv(user).segments
+    (seg,) = st.reads.snapshot(user).segments
     with safe_open(st.segment_path(user, seg), "pt") as f:
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
@@ -176,7 +176,7 @@ def test_rewrites_of_a_bf16_lossy_store_keep_every_value(tmp_path, fmt):
     model = tiny_model("llama").bfloat16()
     st, _ = _store(tmp_path / "s", model, fmt)
     first = _stored(st)
-    st.compact("u")
+    st.writes.compact("u")
     compacted = _stored(st)
     st.close()
     copy_store(tmp_path / "s", tmp_path / "c")

@@ -162,14 +162,14 @@ def test_delete_users_erases_and_what_follows_never_saw_it(server, tmp_path):
     assert client.delete_users(user_id="erin") == {"message": "Entity deleted successfully."}
     client.add("I play chess on Sundays.", user_id="erin", infer=False)
     mem = srv.memory
-    (key,) = [u for u in mem.store.users() if "erin" in u]
+    (key,) = [u for u in mem.store.reads.users() if "erin" in u]
     ref = Memory(tmp_path / "ref", model=mem.lm, embedder=mem.embedder, window=2)
     ref.add("I play chess on Sundays.", "erin", infer=False)
-    got, want = mem.store.snapshot(key), ref.store.snapshot("erin")
+    got, want = mem.store.reads.snapshot(key), ref.store.reads.snapshot("erin")
     assert [f.text for f in got.facts] == [f.text for f in want.facts] == ["I play chess on Sundays."]
     for a, b in zip(got.fact_kv(0), want.fact_kv(0)):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
-    assert [t["content"] for t in mem.store.turns(key)] == ["I play chess on Sundays."]
+    assert [t["content"] for t in mem.store.reads.turns(key)] == ["I play chess on Sundays."]
     for path in mem.store.root.rglob("*"):
         assert not path.is_file() or secret.encode() not in path.read_bytes(), path
 
@@ -311,12 +311,14 @@ def test_bad_input_is_one_clear_error_and_changes_nothing(server, path, body, ma
         timeout=300,
     )
     assert seed.status_code == 200
-    before = srv.memory.store.version("acme:erin")
+    before = srv.memory.store.reads.version("acme:erin")
     r = httpx.post(f"{base}{path}", headers=h, json={"infer": False, **body} if "add" in path else body, timeout=60)
     assert 400 <= r.status_code < 500 and r.status_code != 404, r.text
     err = r.json()["error"]
     assert match in err["message"] and "Traceback" not in err["message"]
-    assert srv.memory.store.version("acme:erin") == before and srv.memory.store.version("acme:frank") is None
+    assert (
+        srv.memory.store.reads.version("acme:erin") == before and srv.memory.store.reads.version("acme:frank") is None
+    )
 
 
 # --- the OSS API: from kvmem import Memory --------------------------------------------------------------
@@ -402,7 +404,7 @@ def test_expired_memories_are_neither_searched_nor_injected(oss, monkeypatch):
     assert m.get_all(filters={"user_id": "gil"})["results"] == []
     assert m.get(mid["id"])["expiration_date"] == "2030-01-01"
     # the serving path drops it from retrieval too (the expiry check reads today's date where it plans)
-    ukv = m.store.snapshot("gil")
+    ukv = m.store.reads.snapshot("gil")
     assert ukv.unexpired("2030-01-02") == set() and ukv.unexpired("2029-12-31") is None
     assert ukv.unexpired() is None  # the serving path's default: today's UTC date, before the expiry
     m.update(mid["id"], expiration_date=None)
@@ -458,7 +460,7 @@ def test_default_store_location_and_refused_calls(oss, monkeypatch, tmp_path):
     m = Memory()  # opens the default store (here: the env's), for the model it was built with
     assert m.store.fingerprint["model"] == FAST
     m.add("Ivo sails.", user_id="ivo", infer=False)
-    version = m.store.version("ivo")
+    version = m.store.reads.version("ivo")
     for call, match in [
         (lambda: m.add("x", user_id="ivo", memory_type="procedural_memory"), "procedural"),
         (lambda: m.search("x", filters={"user_id": "ivo"}, rerank=True), "rerank"),
@@ -472,7 +474,7 @@ def test_default_store_location_and_refused_calls(oss, monkeypatch, tmp_path):
     ]:
         with pytest.raises(MemoryInputError, match=match):
             call()
-    assert m.store.version("ivo") == version
+    assert m.store.reads.version("ivo") == version
 
 
 def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
@@ -507,7 +509,7 @@ def test_import_a_mem0_export_verbatim_or_nothing(server, tmp_path):
     bad = {"results": [*export["results"][:1], {"memory": "", "user_id": "jo"}, {"memory": "x"}]}
     r = httpx.post(f"{base}/v1/memories/import", headers=h, json=bad, timeout=300)
     assert r.status_code == 400 and "record 1" in r.text and "record 2" in r.text, r.text
-    assert srv.memory.store.version("acme:jo") is None  # nothing written, not even record 0
+    assert srv.memory.store.reads.version("acme:jo") is None  # nothing written, not even record 0
 
     r = httpx.post(f"{base}/v1/memories/import", headers=h, json=export, timeout=300)
     assert r.status_code == 200, r.text
@@ -566,7 +568,7 @@ def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server
     too_many = {"results": [{"memory": f"Fact {i}.", "user_id": "huge"} for i in range(MAX_IMPORT_RECORDS + 1)]}
     r = httpx.post(f"{base}/v1/memories/import", headers=h, json=too_many, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_records", r.text
-    assert st.version("acme:huge") is None
+    assert st.reads.version("acme:huge") is None
     (tmp_path / "huge.json").write_text(json.dumps(too_many))
     out = CliRunner().invoke(app, ["memory", "import", str(tmp_path / "huge.json"), "--store", str(tmp_path / "s")])
     assert out.exit_code == 2 and "at most 10000 records" in out.output and "Traceback" not in out.output
@@ -581,7 +583,7 @@ def test_a_big_import_is_batched_bounded_resumable_and_lets_chats_through(server
     )
     t.start()
     deadline = time.monotonic() + 300
-    while st.version("acme:bulk") is None:  # the first batch is committed
+    while st.reads.version("acme:bulk") is None:  # the first batch is committed
         assert t.is_alive() and time.monotonic() < deadline
         time.sleep(0.05)
     _chat(base, KEY_B, "someone", "Hello?", mode="off")

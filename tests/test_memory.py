@@ -94,7 +94,7 @@ def test_every_write_stores_exact_context_window_kv(mem, shared):
         "carla",
         infer=False,
     )
-    ukv = mem.store.snapshot("carla")
+    ukv = mem.store.reads.snapshot("carla")
     pos = ukv.row_of()[r["results"][1]["id"]]
     fact = ukv.facts[pos]
     header = mem.store.header_token_ids
@@ -120,11 +120,11 @@ def test_adds_are_incremental_and_compaction_keeps_what_is_served(mem):
     assert len(after) == 5 and all(after[n] == ino for n, ino in files.items())
     mem.delete(ids[1])
     before = (mem.get_all("dan"), mem.search("garden fact 3", "dan", limit=3))
-    version = mem.store.version("dan")
+    version = mem.store.reads.version("dan")
     mem.compact("dan")
     # replaced segments outlive the commit (readers of the old version), then go: fsck removes them at once. 7: the
     # 5 adds', the one the delete re-encoded the later facts into (encoded behind the erased one), the compacted one
-    assert mem.store.version("dan") != version and len(list(users.iterdir())) == 7
+    assert mem.store.reads.version("dan") != version and len(list(users.iterdir())) == 7
     assert mem.store.fsck()["removed"] == [] and len(list(users.iterdir())) == 1
     assert (mem.get_all("dan"), mem.search("garden fact 3", "dan", limit=3)) == before
     db = sqlite3.connect(mem.store.root / "meta.sqlite")
@@ -150,10 +150,10 @@ def test_adds_are_incremental_and_compaction_keeps_what_is_served(mem):
 )
 def test_bad_input_raises_and_changes_nothing(mem, call, match):
     mem.add("I keep bees.", "u", infer=False)
-    version = mem.store.version("u")
+    version = mem.store.reads.version("u")
     with pytest.raises(MemoryInputError, match=match):
         call(mem)
-    assert mem.store.version("u") == version and len(mem.get_all("u")["results"]) == 1
+    assert mem.store.reads.version("u") == version and len(mem.get_all("u")["results"]) == 1
 
 
 def test_update_to_empty_and_concurrent_delete(mem):
@@ -244,7 +244,7 @@ def test_unusable_extractor_output_is_none_not_an_exception(mem):
 
     mem.extractor = Garbage()
     assert mem.add("I like tea.", "g", infer=True) == {"results": [], "message": "nothing remembered: no facts found"}
-    assert [t["content"] for t in mem.store.turns("g")] == ["I like tea."]  # the turn is kept as context
+    assert [t["content"] for t in mem.store.reads.turns("g")] == ["I like tea."]  # the turn is kept as context
 
 
 @pytest.mark.slow
@@ -364,16 +364,18 @@ def test_ambiguous_ids_are_refused(mem):
     """LoCoMo-style ids are unique per user only: an id live for two users is refused, not guessed."""
     import torch as t
 
-    from kvmem.store import FactRecord
+    from kvmem.store import FactRecord, Write
 
     k = t.zeros(mem.lm.config.num_hidden_layers, mem.lm.config.num_key_value_heads, 1, 64, dtype=mem.lm.dtype)
     for user in ("a", "b"):
-        mem.store.commit(
-            user,
-            [FactRecord("D1:3", user, "same id", "", "", "", (1,))],
-            [k],
-            [k.clone()],
-            t.nn.functional.normalize(t.ones(1, mem.embedder.dim), dim=1),
+        mem.store.writes.commit(
+            Write(
+                user,
+                [FactRecord("D1:3", user, "same id", "", "", "", (1,))],
+                [k],
+                [k.clone()],
+                t.nn.functional.normalize(t.ones(1, mem.embedder.dim), dim=1),
+            )
         )
     for call in (lambda: mem.get("D1:3"), lambda: mem.delete("D1:3"), lambda: mem.history("D1:3")):
         with pytest.raises(MemoryInputError, match="several (users|scopes)"):
@@ -437,7 +439,7 @@ def test_segments_in_an_object_store_serve_the_same_kv(tmp_path, shared):
     )
 
     def served(m):
-        ukv = m.store.snapshot("ana")
+        ukv = m.store.reads.snapshot("ana")
         return [f.text for f in ukv.facts], ukv.gather(list(range(len(ukv.facts))))
 
     (texts_o, (ko, vo)), (texts_l, (kl, vl)) = served(obj), served(loc)

@@ -112,7 +112,7 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
     candidates run out and its search is widened, the scope read again), pages smaller and larger than the
     candidates kept, and facts this write deletes."""
 
-    from kvmem.store import FactRecord, Store
+    from kvmem.store import FactRecord, Store, Write
 
     fp = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
     hk = torch.zeros(1, 1, 3, 8)
@@ -147,10 +147,10 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
     for lo in range(0, pool_n, 100):  # three commits: three segments, rows in write order
         part = facts[lo : lo + 100]
         kv = [torch.zeros(1, 1, f.num_tokens, 8) for f in part]
-        st.commit("u", part, kv, kv, emb[lo : lo + 100])
-    st.commit("u", delete=[f"f{i}" for i in range(1, pool_n, 7)])  # tombstoned rows are never candidates
+        st.writes.commit(Write("u", part, kv, kv, emb[lo : lo + 100]))
+    st.writes.commit(Write("u", delete=[f"f{i}" for i in range(1, pool_n, 7)]))  # tombstoned rows are never candidates
     gone = {f"f{i}" for i in range(2, pool_n, 11)}  # what the write itself deletes
-    ukv = st.snapshot("u")
+    ukv = st.reads.snapshot("u")
     keep = [i for i, f in enumerate(ukv.facts) if f.fact_id not in gone]
     pool_fids = [ukv.facts[i].fact_id for i in keep]
     want_p, want_c = neighbour_prefixes(
@@ -159,8 +159,8 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
     fids = pool_fids + [f"new{j}" for j in range(new_n)]
     want = [[fids[c] for c in row] for row in want_c]
     assert any(len(c) == m for c in want) and any(len(c) < m for c in want)
-    pages, read = [], st.embedding_page
-    st.embedding_page = lambda *a: pages.append(a[2]) or read(*a)  # counts the pages read
+    pages, read = [], st.reads.embedding_page
+    st.reads.embedding_page = lambda *a: pages.append(a[2]) or read(*a)  # counts the pages read
     for page in (7, 64, 5000):
         got_p, got = scope_neighbours(
             st, "u", new_emb, new_ids, [f"new{j}" for j in range(new_n)], gone, m, max_tokens=budget, page=page
@@ -179,9 +179,9 @@ def test_a_write_reads_its_scope_a_page_at_a_time_and_picks_what_the_whole_scope
 def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):
     lm, emb, mems = stores
     store = mems[2].store
-    assert store.user_info("maya")["neighbours"] == 2 and mems[0].store.user_info("maya")["neighbours"] == 0
-    facts = store.snapshot("maya").facts
-    ukv = store.snapshot("maya")
+    assert store.reads.user_info("maya")["neighbours"] == 2 and mems[0].store.reads.user_info("maya")["neighbours"] == 0
+    facts = store.reads.snapshot("maya").facts
+    ukv = store.reads.snapshot("maya")
     last = len(facts) - 1
     # the expected neighbours, recomputed here: the earlier facts most similar to the last one
     e = emb.embed([f.text for f in facts])
@@ -191,7 +191,7 @@ def test_stored_kv_is_a_prefill_behind_the_neighbours(stores):
     keys, values = ukv.fact_kv(last)
     assert_is_prefill(lm.model, seq, keys, values)
     # what it changes: the same fact encoded without neighbours (m = 0) has other values beyond layer 0
-    plain = mems[0].store.snapshot("maya")
+    plain = mems[0].store.reads.snapshot("maya")
     assert plain.facts[last].token_ids == facts[last].token_ids
     _, v0 = plain.fact_kv(last)
     torch.testing.assert_close(v0[0], values[0], rtol=1e-5, atol=1e-5)  # layer 0 sees only the token itself
@@ -245,7 +245,7 @@ def test_ingest_locomo_neighbours_cli(tmp_path, tiny_locomo):
     extra = nb["num_encoded_tokens"] - plain["num_encoded_tokens"]
     mean_fact = plain["num_fact_tokens"] / plain["num_facts"]
     assert 3 * mean_fact * nb["num_facts"] < extra < 5 * mean_fact * nb["num_facts"]  # about 4 facts more each
-    assert Store.open(tmp_path / "n4").user_info("conv-26")["neighbours"] == 4
+    assert Store.open(tmp_path / "n4").reads.user_info("conv-26")["neighbours"] == 4
     bad = ingest(tmp_path / "bad", "--neighbours", "99", rc=2)
     assert "less than or equal to 32" in bad.stderr and "Traceback" not in bad.stderr
 

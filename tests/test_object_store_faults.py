@@ -60,42 +60,44 @@ def test_a_killed_object_store_is_unavailable_at_once_and_an_erasure_during_it_s
     head = torch.zeros(2, 1, 3, 64)
     st = Store.create(tmp_path / "st", sw.FP, "hdr", [1, 2, 3], head, head.clone(), {"name": "e", "dim": 4},
                       segments_url="s3://kvmem/faults")  # fmt: skip
-    st.retire_after_s = 0  # a replaced segment's object goes at the next gc
+    st.writes.retire_after_s = 0  # a replaced segment's object goes at the next gc
     facts, kv, emb = sw.generation("u", 1)
-    st.put_user("u", facts, kv, kv, emb, window=0)  # three facts in one segment
-    (seg,) = {f.segment for f in st.facts("u")}
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)  # three facts in one segment
+    (seg,) = {f.segment for f in st.reads.snapshot("u").facts}
     assert st.available()
 
     s3_own.stop(signal.SIGKILL)
     took = until(lambda: not st.available(), 5, "unavailable")
     assert took < 3, took
-    st.drop_caches()
-    ukv = st.snapshot("u")  # rows only: the database answers
+    st.reads.forget()
+    ukv = st.reads.snapshot("u")  # rows only: the database answers
     f2, kv2, emb2 = sw.generation("u", 2)
-    for call in (lambda: ukv.gather([0, 1, 2]), lambda: st.put_user("u", f2, kv2, kv2, emb2, window=0)):
+    for call in (lambda: ukv.gather([0, 1, 2]), lambda: st.writes.put_user("u", f2, kv2, kv2, emb2, window=0)):
         took, exc = timed(call)
         assert isinstance(exc, StoreUnavailable) and took < 0.5, (took, exc)
-    assert sorted(f.fact_id for f in st.facts("u")) == [f.fact_id for f in facts]  # the failed write wrote nothing
+    assert sorted(f.fact_id for f in st.reads.snapshot("u").facts) == [
+        f.fact_id for f in facts
+    ]  # the failed write wrote nothing
 
     got = erase_facts(lambda: None, st, "u", [facts[0].fact_id], defer_s=60.0)  # compaction needs an upload
     assert got["erased"] == 1
-    assert sorted(f.fact_id for f in st.facts("u")) == [facts[1].fact_id, facts[2].fact_id]
-    assert st.compactions() == ["u"] and st.dead_segments("u") == [seg]
+    assert sorted(f.fact_id for f in st.reads.snapshot("u").facts) == [facts[1].fact_id, facts[2].fact_id]
+    assert st.writes.compactions() == ["u"] and st.writes.dead_segments("u") == [seg]
 
     s3_own.start()
     until(st.available, 5, "available again")
-    st.drop_caches()
-    ukv = st.snapshot("u")
+    st.reads.forget()
+    ukv = st.reads.snapshot("u")
     keys, _ = ukv.gather([0, 1])
     assert bool((keys == 1).all())
-    st.compact("u", st.dead_segments("u"))  # what the upkeep does (``Memory.reencode_pending``)
-    st.compacted("u")
-    assert st.compactions() == [] and st.dead_segments("u") == []
+    st.writes.compact("u", st.writes.dead_segments("u"))  # what the upkeep does (``Memory.reencode_pending``)
+    st.writes.compacted("u")
+    assert st.writes.compactions() == [] and st.writes.dead_segments("u") == []
     assert not any(n.endswith(f".{seg}.kv.safetensors") for n in st.segments.names())  # the erased KV is gone
     facts3, kv3, emb3 = sw.generation("u", 3)
-    st.put_user("u", facts3, kv3, kv3, emb3, window=0)
-    st.drop_caches()
-    assert sw.check(Store.open(tmp_path / "st").snapshot("u")) == 3
+    st.writes.put_user("u", facts3, kv3, kv3, emb3, window=0)
+    st.reads.forget()
+    assert sw.check(Store.open(tmp_path / "st").reads.snapshot("u")) == 3
     st.close()
 
 

@@ -749,10 +749,10 @@ def test_a_held_writer_lock_never_blocks_reads(server, alice, tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     )
-    old = srv.memory.store.write_timeout_s
+    old = srv.memory.store.writes.write_timeout_s
     try:
         assert holder.stdout.readline().strip() == "held"
-        srv.memory.store.write_timeout_s = 1.0
+        srv.memory.store.writes.write_timeout_s = 1.0
         t0 = time.perf_counter()
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
         assert httpx.get(f"{base}/v1/memories/{alice['cat']}", headers=_h(), timeout=5).status_code == 200
@@ -780,7 +780,7 @@ def test_a_held_writer_lock_never_blocks_reads(server, alice, tmp_path):
         assert w.status_code == 503 and w.json()["error"]["code"] == "store_busy", w.text
         assert reads_s < 15  # a chat too (seconds on a 2-core CPU), not the holder's 30 s
     finally:
-        srv.memory.store.write_timeout_s = old
+        srv.memory.store.writes.write_timeout_s = old
         holder.kill()
         holder.wait()
 
@@ -967,7 +967,7 @@ def test_store_errors_never_reach_the_client(tmp_path, postgres, monkeypatch):
     st = sw.create(tmp_path / "s")
     try:
         with pytest.raises(StoreError) as raised:
-            st.fact("a\x00b")
+            st.reads.fact("a\x00b")
     finally:
         st.close()
     assert "postgresql://" in str(raised.value)  # the store's own words

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import store_worker as sw
 from conftest import postgres_schema, store_backend
 from kvmem.cli import app
-from kvmem.store import Store, StoreError, StoreMismatch
+from kvmem.store import Store, StoreError, StoreMismatch, Write
 
 WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
 
@@ -41,12 +41,12 @@ def test_concurrent_writers_lose_nothing(tmp_path, backend):
     assert all(len(ids) == 25 for ids in acked.values())
     versions = []
     for user, prefixes in (("u", "ab"), ("v", "c"), ("w", "d")):
-        live = {f.fact_id for f in st.snapshot(user).facts}
+        live = {f.fact_id for f in st.reads.snapshot(user).facts}
         assert live == {i for p in prefixes for i in acked[p]}
-        events = st.events(user)
+        events = st.reads.events(user)
         assert sorted(e["memory_id"] for e in events if e["event"] == "ADD") == sorted(live)
         vs = [v for (v,) in st.rows.execute('SELECT version FROM history WHERE "user"=? ORDER BY id', (user,))]
-        assert vs == sorted(vs) and int(st.version(user)) == vs[-1]
+        assert vs == sorted(vs) and int(st.reads.version(user)) == vs[-1]
         versions += vs
     assert len(versions) == len(set(versions)) == 100
 
@@ -57,15 +57,15 @@ def test_writes_for_different_users_do_not_wait_for_each_other(tmp_path, postgre
     monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
     st = sw.create(tmp_path / "s")
     root = str(st.root)
-    with st.writer("u"):
+    with st.writes.writer("u"):
         other = subprocess.run(WORKER + ["adds", root, "v", "x", "2"], capture_output=True, text=True, timeout=60)
         assert other.returncode == 0 and other.stdout.split() == ["x0", "x1"]
         same = subprocess.Popen(WORKER + ["adds", root, "u", "y", "1"], stdout=subprocess.PIPE, text=True)
         time.sleep(3)
         assert same.poll() is None  # waiting for u's lock
     assert same.communicate(timeout=60)[0].split() == ["y0"]
-    assert [f.fact_id for f in st.snapshot("u").facts] == ["y0"]
-    with st.writer(None):  # fsck and reset take the store-wide lock: every writer waits
+    assert [f.fact_id for f in st.reads.snapshot("u").facts] == ["y0"]
+    with st.writes.writer(None):  # fsck and reset take the store-wide lock: every writer waits
         blocked = subprocess.Popen(WORKER + ["adds", root, "v", "z", "1"], stdout=subprocess.PIPE, text=True)
         time.sleep(2)
         assert blocked.poll() is None
@@ -76,7 +76,7 @@ def test_postgres_store_opens_without_writing_and_checks_its_schema(tmp_path, po
     monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
     url = str(st.root)
     with pytest.raises(StoreError, match="already holds a kvmem store"):
         Store.create(url, sw.FP, "h", [1], kv[0], kv[0].clone(), {"name": "e"}, segments_url=(tmp_path / "kv").as_uri())
@@ -84,7 +84,7 @@ def test_postgres_store_opens_without_writing_and_checks_its_schema(tmp_path, po
         conn.execute("DROP TABLE turns")
         opened = Store.open(url)
         with pytest.raises(StoreError, match='relation "turns" does not exist'):
-            opened.turns("u")
+            opened.reads.turns("u")
         assert conn.execute("SELECT to_regclass('turns')").fetchone()[0] is None  # not re-created
         conn.execute("UPDATE kvmem_manifest SET schema_version = 1")
     with pytest.raises(StoreError, match="schema version 1 is not 4"):
@@ -144,54 +144,54 @@ def test_readers_cache_segments_on_local_disk(tmp_path, postgres, monkeypatch):
     monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 7, big=True)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
     cache = tmp_path / "cache"
     reader = Store.open(st.root, cache_dir=cache)
-    assert sw.check(reader.snapshot("u")) == 7
-    s = reader.cache_stats()
+    assert sw.check(reader.reads.snapshot("u")) == 7
+    s = reader.reads.cache_stats()
     assert (s["disk_misses"], s["disk_hits"], s["kv_misses"]) == (1, 0, 3) and s["disk_fetched_bytes"] > 3 * 2**20
     assert s["disk_cache_bytes"] >= s["disk_fetched_bytes"]
-    reader.drop_caches()  # memory only: the disk copy stays
-    assert sw.check(reader.snapshot("u")) == 7 and reader.cache_stats()["disk_hits"] == 1
-    assert sw.check(reader.snapshot("u")) == 7 and reader.cache_stats()["kv_hits"] == 3  # from memory now
+    reader.reads.forget()  # memory only: the disk copy stays
+    assert sw.check(reader.reads.snapshot("u")) == 7 and reader.reads.cache_stats()["disk_hits"] == 1
+    assert sw.check(reader.reads.snapshot("u")) == 7 and reader.reads.cache_stats()["kv_hits"] == 3  # from memory now
     other = Store.open(st.root, cache_dir=cache)
-    assert sw.check(other.snapshot("u")) == 7
-    assert (other.cache_stats()["disk_hits"], other.cache_stats()["disk_misses"]) == (1, 0)
+    assert sw.check(other.reads.snapshot("u")) == 7
+    assert (other.reads.cache_stats()["disk_hits"], other.reads.cache_stats()["disk_misses"]) == (1, 0)
     (copy,) = list(cache.rglob("*.val"))
     data = bytearray(copy.read_bytes())
     data[-7] ^= 0xFF
     copy.write_bytes(bytes(data))
     third = Store.open(st.root, cache_dir=cache)
     with pytest.raises(StoreError, match="fails its checksum"):
-        third.snapshot("u").gather([0])
-    assert sw.check(third.snapshot("u")) == 7  # the bad copy was dropped and fetched again
+        third.reads.snapshot("u").gather([0])
+    assert sw.check(third.reads.snapshot("u")) == 7  # the bad copy was dropped and fetched again
     tiny = Store.open(st.root, cache_dir=tmp_path / "tiny", cache_dir_bytes=1)
-    assert sw.check(tiny.snapshot("u")) == 7
-    assert tiny.cache_stats()["disk_evictions"] == 1  # cached, then pushed out by the 1-byte bound
+    assert sw.check(tiny.reads.snapshot("u")) == 7
+    assert tiny.reads.cache_stats()["disk_evictions"] == 1  # cached, then pushed out by the 1-byte bound
     # prefetch along the retrieval path: the segment is fetched before the read, which then finds it on disk
     ahead = Store.open(st.root, cache_dir=tmp_path / "ahead")
-    snap = ahead.snapshot("u")
-    for future in ahead.prefetch(snap, [0, 2]):
+    snap = ahead.reads.snapshot("u")
+    for future in ahead.reads.prefetch(snap, [0, 2]):
         future.result()
-    assert (ahead.cache_stats()["disk_misses"], ahead.cache_stats()["disk_hits"]) == (1, 0)
+    assert (ahead.reads.cache_stats()["disk_misses"], ahead.reads.cache_stats()["disk_hits"]) == (1, 0)
     assert sw.check(snap) == 7
-    s = ahead.cache_stats()
+    s = ahead.reads.cache_stats()
     assert (s["disk_misses"], s["disk_hits"]) == (1, 1)
-    assert sw.check(snap) == 7 and ahead.cache_stats()["kv_misses"] == s["kv_misses"]  # all from memory
+    assert sw.check(snap) == 7 and ahead.reads.cache_stats()["kv_misses"] == s["kv_misses"]  # all from memory
     # a cold read (load tests): out of the memory tier and the disk cache, so the store itself serves it again
-    ahead.evict(snap, [0])
+    ahead.reads.evict(snap, [0])
     assert sw.check(snap) == 7
-    c = ahead.cache_stats()
+    c = ahead.reads.cache_stats()
     assert (c["disk_misses"], c["disk_hits"]) == (2, 1) and c["kv_misses"] == 2 * s["kv_misses"]
     # a read racing the prefetch of its segment waits for that one fetch instead of fetching it again
     racing = Store.open(st.root, cache_dir=tmp_path / "racing")
     inner, fetch = racing.segments.inner, racing.segments.inner.read
     monkeypatch.setattr(inner, "read", lambda name: (time.sleep(0.5), fetch(name))[1])
-    snap = racing.snapshot("u")
-    futures = racing.prefetch(snap, [0])
+    snap = racing.reads.snapshot("u")
+    futures = racing.reads.prefetch(snap, [0])
     assert sw.check(snap) == 7  # while the prefetch is still fetching
     assert [f.result() for f in futures] == [None]
-    assert racing.cache_stats()["disk_misses"] == 1
+    assert racing.reads.cache_stats()["disk_misses"] == 1
 
 
 def test_lost_database_connections(tmp_path, postgres, monkeypatch):
@@ -204,7 +204,7 @@ def test_lost_database_connections(tmp_path, postgres, monkeypatch):
     monkeypatch.setenv("KVMEM_TEST_SEGMENTS", "postgres")
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 3)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
 
     def kill(pid):
         with psycopg.connect(postgres, autocommit=True) as conn:
@@ -213,11 +213,11 @@ def test_lost_database_connections(tmp_path, postgres, monkeypatch):
 
     kill(st.rows.conn.info.backend_pid)
     kill(st.rows._idle[0].info.backend_pid)  # the pooled writer connection, idle
-    st.drop_caches()
-    assert sw.check(st.snapshot("u")) == 3
+    st.reads.forget()
+    assert sw.check(st.reads.snapshot("u")) == 3
     facts, kv, emb = sw.generation("u", 4)
-    st.put_user("u", facts, kv, kv, emb, window=0)
-    assert sw.check(st.snapshot("u")) == 4
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(st.reads.snapshot("u")) == 4
     real_put = st.segments.put
 
     def put_then_lose_the_lock(name, tensors, metadata):
@@ -228,13 +228,13 @@ def test_lost_database_connections(tmp_path, postgres, monkeypatch):
     monkeypatch.setattr(st.segments, "put", put_then_lose_the_lock)
     facts, kv, emb = sw.generation("u", 5)
     with pytest.raises(StoreUnavailable):
-        st.put_user("u", facts, kv, kv, emb, window=0)
+        st.writes.put_user("u", facts, kv, kv, emb, window=0)
     monkeypatch.undo()
     fresh = Store.open(st.root)
-    assert sw.check(fresh.snapshot("u")) == 4
+    assert sw.check(fresh.reads.snapshot("u")) == 4
     facts, kv, emb = sw.generation("u", 6)
-    st.put_user("u", facts, kv, kv, emb, window=0)
-    assert sw.check(fresh.snapshot("u")) == 6
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(fresh.reads.snapshot("u")) == 6
     assert fresh.fsck()["bad"] == {}
 
 
@@ -368,8 +368,8 @@ def test_urls_with_spaces_passwords_and_queries(tmp_path, postgres):
         {"name": "e", "dim": 4}, segments_url=where.as_uri(),
     )  # fmt: skip
     facts, kv, emb = sw.generation("u", 2)
-    st.put_user("u", facts, kv, kv, emb, window=0)
-    assert sw.check(Store.open(st.root).snapshot("u")) == 2 and len(list(where.glob("*/*.kv.safetensors"))) == 1
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(Store.open(st.root).reads.snapshot("u")) == 2 and len(list(where.glob("*/*.kv.safetensors"))) == 1
     for url, pw in (
         ("postgresql://kv:p%40ss%2Fw0rd@db:5432/mem?options=-csearch_path%3Dx", "p@ss/w0rd"),
         ("postgresql://kv@db/mem?sslmode=require&password=s3cret", "s3cret"),
@@ -389,14 +389,16 @@ def test_copy_into_s3_and_back(tmp_path, postgres, s3, monkeypatch):
     monkeypatch.delenv("KVMEM_TEST_SEGMENTS", raising=False)
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 3)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
     url = postgres_schema(postgres, "copy_s3")
     there = copy_store(st.root, url, segments_url="s3://kvmem/copy-s3")
     before = s3.calls().get("GET range", 0)
     back = copy_store(url, tmp_path / "back")
     assert there["facts"] == back["facts"] == sw.N_FACTS
     shared = Store.open(url)
-    assert sw.check(shared.snapshot("u")) == 3 and sw.check(Store.open(tmp_path / "back").snapshot("u")) == 3
+    assert (
+        sw.check(shared.reads.snapshot("u")) == 3 and sw.check(Store.open(tmp_path / "back").reads.snapshot("u")) == 3
+    )
     (name,) = shared.segments.names()
     assert (s3.root / "data" / "kvmem" / "copy-s3" / shared.manifest["store_id"] / name).is_file()
     assert s3.calls().get("GET range", 0) > before
@@ -405,7 +407,7 @@ def test_copy_into_s3_and_back(tmp_path, postgres, s3, monkeypatch):
 def _add(st, user: str, fid: str, value: float = 1.0) -> None:
     f = sw.FactRecord(fid, user, fid, "", "", "", (1, 2), 0, 0)
     k = torch.full((2, 1, 2, 64), value)
-    st.commit(user, [f], [k], [k.clone()], torch.ones(1, 4) / 2)
+    st.writes.commit(Write(user, [f], [k], [k.clone()], torch.ones(1, 4) / 2))
 
 
 SCOPES = [
@@ -433,7 +435,9 @@ def test_scope_reads_use_the_scope_index_and_follow_the_callers_scopes(tmp_path,
     st = sw.create(tmp_path / "s")
     for i, key in enumerate(SCOPES):
         _add(st, key, f"f{i}")
-    st.commit("acme:bob/run:r1", delete=["f5"])  # a scope with no live memory: read, never listed as an entity
+    st.writes.commit(
+        Write("acme:bob/run:r1", delete=["f5"])
+    )  # a scope with no live memory: read, never listed as an entity
     m = Memory(st.root)
     cases = [({"user_id": "alice"}, ns) for ns in ("acme", "globex", None)] + [
         ({"agent_id": "travel"}, "acme"),
@@ -451,7 +455,7 @@ def test_scope_reads_use_the_scope_index_and_follow_the_callers_scopes(tmp_path,
         named = Scope.of(**ids)
         want = sorted(  # what listing every user found
             k
-            for k in st.users(with_no_live_facts=True)
+            for k in st.reads.users(with_no_live_facts=True)
             if (s := parse_key(k, ns)) is not None and all(getattr(s, n) == v for n, v in named.ids().items())
         )
         got = {r["memory"] for r in m.get_all(filters=ids, namespace=ns, top_k=100)["results"]}
@@ -498,12 +502,12 @@ def test_memory_reads_never_wait_for_another_users_commit_upload(tmp_path, backe
     assert started.wait(10)
     t0 = time.perf_counter()
     got = m.get_all(user_id="other", namespace="acme")["results"]
-    snap = m.store.snapshot("acme:other")
+    snap = m.store.reads.snapshot("acme:other")
     waited = time.perf_counter() - t0
     writer.join()
     assert [r["memory"] for r in got] == ["o1"] and len(snap.facts) == 1
     assert waited < 1.5, f"a read waited {waited:.2f} s behind another user's upload"
-    assert [f.fact_id for f in m.store.snapshot("acme:slow").facts] == ["s1"]
+    assert [f.fact_id for f in m.store.reads.snapshot("acme:slow").facts] == ["s1"]
     m.close()
     st.close()
 

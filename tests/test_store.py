@@ -10,7 +10,7 @@ from kvmem.compose import compose, compose_raw, max_facts_that_fit
 from kvmem.encode import encode_spans
 from kvmem.retrieve import FlatIPIndex, Retrieved, order_facts, order_reverse_proximity
 from kvmem.rope import Rotary
-from kvmem.store import FactRecord, Store, StoreError, StoreMismatch
+from kvmem.store import FactRecord, Store, StoreError, StoreMismatch, Write
 
 FP = {"model": "tiny", "weights_sha256": "abc", "dtype": "float32", "rope": {"rope_theta": 10000.0}}
 
@@ -29,7 +29,7 @@ def _store(tmp_path, model, user="u1", n=4):
     facts = _facts(user, n, [5, 7, 3, 9, 4, 6][:n])
     kvs = encode_spans(model, [header + list(f.token_ids) for f in facts], [(6, 6 + f.num_tokens) for f in facts])
     emb = torch.nn.functional.normalize(torch.randn(n, 8), dim=1)
-    st.put_user(user, facts, [k.keys for k in kvs], [k.values for k in kvs], emb, window=0)
+    st.writes.put_user(user, facts, [k.keys for k in kvs], [k.values for k in kvs], emb, window=0)
     return st, header, facts, kvs, emb
 
 
@@ -38,7 +38,7 @@ def test_reopen_is_bit_identical(tmp_path):
     st, header, facts, kvs, emb = _store(tmp_path, model)
     st.close()
     st2 = Store.open(tmp_path / "s", FP)
-    ukv = st2.user_kv("u1")
+    ukv = st2.reads.snapshot("u1")
     assert [f.fact_id for f in ukv.facts] == [f.fact_id for f in facts]
     for i, kv in enumerate(kvs):
         k, v = ukv.fact_kv(i)
@@ -63,29 +63,29 @@ def test_other_model_is_refused(tmp_path):
 def test_users_are_isolated_and_a_bad_replacement_writes_nothing(tmp_path):
     model = tiny_model("llama")
     st, header, facts, kvs, emb = _store(tmp_path, model)
-    v1 = st.user_info("u1")["version"]
+    v1 = st.reads.user_info("u1")["version"]
     facts2 = _facts("u2", 2, [3, 3])
     kv2 = encode_spans(model, [list(f.token_ids) for f in facts2], [(0, 3), (0, 3)])
-    st.put_user("u2", facts2, [k.keys for k in kv2], [k.values for k in kv2], torch.eye(2, 8), window=0)
-    assert st.users() == ["u1", "u2"]
-    assert [f.fact_id for f in st.facts("u2")] == ["u2/0", "u2/1"]
-    assert st.user_info("u1")["version"] == v1  # untouched
+    st.writes.put_user("u2", facts2, [k.keys for k in kv2], [k.values for k in kv2], torch.eye(2, 8), window=0)
+    assert st.reads.users() == ["u1", "u2"]
+    assert [f.fact_id for f in st.reads.snapshot("u2").facts] == ["u2/0", "u2/1"]
+    assert st.reads.user_info("u1")["version"] == v1  # untouched
     with pytest.raises(StoreError, match="unknown user 'u3'"):
-        st.user_kv("u3")
+        st.reads.snapshot("u3")
     # A failing replacement (token/KV mismatch) leaves the old version readable.
     with pytest.raises(StoreError):
-        st.put_user("u1", facts[:1], [kvs[1].keys], [kvs[1].values], emb[:1], window=0)
-    assert st.user_info("u1")["version"] == v1 and len(st.facts("u1")) == 4
+        st.writes.put_user("u1", facts[:1], [kvs[1].keys], [kvs[1].values], emb[:1], window=0)
+    assert st.reads.user_info("u1")["version"] == v1 and len(st.reads.snapshot("u1").facts) == 4
 
 
 def test_compose_gathers_facts_in_injected_order(tmp_path):
     model = tiny_model("llama")
     st, header, facts, kvs, emb = _store(tmp_path, model)
-    ukv = st.user_kv("u1")
-    mem = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [2, 0])
+    ukv = st.reads.snapshot("u1")
+    mem = compose(Rotary.for_model(model), header, st.reads.header_kv(), ukv, [2, 0])
     assert mem.token_ids == header + list(facts[2].token_ids) + list(facts[0].token_ids)
     assert mem.fact_ids == ["u1/2", "u1/0"]
-    hk, hv = st.header_kv()
+    hk, hv = st.reads.header_kv()
     ref = compose_raw(
         Rotary.for_model(model),
         mem.token_ids,
@@ -94,24 +94,24 @@ def test_compose_gathers_facts_in_injected_order(tmp_path):
     )
     assert torch.equal(mem.keys, ref.keys) and torch.equal(mem.values, ref.values)
     # Read on one thread, assembled on another (the vLLM worker): the same memory, and nothing read again.
-    st.drop_caches()
-    ukv = st.user_kv("u1")
+    st.reads.forget()
+    ukv = st.reads.snapshot("u1")
     timings: dict = {}
     spans = ukv.read([2, 0], timings)
     assert [s.num_tokens for s in spans] == [facts[2].num_tokens, facts[0].num_tokens] and "read" in timings
-    before = {k: st.cache_stats()[k] for k in ("kv_hits", "kv_misses")}
-    again = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [2, 0], spans=spans)
+    before = {k: st.reads.cache_stats()[k] for k in ("kv_hits", "kv_misses")}
+    again = compose(Rotary.for_model(model), header, st.reads.header_kv(), ukv, [2, 0], spans=spans)
     assert torch.equal(again.keys, mem.keys) and torch.equal(again.values, mem.values)
-    assert {k: st.cache_stats()[k] for k in before} == before
+    assert {k: st.reads.cache_stats()[k] for k in before} == before
     with pytest.raises(ValueError, match="1 spans for 2 rows"):
         ukv.gather([2, 0], spans=spans[:1])
     # What is in memory is served from memory alone: that exact version, every fact read before.
-    got = st.cached([("u1", ukv.version)], ["u1/2", "u1/0"])
+    got = st.reads.cached([("u1", ukv.version)], ["u1/2", "u1/0"])
     assert got is not None and got[1] == [2, 0] and all(a is b for a, b in zip(got[2], spans))
-    assert st.cached([("u1", ukv.version)], ["u1/2", "u1/1"]) is None  # u1/1 was never read
-    assert st.cached([("u1", "another version")], ["u1/2"]) is None
-    st.drop_caches()
-    assert st.cached([("u1", ukv.version)], ["u1/2"]) is None
+    assert st.reads.cached([("u1", ukv.version)], ["u1/2", "u1/1"]) is None  # u1/1 was never read
+    assert st.reads.cached([("u1", "another version")], ["u1/2"]) is None
+    st.reads.forget()
+    assert st.reads.cached([("u1", ukv.version)], ["u1/2"]) is None
 
 
 def test_retrieval_order_and_budget():
@@ -158,7 +158,7 @@ def test_corrupt_stores_are_refused_not_overwritten(tmp_path):
     for p in (root / "users").glob("*.kv.safetensors"):
         p.write_bytes(p.read_bytes()[:1000])
     with pytest.raises(StoreError, match="KV segment .* of user 'u1' fails its checksum"):
-        Store.open(root, FP).user_kv("u1").fact_kv(0)  # KV is read (and verified) when gathered
+        Store.open(root, FP).reads.snapshot("u1").fact_kv(0)  # KV is read (and verified) when gathered
 
 
 # The schema as commit 0cc4d45 created it (``rows.SQLITE_SCHEMA``, ``rows.POSTGRES_SCHEMA``), kept verbatim but for
@@ -267,9 +267,12 @@ def test_a_store_written_before_the_layout_change_opens_and_answers(tmp_path):
     root = tmp_path / "old"
     shutil.copytree(Path(__file__).with_name("fixtures") / "store_0cc4d45", root)
     st = Store.open(root, sw.FP)
-    assert st.users() == ["u", "v"] and st.version("u") == "3" and st.version("v") == "2"
-    assert sw.check(st.snapshot("u")) == 1 and [f.fact_id for f in st.facts("u")] == ["u-g1-1", "u-g1-2"]
-    v = st.snapshot("v")
+    assert st.reads.users() == ["u", "v"] and st.reads.version("u") == "3" and st.reads.version("v") == "2"
+    assert sw.check(st.reads.snapshot("u")) == 1 and [f.fact_id for f in st.reads.snapshot("u").facts] == [
+        "u-g1-1",
+        "u-g1-2",
+    ]
+    v = st.reads.snapshot("v")
     (f,) = v.facts
     assert (f.fact_id, f.text, f.speaker, f.source_turn, f.date, f.token_ids, f.metadata) == (
         "x1", "a later fact", "A", "D1:1", "d", (5, 6, 7), '{"k": 1}'
@@ -278,14 +281,14 @@ def test_a_store_written_before_the_layout_change_opens_and_answers(tmp_path):
     keys, values = v.gather([0])
     assert torch.equal(keys, k) and torch.equal(values, -k)
     assert torch.equal(v.embeddings, torch.tensor([[1.0, 0, 0, 0]]))
-    assert [(t["content"], t["speaker"]) for t in st.turns("v")] == [("hi", "A")]
-    assert [e["event"] for e in st.events("u")] == ["ADD"] * 3 + ["DELETE"]
-    assert st.user_info("u")["num_tokens"] == 8 and st.header_token_ids == [1, 2, 3]
+    assert [(t["content"], t["speaker"]) for t in st.reads.turns("v")] == [("hi", "A")]
+    assert [e["event"] for e in st.reads.events("u")] == ["ADD"] * 3 + ["DELETE"]
+    assert st.reads.user_info("u")["num_tokens"] == 8 and st.header_token_ids == [1, 2, 3]
     assert st.fsck() == {"users": 2, "ok": ["u", "v"], "bad": {}, "removed": [], "replaced": [], "derived": {}}
-    assert st.facts("v")[0].context_turns is None  # migrated: provenance unknown
+    assert st.reads.snapshot("v").facts[0].context_turns is None  # migrated: provenance unknown
     facts, kv, emb = sw.generation("u", 2)
-    st.put_user("u", facts, kv, kv, emb, window=0)
-    assert sw.check(Store.open(root, sw.FP).snapshot("u")) == 2
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
+    assert sw.check(Store.open(root, sw.FP).reads.snapshot("u")) == 2
 
 
 def _memory_tier(tmp_path):
@@ -329,7 +332,7 @@ def test_both_read_tiers_satisfy_the_seam(tmp_path, make):
 
 
 def test_user_page_lists_one_tenants_users_by_page_and_substring(tmp_path):
-    """``Store.user_page`` (the users of /ui): a tenant's users with live memory counts (their agent scopes
+    """``Reader.user_page`` (the users of /ui): a tenant's users with live memory counts (their agent scopes
     summed in), tokens and last commit, ordered, paged and searched; another tenant's users, users whose facts
     were all deleted and scopes without a user id are not listed; a LIKE wildcard in the search is a character."""
     L, H, D = 2, 2, 4
@@ -339,7 +342,8 @@ def test_user_page_lists_one_tenants_users_by_page_and_substring(tmp_path):
     def put(user, n, tokens=3):
         facts = [FactRecord(f"{user}#{i}", user, f"fact {i}", "", "", "", tuple(range(tokens))) for i in range(n)]
         kv = [torch.randn(L, H, tokens, D) for _ in facts]
-        st.commit(user, facts, kv, kv, torch.nn.functional.normalize(torch.randn(n, 8), dim=1))
+        vecs = torch.nn.functional.normalize(torch.randn(n, 8), dim=1)
+        st.writes.commit(Write(user, tuple(facts), tuple(kv), tuple(kv), vecs))
         return [f.fact_id for f in facts]
 
     for u in ("bob", "alice", "al_x", "carl"):
@@ -348,13 +352,13 @@ def test_user_page_lists_one_tenants_users_by_page_and_substring(tmp_path):
     put("acme:/agent:solo", 1)  # no user id
     put("globex:alice", 4)
     gone = put("acme:dora", 1)
-    st.erase("acme:dora", gone)
-    total, page = st.user_page("acme:")
+    st.writes.erase("acme:dora", gone)
+    total, page = st.reads.user_page("acme:")
     assert total == 4 and [h for h, *_ in page] == ["acme:al_x", "acme:alice", "acme:bob", "acme:carl"]
     alice = {h: rest for h, *rest in page}["acme:alice"]
     assert alice[:2] == [5, 2 * 3 + 3 * 5] and alice[2] > 0  # both scopes: 5 facts, 21 tokens
-    assert st.user_page("acme:", offset=1, limit=2) == (4, page[1:3])
-    assert [h for h, *_ in st.user_page("acme:", "ALI")[1]] == ["acme:alice"]  # case-insensitive
-    assert st.user_page("acme:", "l_")[0] == 1  # '_' is itself, not any character
-    assert st.user_page("globex:")[0] == 1 and st.user_page("initech:") == (0, [])
+    assert st.reads.user_page("acme:", offset=1, limit=2) == (4, page[1:3])
+    assert [h for h, *_ in st.reads.user_page("acme:", "ALI")[1]] == ["acme:alice"]  # case-insensitive
+    assert st.reads.user_page("acme:", "l_")[0] == 1  # '_' is itself, not any character
+    assert st.reads.user_page("globex:")[0] == 1 and st.reads.user_page("initech:") == (0, [])
     st.close()

@@ -18,7 +18,7 @@ BIG, SMALL = 20_000, 100
 def _fill(st: Store, user: str, n: int) -> None:
     """``user`` with ``n`` live facts: one real commit, then its first row copied in SQL (the KV is not read)."""
     facts, kv, emb = sw.generation(user, 1)
-    st.put_user(user, facts, kv, kv, emb, window=0)
+    st.writes.put_user(user, facts, kv, kv, emb, window=0)
     db = st.rows
     cols = db.execute('SELECT * FROM facts WHERE "user"=? LIMIT 1', (user,))
     names = [d[0] for d in cols.description]
@@ -75,15 +75,18 @@ def test_scheduler_and_chat_row_reads_follow_their_arguments(big_store):
     named fact id or row, never a walk of the user's rows (with ``fact_id IN (...)``, SQLite's planner took the
     (user, deleted) index and walked all 20,000)."""
     backend, st = big_store
-    version = st.version("big")
+    version = st.reads.version("big")
     ids = [f"big-x{i}" for i in range(0, BIG - sw.N_FACTS, 1000)][:20]
     got = {}
-    calls = _recorded(st, lambda: got.update(st.fact_token_ids("big", version, ids)))
+    calls = _recorded(st, lambda: got.update(st.reads.fact_token_ids("big", version, ids)))
     assert len(got) == 20 and all(v == tuple(range(4)) for v in got.values())
     # an id looked up within a key prefix (a tenant's "<tenant>:"): found in its own users only, on either backend
-    assert st.fact(ids[0], within="bi").user == "big" and st.fact(ids[0], within="sm") is None
-    assert st.fact(ids[0], user="big", within="b") is not None and st.fact(ids[0], user="big", within="s") is None
-    assert st.history("big-g1-0", within="big") and st.history("big-g1-0", within="small") == []
+    assert st.reads.fact(ids[0], within="bi").user == "big" and st.reads.fact(ids[0], within="sm") is None
+    assert (
+        st.reads.fact(ids[0], user="big", within="b") is not None
+        and st.reads.fact(ids[0], user="big", within="s") is None
+    )
+    assert st.reads.history("big-g1-0", within="big") and st.reads.history("big-g1-0", within="small") == []
     rows = [r for (r,) in st.rows.execute('SELECT "row" FROM facts WHERE "user"=? AND fact_id LIKE ?',
                                           ("big", "big-x1%")).fetchall()][:20]  # fmt: skip
     calls += _recorded(st, lambda: st.reads.rows_token_ids("big", rows))

@@ -19,7 +19,7 @@ import torch
 
 import store_worker as sw
 from conftest import store_backend
-from kvmem.store import SCHEMA_VERSION, Store, StoreError
+from kvmem.store import SCHEMA_VERSION, Store, StoreError, Write
 
 
 @pytest.fixture(autouse=True, params=["local", "object", "postgres", "s3"])
@@ -45,7 +45,7 @@ WORKER = [sys.executable, str(Path(__file__).with_name("store_worker.py"))]
 def store(tmp_path) -> Store:
     st = sw.create(tmp_path / "s")
     facts, kv, emb = sw.generation("u", 1)
-    st.put_user("u", facts, kv, kv, emb, window=0)
+    st.writes.put_user("u", facts, kv, kv, emb, window=0)
     return st
 
 
@@ -58,12 +58,12 @@ def test_put_user_refuses_mismatched_counts_and_writes_nothing(store):
         (kv, kv, emb[:2], "2 embeddings"),
     ):
         with pytest.raises(StoreError, match=f"3 facts but .*{what}"):
-            store.put_user("u", facts, keys, values, e, window=0)
+            store.writes.put_user("u", facts, keys, values, e, window=0)
     bad_values = [v[:, :, :2] for v in kv]
     with pytest.raises(StoreError, match="values"):
-        store.put_user("u", facts, kv, bad_values, emb, window=0)
+        store.writes.put_user("u", facts, kv, bad_values, emb, window=0)
     assert sorted(store.segments.names()) == files
-    assert sw.check(store.snapshot("u")) == 1
+    assert sw.check(store.reads.snapshot("u")) == 1
 
 
 def test_sqlite_wal_busy_timeout_schema_version(store, sqlite_only):
@@ -85,7 +85,7 @@ def test_open_never_writes(store, sqlite_only):
     db.commit()
     st = Store.open(store.root)
     with pytest.raises(sqlite3.OperationalError, match="no such table: facts"):
-        st.snapshot("u")
+        st.reads.snapshot("u")
     assert db.execute("SELECT name FROM sqlite_master WHERE name='facts'").fetchone() is None
 
 
@@ -101,10 +101,10 @@ def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch)
     monkeypatch.setattr(store.segments, "put", dying)
     facts, kv, emb = sw.generation("u", 2)
     with pytest.raises(KeyboardInterrupt):
-        store.put_user("u", facts, kv, kv, emb, window=0)
+        store.writes.put_user("u", facts, kv, kv, emb, window=0)
     monkeypatch.undo()
     st = Store.open(store.root)
-    assert sw.check(st.snapshot("u")) == 1
+    assert sw.check(st.reads.snapshot("u")) == 1
     assert len(store.segments.names()) == 2  # 1 live + 1 orphan
     report = st.fsck()
     assert report["ok"] == ["u"] and len(report["removed"]) == 1 and report["bad"] == {}
@@ -114,21 +114,19 @@ def test_failed_write_keeps_old_version_and_leaves_no_orphan(store, monkeypatch)
 def test_exit_after_the_commit_keeps_the_new_segment(store, monkeypatch):
     """SystemExit from a signal handler can land after SQLite's COMMIT, before ``commit`` returns: the new rows
     are durable, so their KV file must stay (it used to be unlinked, leaving a fact whose KV is gone)."""
-    from kvmem.store.write import Writer
+    real = store.rows.commit
 
-    real = Writer.commit_rows
-
-    def commit_then_exit(self, *args, **kwargs):
-        real(self, *args, **kwargs)
+    def commit_then_exit(*args, **kwargs):
+        real(*args, **kwargs)
         raise SystemExit(143)
 
-    monkeypatch.setattr(Writer, "commit_rows", commit_then_exit)
+    monkeypatch.setattr(store.rows, "commit", commit_then_exit)
     facts, kv, emb = sw.generation("u", 2)
     with pytest.raises(SystemExit):
-        store.put_user("u", facts, kv, kv, emb, window=0)
+        store.writes.put_user("u", facts, kv, kv, emb, window=0)
     monkeypatch.undo()
     st = Store.open(store.root)
-    assert sw.check(st.snapshot("u")) == 2
+    assert sw.check(st.reads.snapshot("u")) == 2
     report = st.fsck()
     assert report["ok"] == ["u"] and report["bad"] == {}
 
@@ -137,7 +135,7 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
     """One process rewrites U, another writes V, a third reads U. No read may pair one
     generation's rows with another's tensors, and none may fail."""
     facts, kv, emb = sw.generation("v", 1)
-    store.put_user("v", facts, kv, kv, emb, window=0)
+    store.writes.put_user("v", facts, kv, kv, emb, window=0)
     root = str(store.root)
     procs = [
         subprocess.Popen(WORKER + ["write", root, "u", "2", "150"], stdout=subprocess.DEVNULL),
@@ -150,7 +148,7 @@ def test_reads_are_one_snapshot_under_a_concurrent_writer(store):
     assert r["reads"] > 50 and r["generations"] > 1, r  # it really read while the writer wrote
     assert (r["torn"], r["failed"]) == (0, 0), r
     st = Store.open(root)
-    assert sw.check(st.snapshot("u")) == 151 and sw.check(st.snapshot("v")) == 151
+    assert sw.check(st.reads.snapshot("u")) == 151 and sw.check(st.reads.snapshot("v")) == 151
     assert st.fsck()["removed"] == []  # two writers, serialized: no orphan
 
 
@@ -172,10 +170,10 @@ def test_kill_dash_9_during_writes(store, backend):
         done = [int(x) for x in (first + out).split()]
         last = done[-1] if done else committed
         st = Store.open(root)
-        g = sw.check(st.snapshot("u"))  # raises on a checksum failure or a torn pair
+        g = sw.check(st.reads.snapshot("u"))  # raises on a checksum failure or a torn pair
         assert g in (last, last + 1), (g, last)
         st.fsck()
-        live = {st.segment_name("u", seg) for seg in st.snapshot("u").segments}
+        live = {st.segment_name("u", seg) for seg in st.reads.snapshot("u").segments}
         assert st.segments.names() == live
         committed = g
         st.close()
@@ -192,17 +190,17 @@ def test_compaction_keeps_what_is_served_and_fsck_removes_what_it_replaced(tmp_p
     for i in range(4):
         f = FactRecord(f"c{i}", "u", f"fact {i}", "", "", "", (1, 2, 3), 0, 0)
         k = torch.full((2, 1, 3, 64), float(i))
-        st.commit("u", [f], [k], [-k], torch.ones(1, 4) / 2)
-    st.commit("u", delete=["c1"])
-    before = st.snapshot("u")
+        st.writes.commit(Write("u", [f], [k], [-k], torch.ones(1, 4) / 2))
+    st.writes.commit(Write("u", delete=["c1"]))
+    before = st.reads.snapshot("u")
     v = before.version
     kb, vb = before.gather([0, 1, 2])
-    st.compact("u")
-    after = Store.open(st.root).snapshot("u")
+    st.writes.compact("u")
+    after = Store.open(st.root).reads.snapshot("u")
     assert [f.fact_id for f in after.facts] == ["c0", "c2", "c3"] and len(after.segments) == 1
     ka, va = after.gather([0, 1, 2])
     assert torch.equal(ka, kb) and torch.equal(va, vb) and torch.equal(ka[:, :, 3:6], torch.full((2, 1, 3, 64), 2.0))
-    assert st.changes("u", v) is None
+    assert st.reads.changes("u", v) is None
     assert torch.equal(before.gather([2])[0], kb[:, :, 6:9])  # the old snapshot's files are still there
     report = st.fsck()
     assert report["ok"] == ["u"] and report["removed"] == [] and len(report["replaced"]) == 4
@@ -216,11 +214,11 @@ def test_another_models_or_dtypes_store_is_refused(store):
         Store.open(store.root, {**sw.FP, "dtype": "bfloat16"})
     with pytest.raises(StoreMismatch, match="does not match the loaded model 'tiny'.*weights_sha256"):
         Store.open(store.root, {**sw.FP, "weights_sha256": "def"})
-    assert Store.open(store.root, dict(sw.FP)).snapshot("u").version == store.version("u")
+    assert Store.open(store.root, dict(sw.FP)).reads.snapshot("u").version == store.reads.version("u")
 
 
 def test_fsck_reports_a_corrupt_user(store):
-    (seg,) = store.snapshot("u").segments
+    (seg,) = store.reads.snapshot("u").segments
     data = bytearray(sw.get_object(store, store.segment_name("u", seg)))
     data[-5] ^= 0xFF  # one flipped byte inside a tensor
     sw.put_object(store, store.segment_name("u", seg), bytes(data))
@@ -260,9 +258,9 @@ def test_deleted_facts_are_never_served_under_a_concurrent_writer(tmp_path, back
     writer = subprocess.Popen(WORKER + ["churn", root, "u", "1200"])
     reader, served, index = Store.open(root), [], UserIndex(4)
     while writer.poll() is None or not served:
-        if reader.version("u") is None:
+        if reader.reads.version("u") is None:
             continue
-        ukv = reader.snapshot("u")
+        ukv = reader.reads.snapshot("u")
         index.sync(reader, ukv)
         _, rows = index.search(torch.randn(4), 5, ukv)
         keys, _ = ukv.gather(list(rows))
@@ -292,22 +290,22 @@ def test_one_store_object_shared_by_threads(store, backend):
         try:
             for g in range(2, 40):
                 facts, kv, emb = sw.generation("u", g)
-                store.put_user("u", facts, kv, kv, emb, window=0)
+                store.writes.put_user("u", facts, kv, kv, emb, window=0)
         except Exception as exc:
             errors.append(repr(exc))
 
     def read():
         try:
             for _ in range(reads):
-                store.drop_caches()
-                seen.append(sw.check(store.snapshot("u")))
+                store.reads.forget()
+                seen.append(sw.check(store.reads.snapshot("u")))
         except Exception as exc:
             errors.append(repr(exc))
 
     threads = [threading.Thread(target=write), threading.Thread(target=read)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert errors == [] and len(seen) == reads and sw.check(store.snapshot("u")) == 39
+    assert errors == [] and len(seen) == reads and sw.check(store.reads.snapshot("u")) == 39
 
 
 def test_index_sync_racing_a_writer_matches_its_snapshot(store):
@@ -316,11 +314,11 @@ def test_index_sync_racing_a_writer_matches_its_snapshot(store):
     from kvmem.retrieve import UserIndex
 
     index = UserIndex(4)
-    index.sync(store, store.snapshot("u"))
+    index.sync(store, store.reads.snapshot("u"))
     facts, kv, emb = sw.generation("u", 2)
-    store.commit("u", facts[:1], kv[:1], kv[:1], emb[:1])
-    snap = store.snapshot("u")  # 4 facts
-    store.commit("u", facts[1:2], kv[1:2], kv[1:2], emb[1:2], delete=[snap.facts[0].fact_id])
+    store.writes.commit(Write("u", facts[:1], kv[:1], kv[:1], emb[:1]))
+    snap = store.reads.snapshot("u")  # 4 facts
+    store.writes.commit(Write("u", facts[1:2], kv[1:2], kv[1:2], emb[1:2], delete=[snap.facts[0].fact_id]))
     index.sync(store, snap)
     import faiss
 
@@ -330,14 +328,16 @@ def test_index_sync_racing_a_writer_matches_its_snapshot(store):
 def test_delete_all_twice_and_junk_in_the_users_folder(store):
     if store.segment_path("u", "x") is not None:  # an object store has no directories
         store.segment_path("u", "x").parent.joinpath("a-directory").mkdir()
-    store.delete_user("u")
-    store.delete_user("u")  # nothing live: a no-op commit, not an error
-    store.commit("t", turns=[{"content": "only turns"}])
-    store.delete_user("t")
-    assert store.users() == [] and store.history(sw.generation("u", 1)[0][0].fact_id)[-1]["event"] == "DELETE"
+    store.writes.delete_user("u")
+    store.writes.delete_user("u")  # nothing live: a no-op commit, not an error
+    store.writes.commit(Write("t", turns=[{"content": "only turns"}]))
+    store.writes.delete_user("t")
+    assert (
+        store.reads.users() == [] and store.reads.history(sw.generation("u", 1)[0][0].fact_id)[-1]["event"] == "DELETE"
+    )
     facts, kv, emb = sw.generation("u", 5)
-    store.commit("u", facts, kv, kv, emb)  # writes go on despite the directory _gc cannot remove
-    assert sw.check(store.snapshot("u")) == 5
+    store.writes.commit(Write("u", facts, kv, kv, emb))  # writes go on despite the directory _gc cannot remove
+    assert sw.check(store.reads.snapshot("u")) == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -382,8 +382,10 @@ def test_reads_by_fact_are_exact_and_a_file_changed_after_its_first_read_is_refu
     for i in range(3):  # three segments of distinct random values
         facts = [FactRecord(f"f{i}{j}", "u", f"fact {i}{j}", "", "", "", tuple(range(3 + j)), 0, 0) for j in range(4)]
         kv = [torch.randn(2, 1, 3 + j, 64) for j in range(4)]
-        st.commit("u", facts, kv, [x * 2 for x in kv], torch.nn.functional.normalize(torch.randn(4, 4), dim=1))
-    ukv = Store.open(st.root).snapshot("u")
+        st.writes.commit(
+            Write("u", facts, kv, [x * 2 for x in kv], torch.nn.functional.normalize(torch.randn(4, 4), dim=1))
+        )
+    ukv = Store.open(st.root).reads.snapshot("u")
     rows = [5, 0, 11, 7]
     keys, values = ukv.gather(rows)
     at = 0
@@ -397,7 +399,7 @@ def test_reads_by_fact_are_exact_and_a_file_changed_after_its_first_read_is_refu
     assert keys.shape[2] == sum(ukv.facts[r].num_tokens for r in rows) and values.abs().sum() > 0
     # read once (verified), then changed in place: the next uncached read is refused, the cached one stands
     reader = Store.open(st.root, cache_bytes=1)  # 1 byte: nothing is cached, every gather reads the files
-    r = reader.snapshot("u")
+    r = reader.reads.snapshot("u")
     first = r.fact_kv(0)
     seg0 = st.segment_name("u", r.facts[0].segment)
     sw.put_object(st, seg0, sw.get_object(st, seg0)[:-64])  # truncated after this process read it

@@ -48,7 +48,7 @@ def _logits(svc, r: int, mode: str = "kv"):
 def test_tail_recompute_spans_plain_injection_to_prompt_injection(svc):
     pr, g_pr = _logits(svc, 0, "prompt")
     runs = {r: _logits(svc, r) for r in (0, 1, 2, 4)}
-    ukv = svc.store.snapshot("maya")
+    ukv = svc.store.reads.snapshot("maya")
     row = ukv.row_of()
     for r, (p, g) in runs.items():
         assert p.prompt_ids == pr.prompt_ids and p.fact_ids == pr.fact_ids  # same prompt for every r
@@ -101,7 +101,7 @@ def test_a_segment_truncated_after_it_was_read_costs_one_prefill(svc, tmp_path):
     q = "Where does Maya's brother fly to?"
     before = cold.ask("maya", q, 4)
     assert before.prefilled_tokens < before.prompt_tokens  # injected
-    for seg in cold.store.snapshot("maya").segments:
+    for seg in cold.store.reads.snapshot("maya").segments:
         path = cold.store.segment_path("maya", seg)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     after, prompt = cold.ask("maya", q, 4), cold.ask("maya", q, 4, mode="prompt")

@@ -81,7 +81,7 @@ def build(tmp: Path, family: str) -> dict:
 
     def put(user: str, kvs: list) -> str:
         recs = [FactRecord(fid, user, fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
-        return store.put_user(user, recs, [k for k, _ in kvs], [v for _, v in kvs], torch.zeros(len(recs), 4), 0)
+        return store.writes.put_user(user, recs, [k for k, _ in kvs], [v for _, v in kvs], torch.zeros(len(recs), 4), 0)
 
     # joint: one prefill of [header][facts in ORDER]; each fact's slice is stored under its own id.
     joint_ids = header + [t for f in ORDER for t in facts[f]]
@@ -132,22 +132,22 @@ def build(tmp: Path, family: str) -> dict:
     recs = [FactRecord(fid, "indep", fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
     for name, f in (("foreign", dict(fp, weights_sha256="0" * 64)), ("unlisted", fp)):
         other = Store.create(tmp / name, f, "", header, hkv.keys, hkv.values, {"name": "none"})
-        versions[name] = other.put_user(
+        versions[name] = other.writes.put_user(
             "indep", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0
         )
         other.close()
     # "twin": another allowed store whose user "indep" reaches the same version number as the main store's,
     # with the same token ids but other KV: the cache salt must still tell the two apart.
     twin = Store.create(tmp / "twin", fp, "", header, hkv.keys, hkv.values, {"name": "none"})
-    twin.put_user("pad", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0)
-    versions["twin"] = twin.put_user(
+    twin.writes.put_user("pad", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0)
+    versions["twin"] = twin.writes.put_user(
         "indep", recs, [s.keys for s in oth], [s.values for s in oth], torch.zeros(len(recs), 4), 0
     )
     assert versions["twin"] == versions["indep"]
     twin.close()
     # "int8": indep's memory in a quantised store; the worker must dequantise it exactly as the store reads it
     q8 = Store.create(tmp / "int8", fp, "", header, hkv.keys, hkv.values, {"name": "none"}, kv_format="int8")
-    versions["int8"] = q8.put_user(
+    versions["int8"] = q8.writes.put_user(
         "indep", recs, [s.keys for s in ind], [s.values for s in ind], torch.zeros(len(recs), 4), 0
     )
     q8.close()
@@ -162,16 +162,16 @@ def build(tmp: Path, family: str) -> dict:
     refs = {}
     q8 = Store.open(tmp / "int8")
     for name, user, s in (("indep", "indep", st), ("other", "other", st), ("int8", "indep", q8)):
-        ukv = s.user_kv(user)
+        ukv = s.reads.snapshot(user)
         rows = ukv.row_of()
-        mem = compose(rot, header, s.header_kv(), ukv, [rows[f] for f in ORDER])
+        mem = compose(rot, header, s.reads.header_kv(), ukv, [rows[f] for f in ORDER])
         assert mem.token_ids == joint_ids
         refs[name] = engine.run(query, mem, "kv", STEPS).token_ids
     q8.close()
-    (seg,) = st.snapshot("trunc").segments
+    (seg,) = st.reads.snapshot("trunc").segments
     kv_file = st.segment_path("trunc", seg)
     kv_file.write_bytes(kv_file.read_bytes()[:-64])
-    (seg,) = st.snapshot("flipped").segments
+    (seg,) = st.reads.snapshot("flipped").segments
     kv_file = st.segment_path("flipped", seg)
     data = bytearray(kv_file.read_bytes())
     data[-256:] = bytes(b ^ 0x5A for b in data[-256:])
@@ -352,12 +352,12 @@ def run_mode(spec_path: str, run: str, shared_url: str | None = None) -> None:
     # a segment truncated after the worker read it: the next load that reads it fails, and only that request
     # prefills
     st = Store.open(spec["store"])
-    src, late_user = st.snapshot("indep"), f"late-{run}"  # this run's own copy of indep's memory
+    src, late_user = st.reads.snapshot("indep"), f"late-{run}"  # this run's own copy of indep's memory
     kvs = [src.fact_kv(i) for i in range(len(src.facts))]
-    late_v = st.put_user(late_user, src.facts, [k for k, _ in kvs], [v for _, v in kvs], src.embeddings, 0)
+    late_v = st.writes.put_user(late_user, src.facts, [k for k, _ in kvs], [v for _, v in kvs], src.embeddings, 0)
     late = MemoryRef(spec["store"], sid[spec["store"]], late_user, late_v, fact_ids)
     results["late_before"] = [_row(eng.generate_ids(mem_ids, late, STEPS, ignore_eos=True), None)]
-    (seg,) = st.snapshot(late_user).segments
+    (seg,) = st.reads.snapshot(late_user).segments
     path = st.segment_path(late_user, seg)
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated after the worker read it
     st.close()
@@ -367,7 +367,7 @@ def run_mode(spec_path: str, run: str, shared_url: str | None = None) -> None:
     ]
     # (a) re-ingest while a version is cached on the scheduler side, then a request still naming the old one.
     st = Store.open(spec["store"])
-    old = st.snapshot("replaced")
+    old = st.reads.snapshot("replaced")
     main = (spec["store"], sid[spec["store"]])
     results["before_replace"] = [
         _row(
@@ -375,7 +375,7 @@ def run_mode(spec_path: str, run: str, shared_url: str | None = None) -> None:
         )
     ]
     kvs = [old.fact_kv(i) for i in range(len(old.facts))]
-    new_version = st.put_user("replaced", old.facts, [k for k, _ in kvs], [v for _, v in kvs], old.embeddings, 0)
+    new_version = st.writes.put_user("replaced", old.facts, [k for k, _ in kvs], [v for _, v in kvs], old.embeddings, 0)
     st.close()
     # in another fact order, so no block of it is in vLLM's prefix cache: only the connector decides
     rev_ids = spec["memory_rev"] + spec["query"]
@@ -609,7 +609,7 @@ def shared_cases(eng, spec: dict, url: str) -> dict:
 
     st = Store.open(url)
     ids = spec["memory"] + spec["query"]
-    ref = MemoryRef(url, st.manifest["store_id"], "joint", st.version("joint"), ORDER)
+    ref = MemoryRef(url, st.manifest["store_id"], "joint", st.reads.version("joint"), ORDER)
     return {
         "prompt": _row(eng.generate_ids(ids, None, STEPS, ignore_eos=True, salt="cold-shared"), None),
         "joint": _row(eng.generate_ids(ids, ref, STEPS, ignore_eos=True), None),

@@ -33,10 +33,10 @@ from .store import (
     ALL,
     CACHE_BYTES,
     Erasure,
-    FactRecord,
     Store,
     StoreError,
     StoreUnavailable,
+    Write,
     check_kv_format,
     check_segments_url,
 )
@@ -198,7 +198,7 @@ def scope_neighbours(
     """``neighbour_prefixes`` with the pool read from the store: ``user``'s live facts (less the ids in ``gone``;
     ``store`` None: no pool) and the new facts, the store read ``page`` embeddings at a time (``Store.
     embedding_page``) while each new fact keeps its best pool candidates, then only those candidates' token ids
-    read (``Store.rows_token_ids``). The same choice as ``neighbour_prefixes`` over the whole scope (ties aside),
+    read (``Store.reads.rows_token_ids``). The same choice as ``neighbour_prefixes`` over the whole scope (ties aside),
     in memory that follows the write and the page, never the scope: no snapshot, no scope-sized matrix. A fact
     whose candidates run out (exact copies, the token budget) before it has ``neighbours`` is searched again
     with four times as many.
@@ -218,7 +218,7 @@ def scope_neighbours(
         q = emb[todo]
         best_v, best_r, pool, after = q.new_empty(len(todo), 0), torch.empty(len(todo), 0, dtype=torch.long), 0, -1
         while store is not None:
-            rows, fids, e = store.embedding_page(user, after, page)
+            rows, fids, e = store.reads.embedding_page(user, after, page)
             if not rows:
                 break
             after = rows[-1]
@@ -231,7 +231,9 @@ def scope_neighbours(
             top = torch.topk(v, min(k, v.shape[1]), dim=1)  # sorted, most similar first
             best_v, best_r = top.values, r.gather(1, top.indices)
         whole = best_v.shape[1] == pool  # every pool fact is a candidate: nothing beyond them was left out
-        info.update(store.rows_token_ids(user, [r for r in best_r.flatten().tolist() if r not in info]) if pool else {})
+        info.update(
+            store.reads.rows_token_ids(user, [r for r in best_r.flatten().tolist() if r not in info]) if pool else {}
+        )
         again = []
         for t, j in enumerate(todo):
             cands = [(v, 0, r) for v, r in zip(best_v[t].tolist(), best_r[t].tolist())]
@@ -346,42 +348,37 @@ def write_facts(
     lm: LoadedModel | None,
     embedder: Embedder | None,
     store: Store,
-    user: str,
-    facts: list[FactRecord],
+    write: Write,
     contexts: list[str],
     rendered: list[str],
-    delete: list[str] | str = (),
-    replace: bool = False,
-    turns: list[dict] = (),
-    events: list[tuple] = (),
     encoding: Encoding = Encoding(0, 0),
-    source: str | None = None,
     max_batch_tokens: int = 2048,
     progress=None,
-    now: float | None = None,
-    expect: dict[str, int] | None = None,
-    erase: Erasure | None = None,
 ) -> tuple[str, dict]:
-    """The one write path (``ingest-locomo`` and every ``Memory`` commit end here): embed the new facts
-    in one call, encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other
-    facts of the user: ``scope_neighbours``; or, with ``history``, behind every live fact of the user written
-    before them: ``encode_facts``) in one batched pass, and commit facts, tombstones, turns and history in one
-    store transaction. ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar or
-    None; ``encoding``: window, neighbours and history (``policy.Encoding``; the window's turns are already in
-    ``contexts``). Provenance: each fact's ``context_turns`` and ``source_turns`` are the caller's (None:
-    unknown); its ``context_facts`` are set here, the neighbour or earlier facts it is encoded behind.
-    ``delete``: fact ids, or ``store.ALL`` (every fact live when the commit runs). With no ``facts`` (a delete,
-    or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit then
-    records the window alone. ``expect``: fact id -> the row the caller read, a compare-and-set
-    (``Store.commit``; StoreConflict). ``erase``: an erasure in the same commit (``Store.commit``; the new facts
-    are never encoded behind its facts; the caller leaves its turns out of ``contexts``; its cascade is the
-    caller's, ``finish_erasure``). Returns (version, timings {encode_s, embed_s, encoded_tokens, neighbour_s})."""
+    """The one write path (``ingest-locomo`` and every ``Memory`` commit end here): ``write`` (``store.Write``),
+    whole, with its new facts (``write.add``, token ids not yet filled) encoded here. Embed the new facts in one call,
+        encode them behind their contexts (and, with ``neighbours=m``, behind their m most similar other facts of the
+        user: ``scope_neighbours``; or, with ``history``, behind every live fact of the user written before them:
+        ``encode_facts``) in one batched pass, and commit it (``Writer.commit``: facts, tombstones, turns and history
+        in one store transaction). ``facts[i].token_ids`` is filled from ``rendered[i]``; ``progress``: a tqdm-like bar
+        or None; ``encoding``: window, neighbours and history (``policy.Encoding``; the window's turns are already in
+        ``contexts``), recorded in the write (its ``window``; ``neighbours`` and ``history`` when it adds facts).
+        Provenance: each fact's ``context_turns`` and ``source_turns`` are the caller's (None: unknown); its
+        ``context_facts`` are set here, the neighbour or earlier facts it is encoded behind. With no new facts (a
+        delete, or turns alone) nothing is encoded and ``lm`` and ``embedder`` may be None; the commit then records
+        the window alone. ``write.expect``: a compare-and-set (StoreConflict). ``write.erase``: an erasure in the same
+        commit (the new facts are never encoded behind its facts; the caller leaves its turns out of ``contexts``;
+        its cascade is the caller's, ``finish_erasure``). Returns (version, timings {encode_s, embed_s,
+        encoded_tokens, neighbour_s})."""
+    user, facts, delete, erase = write.user, list(write.add), write.delete, write.erase
     window, neighbours, history = encoding.window, encoding.neighbours, encoding.history
     t0 = time.perf_counter()
     emb = embedder.embed([f.text for f in facts]) if facts else None
     t1 = time.perf_counter()
     prefixes, earlier, behind = None, None, [() for _ in facts]  # behind: each fact's context facts' ids
-    pooled = not replace and delete is not ALL and store.version(user) is not None  # live facts to encode behind
+    pooled = (
+        not write.replace and delete is not ALL and store.reads.version(user) is not None
+    )  # live facts to encode behind
     gone = set() if delete is ALL else set(delete) | set(erase.facts if erase is not None else ())
     if erase is not None and erase.everything:
         pooled = False
@@ -389,7 +386,7 @@ def write_facts(
         pool_ids, pool_fids = [], []
         if pooled:
             try:
-                ukv = store.snapshot(user)  # rows and embeddings, in write order
+                ukv = store.reads.snapshot(user)  # rows and embeddings, in write order
             except StoreUnavailable:  # the database, not the user: never encode behind a guessed pool
                 raise
             except StoreError:  # a user whose every fact was deleted
@@ -417,23 +414,17 @@ def write_facts(
         dataclasses.replace(f, token_ids=i, context_facts=() if f.context_turns is None else b)
         for f, i, b in zip(facts, ids, behind)
     ]
-    version = store.commit(
-        user,
-        facts,
-        [kv.keys.cpu() for kv in kvs],
-        [kv.values.cpu() for kv in kvs],
-        emb,
-        delete=delete if delete is ALL else list(delete),
-        replace=replace,
-        turns=list(turns),
-        events=list(events),
-        window=window,
-        source=source,
-        now=now,
-        neighbours=neighbours if facts else None,
-        history=history if facts else None,
-        expect=expect,
-        erase=erase,
+    version = store.writes.commit(
+        dataclasses.replace(
+            write,
+            add=facts,
+            keys=[kv.keys.cpu() for kv in kvs],
+            values=[kv.values.cpu() for kv in kvs],
+            embeddings=emb,
+            window=window,
+            neighbours=neighbours if facts else None,
+            history=history if facts else None,
+        )
     )
     return version, {"encode_s": t3 - t2, "embed_s": t1 - t0, "neighbour_s": t2 - t1, "encoded_tokens": n_tokens}
 
@@ -441,24 +432,25 @@ def write_facts(
 def reencode_stale(
     lm: LoadedModel, store: Store, user: str, only: set[str] | None = None, max_batch_tokens: int = 2048
 ) -> tuple[int, list[str]]:
-    """Re-encode ``user``'s stale facts (``Store.stale``; of ``only``, if given) behind what is left of their
+    """Re-encode ``user``'s stale facts (``Store.reads.stale``; of ``only``, if given) behind what is left of their
     context after an erasure: the window turns and neighbour or history facts of their provenance that still
     exist, in the same order, so each is encoded as it would have been had the erased text never been there. A
     fact of unknown provenance is encoded behind its ``window`` latest turns said before it was written and its
     scope's ``neighbours`` most similar other live facts. One batched pass, one versioned commit
-    (``Store.reencode``; tried again, up to 3 times, when a fact changed meanwhile).
+    (``Store.writes.reencode``; tried again, up to 3 times, when a fact changed meanwhile).
 
-    Returns (facts re-encoded, the segments that held their old KV: ``Store.compact`` them). Raises StoreError."""
+    Returns (facts re-encoded, the segments that held their old KV: ``Store.writes.compact`` them). Raises
+    StoreError."""
     for _ in range(3):
-        pending = {fid: seg for u, fid, seg, _ in store.stale(user) if only is None or fid in only}
+        pending = {fid: seg for u, fid, seg, _ in store.reads.stale(user) if only is None or fid in only}
         if not pending:
             return 0, []
-        ukv = store.snapshot(user)
+        ukv = store.reads.snapshot(user)
         todo = [f for f in ukv.facts if f.fact_id in pending]
         live = {f.fact_id: f for f in ukv.facts}
-        turns = {t["idx"]: t for t in store.turns(user)}
+        turns = {t["idx"]: t for t in store.reads.turns(user)}
         header = store.header_token_ids
-        m = store.user_info(user).get("neighbours", 0)
+        m = store.reads.user_info(user).get("neighbours", 0)
         seqs, spans, recs = [], [], []
         for f in todo:
             if f.context_turns is None:  # unknown: its window before it was written, its nearest facts now
@@ -485,19 +477,19 @@ def reencode_stale(
             recs.append(dataclasses.replace(f, context_turns=tuple(ctx), context_facts=tuple(behind)))
         kvs = encode_spans(lm.model, seqs, spans, max_batch_tokens)
         emb = ukv.embeddings[[ukv.position[f.row] for f in todo]]
-        version = store.reencode(user, recs, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb)
+        version = store.writes.reencode(user, recs, [kv.keys.cpu() for kv in kvs], [kv.values.cpu() for kv in kvs], emb)
         if version is not None:
             return len(recs), sorted({pending[f.fact_id] for f in todo})
     raise StoreError(f"user {user!r}: facts kept changing while they were re-encoded; try again")
 
 
 def erase_facts(lm, store: Store, user: str, delete, turns: list[int] = (), defer_s: float | None = None) -> dict:
-    """Erasure (``Store.erase``: one commit), then its cascade (``finish_erasure``). ``lm``: a callable returning
+    """Erasure (``Store.writes.erase``: one commit), then its cascade (``finish_erasure``). ``lm``: a callable returning
     the ``LoadedModel`` (called only when there is something to re-encode); ``defer_s``: None, re-encode at once;
     else leave it to a background job that must run within ``defer_s`` seconds.
 
     Returns ``{"version", "erased": n facts, "turns": n turns, "reencoded": n, "deferred": n}``."""
-    got = store.erase(user, delete, turns, defer_s=defer_s or 0.0)
+    got = store.writes.erase(user, delete, turns, defer_s=defer_s or 0.0)
     job = Erasure(erased=got["erased"], turns_erased=got["turns"], stale=got["stale"], segments=got["segments"])
     return finish_erasure(lm, store, user, job, got["version"], defer_s)
 
@@ -506,13 +498,13 @@ def finish_erasure(lm, store: Store, user: str, job: Erasure, version: str, defe
     """The cascade after an erasure ``job`` landed in the commit that made ``version``: unless deferred
     (``defer_s`` not None), every fact whose KV was computed behind the erased text is re-encoded without it
     (``reencode_stale``), and the segments that held erased or replaced KV are rewritten without it
-    (``Store.compact``; the erased facts' own KV either way), so once ``gc`` runs no file holds it. ``lm``: a
+    (``Store.writes.compact``; the erased facts' own KV either way), so once ``gc`` runs no file holds it. ``lm``: a
     callable returning the ``LoadedModel``.
 
     The cascade is best effort: when it fails (an object store that cannot be reached, where the new KV would go)
     the erasure still stands and is reported (a client told otherwise would take the memory for one that is still
     there), its facts are never served again, and what is left (stale facts, segments still holding erased KV) is
-    recorded for the upkeep (``Store.defer_compaction``; ``Memory.reencode_pending``), counted in ``deferred``.
+    recorded for the upkeep (``Store.writes.defer_compaction``; ``Memory.reencode_pending``), counted in ``deferred``.
 
     Returns ``{"version", "erased": n facts, "turns": n turns, "reencoded": n, "deferred": n}``."""
     segments, n = set(job.segments), 0
@@ -521,11 +513,11 @@ def finish_erasure(lm, store: Store, user: str, job: Erasure, version: str, defe
             n, old = reencode_stale(lm(), store, user)  # and any a concurrent write left behind erased text
             segments |= set(old)
         if segments:
-            version = store.compact(user, sorted(segments))
+            version = store.writes.compact(user, sorted(segments))
     except Exception as exc:  # the erasure landed: the rest is the upkeep's
         logger.warning("erasure of %r landed; its re-encoding and rewrite are left to the upkeep (%s)", user, exc)
         try:
-            store.defer_compaction(user)
+            store.writes.defer_compaction(user)
         except Exception as again:  # the database too: the next erasure of the user, or fsck, finds it
             logger.warning("erasure of %r: cannot record its deferred rewrite (%s)", user, again)
     return {

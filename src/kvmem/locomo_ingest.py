@@ -15,7 +15,7 @@ from .locomo import Conversation
 from .models import LoadedModel
 from .policy import Encoding
 from .retrieve import Embedder
-from .store import FactRecord, StoreError
+from .store import FactRecord, StoreError, Write
 
 
 @dataclass
@@ -117,20 +117,16 @@ def ingest_conversation(
         lm,
         embedder,
         store,
-        conv.sample_id,
-        records,
+        Write(conv.sample_id, records, replace=True, turns=turns, source=source),
         contexts,
         rendered,
-        replace=True,
-        turns=turns,
         encoding=encoding,
-        source=source,
         max_batch_tokens=max_batch_tokens,
         progress=bar,
     )
     if bar:
         bar.close()
-    n_fact = sum(f.num_tokens for f in store.snapshot(conv.sample_id).facts)
+    n_fact = sum(f.num_tokens for f in store.reads.snapshot(conv.sample_id).facts)
     store.close()
     return IngestReport(
         conv.sample_id,

@@ -3,7 +3,7 @@
 Paper §3.3: each fact's retrieval embedding lives beside its KV under the same ``fact_id``. At a few thousand
 facts per user exact search is the right default (FAISS ``IndexFlatIP``); ``VectorIndex`` is the seam for
 HNSW or a GPU index. Retrieval is per user and never crosses users. ``search`` ranks by cosine alone, or, with a
-``Fusion``, fuses cosine with the store's full-text (BM25) scores (``Store.keyword_search``), as Mem0 2.x does.
+``Fusion``, fuses cosine with the store's full-text (BM25) scores (``Store.reads.keyword``), as Mem0 2.x does.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class UserIndex:
         (``IndexCache`` does)."""
         if self.version == ukv.version:
             return self
-        delta = store.changes(ukv.user, self.version) if self.version is not None else None
+        delta = store.reads.changes(ukv.user, self.version) if self.version is not None else None
         if delta is None:
             self._rebuild(ukv)
         else:
@@ -172,7 +172,7 @@ class IndexCache:
             self._lru.clear()
 
     def forget(self, user: str, live: set[int] | None) -> None:
-        """``user``'s memory changed (``Store.watch``): drop the embeddings of rows no longer ``live`` from its
+        """``user``'s memory changed (``Store.reads.watch``): drop the embeddings of rows no longer ``live`` from its
         index now (None: the whole index), so an erased fact's embedding is not kept until the next search."""
         with self._lock:
             index = self._lru.pop(user, None) if live is None else self._lru.get(user)
@@ -220,7 +220,7 @@ class IndexCache:
                 index = UserIndex(ukv.embeddings.shape[1])
             else:
                 self.hits += 1
-        store.watch(self.forget)  # once per store: an erasure anywhere reaches this cache at the next read
+        store.reads.watch(self.forget)  # once per store: an erasure anywhere reaches this cache at the next read
         with index.lock:
             index.sync(store, ukv)
             found = index.search(query, top_k, ukv, allowed)
@@ -315,7 +315,7 @@ def search(
     sem_rank = {int(p): i + 1 for i, p in enumerate(pos)}
     found, offset, indexed = [], 0, False
     for part in ukv.parts or (ukv,):
-        got = store.keyword_search(part.user, query, pool)
+        got = store.reads.keyword(part.user, query, pool)
         if got is not None:
             indexed = True
             where = part.position

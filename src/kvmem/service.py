@@ -157,7 +157,7 @@ class MemoryService:
         prompt ids are the same for every r; only what is injected changes. Prompt mode is unaffected.
         ``user``: a store user, or several (entity scopes: ``scopes.Scope.subscopes``), whose memories are
         retrieved as one; users without memories are left out, and expired memories are never retrieved.
-        ``cold`` (load tests): the retrieved facts are dropped from every cache tier first (``Store.evict``; the
+        ``cold`` (load tests): the retrieved facts are dropped from every cache tier first (``Store.reads.evict``; the
         engine's prefix cache and the vLLM worker's read cache by the plan's nonce), then prefetched as usual.
         ``tools``: OpenAI tool definitions the chat template renders after the memory (``messages`` only).
         Raises ValueError for an empty question, top_k < 1, an unknown mode or one this engine cannot serve;
@@ -177,15 +177,15 @@ class MemoryService:
         t0 = time.perf_counter()
         users = [user] if isinstance(user, str) else list(user)
         # rows only: the engine reads the KV it injects (Engine.memory); several scopes are read as one memory
-        ukv = self.store.snapshots([(u, None) for u in users])
+        ukv = self.store.reads.snapshots([(u, None) for u in users])
         q_vec = self.embedder.embed([question])[0]
         t1 = time.perf_counter()
         hits = search(self.indexes, self.store, ukv, q_vec, question, top_k, ukv.unexpired(), self.fusion)
         retrieved = Retrieved([h.position for h in hits], [h.score for h in hits])
         if mode == "kv" and cold:
-            self.store.evict(ukv, retrieved.rows)
+            self.store.reads.evict(ukv, retrieved.rows)
         if mode == "kv":  # the facts' KV starts moving up the tiers while the prompt is built and scheduled
-            self.store.prefetch(ukv, retrieved.rows)
+            self.store.reads.prefetch(ukv, retrieved.rows)
         t2 = time.perf_counter()
         query_ids = (
             self.fmt.conversation_ids(self.lm.tokenizer, messages, tools=tools)

@@ -8,7 +8,7 @@ planned and composed for that user on the transformers engine, side by side in o
 * ``plan``: embed the question, search the user's index, order and budget the top-k;
 * ``compose``: read the k facts' KV (``UserKV.gather``: only their spans), rotate and concatenate them.
 
-Before the chats, every segment is verified against its checksum (``Store.verify``: once per segment per process,
+Before the chats, every segment is verified against its checksum (``Store.reads.verify``: once per segment per process,
 which a reader otherwise pays on its first read of each); that time is reported on its own, as is the first chat
 (it builds the user's index). The rest give median and p95. Resident memory is read after each N: it must stay
 within the model plus ``--cache-bytes`` (the store's byte-bounded cache), not grow with N. Target: p50 at 10,000
@@ -34,7 +34,7 @@ from ..locomo import get_conversation
 from ..models import head_dim
 from ..retrieve import Embedder
 from ..service import MemoryService
-from ..store import FactRecord, Store
+from ..store import FactRecord, Store, Write
 from .common import machine, median, p95, pyplot, rss_bytes, table, write_summary_and_records
 
 BATCH = 100  # memories per commit (one segment each)
@@ -55,7 +55,7 @@ def fill(root: str, user: str, n: int, fact_tokens: int, dim: int, shape: tuple[
         ]
         keys = [torch.randn(L, H, fact_tokens, D, generator=g).to(dtype) for _ in range(m)]
         vecs = torch.nn.functional.normalize(torch.randn(m, dim, generator=g), dim=1)
-        store.commit(user, recs, keys, keys, vecs)
+        store.writes.commit(Write(user, recs, keys, keys, vecs))
     store.close()
 
 
@@ -95,7 +95,7 @@ def run(
             rss_before = rss_bytes()["rss"]
             svc = MemoryService(root, engine, lm, emb, store_cache_bytes=cache_bytes)
             t0 = time.perf_counter()
-            svc.store.verify("u")  # once per segment per process: what a long-running server has paid
+            svc.store.reads.verify("u")  # once per segment per process: what a long-running server has paid
             verify_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             svc.prepare("u", questions[0], k)

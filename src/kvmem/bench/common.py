@@ -169,14 +169,14 @@ def ensure_store(
     root = store_path(data, conv.sample_id, lm.name, window, str(lm.dtype).removeprefix("torch."), neighbours, history)
     try:
         st = Store.open(root, fingerprint(lm))
-        info = st.user_info(conv.sample_id) if conv.sample_id in st.users() else {}
+        info = st.reads.user_info(conv.sample_id) if conv.sample_id in st.reads.users() else {}
         ok = (
             info.get("window") == window
             and info.get("neighbours") == neighbours
             and info.get("history", False) == history
         )
         if ok:
-            st.add_text_index()  # a store cached before the full-text index existed gets one (no re-encoding)
+            st.writes.add_text_index()  # a store cached before the full-text index existed gets one (no re-encoding)
         st.close()
     except StoreError:
         ok = False

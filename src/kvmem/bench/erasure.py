@@ -54,7 +54,7 @@ def deletes(lm, emb, turns, n: int, k: int, batch: int, seed: int, echo) -> list
         for mode in ("now", "deferred"):
             mem.defer_reencode_s = None if mode == "now" else 3600.0
             for _ in range(k):
-                ids = [f.fact_id for f in mem.store.facts("u")]
+                ids = [f.fact_id for f in mem.store.reads.snapshot("u").facts]
                 t0 = time.perf_counter()
                 out = mem.delete(rng.choice(ids))["erasure"]
                 rows.append({"memories": n, "mode": mode, "ms": (time.perf_counter() - t0) * 1e3, **out})
@@ -87,18 +87,18 @@ def copies(lm, emb, turns, n: int, k: int, batch: int, seed: int, retire_s: floa
             mem = Memory(tmp / "s", model=lm, embedder=emb, window=5, neighbours=4,
                          segments_url=(tmp / "objects").as_uri() if cached else None)  # fmt: skip
             _fill(mem, turns, n, batch)
-            mem.store.retire_after_s = retire_s
+            mem.store.writes.retire_after_s = retire_s
             reader = Store.open(tmp / "s", cache_dir=tmp / "cache") if cached else None
             rng = random.Random(seed)
             for _ in range(k):
-                facts = mem.store.facts("u")
+                facts = mem.store.reads.snapshot("u").facts
                 victim = rng.choice(facts)
-                ukv = mem.store.snapshot("u")
+                ukv = mem.store.reads.snapshot("u")
                 i = next(j for j, f in enumerate(ukv.facts) if f.fact_id == victim.fact_id)
                 # its last token's key in the last layer, as stored: layer 0's first key is the same for every fact
                 needle = ukv.fact_kv(i)[0][-1, 0, -1].float().numpy().tobytes()
                 if reader is not None:  # the server's cache holds every segment
-                    rk = reader.snapshot("u")
+                    rk = reader.reads.snapshot("u")
                     for j in range(len(rk.facts)):
                         rk.fact_kv(j)
                 dirs = [tmp / "s", tmp / "objects", tmp / "cache"]
@@ -133,7 +133,7 @@ def cascade(lm, emb, data: Path, sample: str, check: int, seed: int, echo) -> di
         ingest_conversation(lm, emb, root, conv, window=5, neighbours=4, progress=False)
         ingest_s = time.perf_counter() - t0
         store = Store.open(root)
-        facts = store.facts(sample)
+        facts = store.reads.snapshot(sample).facts
         predicted = {}
         for f in facts:
             gone_turns = set(f.source_turns)
@@ -152,7 +152,7 @@ def cascade(lm, emb, data: Path, sample: str, check: int, seed: int, echo) -> di
             with tempfile.TemporaryDirectory(prefix="kvmem-bench-erase-copy-") as t2:
                 shutil.copytree(root, Path(t2) / "s")
                 st = Store.open(Path(t2) / "s")
-                got = st.erase(sample, [fid])
+                got = st.writes.erase(sample, [fid])
                 checked.append({"fact": fid, "predicted": predicted[fid], "stale": len(got["stale"])})
                 st.close()
             store = Store.open(root)

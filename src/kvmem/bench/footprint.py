@@ -56,7 +56,7 @@ def run(
     for c in setup.convs:
         svc = svcs[c.sample_id]
         st = svc.store
-        ukv = st.user_kv(c.sample_id)
+        ukv = st.reads.snapshot(c.sample_id)
         index = UserIndex(ukv.embeddings.shape[1]).sync(st, ukv)
         index_bytes = int(faiss.serialize_index(index.index).nbytes)
         layouts = []
@@ -65,7 +65,7 @@ def run(
                 layouts.append(read_layout(h))
         n_tok = ukv.num_tokens
         kv_bytes, file_bytes = sum(x.nbytes for x in layouts), sum(x.size for x in layouts)
-        hk, hv = st.header_kv()
+        hk, hv = st.reads.header_kv()
         records.append(
             {
                 "sample": c.sample_id,

@@ -55,7 +55,7 @@ def format_store(native: Path, fmt: str, log=log_err) -> Path:
     if Store.exists(root):
         st, src = Store.open(root), Store.open(native)
         try:
-            if st.kv_format == fmt and set(st.users()) == set(src.users()):
+            if st.kv_format == fmt and set(st.reads.users()) == set(src.reads.users()):
                 return root
         finally:
             st.close()
@@ -70,7 +70,7 @@ def footprint(root: Path) -> dict:
     """Segment bytes per live fact token of the store at ``root``, and over bf16's."""
     st = Store.open(root)
     try:
-        tokens = sum(f.num_tokens for u in st.users() for f in st.facts(u))
+        tokens = sum(f.num_tokens for u in st.reads.users() for f in st.reads.snapshot(u).facts)
         nbytes = st.segments.nbytes()
         fp = st.fingerprint
         bf16 = fp["num_layers"] * fp["num_kv_heads"] * fp["head_dim"] * 2 * 2
@@ -155,9 +155,9 @@ def run(
         got = {}
         for fmt in formats:
             st = opened[fmt][q.sample]
-            ukv = st.snapshot(q.sample)
+            ukv = st.reads.snapshot(q.sample)
             rows = ukv.row_of()
-            mem = compose(rot, st.header_token_ids, st.header_kv(), ukv, [rows[f] for f in prep.fact_ids])
+            mem = compose(rot, st.header_token_ids, st.reads.header_kv(), ukv, [rows[f] for f in prep.fact_ids])
             got[fmt] = _greedy(lm.model, mem, list(prep.prompt_ids[len(mem.token_ids) :]), STEPS)
         for fmt in formats[1:]:
             d = (got[fmt][0] - got["native"][0]).abs()

@@ -27,7 +27,7 @@ from ..locomo import get_conversation
 from ..memory import Memory
 from ..models import head_dim, load
 from ..retrieve import Embedder
-from ..store import FactRecord
+from ..store import FactRecord, Write
 from .common import machine, median, p95, pyplot, table, write_summary_and_records
 
 
@@ -59,7 +59,7 @@ def run(
             t0 = time.perf_counter()
             mem.add(msg, "u", infer=False)
             add_ms = (time.perf_counter() - t0) * 1e3
-            fact = mem.store.snapshot("u").facts[-1]
+            fact = mem.store.reads.snapshot("u").facts[-1]
             ctx_ids = lm.tokenizer(context, add_special_tokens=False)["input_ids"] if context else []
             ids = torch.tensor([mem.store.header_token_ids + ctx_ids + list(fact.token_ids)])
             with torch.inference_mode():
@@ -91,7 +91,7 @@ def run(
                     for j in range(n)
                 ]  # fmt: skip
                 vecs = torch.nn.functional.normalize(torch.randn(n, emb.dim, generator=g), dim=1)
-                mem.store.commit(user, recs, [kv] * n, [kv] * n, vecs, window=window)
+                mem.store.writes.commit(Write(user, recs, [kv] * n, [kv] * n, vecs, window=window))
         real = mem.add([{"role": "user", "content": t.text} for t in conv.turns[:deletes]], "big", infer=False)
         mem.add([{"role": "user", "content": t.text} for t in conv.turns[:deletes]], "big2", infer=False)
         arms = {

@@ -45,7 +45,7 @@ def evidence_recall(items, embedder, ks=KS, fusion: Fusion | None = None) -> dic
     ks = sorted(set(ks))
     tally: dict = {}
     for conv, store, indexes in items:
-        ukv = store.snapshot(conv.sample_id)
+        ukv = store.reads.snapshot(conv.sample_id)
         turns_of = {f.fact_id: set(f.source_turns or (f.source_turn,)) for f in conv.facts}
         known = set().union(*turns_of.values()) if turns_of else set()
         qs = [(q, dia_ids(q.evidence)) for q in conv.questions if 1 <= q.category <= 4 and q.question.strip()]

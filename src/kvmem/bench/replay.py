@@ -92,7 +92,7 @@ def build_arm(arm: str, conv, root: Path, lm, embedder, window: int, log=log_err
         mem.store.close()
 
     st = Store.open(root)
-    facts, stored_bytes = len(st.snapshot(conv.sample_id).facts), st.disk_bytes()
+    facts, stored_bytes = len(st.reads.snapshot(conv.sample_id).facts), st.disk_bytes()
     st.close()
     return {
         "arm": arm,

@@ -20,7 +20,7 @@ import torch
 from ..locomo import load_locomo
 from ..memory import Memory
 from ..retrieve import Embedder
-from ..store import FactRecord, Store
+from ..store import FactRecord, Store, Write
 from .common import machine, median, p95, table, write_summary_and_records
 
 BATCH = 1000  # memories per commit
@@ -37,7 +37,7 @@ def fill(root, n: int, embedder: Embedder, texts: list[str]) -> None:
     for start in range(0, n, BATCH):
         idx = [i % len(texts) for i in range(start, min(n, start + BATCH))]
         recs = [FactRecord(f"m{start + j}", "u", texts[i], "", "", "", (1,)) for j, i in enumerate(idx)]
-        store.commit("u", recs, [zeros] * len(recs), [zeros] * len(recs), vecs[idx])
+        store.writes.commit(Write("u", recs, [zeros] * len(recs), [zeros] * len(recs), vecs[idx]))
     store.close()
 
 

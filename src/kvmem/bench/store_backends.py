@@ -154,10 +154,10 @@ def run(
                 rows = rng.sample(range(memories), n)
                 for b in BACKENDS if i % 2 else BACKENDS[::-1]:
                     st = readers[b]
-                    st.drop_caches()
+                    st.reads.forget()
                     for cache in ("cold", "warm"):
                         t0 = time.perf_counter()
-                        st.snapshot("big").gather(rows)
+                        st.reads.snapshot("big").gather(rows)
                         records.append(
                             {"op": f"gather{n}-{cache}", "backend": b, "ms": (time.perf_counter() - t0) * 1e3}
                         )

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..store import FactRecord, Store
+from ..store import FactRecord, Store, Write
 from .common import free_port, machine, median, p95, served, table, write_json
 
 KEY = "bench-ui-key-0123456789abcdef"
@@ -34,7 +34,7 @@ BATCH = 100  # memories per commit
 def fill(root: Path, memories: int, users: int, fact_tokens: int, dim: int) -> None:
     """``memories`` memories for acme:big, one for each of ``users`` more users (acme:user00000...)."""
     store = Store.open(root)
-    keys, _ = store.header_kv()  # [L, H, h, D]
+    keys, _ = store.reads.header_kv()  # [L, H, h, D]
     L, H, _, D = keys.shape
     g = torch.Generator().manual_seed(0)
     toks = tuple(range(1, fact_tokens + 1))
@@ -43,7 +43,7 @@ def fill(root: Path, memories: int, users: int, fact_tokens: int, dim: int) -> N
         recs = [FactRecord(i, user, f"memory {i} about topic {n % 97}", "", "", "", toks) for n, i in enumerate(ids)]
         kv = [torch.randn(L, H, fact_tokens, D, generator=g).to(keys.dtype) for _ in ids]
         vecs = torch.nn.functional.normalize(torch.randn(len(ids), dim, generator=g), dim=1)
-        store.commit(user, recs, kv, kv, vecs)
+        store.writes.commit(Write(user, tuple(recs), tuple(kv), tuple(kv), vecs))
 
     for start in range(0, memories, BATCH):
         commit("acme:big", [f"m{j}" for j in range(start, min(memories, start + BATCH))])

@@ -64,7 +64,7 @@ def ask(
     check_methods([method], engine)  # --selective-recompute where the engine cannot: before anything loads
     dtype = resolve_dtype(dtype)
     with_store = Store.open(store)  # unknown store/user fail here, before any engine starts
-    with_store.user_info(user)
+    with_store.reads.user_info(user)
     if with_store.fingerprint.get("dtype") != dtype:  # refuse before any model loads (raises StoreDtypeMismatch)
         Store.open(store, {**with_store.fingerprint, "dtype": dtype})
     with_store.close()

@@ -64,8 +64,8 @@ def demo(
     have_windows = set()
     try:
         st = Store.open(store)
-        if sample in st.users() and st.user_info(sample)["neighbours"] == neighbours:
-            have_windows.add(st.user_info(sample)["window"])
+        if sample in st.reads.users() and st.reads.user_info(sample)["neighbours"] == neighbours:
+            have_windows.add(st.reads.user_info(sample)["window"])
         st.close()
     except StoreError:
         pass

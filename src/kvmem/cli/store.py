@@ -123,7 +123,7 @@ def store_text_index(store: str = store_option()):
 
     st = Store.open(store)
     try:
-        added = st.add_text_index()
+        added = st.writes.add_text_index()
     finally:
         st.close()
     typer.echo(f"store {st.name}: " + ("full-text index created" if added else "already has its full-text index"))

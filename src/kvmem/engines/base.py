@@ -107,7 +107,7 @@ class TokenLogprob:
 class MemoryPlan:
     """What the service retrieved for one request, for the engine to turn into injectable memory.
 
-    ``snapshot``: the user's memory version the rows index (``Store.snapshot``; its KV segments may be absent:
+    ``snapshot``: the user's memory version the rows index (``Store.reads.snapshot``; its KV segments may be absent:
     an engine that needs them reads them, ``Engine.memory``); ``rows``: injected facts in order (rows of
     ``snapshot.facts``); ``header_ids``: the store's header token ids; ``served_len``: tokens of the whole served
     prompt (for length-dependent RoPE); ``recompute``: fraction of fact tokens to recompute (selective recompute,

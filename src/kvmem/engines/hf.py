@@ -255,7 +255,7 @@ class HFEngine(Engine):
             composed = compose(
                 self.rotary,
                 plan.header_ids,
-                plan.store.header_kv(),
+                plan.store.reads.header_kv(),
                 plan.snapshot,
                 plan.rows,
                 device=self.device,

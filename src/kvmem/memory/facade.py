@@ -13,13 +13,12 @@ from pathlib import Path
 
 from .. import scopes
 from ..config import config_kwargs
-from ..ingest import erase_facts, finish_erasure, open_or_create_store, reencode_stale, render_turns, write_facts
+from ..ingest import finish_erasure, open_or_create_store, render_turns, write_facts
 from ..models import DEFAULT_MODEL, LoadedModel, fingerprint, load
 from ..policy import Encoding
 from ..retrieve import HYBRID, Embedder, Fusion, IndexCache, search
 from ..scopes import Scope
 from ..store import (
-    ALL,
     CACHE_BYTES,
     Erasure,
     FactRecord,
@@ -28,6 +27,7 @@ from ..store import (
     StoreError,
     StoreUnavailable,
     UnknownUser,
+    Write,
     came_from,
     check_kv_format,
     check_segments_url,
@@ -35,6 +35,7 @@ from ..store import (
 )
 from . import grounding, importer, mem0, reconcile
 from .extract import make_extractor
+from .forget import Forgetting, erasure_counts
 from .mem0 import (
     MemoryConflict,
     MemoryInputError,
@@ -54,7 +55,7 @@ def default_store() -> str | Path:
     return Path(os.environ.get("XDG_DATA_HOME") or "~/.local/share").expanduser() / "kvmem" / "memory"
 
 
-class Memory:
+class Memory(Forgetting, importer.Importing):
     """Mem0's open-source ``Memory`` (mem0ai 2.2.1's ``mem0.memory.main.Memory``) whose facts are also stored as
     the answer model's KV, for KV injection.
 
@@ -65,7 +66,7 @@ class Memory:
         extractor: None (the local model), ``{"base_url", "model", "api_key"}`` or an ``extract.Extractor``.
         window: conversation turns encoded before each new fact (context-window encoding).
             ``window``, ``neighbours`` and ``history`` left as None take, for each scope, how that scope's facts
-            were encoded so far (``Store.user_info``), and for a new scope the defaults 5, 4 and False (window 0
+            were encoded so far (``Store.reads.user_info``), and for a new scope the defaults 5, 4 and False (window 0
             and neighbours 0 with ``history=True``).
         neighbours: also encode each new fact behind its m most similar live facts of the scope (neighbour-aware
             encoding, ``ingest.scope_neighbours``; default ``policy.DEFAULT_NEIGHBOURS`` = 4, 0 = off). No
@@ -208,9 +209,9 @@ class Memory:
         """The store users that are scopes of ``namespace`` with every id ``named`` names (None: all of them;
         ``live``: with a live fact), found through the store's scope index, so the cost follows the caller's own
         scopes; a store created before the index lists its users."""
-        keys = self.store.scope_keys(scopes.IndexQuery.of(named, namespace), live)
+        keys = self.store.reads.scope_keys(scopes.IndexQuery.of(named, namespace), live)
         if keys is None:
-            keys = self.store.users(with_no_live_facts=not live)
+            keys = self.store.reads.users(with_no_live_facts=not live)
         return [k for k in keys if scopes.matches(k, named, namespace)]
 
     def entity_scopes(self, namespace: str | None = None) -> list[Scope]:
@@ -222,7 +223,7 @@ class Memory:
         """Rows and embeddings of the current version of ``users``' memories, read as one (no KV: reads never
         need it), or None when none has live memories."""
         try:
-            return self.store.snapshots([(u, None) for u in users]) if users else None
+            return self.store.reads.snapshots([(u, None) for u in users]) if users else None
         except UnknownUser:
             return None
 
@@ -327,7 +328,7 @@ class Memory:
     def _fact(self, memory_id, namespace: str | None = None) -> FactRecord | None:
         """The live memory with this id among ``namespace``'s scopes (a tenant sees its own ids only)."""
         try:
-            return self.store.fact(str(memory_id), within=scopes.namespace_prefix(namespace))
+            return self.store.reads.fact(str(memory_id), within=scopes.namespace_prefix(namespace))
         except LookupError as exc:
             raise MemoryInputError(str(exc)) from None
 
@@ -378,17 +379,19 @@ class Memory:
     def history(self, memory_id: str, namespace: str | None = None) -> list[dict]:
         """Every event of a memory, oldest first (Mem0's history rows, ``mem0.history_rows``). Raises
         MemoryInputError for an id that never existed."""
-        return mem0.history_rows(self.store.history(str(memory_id), scopes.namespace_prefix(namespace)), memory_id)
+        return mem0.history_rows(
+            self.store.reads.history(str(memory_id), scopes.namespace_prefix(namespace)), memory_id
+        )
 
     # --- writes ---------------------------------------------------------------------------------------------
 
     def _encoding(self, user: str) -> tuple[int, int, bool]:
         """(window, neighbours, history) of a write to ``user`` (a scope key): what the constructor was given,
-        else how the scope's facts were encoded so far (``Store.user_info``), else the defaults (5, 4, False; 0,
+        else how the scope's facts were encoded so far (``Store.reads.user_info``), else the defaults (5, 4, False; 0,
         0 with history), so one scope's facts keep one encoding across processes. A given ``history`` that
         switches the scope's method takes that method's defaults for what is not given."""
         try:
-            info = self.store.user_info(user)
+            info = self.store.reads.user_info(user)
         except StoreUnavailable:  # the database, not the scope: never write with guessed settings
             raise
         except StoreError:  # a new scope (or one whose every fact was deleted)
@@ -415,7 +418,7 @@ class Memory:
         window = self._encoding(user)[0]
         if window == 0:
             return "", ()
-        stored = [t for t in self.store.turns(user, last=window + len(skip)) if t["idx"] not in skip]
+        stored = [t for t in self.store.reads.turns(user, last=window + len(skip)) if t["idx"] not in skip]
         turns = [(t, t["idx"]) for t in stored] + [(t, -(i + 1)) for i, t in enumerate(new_turns[:upto])]
         turns = turns[-window:]
         return render_turns([t for t, _ in turns]), tuple(r for _, r in turns)
@@ -444,7 +447,7 @@ class Memory:
         ``provenance``: per new fact (its window's turn references, the turns it came from), as ``_context``
         gives them (None: unknown); ``expect``: fact id -> the row read, a compare-and-set (MemoryConflict when
         one changed since; checked before anything is written, the erasure's ids included); ``erase``: facts
-        erased in the same commit (``Store.commit``; filled in with what it covered; its cascade is the caller's,
+        erased in the same commit (``Store.writes.commit``; filled in with what it covered; its cascade is the caller's,
         ``ingest.finish_erasure``). The model and embedder load only for a write with new facts. Returns (the new
         version, the new facts' records)."""
 
@@ -475,17 +478,10 @@ class Memory:
                 self.lm if records else None,
                 self.embedder if records else None,
                 self.store,
-                user,
-                records,
+                Write(user, records, delete=delete, turns=turns, events=events, now=now, expect=expect, erase=erase),
                 list(contexts),
                 rendered,
-                delete=delete,
-                turns=turns,
-                events=events,
-                now=now,
                 encoding=Encoding(window, neighbours, history),
-                expect=expect,
-                erase=erase,
             )
         except StoreConflict as exc:
             raise MemoryConflict(str(exc)) from None
@@ -598,7 +594,9 @@ class Memory:
         )  # fmt: skip
         erasure = None
         if job is not None:
-            erasure = _counts(finish_erasure(lambda: self.lm, self.store, user, job, version, self.defer_reencode_s))
+            erasure = erasure_counts(
+                finish_erasure(lambda: self.lm, self.store, user, job, version, self.defer_reencode_s)
+            )
         added = [r for r, n in zip(records, plan.new) if n[1] is None]
         out: dict = {"results": mem0.added(added) + plan.results}
         if erasure is not None:
@@ -617,7 +615,7 @@ class Memory:
         """The stored turns ``facts`` came from (``store.came_from``: what erasing them erases)."""
         out = {t for f in facts if f.context_turns is not None for t in f.source_turns}
         if any(f.context_turns is None for f in facts):
-            rows = [(t["idx"], t["dia_id"], t["content"]) for t in self.store.turns(user)]
+            rows = [(t["idx"], t["dia_id"], t["content"]) for t in self.store.reads.turns(user)]
             out |= {t for f in facts if f.context_turns is None for t in came_from(None, f.source_turn, f.text, rows)}
         return out
 
@@ -668,144 +666,6 @@ class Memory:
         except StoreError as exc:  # deleted concurrently
             raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
         return {"message": "Memory updated successfully!"}
-
-    def delete(self, memory_id: str, namespace: str | None = None) -> dict:
-        """Erase one memory: it is never retrieved or injected again, and nothing keeps its words (``_erase``).
-        Returns ``{"message", "erasure": {"erased", "turns", "reencoded", "deferred"}}``. Raises MemoryInputError
-        if unknown."""
-        f = self._fact(memory_id, namespace)
-        if f is None:
-            raise MemoryInputError(f"memory {memory_id!r} not found")
-        try:
-            erasure = self._erase(f.user, [f.fact_id])
-        except StoreUnavailable:
-            raise
-        except StoreError as exc:  # a concurrent delete of the same id won the race
-            raise MemoryInputError(f"memory {memory_id!r} not found ({exc})") from None
-        return {"message": "Memory deleted successfully!", "erasure": erasure}
-
-    def delete_all(
-        self,
-        user_id: str | None = None,
-        agent_id: str | None = None,
-        run_id: str | None = None,
-        namespace: str | None = None,
-    ) -> dict:
-        """Erase every memory whose scope has all the given ids (``delete_all(user_id="u")`` also erases u's
-        memories with an agent or run), each scope in one commit, with all of its turns and its history's text
-        (``_erase``). Returns ``{"message", "erasure": {...}}`` (counts summed over the scopes). Raises
-        MemoryInputError without any id."""
-        mem0.check_delete_all(user_id, agent_id, run_id)
-        users, _ = self._read_scopes(None, {"user_id": user_id, "agent_id": agent_id, "run_id": run_id}, namespace)
-        total = Counter()
-        for user in users:
-            total.update(self._erase(user, ALL))  # what is live when the commit runs, and every turn
-        return {"message": "Memories deleted successfully!", "erasure": _counts(total)}
-
-    def _erase(self, user: str, delete) -> dict:
-        """Erase facts ``delete`` (ids, or ``ALL``: then every turn of the scope too) of scope key ``user``
-        (``ingest.erase_facts``): rows, source turns and history text go; the facts whose KV was computed behind
-        them are re-encoded without them now, or, with ``defer_reencode_s``, by the background job
-        (``reencode_pending``) within that bound. Returns ``{"erased", "turns", "reencoded", "deferred"}``."""
-        got = erase_facts(lambda: self.lm, self.store, user, delete, defer_s=self.defer_reencode_s)
-        return _counts(got)
-
-    def reencode_pending(self, due_within_s: float | None = None) -> dict:
-        """The background half of a deferred erasure: re-encode every scope's stale facts (those due within
-        ``due_within_s`` seconds; None: all) and rewrite the segments that held their old KV; and finish the
-        erasures whose cascade failed after they landed (``Store.compactions``: every segment of the scope still
-        holding dead KV is rewritten); then ``collect``. Returns ``{"reencoded": n, "scopes": n, "collected": n}``."""
-        horizon = None if due_within_s is None else time.time() + due_within_s
-        deferred = set(self.store.compactions())
-        users = sorted({u for u, _, _, by in self.store.stale() if horizon is None or by <= horizon} | deferred)
-        n = 0
-        for user in users:
-            got, old = reencode_stale(self.lm, self.store, user)
-            n += got
-            rewrite = set(old) | (set(self.store.dead_segments(user)) if user in deferred else set())
-            if rewrite:
-                self.store.compact(user, sorted(rewrite))
-            if user in deferred:
-                self.store.compacted(user)
-        return {"reencoded": n, "scopes": len(users), "collected": self.collect()}
-
-    def collect(self) -> int:
-        """Remove the files (or objects) of every scope's segments retired ``store.retire_after_s`` or more ago
-        (``Store.collect``), so what an erasure left in them goes within that bound even for a scope that never
-        writes again (one erased whole); no model. Run by ``reencode_pending`` (the server's upkeep round); a
-        library user calls either now and then. Returns how many segments were removed."""
-        return len(self.store.collect())
-
-    def expire(self, today: str | None = None) -> dict:
-        """Erase every memory whose ``expiration_date`` has passed (before ``today``, YYYY-MM-DD; default
-        today), in every scope, as ``delete`` erases one. Returns the summed ``{"erased", "turns", "reencoded",
-        "deferred"}``."""
-        today = today or mem0.today()
-        total = Counter()
-        for user in self.store.users():
-            ukv = self._snapshot([user])
-            live = None if ukv is None else ukv.unexpired(today)
-            if live is not None:
-                gone = [f.fact_id for f in ukv.facts if f.row not in live]
-                if gone:
-                    total.update(self._erase(user, gone))
-        return _counts(total)
-
-    def import_memories(self, export, namespace: str | None = None) -> dict:
-        """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
-        ``{"results": [...]}`` page or a list of at most ``importer.MAX_IMPORT_RECORDS`` items) verbatim, keeping
-        their ids, scopes, metadata, role, expiration date and creation times; each scope's memories are encoded
-        and committed in creation order, ``import_batch_size`` (``importer.IMPORT_BATCH``) at a time
-        (``plan_import``, then ``import_batch`` for each batch), so memory stays bounded whatever the export's
-        size. Every record is checked first: a malformed one (by index), an id repeated or live here with another
-        scope or text, and nothing is written. Idempotent by record: one already live as given is skipped, so an
-        import cut short is completed by running it again (``importer`` says how). Returns ``{"count": n, "scopes":
-        {"user_id=alice": 3, ...}, "existing": skipped}``. Raises MemoryInputError, ImportTooLarge (a subclass)."""
-        plan = self.plan_import(export, namespace)
-        for batch in plan.batches:
-            self.import_batch(batch)
-        return plan.result()
-
-    def plan_import(self, export, namespace: str | None = None) -> importer.ImportPlan:
-        """``import_memories``' checks, without writing: the export's batches (``importer.read_export``). Reads
-        the store only (one indexed lookup per record), so it need not run on the model thread."""
-        return importer.read_export(export, namespace, lambda i: self._fact(i, namespace), self.import_batch_size)
-
-    def import_batch(self, batch: tuple[str, list]) -> str:
-        """Encode and commit one batch of a ``plan_import``: (store user, items), in one commit. Returns the
-        scope's new version. Raises StoreError when an id became live since the plan was made (nothing of this
-        batch is written)."""
-        user, items = batch
-        new = [(text, fid, meta) for _, text, fid, meta in items]
-        ctx, refs = self._context(user, [], 0)
-        version, _ = self._write(
-            user, new, [], [], [ctx] * len(new), [], time.time(), {fid: t for t, _, fid, _ in items}, True,
-            provenance=[(refs, ())] * len(new),
-        )  # fmt: skip
-        return version
-
-    def compact(self, user_id: str | None = None, agent_id=None, run_id=None, namespace: str | None = None) -> dict:
-        """Rewrite one scope's KV segments without dead rows; what search and get_all return is unchanged."""
-        user = mem0.scope_of(user_id, agent_id, run_id).key(namespace)
-        if self._snapshot([user]) is None:
-            return {"message": "nothing to compact"}
-        return {"message": "Memory compacted", "version": self.store.compact(user)}
-
-    def reset(self) -> dict:
-        """Delete every memory, turn and history row of the store (the model and header stay); nothing is left
-        to re-encode. Returns ``{"message", "erasure": {"erased", "turns", "reencoded": 0, "deferred": 0}}``."""
-        with self.store.writer():
-            facts = self.store.rows.execute("SELECT COUNT(*) FROM facts WHERE deleted IS NULL").fetchone()[0]
-            turns = self.store.rows.execute("SELECT COUNT(*) FROM turns").fetchone()[0]
-        self.store.reset()
-        self.indexes.clear()
-        self._fields.clear()
-        return {"message": "Memory reset", "erasure": _counts({"erased": facts, "turns": turns})}
-
-
-def _counts(got) -> dict:
-    """What an erasure covered, as the API reports it."""
-    return {k: int(got.get(k, 0)) for k in ("erased", "turns", "reencoded", "deferred")}
 
 
 class AsyncMemory:

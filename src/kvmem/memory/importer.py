@@ -16,6 +16,7 @@ record whose id is live with another scope or text is refused, and then nothing 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,3 +134,41 @@ def read_export(
 def scope_label(user: str, namespace: str | None) -> str:
     """A scope key as the import's count names it, e.g. ``user_id=alice&agent_id=travel``."""
     return "&".join(f"{k}={v}" for k, v in scopes.parse_key(user, namespace).ids().items())
+
+
+class Importing:
+    """``Memory``'s import of a Mem0 export (``import_memories``, in batches: ``plan_import``, ``import_batch``); a
+    mixin of ``facade.Memory``, whose ``_fact``, ``_context`` and ``_write`` it uses."""
+
+    def import_memories(self, export, namespace: str | None = None) -> dict:
+        """Write memories exported from Mem0 (what ``MemoryClient.get_all`` or the OSS ``get_all`` returns: a
+        ``{"results": [...]}`` page or a list of at most ``MAX_IMPORT_RECORDS`` items) verbatim, keeping
+        their ids, scopes, metadata, role, expiration date and creation times; each scope's memories are encoded
+        and committed in creation order, ``import_batch_size`` (``IMPORT_BATCH``) at a time
+        (``plan_import``, then ``import_batch`` for each batch), so memory stays bounded whatever the export's
+        size. Every record is checked first: a malformed one (by index), an id repeated or live here with another
+        scope or text, and nothing is written. Idempotent by record: one already live as given is skipped, so an
+        import cut short is completed by running it again (this module says how). Returns ``{"count": n, "scopes":
+        {"user_id=alice": 3, ...}, "existing": skipped}``. Raises MemoryInputError, ImportTooLarge (a subclass)."""
+        plan = self.plan_import(export, namespace)
+        for batch in plan.batches:
+            self.import_batch(batch)
+        return plan.result()
+
+    def plan_import(self, export, namespace: str | None = None) -> ImportPlan:
+        """``import_memories``' checks, without writing: the export's batches (``read_export``). Reads
+        the store only (one indexed lookup per record), so it need not run on the model thread."""
+        return read_export(export, namespace, lambda i: self._fact(i, namespace), self.import_batch_size)
+
+    def import_batch(self, batch: tuple[str, list]) -> str:
+        """Encode and commit one batch of a ``plan_import``: (store user, items), in one commit. Returns the
+        scope's new version. Raises StoreError when an id became live since the plan was made (nothing of this
+        batch is written)."""
+        user, items = batch
+        new = [(text, fid, meta) for _, text, fid, meta in items]
+        ctx, refs = self._context(user, [], 0)
+        version, _ = self._write(
+            user, new, [], [], [ctx] * len(new), [], time.time(), {fid: t for t, _, fid, _ in items}, True,
+            provenance=[(refs, ())] * len(new),
+        )  # fmt: skip
+        return version

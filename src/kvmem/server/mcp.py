@@ -185,7 +185,7 @@ def build_server(tools: Tools):
 
     async def owned(who: Caller, memory_id: str):
         try:
-            f = await tools.read(lambda: mem.store.fact(memory_id, within=namespace_prefix(who.tenant)))
+            f = await tools.read(lambda: mem.store.reads.fact(memory_id, within=namespace_prefix(who.tenant)))
         except LookupError:
             f = None
         if f is None or not who.owns(f.user):  # another user's memory reads as unknown: no existence oracle

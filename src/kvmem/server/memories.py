@@ -74,7 +74,7 @@ async def owned_fact(server: KvmemServer, tenant, memory_id: str):
     """The memory ``memory_id`` of ``tenant``; APIError 404 for one that does not exist or is another tenant's."""
     try:
         within = namespace_prefix(tenant)  # another tenant's ids are not looked at
-        f = await server.off_loop(lambda: server.memory.store.fact(str(memory_id), within=within))
+        f = await server.off_loop(lambda: server.memory.store.reads.fact(str(memory_id), within=within))
     except LookupError as exc:
         raise MemoryInputError(str(exc)) from None
     if f is None or not Tenants.owns(tenant, f.user):  # another tenant's id answers as one that never existed

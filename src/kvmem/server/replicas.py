@@ -400,7 +400,7 @@ class Replicas:
         def read():
             if self._store is None:
                 self._store = Store.open(self.store_location)
-            f = self._store.fact(memory_id, within=namespace_prefix(tenant))
+            f = self._store.reads.fact(memory_id, within=namespace_prefix(tenant))
             return f.user if f is not None else None
 
         try:

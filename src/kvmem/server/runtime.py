@@ -99,7 +99,7 @@ class Metrics:
         for name in ("kv_hits", "kv_misses", "kv_read_bytes", "kv_evictions", "kv_evicted_bytes", "disk_hits",
                      "disk_misses", "disk_fetched_bytes", "disk_cache_bytes", "disk_evictions"):  # fmt: skip
             store_reads.labels(name).set_function(
-                lambda n=name: server.service.store.cache_stats().get(n, 0) + self._worker_reads.get(n, 0)
+                lambda n=name: server.service.store.reads.cache_stats().get(n, 0) + self._worker_reads.get(n, 0)
             )
         Gauge(
             "kvmem_store_kv_format", "The store's KV format (1 for the one it holds)", ["kv_format"], registry=r
@@ -252,7 +252,7 @@ class KvmemServer:
             open_or_create_store(root, lm, embedder, segments_url=segments_url, kv_format=kv_format)[0].close()
         st = Store.open(root)
         model = model or st.fingerprint["model"]
-        if hybrid and not st.has_text_index:
+        if hybrid and not st.reads.has_text_index():
             logger.warning(
                 "--hybrid: store %s has no full-text index (created before hybrid search), so it is searched by "
                 "cosine alone; `kvmem store text-index --store %s` adds one",
@@ -307,7 +307,7 @@ class KvmemServer:
             defer_reencode_s=o.defer_reencode_s,
             hybrid=hybrid,
         )
-        mem.store.write_timeout_s = svc.store.write_timeout_s = o.write_timeout_s
+        mem.store.writes.write_timeout_s = svc.store.writes.write_timeout_s = o.write_timeout_s
         return cls(
             svc,
             mem,

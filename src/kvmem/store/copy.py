@@ -4,7 +4,6 @@ store (or one without those users) at another location, on either backend, optio
 
 from __future__ import annotations
 
-import json
 from contextlib import closing
 from pathlib import Path
 
@@ -12,9 +11,9 @@ import torch
 
 from .. import kvformat
 from .backends import open_rows
+from .facade import Store, check_segments_url
 from .location import StoreError, UnknownUser
-from .read import FactRecord, UserKV
-from .write import next_turn, set_meta
+from .records import FactRecord, UserKV, Write
 
 
 def copy_store(
@@ -43,8 +42,6 @@ def copy_store(
     ``{"users", "facts", "turns", "events", "kv_bytes", "stale"}`` (``kv_bytes``: KV read, in the model dtype;
     ``stale``: facts copied with their stale mark). Raises
     StoreError, StoreMismatch."""
-    from . import Store, check_segments_url  # the facade, which re-exports this function
-
     source = Store.open(src)
     try:
         kv_format = kvformat.check_format(kv_format or source.kv_format)
@@ -59,12 +56,12 @@ def copy_store(
                 raise StoreError(f"{dst} is a non-empty directory that holds no store; copy into a new one")
         if Store.exists(dst):
             target = Store.open(dst, fingerprint)
-            if target.users() and not force:
+            if target.reads.users() and not force:
                 target.close()
                 raise StoreError(f"{target.name} already holds a store with users; pass --force to copy into it")
             check_segments_url(target, segments_url)
         else:
-            hk, hv = source.header_kv()
+            hk, hv = source.reads.header_kv()
             m = source.manifest
             target = Store.create(
                 dst, fingerprint, m["header"]["text"], m["header"]["token_ids"], hk, hv, m["embedder"],
@@ -72,27 +69,27 @@ def copy_store(
             )  # fmt: skip
         report = {"users": 0, "facts": 0, "turns": 0, "events": 0, "kv_bytes": 0, "stale": 0}
         try:
-            todo = source.users(with_no_live_facts=True) if users is None else users
-            taken = [u for u in todo if target.version(u) is not None]
+            todo = source.reads.users(with_no_live_facts=True) if users is None else users
+            taken = [u for u in todo if target.reads.version(u) is not None]
             if taken:
                 raise StoreError(
                     f"user {taken[0]!r} is already in {target.name}; copy does not merge histories (copy into a "
                     f"new store, or leave that user out with --user)"
                 )
             for user in todo:
-                info = source.encoding_of(user)
+                info = source.reads.encoding_of(user)
                 if info is None:
                     raise UnknownUser(f"unknown user {user!r} in store {source.name}")
-                with source.writer(user):  # its facts, stale marks, turns and events as of one version
-                    stale = {fid: by for _, fid, _, by in source.stale(user)}
+                with source.writes.writer(user):  # its facts, stale marks, turns and events as of one version
+                    stale = {fid: by for _, fid, _, by in source.reads.stale(user)}
                     try:
-                        ukv = source.snapshot(user)
+                        ukv = source.reads.snapshot(user)
                     except UnknownUser:  # every fact deleted: its turns and history still go
                         ukv = UserKV(user, info["version"], [], {}, torch.zeros(0, 1))
                     source.reads.check_segments(ukv)
-                    turns, events = source.turns(user), source.events(user)
+                    turns, events = source.reads.turns(user), source.reads.events(user)
                     parts = [ukv.gather([i], dtype=source.reads.rewrite_dtype()) for i in range(len(ukv.facts))]
-                had = len(target.events(user))
+                had = len(target.reads.events(user))
                 pos = _positions(turns, ukv.facts)
                 facts = [
                     FactRecord(**{
@@ -102,27 +99,29 @@ def copy_store(
                     })
                     for f in ukv.facts
                 ]  # fmt: skip
-                target.commit(
-                    user,
-                    facts,
-                    [k for k, _ in parts],
-                    [v for _, v in parts],
-                    ukv.embeddings,
-                    replace=True,
-                    turns=turns,
-                    events=[(e["memory_id"], e["event"], e["old_memory"], e["new_memory"]) for e in events],
-                    window=info["window"],
-                    source=info["source"],
-                    neighbours=info["neighbours"],
-                    history=info["history"],
+                target.writes.commit(
+                    Write(
+                        user,
+                        facts,
+                        [k for k, _ in parts],
+                        [v for _, v in parts],
+                        ukv.embeddings,
+                        replace=True,
+                        turns=turns,
+                        events=[(e["memory_id"], e["event"], e["old_memory"], e["new_memory"]) for e in events],
+                        window=info["window"],
+                        source=info["source"],
+                        neighbours=info["neighbours"],
+                        history=info["history"],
+                    )
                 )
                 report["stale"] += _carry_stale(target, user, [f.fact_id for f in ukv.facts], stale)
                 n_facts = 0
                 if ukv.facts:
-                    copied = target.snapshot(user)
+                    copied = target.reads.snapshot(user)
                     target.reads.check_segments(copied)
                     n_facts = len(copied.facts)
-                got = (n_facts, len(target.turns(user)), len(target.events(user)) - had)
+                got = (n_facts, len(target.reads.turns(user)), len(target.reads.events(user)) - had)
                 if got != (len(ukv.facts), len(turns), len(events)):
                     raise StoreError(
                         f"copy of user {user!r} has {got} facts/turns/events, the source "
@@ -156,24 +155,12 @@ def _refs(turns, pos: dict[int, int]) -> tuple[int, ...]:
     return tuple(-(pos[t] + 1) for t in turns)
 
 
-def _carry_stale(target, user: str, fact_ids: list[str], stale: dict[str, float]) -> int:
+def _carry_stale(target: Store, user: str, fact_ids: list[str], stale: dict[str, float]) -> int:
     """After the commit that copied ``user``: each copied fact's stale mark set as the source's (``stale``: fact id
     -> re-encode by; the commit marked those whose provenance names a gone turn or fact at once, but not one of
     unknown provenance, nor with the source's deadline), and the user's turn indexes kept past every one its
     provenance names (an erased turn's index is never given to a new turn). Returns the marks carried."""
-    with target.writer(user):
-        db = target.rows
-        with db.transaction():
-            db.executemany(
-                'UPDATE facts SET stale=? WHERE "user"=? AND fact_id=? AND deleted IS NULL',
-                [(stale.get(fid), user, fid) for fid in fact_ids],
-            )
-            named = [0]
-            for (prov,) in db.execute(
-                'SELECT provenance FROM facts WHERE "user"=? AND deleted IS NULL AND provenance IS NOT NULL', (user,)
-            ).fetchall():
-                p = json.loads(prov)
-                named += [t + 1 for t in (*p["turns"], *p["source"])]
-            set_meta(db, [(f"turns:{user}", max(next_turn(db, user), *named))])
+    with target.writes.writer(user):
+        target.rows.carry_stale(user, {fid: stale.get(fid) for fid in fact_ids})
         target.reads.forget(user)
     return sum(fid in stale for fid in fact_ids)

@@ -21,8 +21,8 @@ from urllib.parse import quote
 from ..extras import require
 from .location import StoreBusy, StoreError, StoreUnavailable, redact, secret_params, secrets
 from .reach import PROBE_EVERY_S, PROBE_TIMEOUT_S, Reach
-from .rows import Rows
 from .schema import MIGRATIONS, POSTGRES, SCHEMA_VERSION, migration, render, render_text_index
+from .sql_rows import SQLRows
 
 # Every PostgreSQL connection kvmem opens (the server's, the vLLM scheduler's and worker's, the CLI's) is bounded,
 # here and nowhere else; a parameter the URL sets (or libpq's environment, e.g. PGCONNECT_TIMEOUT) wins over these
@@ -114,7 +114,7 @@ class StalledError(Exception):
     """A PostgreSQL server gave no answer within a connection's ``answer_within_s``."""
 
 
-class PostgresRows(Rows):
+class PostgresRows(SQLRows):
     """A store's rows in a PostgreSQL database (psycopg 3, autocommit connections; transactions explicit).
 
     Reads and single statements share one connection. Each writer takes a connection of its own from a small pool

@@ -11,14 +11,9 @@ LookupError once its segments are gone.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 import torch
 from cachetools import LRUCache
@@ -28,208 +23,11 @@ from .. import kvformat
 from ..scopes import IndexQuery
 from . import segments as seg_files
 from .location import StoreError, UnknownUser
+from .records import FactRecord, UserKV, segment_name
 from .rows import Rows, keyword_terms
 from .tiers import MemoryTier, put_bounded
 
 VERIFIED_SEGMENTS = 1 << 16  # segments whose checksum a Store remembers having verified (LRU, by count)
-ID_BATCH = 500  # fact ids bound into one statement (SQLite allows 32,766 parameters)
-
-
-@dataclass(frozen=True)
-class FactRecord:
-    """One stored fact. ``token_offset`` indexes its ``segment``'s [.., n, ..] tensors; ``row`` is the store's
-    stable row id (the vector index id); times are Unix seconds.
-
-    Provenance (what its KV was computed behind; ``facts.provenance``): ``context_turns``, the turn indexes of its
-    window (a negative ``-(i + 1)`` given to a commit names that commit's ``i``-th new turn); ``context_facts``,
-    the ids of its neighbour or history facts, in encoding order; ``source_turns``, the turns it came from (what
-    erasing it erases). ``context_turns`` None: unknown (a fact written before provenance was recorded)."""
-
-    fact_id: str
-    user: str
-    text: str
-    speaker: str
-    source_turn: str
-    date: str
-    token_ids: tuple[int, ...]
-    token_offset: int = 0
-    window: int = 0
-    segment: str = ""
-    row: int = 0
-    metadata: str = "{}"  # JSON
-    created_at: float = 0.0
-    updated_at: float = 0.0
-    context_turns: tuple[int, ...] | None = None
-    context_facts: tuple[str, ...] = ()
-    source_turns: tuple[int, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def provenance(self) -> str | None:
-        """The ``facts.provenance`` column's JSON (None: unknown)."""
-        if self.context_turns is None:
-            return None
-        return json.dumps(
-            {"turns": list(self.context_turns), "facts": list(self.context_facts), "source": list(self.source_turns)}
-        )
-
-
-@dataclass
-class UserKV:
-    """One version of a user's memory: its live facts (row order), their embeddings, and its KV segments.
-
-    ``segments``: segment name -> SHA-256 of the file; fact ``i`` owns tokens ``token_offset .. +num_tokens`` of
-    its segment. ``embeddings``: [F, E] float32, L2-normalised, row ``i`` = ``facts[i]``. KV is read lazily, by
-    fact (``gather``), through the store that took the snapshot."""
-
-    user: str
-    version: str
-    facts: list[FactRecord]
-    segments: dict[str, str]
-    embeddings: torch.Tensor
-    reader: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
-    span_reader: Callable[..., list] | None = field(default=None, repr=False)  # ``read``'s: spans as stored
-    parts: tuple[UserKV, ...] = ()  # a union's partitions (``union``); () for one user's snapshot
-
-    @classmethod
-    def union(cls, parts: list[UserKV]) -> UserKV:
-        """Several users' snapshots (entity scopes, ``scopes``) read as one memory: facts and embeddings in
-        ``parts`` order, positions offset by the parts before. ``user`` (a JSON list of the users) and ``version``
-        (their versions, comma-joined) name exactly this set of versions, so a cache salt over them covers every
-        scope it used. One part is returned as it is."""
-        if len(parts) == 1:
-            return parts[0]
-        if not parts:
-            raise ValueError("a union needs at least one snapshot")
-        return cls(
-            json.dumps([p.user for p in parts]),
-            ",".join(p.version for p in parts),
-            [f for p in parts for f in p.facts],
-            {(p.user, s): sha for p in parts for s, sha in p.segments.items()},
-            torch.cat([p.embeddings for p in parts]),
-            parts[0].reader,
-            parts[0].span_reader,
-            tuple(parts),
-        )
-
-    def versions(self) -> list[tuple[str, str]]:
-        """(user, version) of each partition: [(self.user, self.version)] for one user's snapshot."""
-        return [(p.user, p.version) for p in self.parts] or [(self.user, self.version)]
-
-    def segment_sha(self, user: str, segment: str) -> str:
-        return self.segments[(user, segment) if self.parts else segment]
-
-    def row_of(self) -> dict[str, int]:
-        """fact_id -> position in ``facts`` (and in ``embeddings``); built once per snapshot (a snapshot's facts never
-        change), so a request that looks up its k facts costs O(k), not O(facts). Read-only."""
-        return self._row_of
-
-    @functools.cached_property
-    def _row_of(self) -> dict[str, int]:
-        return {f.fact_id: i for i, f in enumerate(self.facts)}
-
-    @functools.cached_property
-    def position(self) -> dict[int, int]:
-        """store row id -> position in ``facts`` (what the vector index returns -> what compose takes)."""
-        return {f.row: i for i, f in enumerate(self.facts)}
-
-    def fact_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and raw values of ``facts[i]``: [L, H, n_i, D] each."""
-        return self.gather([i])
-
-    def read(self, rows: list[int], timings: dict | None = None) -> list:
-        """The stored KV of ``facts[rows]``, as stored (``kvformat.SpanKV`` each, not dequantised): ``gather``'s
-        reads alone, from the read cache or the segments, for a caller that assembles them elsewhere (the vLLM
-        worker reads on a loader thread and assembles on the engine's). ``timings`` gets ``read`` (ms). Raises
-        as ``gather`` does."""
-        if self.span_reader is None:
-            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
-        return self.span_reader(self, [self.facts[r] for r in rows], timings)
-
-    def gather(
-        self,
-        rows: list[int],
-        timings: dict | None = None,
-        dtype: torch.dtype | None = None,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
-        empty=None,
-        spans: list | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``facts[rows]`` concatenated in that order: [L, H, sum n_i, D] each, in the model
-        dtype. Reads only those facts' bytes (``segments.read_spans``), each segment verified once per process.
-        ``timings``: gets ``read`` (cache and segment reads; not when ``spans`` are given) and ``dequantize``
-        (assembly) in ms. ``dtype``: of the result (default the model's; rewrites of a lossy store take fp32, where
-        dequantisation is exact).
-        ``prefix``: keys, values [L, H, h, D] (the header) put first, in the same single copy. ``empty``: where
-        the result goes (``kvformat.assemble``). ``spans``: what ``read(rows)`` returned, assembled without
-        reading again.
-
-        Raises LookupError if this version was replaced and its files removed meanwhile, StoreError if a
-        segment is missing, truncated or corrupt."""
-        if self.reader is None:
-            raise StoreError(f"this snapshot of {self.user!r} has no store to read its KV from")
-        if spans is not None and len(spans) != len(rows):
-            raise ValueError(f"{len(spans)} spans for {len(rows)} rows")
-        return self.reader(self, [self.facts[r] for r in rows], timings, dtype, prefix, empty, spans)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(f.num_tokens for f in self.facts)
-
-    @functools.cached_property
-    def expiring(self) -> dict[int, str]:
-        """store row id -> ``expiration_date`` (YYYY-MM-DD, Mem0's metadata field) of the facts that have one."""
-        if self.parts:  # each part's map is cached with its snapshot
-            return {r: d for p in self.parts for r, d in p.expiring.items()}
-        out = {}
-        for f in self.facts:
-            if '"expiration_date"' in f.metadata:
-                exp = json.loads(f.metadata).get("expiration_date")
-                if isinstance(exp, str):
-                    out[f.row] = exp
-        return out
-
-    def unexpired(self, today: str | None = None) -> set[int] | None:
-        """Store row ids of the facts not expired on ``today`` (YYYY-MM-DD, default the current UTC date; a fact
-        expires after its date), or None when none has expired (every row may be served)."""
-        today = today or datetime.now(UTC).date().isoformat()
-        gone = {r for r, d in self.expiring.items() if d < today}
-        return None if not gone else {f.row for f in self.facts} - gone
-
-
-FACT_COLS = (
-    'fact_id, "user", text, speaker, source_turn, date, token_ids, token_offset, "window", segment, "row", '
-    "metadata, created_at, updated_at, provenance"
-)
-
-
-def fact_of_row(r) -> FactRecord:
-    return FactRecord(
-        r[0],
-        r[1],
-        r[2],
-        r[3] or "",
-        r[4] or "",
-        r[5] or "",
-        tuple(json.loads(r[6])),
-        r[7],
-        r[8],
-        r[9],
-        r[10],
-        r[11],
-        r[12],
-        r[13],
-        *_provenance(r[14]),
-    )
-
-
-def _provenance(text: str | None) -> tuple:
-    if text is None:
-        return None, (), ()
-    p = json.loads(text)
-    return tuple(p["turns"]), tuple(p["facts"]), tuple(p.get("source", ()))
 
 
 def _fact_key(f: FactRecord) -> tuple:
@@ -252,16 +50,6 @@ def _locked(method):
     return wrapper
 
 
-def segment_name(user: str, segment: str) -> str:
-    """The object name of ``user``'s KV segment ``segment`` (immutable once committed)."""
-    return f"{user_prefix(user)}.{segment}.kv.safetensors"
-
-
-def user_prefix(user: str) -> str:
-    """What every segment name of ``user`` starts with: a file-safe spelling of the name and a hash of it."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", user)[:64] + "-" + hashlib.sha256(user.encode()).hexdigest()[:8]
-
-
 class Reader:
     """A store's read path: its rows' read queries, snapshots (cached per version), the facts' KV read through the
     memory tier and the segments, each segment verified once, and prefetch. Shares the store's ``lock`` (one
@@ -282,7 +70,6 @@ class Reader:
         self._header: tuple[torch.Tensor, torch.Tensor] | None = None
         self._prefetcher = None  # one thread for ``prefetch``, made on first use
         self._stats = {"kv_hits": 0, "kv_misses": 0, "kv_read_bytes": 0}  # facts served from the LRU / read
-        self.scopes_indexed = rows.has_table("scopes")  # a store created before the scope index has none
         self.watchers: list[Callable[[str, set[int] | None], None]] = []  # ``watch``
 
     def watch(self, callback: Callable[[str, set[int] | None], None]) -> None:
@@ -357,10 +144,7 @@ class Reader:
     @_locked
     def users(self, with_no_live_facts: bool = False) -> list[str]:
         """Users with at least one live fact (``with_no_live_facts``: every user ever written, too)."""
-        q = 'SELECT DISTINCT "user" FROM facts WHERE deleted IS NULL ORDER BY "user"'
-        if with_no_live_facts:
-            q = 'SELECT "user" FROM users ORDER BY "user"'
-        return [r[0] for r in self.rows.execute(q)]
+        return self.rows.users(with_no_live_facts)
 
     @_locked
     def user_page(
@@ -372,46 +156,7 @@ class Reader:
         ``contains`` (a substring of the user id, case-insensitive) is listed. Returns (how many users match,
         the page), or None for a store without the scope index. Costs the matching heads' index probes plus the
         page's own facts, whatever the rest of the store holds."""
-        if not self.scopes_indexed:
-            return None
-        where, args = ["head>?"], [prefix]  # the bare prefix is the head of scopes without a user id
-        if prefix:
-            where.append("head<?")
-            args.append(prefix[:-1] + chr(ord(prefix[-1]) + 1))
-        if contains:
-            like = contains.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            where.append("LOWER(head) LIKE ? ESCAPE '\\'")
-            args.append(f"{prefix.lower()}%{like}%")
-        where.append('EXISTS (SELECT 1 FROM facts f WHERE f."user"=s.scope AND f.deleted IS NULL)')
-        cond = " AND ".join(where)
-        total = self.rows.execute(f"SELECT COUNT(DISTINCT head) FROM scopes s WHERE {cond}", args).fetchone()[0]
-        heads = [
-            r[0]
-            for r in self.rows.execute(
-                f"SELECT DISTINCT head FROM scopes s WHERE {cond} ORDER BY head LIMIT ? OFFSET ?",
-                (*args, limit, offset),
-            )
-        ]
-        if not heads:
-            return int(total), []
-        marks = ",".join("?" * len(heads))
-        facts = {
-            r[0]: (int(r[1]), int(r[2]))
-            for r in self.rows.execute(
-                f"SELECT s.head, COUNT(*), COALESCE(SUM({self.rows.tokens_sql}), 0) FROM scopes s JOIN facts f ON "
-                f'f."user"=s.scope AND f.deleted IS NULL WHERE s.head IN ({marks}) GROUP BY s.head',
-                heads,
-            )
-        }
-        last = {
-            r[0]: float(r[1])
-            for r in self.rows.execute(
-                f'SELECT s.head, MAX(u.updated) FROM scopes s JOIN users u ON u."user"=s.scope '
-                f"WHERE s.head IN ({marks}) GROUP BY s.head",
-                heads,
-            )
-        }
-        return int(total), [(h, *facts.get(h, (0, 0)), last.get(h, 0.0)) for h in heads]
+        return self.rows.user_page(prefix, contains, offset, limit)
 
     @_locked
     def scope_keys(self, q: IndexQuery, live: bool = False) -> list[str] | None:
@@ -419,31 +164,13 @@ class Reader:
         by an index range, so the cost follows the matching scopes, not the store's size. ``live``: only those
         with a live fact (one indexed probe each). None when this store has no scope index (created before it):
         the caller lists ``users`` instead."""
-        if not self.scopes_indexed:
-            return None
-        where, args = [], []
-        if q.head is not None:
-            where.append("head=?")
-            args.append(q.head)
-        elif q.prefix is not None:  # every head that starts with the prefix: one range, bytewise (KEY columns)
-            where.append("head>=? AND head<?")
-            args += [q.prefix, q.prefix[:-1] + chr(ord(q.prefix[-1]) + 1)]
-        for column, value in (("agent", q.agent), ("run", q.run)):
-            if value is not None:
-                where.append(f"{column}=?")
-                args.append(value)
-        sql = "SELECT scope FROM scopes s" + (" WHERE " + " AND ".join(where) if where else "")
-        if live:
-            sql += (" AND " if where else " WHERE ") + (
-                'EXISTS (SELECT 1 FROM facts f WHERE f."user"=s.scope AND f.deleted IS NULL)'
-            )
-        return sorted(r[0] for r in self.rows.execute(sql, args))
+        return self.rows.scope_keys(q, live)
 
     @_locked
     def version(self, user: str) -> str | None:
-        """The user's current memory version (changes on every committed write), or None if never written."""
-        row = self.rows.execute('SELECT version FROM users WHERE "user"=?', (user,)).fetchone()
-        return None if row is None else str(row[0])
+        """The user's current memory version (changes on every committed write), or None if never written: one
+        row read by the users table's primary key, whatever the user's or the store's fact count."""
+        return self.rows.version(user)
 
     @_locked
     def fact_token_ids(self, user: str, version: str, fact_ids: list[str]) -> dict[str, tuple[int, ...]]:
@@ -451,21 +178,9 @@ class Reader:
         found are left out). One read transaction: the version's row, then these facts' rows alone, by the
         (user, fact_id) index of live facts, so the cost follows ``len(fact_ids)``, never the user's or the store's
         fact count. Raises LookupError if ``version`` is not the user's current one."""
-        wanted = list(dict.fromkeys(fact_ids))
-        out: dict[str, tuple[int, ...]] = {}
-        with self.rows.snapshot():
-            if self.version(user) != version:
-                raise LookupError(f"memory version {version} of {user!r} is no longer current")
-            for i in range(0, len(wanted), ID_BATCH):
-                chunk = wanted[i : i + ID_BATCH]
-                # a join on the ids' VALUES, not ``fact_id IN (...)``: with IN, SQLite's planner takes the (user,
-                # deleted) index and walks every live row of the user; an equality join probes live_fact per id
-                q = (
-                    f"WITH w(id) AS (VALUES {', '.join(['(?)'] * len(chunk))}) SELECT f.fact_id, f.token_ids "
-                    'FROM w JOIN facts f ON f."user"=? AND f.fact_id=w.id AND f.deleted IS NULL'
-                )
-                for fid, ids in self.rows.execute(q, (*chunk, user)):
-                    out[fid] = tuple(json.loads(ids))
+        out = self.rows.fact_token_ids(user, version, fact_ids)
+        if out is None:
+            raise LookupError(f"memory version {version} of {user!r} is no longer current")
         return out
 
     @_locked
@@ -474,64 +189,34 @@ class Reader:
         ids, embeddings [n, E] float32). Paging by row (the (user, deleted) index keeps each user's rows in row
         order), so a caller scoring a whole scope holds one page at a time, not the scope (``ingest``'s
         neighbour choice)."""
-        rows, fids, emb = [], [], []
-        for r, fid, e in self.rows.execute(
-            'SELECT "row", fact_id, embedding FROM facts WHERE "user"=? AND deleted IS NULL AND "row">? '
-            'ORDER BY "row" LIMIT ?',
-            (user, after, limit),
-        ):
-            rows.append(r)
-            fids.append(fid)
-            emb.append(e)
-        if not emb:
+        page = self.rows.embedding_page(user, after, limit)
+        if not page:
             return [], [], torch.empty(0, 0)
-        return rows, fids, torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(emb), -1)
+        emb = b"".join(e for _, _, e in page)
+        return [r for r, _, _ in page], [f for _, f, _ in page], _floats(emb, len(page))
 
     @_locked
     def rows_token_ids(self, user: str, rows: list[int]) -> dict[int, tuple[str, tuple[int, ...]]]:
         """row -> (fact id, token ids) of those store ``rows`` that are live facts of ``user`` (rows not found
         are left out), read by primary key: the cost follows ``len(rows)``."""
-        wanted, out = sorted(set(rows)), {}
-        for i in range(0, len(wanted), ID_BATCH):
-            chunk = wanted[i : i + ID_BATCH]
-            q = (
-                'SELECT "row", fact_id, token_ids FROM facts WHERE "user"=? AND deleted IS NULL AND "row" IN '
-                f"({', '.join('?' * len(chunk))})"
-            )
-            for r, fid, ids in self.rows.execute(q, (user, *chunk)):
-                out[r] = (fid, tuple(json.loads(ids)))
-        return out
+        return self.rows.rows_token_ids(user, rows)
 
     @_locked
     def user_info(self, user: str) -> dict:
         """version, window, neighbours, history (history encoding), num_facts, num_tokens (live), source. Raises
-        StoreError for an unknown user."""
+        UnknownUser for an unknown user."""
         enc = self.encoding_of(user)
-        n = self.rows.execute(
-            f'SELECT COUNT(*), COALESCE(SUM({self.rows.tokens_sql}), 0) FROM facts WHERE "user"=? AND deleted IS NULL',
-            (user,),
-        ).fetchone()
-        if enc is None or n[0] == 0:
+        n_facts, n_tokens = self.rows.live_count(user)
+        if enc is None or n_facts == 0:
             known = ", ".join(self.users()[:20]) or "none"
             raise UnknownUser(f"unknown user {user!r} in store {self.name} (users: {known})")
-        return {**enc, "num_facts": int(n[0]), "num_tokens": int(n[1])}
+        return {**enc, "num_facts": n_facts, "num_tokens": n_tokens}
 
     @_locked
     def encoding_of(self, user: str) -> dict | None:
         """How ``user``'s latest facts were encoded: version, window, neighbours, history, source; None if the
         user was never written (live facts or not)."""
-        row = self.rows.execute('SELECT version, "window", source FROM users WHERE "user"=?', (user,)).fetchone()
-        if row is None:
-            return None
-        m = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"neighbours:{user}",)).fetchone()
-        h = self.rows.execute("SELECT value FROM meta WHERE key=?", (f"history:{user}",)).fetchone()
-        return {
-            "version": str(row[0]),
-            "window": row[1],
-            "neighbours": int(m[0]) if m else 0,
-            "history": bool(h[0]) if h else False,
-            "source": row[2],
-        }
+        return self.rows.encoding(user)
 
     @_locked
     def fact(self, fact_id: str, user: str | None = None, within: str | None = None) -> FactRecord | None:
@@ -539,40 +224,37 @@ class Reader:
         tenant's ``"<tenant>:"``, if given), or None. Ids are unique per user (``Memory`` ids are UUIDs, and
         tenants look ids up ``within`` their own keys, so an id one tenant holds is no sign to another); an id
         live for several users without ``user`` raises LookupError."""
-        where, args = _owner(user, within)
-        rows = self.rows.execute(
-            f'SELECT {FACT_COLS} FROM facts WHERE {where}fact_id=? AND deleted IS NULL ORDER BY "row"',
-            (*args, fact_id),
-        ).fetchall()
+        rows = self.rows.facts_with_id(fact_id, user, within)
         if len(rows) > 1:
             raise LookupError(f"memory id {fact_id!r} belongs to several users; name the user")
-        return fact_of_row(rows[0]) if rows else None
+        return rows[0] if rows else None
 
+    @_locked
     def history(self, fact_id: str, within: str | None = None) -> list[dict]:
         """Every event of a fact (of users whose key starts with ``within``, if given), oldest first: id,
         memory_id, user_id, event, old_memory, new_memory, created_at."""
-        return self._events("fact_id", fact_id, within)
-
-    def events(self, user: str) -> list[dict]:
-        """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""
-        return self._events('"user"', user)
+        return self.rows.events(fact_id=fact_id, within=within)
 
     @_locked
-    def _events(self, column: str, value: str, within: str | None = None) -> list[dict]:
-        where, args = _owner(None, within)
-        q = 'SELECT id, fact_id, "user", event, old_memory, new_memory, time FROM history WHERE '
-        q += f"{where}{column}=? ORDER BY id"
-        return [
-            dict(zip(("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"), r))
-            for r in self.rows.execute(q, (*args, value))
-        ]
+    def events(self, user: str) -> list[dict]:
+        """Every history event of ``user``'s facts, oldest first (``history``'s fields)."""
+        return self.rows.events(user=user)
 
     @_locked
     def turns(self, user: str, last: int | None = None) -> list[dict]:
         """The user's stored conversation turns (oldest first; the ``last`` n): idx, dia_id, speaker, content, time."""
-        q = 'SELECT idx, dia_id, speaker, content, time FROM turns WHERE "user"=? ORDER BY idx DESC LIMIT ?'
-        rows = self.rows.execute(q, (user, 1 << 62 if last is None else max(last, 0))).fetchall()
-        return [dict(zip(("idx", "dia_id", "speaker", "content", "time"), r)) for r in reversed(rows)]
+        return self.rows.turns(user, last)
+
+    @_locked
+    def stale(self, user: str | None = None) -> list[tuple[str, str, str, float]]:
+        """Live facts whose KV awaits re-encoding after an erasure: (user, fact_id, segment, re-encode by (Unix
+        s)), soonest first; of ``user``, or of every user."""
+        return self.rows.stale(user)
+
+    @_locked
+    def totals(self) -> tuple[int, int]:
+        """(live facts, turns) of the whole store."""
+        return self.rows.totals()
 
     def segment_layout(self, user: str, segment: str, sha: str, handle) -> seg_files.SegmentLayout:
         """The layout of an open segment, verified against ``sha`` the first time this process reads it (and
@@ -736,16 +418,7 @@ class Reader:
         cached = self.snapshot_cache.get(user)
         if cached is not None and cached.version == current:
             return cached
-        with self.rows.snapshot():
-            current = self.version(user)
-            facts, emb = [], []
-            for r in self.rows.execute(
-                f'SELECT {FACT_COLS}, embedding FROM facts WHERE "user"=? AND deleted IS NULL ORDER BY "row"',
-                (user,),
-            ):
-                facts.append(fact_of_row(r))
-                emb.append(r[-1])
-            shas = dict(self.rows.execute('SELECT segment, kv_sha256 FROM segments WHERE "user"=?', (user,)))
+        current, facts, emb, shas = self.rows.live_facts(user)
         if not facts:
             self._changed(user, None)
             raise UnknownUser(f"unknown user {user!r} in store {self.name} (no live memories)")
@@ -755,7 +428,7 @@ class Reader:
             segments = {s: shas[s] for s in {f.segment for f in facts}}
         except KeyError:
             raise StoreError(f"store {self.name}: user {user!r} names a segment with no checksum row") from None
-        embeddings = torch.frombuffer(bytearray(b"".join(emb)), dtype=torch.float32).reshape(len(facts), -1)
+        embeddings = _floats(b"".join(emb), len(facts))
         ukv = UserKV(user, current, facts, segments, embeddings, self.read_facts, self.read_spans)
         self._changed(user, facts)
         put_bounded(self.snapshot_cache, user, ukv)
@@ -804,6 +477,12 @@ class Reader:
         return ukv, rows, spans
 
     @_locked
+    def has_text_index(self) -> bool:
+        """Whether the store has its full-text index (stores created before hybrid search do not:
+        ``Writer.add_text_index``)."""
+        return self.rows.has_text_index()
+
+    @_locked
     def keyword(self, user: str, query: str, limit: int) -> list[tuple[int, float]] | None:
         """The ``limit`` live facts of ``user`` whose text best matches the words of ``query`` (full-text index,
         ``Rows.keyword``): ``[(row, score)]``, best first, as of the latest commit; None when the store has no
@@ -816,32 +495,13 @@ class Reader:
     def changes(self, user: str, since: str) -> tuple[list[tuple[int, torch.Tensor]], list[int]] | None:
         """What changed in ``user``'s live facts after version ``since``: (added [(row, embedding [E])], removed
         rows), for incremental index updates; None if a compaction since then requires a full rebuild."""
-        since_v = int(since)
-        row = self.rows.execute('SELECT compacted FROM users WHERE "user"=?', (user,)).fetchone()
-        if row is None or row[0] > since_v:
+        got = self.rows.changes(user, int(since))
+        if got is None:
             return None
-        added = [
-            (r[0], torch.frombuffer(bytearray(r[1]), dtype=torch.float32))
-            for r in self.rows.execute(
-                'SELECT "row", embedding FROM facts WHERE "user"=? AND added>? AND deleted IS NULL ORDER BY "row"',
-                (user, since_v),
-            )
-        ]
-        removed = [
-            r[0]
-            for r in self.rows.execute(
-                'SELECT "row" FROM facts WHERE "user"=? AND added<=? AND deleted>?', (user, since_v, since_v)
-            )
-        ]
-        return added, removed
+        added, removed = got
+        return [(r, torch.frombuffer(bytearray(e), dtype=torch.float32)) for r, e in added], removed
 
 
-def _owner(user: str | None, within: str | None) -> tuple[str, tuple]:
-    """The SQL conditions (each followed by AND) and arguments of rows of ``user`` and of users whose key starts
-    with ``within``; either may be None (no condition)."""
-    parts, args = [], []
-    if user is not None:
-        parts, args = ['"user"=?'], [user]
-    if within is not None:
-        parts, args = [*parts, 'substr("user", 1, ?)=?'], [*args, len(within), within]
-    return "".join(p + " AND " for p in parts), tuple(args)
+def _floats(data: bytes, n: int) -> torch.Tensor:
+    """``n`` float32 embeddings stored back to back: [n, E]."""
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(n, -1)

@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .location import StoreBusy, StoreError
-from .rows import Rows
 from .schema import MIGRATIONS, SCHEMA_VERSION, SQLITE, migration, render, render_text_index
 from .segments import fsync_dir
+from .sql_rows import SQLRows
 
 BUSY_TIMEOUT_S = 30.0
 # an erasure's WAL checkpoint waits this long per try for readers of older snapshots, this many tries, so a long
@@ -27,7 +27,7 @@ SCRUB_PENDING = "scrub:pending"  # meta key: the time of the erasure whose WAL c
 logger = logging.getLogger("kvmem.store")
 
 
-class SQLiteRows(Rows):
+class SQLiteRows(SQLRows):
     """A store directory: ``manifest.json``, ``header.safetensors``, ``meta.sqlite`` (WAL, busy timeout)."""
 
     tokens_sql = "json_array_length(token_ids)"

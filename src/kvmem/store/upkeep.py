@@ -17,15 +17,11 @@ import time
 from pathlib import Path
 
 from .location import StoreError
-from .read import segment_name
+from .records import segment_name
 from .tiers import DiskTier
 from .write import Writer
 
 logger = logging.getLogger("kvmem.store")
-DEAD = (
-    'SELECT "user", segment FROM segments s WHERE NOT EXISTS (SELECT 1 FROM facts f WHERE f."user"=s."user" AND '
-    "f.segment=s.segment AND f.deleted IS NULL)"
-)
 
 
 def collect(writes: Writer, now: float | None = None) -> list[str]:
@@ -37,29 +33,21 @@ def collect(writes: Writer, now: float | None = None) -> list[str]:
     now = time.time() if now is None else now
     db = writes.rows
     with writes._lock:
-        dead = [tuple(r) for r in db.execute(DEAD).fetchall()]
-        if dead:
-            with db.transaction():
-                db.executemany('DELETE FROM segments WHERE "user"=? AND segment=?', dead)
-                db.executemany(  # an earlier retirement keeps its time
-                    "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING",
-                    [("retired:" + segment_name(u, s), now) for u, s in dead],
-                )
-        due = [k for k, t in db.execute("SELECT key, value FROM meta WHERE key LIKE 'retired:%'").fetchall()
-               if t <= now - writes.retire_after_s]  # fmt: skip
+        dead = db.unused_segments()
+        db.retire(dead, [segment_name(u, s) for u, s in dead], [], now, keep_time=True)  # an earlier one keeps its time
+        due = [n for n, t in db.retired() if t <= now - writes.retire_after_s]
     removed = []
-    for key in due:
-        name = key.removeprefix("retired:")
+    for name in due:
         try:
             writes.segments.delete(name)
-            removed.append(key)
+            removed.append(name)
         except OSError as exc:
             logger.warning("store %s: cannot remove retired segment %s (tried again next round): %s", writes.name,
                            name, exc)  # fmt: skip
     if removed:
-        with writes._lock, db.transaction():
-            db.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in removed])
-    return [k.removeprefix("retired:") for k in removed]
+        with writes._lock:
+            db.retire([], [], removed, now)
+    return removed
 
 
 def held(writes: Writer, now: float | None = None) -> set[str]:
@@ -68,9 +56,9 @@ def held(writes: Writer, now: float | None = None) -> set[str]:
     now = time.time() if now is None else now
     after = writes.retire_after_s
     with writes._lock:
-        live = {segment_name(u, s) for u, s in writes.rows.execute('SELECT "user", segment FROM segments')}
-        retired = writes.rows.execute("SELECT key, value FROM meta WHERE key LIKE 'retired:%'").fetchall()
-    return live | {k.removeprefix("retired:") for k, t in retired if t > now - after}
+        live = {segment_name(u, s) for u, s in writes.rows.segment_rows()}
+        retired = writes.rows.retired()
+    return live | {n for n, t in retired if t > now - after}
 
 
 def sweep(tier: DiskTier, prefix: str, keep: set[str]) -> list[str]:

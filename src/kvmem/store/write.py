@@ -13,9 +13,7 @@ dead rows. Writers serialize per user (``Rows.locked``). A segment that a commit
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import re
 import threading
 import time
 import uuid
@@ -23,21 +21,15 @@ from contextlib import contextmanager
 
 import torch
 
-from ..policy import check_store_user
-from ..scopes import index_parts
 from . import segments as seg_files
-from .erasure import Erasure, erase_rows, inherited
-from .location import StoreConflict, StoreError, UnknownUser
-from .read import FactRecord, Reader, segment_name, user_prefix
+from .erasure import Erasure
+from .location import StoreError, UnknownUser
+from .read import Reader
+from .records import ALL, FactRecord, Write, segment_name, user_prefix
 from .rows import Rows
 
 RETIRE_AFTER_S = 60.0  # a replaced segment's file is removed this long after its last live fact, s
-ALL = "\x00all"  # commit(delete=ALL): every fact live at commit time
 logger = logging.getLogger("kvmem.store")
-
-
-class _Changed(Exception):
-    """A re-encoding found a fact changed since it was read."""
 
 
 class Writer:
@@ -86,39 +78,22 @@ class Writer:
         gathering from the snapshot it took before the commit finds its files. With ``user=None`` (``fsck``,
         ``reset``) remove at once every file no segment row names: retired ones and a killed writer's leftovers
         (a directory listing). Returns the removed names: (never retired: leftovers, retired)."""
-        scope, args = ('s."user"=? AND ', (user,)) if user is not None else ("", ())
-        dead = [
-            tuple(r)
-            for r in self.rows.execute(
-                f'SELECT "user", segment FROM segments s WHERE {scope}NOT EXISTS (SELECT 1 FROM facts f WHERE '
-                f'f."user"=s."user" AND f.segment=s.segment AND f.deleted IS NULL)',
-                args,
-            )
-        ]
+        dead = self.rows.unused_segments(user)
         now = time.time()
-        retiring = ["retired:" + segment_name(u, seg) for u, seg in dead]
-        mine = "retired:" + (f"{user_prefix(user)}." if user is not None else "")  # another user's are its writer's
+        retiring = [segment_name(u, seg) for u, seg in dead]
+        mine = f"{user_prefix(user)}." if user is not None else ""  # another user's are its writer's
         due = [
-            k
-            for k, t in self.rows.execute("SELECT key, value FROM meta WHERE key LIKE 'retired:%'")
-            if k.startswith(mine) and (user is None or t <= now - self.retire_after_s)
+            n for n, t in self.rows.retired() if n.startswith(mine) and (user is None or t <= now - self.retire_after_s)
         ]
         if user is None or self.retire_after_s <= 0:
             due, retiring = due + retiring, []
-        if dead or due:
-            with self.rows.transaction():
-                self.rows.executemany('DELETE FROM segments WHERE "user"=? AND segment=?', dead)
-                self.rows.executemany(
-                    "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                    [(k, now) for k in retiring],
-                )
-                self.rows.executemany("DELETE FROM meta WHERE key=?", [(k,) for k in due])
+        self.rows.retire(dead, retiring, due, now)
         if user is not None:
-            doomed = [k.removeprefix("retired:") for k in due]
+            doomed = due
         else:
-            live = {segment_name(u, seg) for u, seg in self.rows.execute('SELECT "user", segment FROM segments')}
+            live = {segment_name(u, seg) for u, seg in self.rows.segment_rows()}
             doomed = sorted(self.segments.names() - live)
-        retired = {k.removeprefix("retired:") for k in due}
+        retired = set(due)
         removed, replaced = [], []
         for name in doomed:
             try:
@@ -138,12 +113,8 @@ class Writer:
         with self.writer():
             removed, replaced = self.gc()
             derived: dict[str, list[str]] = {}
-            for user, segment, fid in self.rows.execute(
-                'SELECT "user", segment, fact_id FROM facts WHERE (deleted IS NULL AND stale IS NOT NULL) OR '
-                "(deleted IS NOT NULL AND token_ids='[]') ORDER BY \"row\""
-            ).fetchall():
-                if self.rows.execute('SELECT 1 FROM segments WHERE "user"=? AND segment=?', (user, segment)).fetchone():
-                    derived.setdefault(segment_name(user, segment), []).append(fid)
+            for user, segment, fid in self.rows.derived():
+                derived.setdefault(segment_name(user, segment), []).append(fid)
             ok, bad = [], {}
             for user in self.reads.users():
                 self.reads.forget(user, kv=True)
@@ -164,66 +135,24 @@ class Writer:
             "derived": derived,
         }
 
-    def commit(
-        self,
-        user: str,
-        add: list[FactRecord] = (),
-        keys: list[torch.Tensor] = (),
-        values: list[torch.Tensor] = (),
-        embeddings: torch.Tensor | None = None,
-        delete: list[str] = (),
-        replace: bool = False,
-        turns: list[dict] = (),
-        events: list[tuple] = (),
-        window: int | None = 0,
-        source: str | None = None,
-        now: float | None = None,
-        neighbours: int | None = None,
-        history: bool | None = None,
-        expect: dict[str, int] | None = None,
-        erase: Erasure | None = None,
-    ) -> str:
-        """The one write path: in one commit, tombstone ``delete`` (or, with ``replace``, every live fact of the
-        user), carry out ``erase`` (``erasure``: facts erased with the turns they came from; it is filled in with
-        what it covered), append ``add`` as a new KV segment, append conversation ``turns`` and history ``events``.
-        A fact of ``add`` whose id ``delete`` tombstones (an update) keeps the turns the old row came from in its
-        provenance's ``source``, besides its own (``erasure.inherited``).
-
-        keys/values: one [L, H, n_i, D] per added fact (n_i its token count); embeddings: [F, E]. ``events``:
-        (fact_id, event, old_memory, new_memory); ADD/DELETE events for ``add``/``delete`` are recorded here.
-        ``window`` (None, for an erasure alone: unchanged), ``neighbours`` and ``history`` (None: unchanged)
-        record how the user's latest facts were encoded. ``expect``: a compare-and-set, fact id -> the ``row`` of
-        the live fact the caller read (a memory's version: every update makes a new row; ids updated, deleted
-        or erased alike); StoreConflict, with nothing written, when any of them is no longer that live row
-        (updated or deleted by another writer since), checked first inside the commit's transaction under the
-        user's writer lock.
+    def commit(self, write: Write) -> str:
+        """The one write path: in one commit, ``write`` (``records.Write``): tombstone its ``delete`` (or, with
+        ``replace``, every live fact of the user), carry out its ``erase`` (``erasure``: facts erased with the
+        turns they came from; it is filled in with what it covered), append ``add`` as a new KV segment, append
+        its conversation ``turns`` and history ``events``. A fact of ``add`` whose id ``delete`` tombstones (an
+        update) keeps the turns the old row came from in its provenance's ``source``, besides its own. ``expect``
+        is checked first inside the commit's transaction under the user's writer lock (StoreConflict, with
+        nothing written, when any of them is no longer that live row).
         The segment file and its directory are fsynced before the commit that points at them, so a new fact is
         visible to readers only once its KV and embedding are durable. Returns the new memory version.
-        Raises StoreError, with nothing written, for bad counts/shapes, duplicate or already-live fact ids,
-        a ``delete`` or ``erase`` id that is not a live fact of this user, or an id both deleted and erased.
+        Raises StoreError, with nothing written, for bad counts/shapes (``Write.check``), duplicate or
+        already-live fact ids, a ``delete`` or ``erase`` id that is not a live fact of this user, or an id both
+        deleted and erased.
         """
-        check_store_user(user)
-        add, keys, values = list(add), list(keys), list(values)
-        delete = [ALL] if delete is ALL else list(delete)
-        if erase is not None and (
-            set(erase.facts) & ({f.fact_id for f in add} | set(delete)) or erase.everything and (add or delete)
-        ):
-            raise StoreError(f"user {user!r}: a commit erases a memory it also writes or deletes")
-        if add:
-            if embeddings is None or not (len(keys) == len(values) == len(add) == embeddings.shape[0]):
-                raise StoreError(
-                    f"user {user!r}: {len(add)} facts but {len(keys)} keys, {len(values)} values and "
-                    f"{0 if embeddings is None else embeddings.shape[0]} embeddings"
-                )
-            if len({f.fact_id for f in add}) != len(add):
-                raise StoreError(f"user {user!r}: duplicate fact_id")
-            for f, k, v in zip(add, keys, values):
-                if k.shape != v.shape or k.shape[2] != f.num_tokens:
-                    raise StoreError(
-                        f"fact {f.fact_id}: keys {tuple(k.shape)} / values {tuple(v.shape)} for "
-                        f"{f.num_tokens} token ids"
-                    )
-        now = time.time() if now is None else now
+        write.check()
+        user, add, keys, values = write.user, write.add, list(write.keys), list(write.values)
+        # the rows take the write without its KV: the segment holds that, and this frame drops it once uploaded
+        write = dataclasses.replace(write, keys=(), values=(), now=time.time() if write.now is None else write.now)
         # the writer lock of ``user`` alone while the segment is written or uploaded: this object's lock (which
         # every read takes) only for the checks and the rows' transaction, so reads never wait for an upload
         with self.rows.locked(user, self.write_timeout_s):
@@ -243,163 +172,21 @@ class Writer:
                 del tensors
             with self._lock:
                 try:
-                    version = self.commit_rows(
-                        user,
-                        add,
-                        embeddings,
-                        segment,
-                        digest,
-                        delete,
-                        replace,
-                        list(turns),
-                        list(events),
-                        window,
-                        source,
-                        now,
-                        neighbours,
-                        history,
-                        expect,
-                        erase,
-                    )
+                    version = self.rows.commit(write, segment, digest)
                 except BaseException:  # also SystemExit from a signal, which can land after the COMMIT itself
                     if name is not None and not self.segment_committed(user, segment):
                         self.segments.delete(name)
                     raise
-                self.landed(user, scrub=erase is not None)
+                self.landed(user, scrub=write.erase is not None)
         return version
 
     def segment_committed(self, user: str, segment: str) -> bool:
         """Whether a commit of ``segment`` reached the database (then its file must stay). True when unsure: an
         unreferenced file is only disk space, a referenced file that is gone is a lost memory."""
         try:
-            return (
-                self.rows.execute('SELECT 1 FROM segments WHERE "user"=? AND segment=?', (user, segment)).fetchone()
-                is not None
-            )
+            return self.rows.has_segment(user, segment)
         except Exception:
             return True
-
-    def commit_rows(
-        self,
-        user,
-        add,
-        embeddings,
-        segment,
-        digest,
-        delete,
-        replace,
-        turns,
-        events,
-        window,
-        source,
-        now,
-        neighbours=None,
-        history=None,
-        expect=None,
-        erase=None,
-    ) -> str:
-        db = self.rows
-        with db.transaction():
-            if expect:
-                ids = sorted(expect)
-                have = dict(
-                    db.execute(
-                        f'SELECT fact_id, "row" FROM facts WHERE "user"=? AND deleted IS NULL AND '
-                        f"fact_id IN ({','.join('?' * len(ids))})",
-                        (user, *ids),
-                    )
-                )
-                changed = [fid for fid in ids if have.get(fid) != expect[fid]]
-                if changed:
-                    raise StoreConflict(
-                        f"memory {changed[0]!r} of {user!r} changed since it was read "
-                        f"({'deleted' if changed[0] not in have else 'updated'} by another writer); read it again"
-                    )
-            version = db.next_version()
-            if erase is not None:
-                set_meta(db, [(f"turns:{user}", next_turn(db, user))])  # the erased indexes stay taken
-                erase_rows(db, user, erase, set(delete) | {f.fact_id for f in add}, version, now)
-            everything = replace or delete == [ALL]
-            if everything:
-                live = dict(db.execute('SELECT fact_id, text FROM facts WHERE "user"=? AND deleted IS NULL', (user,)))
-            else:  # only the ids this commit touches: a delete costs O(1) rows, not O(user's memory)
-                wanted, live = sorted(set(delete) | {f.fact_id for f in add}), {}
-                for i in range(0, len(wanted), 500):
-                    chunk = wanted[i : i + 500]
-                    live.update(
-                        db.execute(
-                            f'SELECT fact_id, text FROM facts WHERE "user"=? AND deleted IS NULL AND '
-                            f"fact_id IN ({','.join('?' * len(chunk))})",
-                            (user, *chunk),
-                        )
-                    )
-            gone = list(live) if everything else delete
-            for fid in gone:
-                if fid not in live:
-                    raise StoreError(f"memory {fid!r} is not a live fact of user {user!r}")
-            if add and not replace:  # an update keeps the turns its memory came from
-                kept = inherited(db, user, [f.fact_id for f in add if f.fact_id in live])
-                add = [keep_sources(f, kept.get(f.fact_id, ())) for f in add]
-            db.executemany(
-                'UPDATE facts SET deleted=?, updated_at=? WHERE "user"=? AND fact_id=? AND deleted IS NULL',
-                [(version, now, user, fid) for fid in gone],
-            )
-            if not replace:
-                events = [
-                    (fid, "DELETE", live[fid], None) for fid in gone if not any(e[0] == fid for e in events)
-                ] + events
-            if replace:
-                db.execute('DELETE FROM turns WHERE "user"=?', (user,))
-            first = next_turn(db, user)  # this commit's first new turn; a new fact's window names it as -1
-            if add:
-                taken = [f.fact_id for f in add if f.fact_id in live and f.fact_id not in gone]
-                if taken:
-                    raise StoreError(f"memory id {taken[0]!r} is already in use")
-                insert_facts(db, user, add, embeddings, segment, digest, version, now, first)
-                events = events + [
-                    (f.fact_id, "ADD", None, f.text) for f in add if not any(e[0] == f.fact_id for e in events)
-                ]
-            if turns:
-                db.executemany(
-                    'INSERT INTO turns ("user", idx, dia_id, speaker, content, time) VALUES (?,?,?,?,?,?)',
-                    [
-                        (user, first + i, t.get("dia_id"), t.get("speaker"), t["content"], t.get("time"))
-                        for i, t in enumerate(turns)
-                    ],
-                )
-                set_meta(db, [(f"turns:{user}", first + len(turns))])  # turn indexes are never reused
-            if add:
-                mark_behind_erased(db, user, version, now)
-            db.executemany(
-                'INSERT INTO history ("user", fact_id, event, old_memory, new_memory, time, version) '
-                "VALUES (?,?,?,?,?,?,?)",
-                [(user, *e, now, version) for e in events],
-            )
-            if window is None:  # an erasure alone: the encoding stays as it was
-                db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
-                forget_scope(db, user, self.reads.scopes_indexed)  # nothing was stored but turns: gone now
-                return str(version)
-            db.execute(
-                'INSERT INTO users ("user", version, "window", source, updated) VALUES (?,?,?,?,?) ON CONFLICT("user") '
-                'DO UPDATE SET version=excluded.version, "window"=excluded."window", '
-                "source=COALESCE(excluded.source, users.source), updated=excluded.updated",
-                (user, version, window, source, now),
-            )
-            if self.reads.scopes_indexed:  # the scope index (``Reader.scope_keys``): once per user, ever
-                db.execute(
-                    "INSERT INTO scopes (scope, head, agent, run) VALUES (?,?,?,?) ON CONFLICT(scope) DO NOTHING",
-                    (user, *index_parts(user)),
-                )
-            # the encoding is kept in meta: no schema change for stores written before it existed
-            db.executemany(
-                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-                [
-                    (f"{key}:{user}", int(val))
-                    for key, val in (("neighbours", neighbours), ("history", history))
-                    if val is not None
-                ],
-            )
-        return str(version)
 
     def put_user(
         self,
@@ -419,17 +206,9 @@ class Writer:
         if not facts:
             raise StoreError(f"user {user!r}: no facts to store")
         return self.commit(
-            user,
-            facts,
-            keys,
-            values,
-            embeddings,
-            replace=True,
-            window=window,
-            source=source,
-            neighbours=neighbours,
-            history=history,
-        )
+            Write(user, facts, keys, values, embeddings, replace=True, window=window, source=source,
+                  neighbours=neighbours, history=history)
+        )  # fmt: skip
 
     def compact(self, user: str, segments: list[str] | None = None) -> str:
         """Rewrite ``user``'s live facts into one segment and drop tombstoned rows (history keeps their text).
@@ -446,7 +225,6 @@ class Writer:
                 if segments is None:
                     raise
                 ukv, facts = None, []
-            db = self.rows
             # one new segment for each one rewritten (all: one in all), so a rewrite costs what it rewrites
             groups: dict[str, list[FactRecord]] = {}
             for f in facts:
@@ -463,24 +241,7 @@ class Writer:
                 for f in group:
                     moves.append((segment, offset, f.row))
                     offset += f.num_tokens
-            with db.transaction():
-                version = db.next_version()
-                db.executemany(
-                    'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)', written
-                )
-                db.executemany('UPDATE facts SET segment=?, token_offset=? WHERE "row"=?', moves)
-                if segments is None:
-                    db.execute('DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL', (user,))
-                else:
-                    db.executemany(
-                        'DELETE FROM facts WHERE "user"=? AND deleted IS NOT NULL AND segment=?',
-                        [(user, s) for s in segments],
-                    )
-                db.execute(
-                    'UPDATE users SET version=?, compacted=?, updated=? WHERE "user"=?',
-                    (version, version, time.time(), user),
-                )
-                purged = forget_scope(db, user, self.reads.scopes_indexed)
+            version, purged = self.rows.compact_rows(user, written, moves, segments, time.time())
             self.landed(user, scrub=purged)
         return str(version)
 
@@ -508,19 +269,11 @@ class Writer:
         fact of ``user``."""
         everything = delete is ALL
         job = Erasure([] if everything else list(delete), everything, list(turns), defer_s)
-        version = self.commit(user, window=None, now=now, erase=job)
+        version = self.commit(Write(user, window=None, now=now, erase=job))
         return {
             "version": version, "erased": job.erased, "turns": job.turns_erased, "stale": job.stale,
             "segments": job.segments,
         }  # fmt: skip
-
-    def stale(self, user: str | None = None) -> list[tuple[str, str, str, float]]:
-        """Live facts whose KV awaits re-encoding after an erasure: (user, fact_id, segment, re-encode by (Unix
-        s)), soonest first; of ``user``, or of every user."""
-        q = 'SELECT "user", fact_id, segment, stale FROM facts WHERE deleted IS NULL AND stale IS NOT NULL'
-        with self._lock:
-            got = self.rows.execute(q + (' AND "user"=?' if user else ""), (user,) if user else ()).fetchall()
-        return sorted((tuple(r) for r in got), key=lambda r: r[3])
 
     def reencode(
         self,
@@ -549,187 +302,46 @@ class Writer:
                 torch.cat(keys, dim=2), torch.cat(values, dim=2), self.kv_format, [f.num_tokens for f in facts]
             )
             digest = self.segments.put(name, tensors, meta)
-            db = self.rows
             try:
-                with db.transaction():
-                    rows = [f.row for f in facts]
-                    found = set()
-                    for i in range(0, len(rows), 500):
-                        chunk = rows[i : i + 500]
-                        found |= {r[0] for r in db.execute(
-                            f'SELECT "row" FROM facts WHERE "user"=? AND deleted IS NULL AND "row" IN '
-                            f"({','.join('?' * len(chunk))})", (user, *chunk))}  # fmt: skip
-                    if found != set(rows):
-                        raise _Changed
-                    version = db.next_version()
-                    db.executemany('UPDATE facts SET deleted=? WHERE "row"=?', [(version, r) for r in rows])
-                    insert_facts(db, user, facts, embeddings, segment, digest, version, now, 0)
-                    mark_behind_erased(db, user, version, now)
-                    db.execute('UPDATE users SET version=?, updated=? WHERE "user"=?', (version, now, user))
-            except _Changed:
-                self.segments.delete(name)
-                return None
+                version = self.rows.reencode_rows(user, facts, embeddings, segment, digest, now)
             except BaseException:
                 if not self.segment_committed(user, segment):
                     self.segments.delete(name)
                 raise
+            if version is None:
+                self.segments.delete(name)
+                return None
             self.landed(user)
-        return str(version)
+        return version
 
     def defer_compaction(self, user: str) -> None:
         """Record that ``user``'s segments holding dead KV (erased, or replaced by a re-encoding) await their
         rewrite: an erasure whose cascade failed after its commit landed (an unreachable object store). The
         upkeep finds it (``compactions``) and rewrites them (``dead_segments``, ``compact``, ``compacted``)."""
-        with self._lock, self.rows.transaction():
-            set_meta(self.rows, [(f"compact:{user}", time.time())])
+        with self._lock:
+            self.rows.defer_compaction(user, time.time())
 
     def compactions(self) -> list[str]:
         """The users whose dead KV awaits a rewrite (``defer_compaction``)."""
         with self._lock:
-            return sorted(k.removeprefix("compact:") for (k,) in self.rows.execute(
-                "SELECT key FROM meta WHERE key LIKE 'compact:%'"))  # fmt: skip
+            return self.rows.compactions()
 
     def dead_segments(self, user: str) -> list[str]:
         """``user``'s segments (still named by a segment row) that hold rows of dead facts: what ``compact(user,
         segments)`` rewrites without them."""
         with self._lock:
-            return sorted(r[0] for r in self.rows.execute(
-                'SELECT DISTINCT f.segment FROM facts f WHERE f."user"=? AND f.deleted IS NOT NULL AND EXISTS '
-                '(SELECT 1 FROM segments s WHERE s."user"=f."user" AND s.segment=f.segment)', (user,)))  # fmt: skip
+            return self.rows.dead_segments(user)
 
     def compacted(self, user: str) -> None:
         """``user``'s deferred rewrite is done (``defer_compaction``)."""
-        with self._lock, self.rows.transaction():
-            self.rows.execute("DELETE FROM meta WHERE key=?", (f"compact:{user}",))
+        with self._lock:
+            self.rows.compacted(user)
 
     def reset(self) -> None:
         """Delete every user's facts, turns and history (the version counter keeps counting, so no cache
         salt is ever reused)."""
         with self.writer():
-            with self.rows.transaction():
-                self.rows.next_version()
-                for table in ("facts", "history", "turns", "users") + (
-                    ("scopes",) if self.reads.scopes_indexed else ()
-                ):
-                    self.rows.execute(f"DELETE FROM {table}")
-                self.rows.execute(
-                    "DELETE FROM meta WHERE key LIKE 'neighbours:%' OR key LIKE 'history:%' OR key LIKE 'turns:%'"
-                )
+            self.rows.reset()
             self.rows.scrub()
             self.gc()
             self.reads.forget()
-
-
-def set_meta(db: Rows, items: list[tuple[str, float]]) -> None:
-    db.executemany(
-        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", items
-    )
-
-
-TENANT_HEAD = re.compile(r"^[A-Za-z0-9_-]{1,64}:")  # a namespaced scope key's "<tenant>:" (``server.tenants``)
-
-
-def forget_scope(db: Rows, user: str, scopes: bool) -> bool:
-    """Inside a transaction: when scope ``user`` keeps no fact row (live or tombstone: an erasure's compaction
-    has run) and no turn, drop every row that names it: its ``users`` and ``scopes`` rows and its ``meta`` keys
-    (turn counter, encoding, deferred compaction). Its history events stay, for ``history(fact_id)``, filed under
-    its tenant's ``<tenant>:`` alone (``""`` for a key without one), so a user id (an email, say) is stored
-    nowhere once its scope is erased. Versions come from the store-wide counter, so a scope written again gets a
-    newer one and a reader of the old version still sees it replaced. Returns whether it dropped the scope."""
-    if db.execute('SELECT 1 FROM facts WHERE "user"=? LIMIT 1', (user,)).fetchone() is not None:
-        return False
-    if db.execute('SELECT 1 FROM turns WHERE "user"=? LIMIT 1', (user,)).fetchone() is not None:
-        return False
-    head = TENANT_HEAD.match(user)
-    db.execute('UPDATE history SET "user"=? WHERE "user"=?', (head.group(0) if head else "", user))
-    db.execute('DELETE FROM users WHERE "user"=?', (user,))
-    if scopes:
-        db.execute("DELETE FROM scopes WHERE scope=?", (user,))
-    db.executemany("DELETE FROM meta WHERE key=?", [(f"{k}:{user}",) for k in ("turns", "neighbours", "history",
-                                                                              "compact")])  # fmt: skip
-    return True
-
-
-def next_turn(db: Rows, user: str) -> int:
-    """Inside a transaction: the index ``user``'s next turn gets. Indexes are never reused (an erased last turn's
-    index stays taken: ``meta`` keeps ``turns:<user>``), so a fact's provenance never names another turn."""
-    top = db.execute('SELECT COALESCE(MAX(idx), -1) + 1 FROM turns WHERE "user"=?', (user,)).fetchone()[0]
-    kept = db.execute("SELECT value FROM meta WHERE key=?", (f"turns:{user}",)).fetchone()
-    return max(int(top), int(kept[0]) if kept else 0)
-
-
-def keep_sources(f: FactRecord, sources) -> FactRecord:
-    """``f`` with the turns ``sources`` (indexes) added to the turns it came from; one of unknown provenance
-    records none."""
-    extra = tuple(sorted(set(sources) - set(f.source_turns)))
-    return f if not extra or f.context_turns is None else dataclasses.replace(f, source_turns=(*f.source_turns, *extra))
-
-
-def resolve(f: FactRecord, first: int) -> str | None:
-    """``f``'s provenance JSON with its references to the commit's new turns (``-(i + 1)``) made indexes."""
-    if f.context_turns is None:
-        return None
-    fix = lambda ts: [first - t - 1 if t < 0 else t for t in ts]
-    return dataclasses.replace(f, context_turns=fix(f.context_turns), source_turns=fix(f.source_turns)).provenance()
-
-
-def insert_facts(
-    db: Rows,
-    user: str,
-    add: list[FactRecord],
-    embeddings,
-    segment: str,
-    digest: str,
-    version: int,
-    now: float,
-    first: int,
-) -> None:
-    """Inside a transaction: ``add``'s rows (embeddings [F, E]) in new segment ``segment`` (its SHA-256
-    ``digest``), added at ``version``; ``first``: the index the commit's first new turn gets."""
-    db.execute(
-        'INSERT INTO segments ("user", segment, kv_sha256, num_tokens) VALUES (?,?,?,?)',
-        (user, segment, digest, sum(f.num_tokens for f in add)),
-    )
-    offset, rows = 0, []
-    emb = embeddings.float().contiguous()
-    for i, f in enumerate(add):
-        rows.append(
-            (
-                user, f.fact_id, f.text, f.speaker, f.source_turn, f.date, f.metadata, json.dumps(list(f.token_ids)),
-                segment, offset, f.window, emb[i].numpy().tobytes(), version, f.created_at or now, now,
-                resolve(f, first),
-            )
-        )  # fmt: skip
-        offset += f.num_tokens
-    db.executemany(
-        'INSERT INTO facts ("user", fact_id, text, speaker, source_turn, date, metadata, token_ids, '
-        'segment, token_offset, "window", embedding, added, created_at, updated_at, provenance) '
-        "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-        rows,
-    )
-
-
-def mark_behind_erased(db: Rows, user: str, version: int, now: float) -> None:
-    """Inside the transaction that added facts at ``version``: a fact encoded behind a turn or fact that an
-    erasure removed while it was being encoded (its provenance names a turn that is gone, or a fact with no live
-    row) is marked stale at once, so it is re-encoded like the facts the erasure found."""
-    rows = db.execute(
-        'SELECT "row", provenance FROM facts WHERE "user"=? AND added=? AND provenance IS NOT NULL', (user, version)
-    ).fetchall()
-    prov = {r: json.loads(p) for r, p in rows}
-    turns = sorted({t for p in prov.values() for t in p["turns"]})
-    facts = sorted({f for p in prov.values() for f in p["facts"]})
-    have_turns, have_facts = set(), set()
-    for i in range(0, len(turns), 500):
-        chunk = turns[i : i + 500]
-        marks = ",".join("?" * len(chunk))
-        have_turns |= {r[0] for r in db.execute(
-            f'SELECT idx FROM turns WHERE "user"=? AND idx IN ({marks})', (user, *chunk))}  # fmt: skip
-    for i in range(0, len(facts), 500):
-        chunk = facts[i : i + 500]
-        have_facts |= {r[0] for r in db.execute(
-            f'SELECT fact_id FROM facts WHERE "user"=? AND deleted IS NULL AND fact_id IN '
-            f'({",".join("?" * len(chunk))})', (user, *chunk))}  # fmt: skip
-    gone = lambda p: not have_turns.issuperset(p["turns"]) or not have_facts.issuperset(p["facts"])
-    stale = [(now, r) for r, p in prov.items() if gone(p)]
-    db.executemany('UPDATE facts SET stale=? WHERE "row"=?', stale)

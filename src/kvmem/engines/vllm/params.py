@@ -6,7 +6,7 @@ front end encodes (``MemoryRef.to_params``); the connector's scheduler side deco
 and hands the decoded reference to the worker side in its metadata. On the wire::
 
     {"kvmem": {"schema": 1,
-               "store": "/path/to/store", "user": "conv-26", "version": "<store.version(user)>",
+               "store": "/path/to/store", "user": "conv-26", "version": "<store.reads.version(user)>",
                "fact_ids": ["D1:3", ...],       # injected order
                "start": 0,                      # virtual position of the first header token
                "memory_tokens": 120,            # only for tail recompute: the injected length

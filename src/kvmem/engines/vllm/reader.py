@@ -60,13 +60,13 @@ class LoadReader:
         if ref.store_id and st.manifest["store_id"] != ref.store_id:
             raise LookupError(f"store {ref.store} was re-created since the scheduler checked the request")
         ref.check_store_kv_format(st)
-        st.header_kv()  # read once per store, here rather than on the engine's thread
+        st.reads.header_kv()  # read once per store, here rather than on the engine's thread
         t1 = time.perf_counter()
-        ukv = st.snapshots(ref.scopes())  # raises if replaced; only the gathered facts are read
+        ukv = st.reads.snapshots(ref.scopes())  # raises if replaced; only the gathered facts are read
         rows_of = ukv.row_of()
         rows = [rows_of[f] for f in ref.fact_ids]
         if ref.cold:  # a load test's cold request: this process's read cache must not have it either
-            st.evict(ukv, rows, memory_only=True)
+            st.reads.evict(ukv, rows, memory_only=True)
         stages: dict = {"in_memory": 0}
         spans = ukv.read(rows, stages)
         stages["snapshot"] = (time.perf_counter() - t1) * 1e3 - stages["read"]
@@ -75,7 +75,7 @@ class LoadReader:
     def read_from_memory(self, ld: KvmemLoad) -> FactsRead | None:
         """``read(ld)`` without I/O or waiting on a lock, when this process holds all of it in memory: the very
         store the scheduler checked, open and judged trusted, the snapshot of exactly the admitted versions, and
-        every fact in the read cache (``Store.cached``). A version replaced since the scheduler admitted the
+        every fact in the read cache (``Store.reads.cached``). A version replaced since the scheduler admitted the
         request is served as admitted: its KV never changes, and the prompt carries its ids. None when anything
         must be read or waited for (then ``read`` on a loader thread), for a cold request, or for a delayed
         user."""
@@ -89,7 +89,7 @@ class LoadReader:
             return None
         try:
             ref.check_store_kv_format(st)
-            got = st.cached(ref.scopes(), list(ref.fact_ids))
+            got = st.reads.cached(ref.scopes(), list(ref.fact_ids))
         except Exception:  # the loader's read raises it properly
             return None
         if got is None:

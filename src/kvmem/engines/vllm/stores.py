@@ -6,8 +6,8 @@ a process keeps one handle per store root, reopened when the store is re-created
 
 The scheduler side checks every kv request's prompt against the token ids of the facts it names
 (``memory_token_ids``). That costs O(1) store work per request, whatever the user's or the store's size: one
-version read per scope (``Store.version``, one row by primary key), and the rows of the named facts only
-(``Store.fact_token_ids``) for those not in this process's token cache. The cache is an LRU bounded by
+version read per scope (``Store.reads.version``, one row by primary key), and the rows of the named facts only
+(``Store.reads.fact_token_ids``) for those not in this process's token cache. The cache is an LRU bounded by
 ``TOKEN_CACHE_TOKENS`` token ids (about 40 MB of Python ints at most), keyed by store instance, user, version and
 fact id, so it holds what recent requests named, never every user served.
 """
@@ -96,12 +96,12 @@ def open_store_now(root: str) -> Store | None:
 
 
 def cache_stats() -> Counter:
-    """The read caches' counters (hits, misses, bytes: ``Store.cache_stats``) of every store open in this process,
+    """The read caches' counters (hits, misses, bytes: ``Store.reads.cache_stats``) of every store open in this process,
     summed."""
     total: Counter = Counter()
     with _LOCK:
         for st in _STORES.values():
-            total.update(st.cache_stats())
+            total.update(st.reads.cache_stats())
     return total
 
 
@@ -122,7 +122,7 @@ def memory_token_ids(ref: MemoryRef, st: Store | None = None) -> list[int]:
             known = {fid: cache[key] for fid, key in keys.items() if key in cache}
         missing = [fid for fid in wanted if fid not in known]
         if missing:  # the version read and these facts' rows, in one read transaction
-            got = st.fact_token_ids(user, version, missing)
+            got = st.reads.fact_token_ids(user, version, missing)
             with _TOKENS_LOCK:
                 for fid in missing:
                     known[fid] = got.get(fid)
@@ -130,7 +130,7 @@ def memory_token_ids(ref: MemoryRef, st: Store | None = None) -> list[int]:
                         cache[keys[fid]] = known[fid]  # None too: not a live fact of this version
                     except ValueError:  # a fact longer than the whole bound: served, not cached
                         pass
-        elif st.version(user) != version:
+        elif st.reads.version(user) != version:
             raise LookupError(f"memory version {version} of {user!r} is no longer current")
         found.update({fid: ids for fid, ids in known.items() if ids is not None})
     ids = list(st.header_token_ids)

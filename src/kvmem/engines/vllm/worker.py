@@ -210,7 +210,7 @@ class KvmemWorker:
         memory = compose(
             self._rot(),
             st.header_token_ids,
-            st.header_kv(),
+            st.reads.header_kv(),
             read.user_kv,
             read.rows,
             start=ld.ref.start,

@@ -141,7 +141,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         """The live memory ``memory_id`` of the session's tenant, else 404 (another tenant's id alike)."""
         prefix = namespace_prefix(session.tenant)
         try:
-            f = await server.off_loop(lambda: store.fact(memory_id, within=prefix))
+            f = await server.off_loop(lambda: store.reads.fact(memory_id, within=prefix))
         except LookupError as exc:
             raise Problem(400, str(exc)) from None
         if f is None:
@@ -196,7 +196,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         q = request.query_params.get("q", "").strip()[:128]
         n = number(request, "page", 1, 1, 1 << 31)
         prefix = namespace_prefix(session.tenant) or ""
-        got = await server.off_loop(lambda: store.user_page(prefix, q, (n - 1) * USERS_PAGE, USERS_PAGE))
+        got = await server.off_loop(lambda: store.reads.user_page(prefix, q, (n - 1) * USERS_PAGE, USERS_PAGE))
         if got is None:  # a store made before the scope index: list its users (every scope key) instead
             found = await server.off_loop(lambda: memory.entity_scopes(session.tenant))
             ids = sorted({s.user_id for s in found if s is not None and s.user_id and q.lower() in s.user_id.lower()})
@@ -231,7 +231,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         size = kv_size()
 
         def records():
-            return {i["id"]: store.fact(i["id"], within=prefix) for i in shown}
+            return {i["id"]: store.reads.fact(i["id"], within=prefix) for i in shown}
 
         facts = await server.off_loop(records)
         rows = []
@@ -259,7 +259,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         user_id = request.path_params["user_id"]
         qp = request.query_params
         scope = scope_of(user_id, qp.get("agent_id"), qp.get("run_id"))
-        got = await server.off_loop(lambda: store.turns(scope.key(session.tenant)))
+        got = await server.off_loop(lambda: store.reads.turns(scope.key(session.tenant)))
         return render(request, "turns.html", session, user_id=user_id, scope=scope.ids(), turns=got)
 
     get("/ui/users/{user_id}/turns", turns)
@@ -359,7 +359,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
             prefix = namespace_prefix(session.tenant)
             missing = [i for i in ids if i not in texts]
             if missing:
-                found = await server.off_loop(lambda: {i: store.fact(i, within=prefix) for i in missing})
+                found = await server.off_loop(lambda: {i: store.reads.fact(i, within=prefix) for i in missing})
                 texts.update({i: f.text for i, f in found.items() if f is not None})
             injected = [{"id": i, "memory": texts.get(i, "")} for i in ids]
         return render(request, "search.html", session, user_id=user_id, q=q, k=k, results=results, injected=injected)
@@ -392,7 +392,7 @@ def mount_ui(app: FastAPI, server: KvmemServer) -> None:
         text = await watched(server, gen.collect(), limits.request_timeout_s)
         info = gen.kvmem()
         prefix = namespace_prefix(session.tenant)
-        found = await server.off_loop(lambda: [store.fact(i, within=prefix) for i in info["fact_ids"]])
+        found = await server.off_loop(lambda: [store.reads.fact(i, within=prefix) for i in info["fact_ids"]])
         final = gen.final
         return {
             "mode": info["mode"],

@@ -24,7 +24,7 @@ class KvSize:
 
     @classmethod
     def of(cls, store: Store) -> KvSize:
-        keys, _ = store.header_kv()  # [L, H, h, D]
+        keys, _ = store.reads.header_kv()  # [L, H, h, D]
         return cls(store.kv_format, keys.shape[0], keys.shape[1], keys.shape[3], keys.element_size())
 
     def nbytes(self, tokens: int, facts: int) -> int:
@@ -60,7 +60,7 @@ def erasure_preview(store: Store, f: FactRecord) -> dict:
     turns it came from (erased with it), and ``reencode``, the live facts of its scope whose KV was computed
     behind it or behind one of those turns (re-encoded without them). A preview: the erasure report of the
     delete itself is what the commit did."""
-    turns = store.turns(f.user)
+    turns = store.reads.turns(f.user)
     rows = [(t["idx"], t["dia_id"], t["content"]) for t in turns]
     erased = came_from(f.provenance(), f.source_turn, f.text, rows) & {t["idx"] for t in turns}
     stale = []
