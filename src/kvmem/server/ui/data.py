@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ...store import FactRecord, Store, came_from
+from ...store import FactRecord, Store
+from ...store.erasure import Erasure
 
 
 @dataclass(frozen=True)
@@ -62,17 +63,11 @@ def erasure_preview(store: Store, f: FactRecord) -> dict:
     delete itself is what the commit did."""
     turns = store.reads.turns(f.user)
     rows = [(t["idx"], t["dia_id"], t["content"]) for t in turns]
-    erased = came_from(f.provenance(), f.source_turn, f.text, rows) & {t["idx"] for t in turns}
-    stale = []
-    for g in store.facts(f.user):
-        if g.fact_id == f.fact_id:
-            continue
-        if g.context_turns is None:  # unknown provenance: behind every earlier turn and fact
-            hit = bool(erased) or g.created_at >= f.created_at
-        else:
-            hit = bool(erased.intersection(g.context_turns)) or f.fact_id in g.context_facts
-        if hit:
-            stale.append(g)
+    facts = store.reads.snapshot(f.user).facts
+    # the commit's own rule (``Erasure.plan``); the creation time orders facts as the rows' version does
+    live = {g.fact_id: (g.fact_id, g.provenance(), g.segment, g.created_at, g.source_turn, g.text) for g in facts}
+    _, erased, stale_ids = Erasure([f.fact_id]).plan(f.user, live, rows, set())
+    stale = [g for g in facts if g.fact_id in set(stale_ids)]
     return {"turns": [t for t in turns if t["idx"] in erased], "reencode": stale}
 
 
