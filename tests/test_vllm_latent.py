@@ -1,7 +1,7 @@
 """Latent attention (DeepSeek V2 / V3) on stock vLLM + the kvmem connector, on CPU, fp32, random weights.
 
 vLLM's CPU MLA kernel takes kv_lora_rank 512 with qk_rope_head_dim 64 only, so the models here have those widths
-and tiny everything else (hidden 64, 4 heads, 2 layers: layer 0 dense, layer 1 MoE). V2 without q_lora_rank, V3
+and tiny everything else (hidden 256, 4 heads, 2 layers: layer 0 dense, layer 1 MoE). V2 without q_lora_rank, V3
 with it. The connector writes the memory's latent rows [c_kv | k_pe] into vLLM's MLA cache, k_pe rotated by
 vLLM's own rotary (``engines.vllm.latent``); a joint injection must give vLLM's own prompt prefill: the same raw
 logits (max |dlogit| <= 1e-5 x max |logit| over each step's top logits) and the same 20 greedy tokens.
@@ -32,7 +32,13 @@ STEPS = 20
 TOP = 20  # raw logits compared per step
 REL_TOL = 1e-5
 ORDER = ["f2", "f0", "f3", "f1"]
-MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+MLA = dict(
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    common=dict(hidden_size=256, intermediate_size=256, initializer_range=0.1),  # varied greedy tokens
+)
 CONFIGS = {
     # vLLM routes DeepSeek's experts by groups always (deepseek_v2.py: use_grouped_topk=True): one group of all
     "deepseek_v2": dict(q_lora_rank=None, n_group=1, topk_group=1),
