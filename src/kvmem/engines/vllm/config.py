@@ -1,7 +1,8 @@
 """What the engine fixes at start for both connector sides: the settings, the engine's identity, and what is refused.
 
 ``Settings`` is read from ``kv_connector_extra_config`` (written by ``engine.engine_kwargs``); each side gets one
-at construction. Imports nothing of vLLM: its configuration arrives as an argument.
+at construction. Imports nothing of vLLM at import time (only ``native_rotary`` asks vLLM which platform it runs
+on): its configuration arrives as an argument.
 """
 
 from __future__ import annotations
