@@ -229,7 +229,7 @@ def test_connector_refuses_what_it_does_not_implement():
         check_engine_config(cfg(), NS(kv_cache_groups=[1, 2]))
     deepseek = cfg()
     deepseek.model_config.hf_config = tf.DeepseekV3Config()
-    with pytest.raises(ValueError, match=r"rotary kernel .* custom_ops': \['-rotary_embedding'\]"):
+    with pytest.raises(ValueError, match="vLLM's rotary kernel .*'-rotary_embedding'"):
         check_engine_config(deepseek)  # (this machine runs vLLM on its CPU)
     deepseek.compilation_config.custom_ops = ["-rotary_embedding"]
     check_engine_config(deepseek)
@@ -357,7 +357,8 @@ def test_vllms_cpu_rotary_kernel_is_wrong_for_deepseeks_call():
     g = torch.Generator().manual_seed(0)
     kv, q, pos = torch.randn(10, 576, generator=g), torch.randn(10, 4, 96, generator=g), torch.arange(10)
     want_q, want_k = rope.forward_native(pos, q[..., 32:].clone(), kv[:, 512:].clone().unsqueeze(1))
-    got_q, got_k = rope.forward_cpu(pos, q[..., 32:], kv[:, 512:].unsqueeze(1))  # in place, as the model calls it
+    kv2, q2 = kv.clone(), q.clone()
+    got_q, got_k = rope.forward_cpu(pos, q2[..., 32:], kv2[:, 512:].unsqueeze(1))  # in place, as the model calls it
     assert float((got_k - want_k).abs().max()) > 0.1 and float((got_q - want_q).abs().max()) > 0.1
     _, one = rope.forward_cpu(pos, torch.zeros(10, 1, 64), kv[:, 512:].clone().unsqueeze(1))
-    assert torch.allclose(one, want_k, atol=1e-6)
+    assert torch.allclose(one, want_k, atol=1e-5)
