@@ -73,7 +73,7 @@ def tiny_model(family: str, **overrides):
         cls = tf.Gemma3ForCausalLM
     elif family in ("deepseek_v2", "deepseek_v3"):
         # latent attention: c_kv 24 + k_pe 8 wide (a stored row of 32 = 2 x 16); layer 0 dense, layer 1 MoE
-        common.update(num_hidden_layers=2, num_key_value_heads=4)
+        common.update(num_hidden_layers=overrides.pop("num_hidden_layers", 2), num_key_value_heads=4)
         mla = dict(
             kv_lora_rank=24,
             qk_rope_head_dim=8,

@@ -144,18 +144,8 @@ def test_a_method_is_parsed_once_and_written_back_the_same():
         Method.parse(Method.of("off"))
 
 
-def test_latent_attention_is_refused_on_vllm_in_one_line():
-    """DeepSeek V2 / V3 take injected KV on the transformers engine only: asking for vLLM is one line naming the
-    engine that can, before vLLM starts."""
-    from conftest import tiny_model
-    from kvmem.engines.base import EngineUnavailable
-    from kvmem.engines.registry import latent_refusal
-    from kvmem.engines.select import open_engine
-    from kvmem.models import LoadedModel
+def test_latent_attention_is_served_by_every_engine():
+    """DeepSeek V2 / V3 take injected KV on both engines (vLLM: ``tests/test_vllm_latent.py``): no refusal."""
+    from kvmem.engines.registry import ENGINES, latent_refusal
 
-    assert latent_refusal("hf") is None
-    why = latent_refusal("vllm")
-    assert "\n" not in why and why.endswith("use --engine hf") and "DeepSeek" in why
-    lm = LoadedModel("tiny-deepseek", tiny_model("deepseek_v2"), None, False, "w")
-    with pytest.raises(EngineUnavailable, match="latent-attention models .* use --engine hf"):
-        open_engine(lm, engine="vllm")
+    assert [latent_refusal(name) for name in ENGINES] == [None] * len(ENGINES)

@@ -201,8 +201,9 @@ def test_encode_progress_ticks_per_layer_and_sums_to_tokens():
 
 
 def test_connector_refuses_what_it_does_not_implement():
-    """TP > 1, fp8 KV caches, several KV-cache groups, latent attention and length-dependent RoPE are
-    refused at engine start with one clear error, not served wrongly."""
+    """TP > 1, fp8 KV caches, several KV-cache groups, latent attention with vLLM's CPU rotary kernel and
+    length-dependent RoPE are refused at engine start with one clear error, not served wrongly; latent attention
+    with vLLM's PyTorch rotary is served."""
     pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
     from types import SimpleNamespace as NS
 
@@ -210,12 +211,13 @@ def test_connector_refuses_what_it_does_not_implement():
 
     from kvmem.engines.vllm.config import check_engine_config
 
-    def cfg(tp=1, cache_dtype="auto", rope=None):
+    def cfg(tp=1, cache_dtype="auto", rope=None, custom_ops=()):
         hf = tf.LlamaConfig(rope_scaling=rope) if rope else tf.LlamaConfig()
         return NS(
             parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=1),
             cache_config=NS(cache_dtype=cache_dtype),
             model_config=NS(hf_config=hf),
+            compilation_config=NS(custom_ops=list(custom_ops)),
         )
 
     check_engine_config(cfg())  # plain Llama: fine
@@ -228,8 +230,10 @@ def test_connector_refuses_what_it_does_not_implement():
         check_engine_config(cfg(), NS(kv_cache_groups=[1, 2]))
     deepseek = cfg()
     deepseek.model_config.hf_config = tf.DeepseekV3Config()
-    with pytest.raises(ValueError, match="latent-attention models .* use --engine hf"):
-        check_engine_config(deepseek)
+    with pytest.raises(ValueError, match="vLLM's rotary kernel .*'-rotary_embedding'"):
+        check_engine_config(deepseek)  # (this machine runs vLLM on its CPU)
+    deepseek.compilation_config.custom_ops = ["-rotary_embedding"]
+    check_engine_config(deepseek)
     for rope in (
         {"rope_type": "dynamic", "factor": 2.0},
         {
@@ -338,3 +342,24 @@ def test_a_load_whose_facts_are_all_in_memory_is_read_without_a_loader_thread(tm
     slow = LoadReader(replace(settings, load_delay_s={"u": 1.0}))
     assert slow.trust.why_untrusted(str(st.root)) is None
     assert slow.read_from_memory(ld) is None
+
+
+def test_vllms_cpu_rotary_kernel_is_wrong_for_deepseeks_call():
+    """Why vLLM on a CPU runs latent attention models with its PyTorch rotary (``config.CPU_ROTARY``): its kernel
+    (``RotaryEmbedding.forward_cpu``), called as DeepSeek's MLA layer calls it (k_pe a strided view of the
+    [c_kv | k_pe] projection, q_pe of 4 heads against k_pe's one), differs from ``forward_native``; on contiguous
+    one-head keys it agrees. When a vLLM release fixes it, this fails and the custom_ops setting can go."""
+    pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(64, 4096, is_neox_style=False, rope_parameters={"rope_theta": 1e4}, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    kv, q, pos = torch.randn(10, 576, generator=g), torch.randn(10, 4, 96, generator=g), torch.arange(10)
+    want_q, want_k = rope.forward_native(pos, q[..., 32:].clone(), kv[:, 512:].clone().unsqueeze(1))
+    kv2, q2 = kv.clone(), q.clone()
+    got_q, got_k = rope.forward_cpu(pos, q2[..., 32:], kv2[:, 512:].unsqueeze(1))  # in place, as the model calls it
+    assert float((got_k - want_k).abs().max()) > 0.1 and float((got_q - want_q).abs().max()) > 0.1
+    _, one = rope.forward_cpu(pos, torch.zeros(10, 1, 64), kv[:, 512:].clone().unsqueeze(1))
+    assert torch.allclose(one, want_k, atol=1e-5)

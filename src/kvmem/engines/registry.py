@@ -36,10 +36,8 @@ ENGINES: dict[str, Capabilities] = {
     "vllm": Capabilities(
         "vLLM",
         batches=True,
-        latent_attention=False,
         why_not={
             "selective_recompute": "its KV connector can report an injected prefix, not tokens to recompute inside it",
-            "latent_attention": "its KV connector writes per-head K/V pages, not vLLM's latent (MLA) cache",
         },
     ),
 }

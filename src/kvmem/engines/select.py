@@ -65,8 +65,9 @@ def open_engine(
     if name == "vllm":
         lm = model if isinstance(model, LoadedModel) else load(model, dtype=dtype, weights=False)
         try:
-            if is_latent(lm.config):
-                raise EngineUnavailable(latent_refusal("vllm"))
+            why = latent_refusal("vllm") if is_latent(lm.config) else None
+            if why:
+                raise EngineUnavailable(why)
             return Opened(
                 lm,
                 _vllm(

@@ -1,7 +1,8 @@
 """What the engine fixes at start for both connector sides: the settings, the engine's identity, and what is refused.
 
 ``Settings`` is read from ``kv_connector_extra_config`` (written by ``engine.engine_kwargs``); each side gets one
-at construction. Imports nothing of vLLM: its configuration arrives as an argument.
+at construction. Imports nothing of vLLM at import time (only ``native_rotary`` asks vLLM which platform it runs
+on): its configuration arrives as an argument.
 """
 
 from __future__ import annotations
@@ -77,10 +78,30 @@ def engine_identity(vllm_config) -> dict:
     }
 
 
+NATIVE_ROTARY = "-rotary_embedding"  # vLLM's custom_ops entry that turns its rotary kernel off (PyTorch instead)
+CPU_ROTARY = (
+    "on a CPU, vLLM's rotary kernel (torch.ops._C.rotary_embedding, from RotaryEmbedding.forward_cpu) rotates "
+    "DeepSeek's strided k_pe and its multi-head q_pe wrongly, so vLLM's own prefill is not the model's; start "
+    f"vLLM with compilation_config={{'custom_ops': ['{NATIVE_ROTARY}']}} (kvmem's engine does)"
+)
+
+
+def native_rotary(vllm_config) -> bool:
+    """Whether vLLM rotates with its PyTorch rotary (``forward_native``) where its kernel is wrong: on an
+    accelerator always; on a CPU only with ``custom_ops`` holding ``-rotary_embedding`` (or ``none``)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    ops = list(getattr(vllm_config.compilation_config, "custom_ops", None) or [])
+    return NATIVE_ROTARY in ops or ("none" in ops and "+rotary_embedding" not in ops)
+
+
 def check_engine_config(vllm_config, kv_cache_config=None) -> None:
     """Refuse, with one clear error (ValueError) at engine start, what the connector does not implement: tensor or
-    pipeline parallelism > 1, fp8 KV caches, more than one KV-cache group, latent attention (DeepSeek V2 / V3:
-    ``registry.latent_refusal``), and length-dependent RoPE (keys rotated for one served length would enter the
+    pipeline parallelism > 1, fp8 KV caches, more than one KV-cache group, latent attention where the registry
+    says vLLM cannot take it (``registry.latent_refusal``) or on a CPU with vLLM's rotary kernel (``CPU_ROTARY``),
+    and length-dependent RoPE (keys rotated for one served length would enter the
     prefix cache and be reused at another)."""
     par = vllm_config.parallel_config
     if getattr(par, "tensor_parallel_size", 1) > 1 or getattr(par, "pipeline_parallel_size", 1) > 1:
@@ -97,8 +118,12 @@ def check_engine_config(vllm_config, kv_cache_config=None) -> None:
             f"kvmem connector: {len(groups)} KV-cache groups (hybrid/sliding-window manager) are not supported yet"
         )
     cfg = vllm_config.model_config.hf_config
-    if is_latent(getattr(cfg, "text_config", None) or cfg):
-        raise ValueError(f"kvmem connector: {latent_refusal('vllm')}")
+    latent = is_latent(getattr(cfg, "text_config", None) or cfg)
+    why = latent_refusal("vllm") if latent else None
+    if why:
+        raise ValueError(f"kvmem connector: {why}")
+    if latent and not native_rotary(vllm_config):
+        raise ValueError(f"kvmem connector: {CPU_ROTARY}")
     rt = rope_type(getattr(cfg, "text_config", None) or cfg)
     if any(x in rt for x in LENGTH_DEPENDENT):
         raise ValueError(

@@ -44,6 +44,7 @@ from ..base import (
     TokenLogprob,
 )
 from ..registry import refusal
+from .config import NATIVE_ROTARY
 from .params import MemoryRef, cold_salt
 
 CONNECTOR = "KvmemConnector"
@@ -238,10 +239,21 @@ def engine_kwargs(
     )
     if in_process:
         kwargs["distributed_executor_backend"] = "uni"
+    if latent_on_cpu(model):  # vLLM's CPU rotary kernel is wrong for DeepSeek's MLA (config.CPU_ROTARY)
+        kwargs["compilation_config"] = {"custom_ops": [NATIVE_ROTARY]}
     if block_size:
         kwargs["block_size"] = block_size
     kwargs.update(llm_kwargs)
     return kwargs
+
+
+def latent_on_cpu(model: str | Path) -> bool:
+    """Whether ``model`` (a folder) is a latent attention model and vLLM runs on a CPU here."""
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    cfg = AutoConfig.from_pretrained(str(model))
+    return is_latent(getattr(cfg, "text_config", None) or cfg) and current_platform.is_cpu()
 
 
 def _one_line(exc: Exception) -> str:

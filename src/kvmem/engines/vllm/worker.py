@@ -35,9 +35,11 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from ...compose import compose
+from ...models import is_latent
 from ...rope import Rotary
 from ...staging import LayerStager
 from .config import Settings
+from .latent import vllm_rotary, write_latent
 from .metadata import KvmemConnectorMetadata, KvmemLoad, ids_digest
 from .reader import FactsRead, LoadReader
 from .stores import cache_stats
@@ -88,7 +90,9 @@ class KvmemWorker:
         self._vllm_config = vllm_config
         self._block_size = vllm_config.cache_config.block_size
         self._hf_config = vllm_config.model_config.hf_config
-        self._num_layers = (getattr(self._hf_config, "text_config", None) or self._hf_config).num_hidden_layers
+        self._text_config = getattr(self._hf_config, "text_config", None) or self._hf_config
+        self._num_layers = self._text_config.num_hidden_layers
+        self._latent = is_latent(self._text_config)  # MLA: rows [c_kv | k_pe] through ``latent.write_latent``
         self._rotary = None
         self._stagers: dict = {}  # device -> LayerStager
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -198,9 +202,14 @@ class KvmemWorker:
 
     # --- loads ---------------------------------------------------------------------------------------------
 
-    def _rot(self) -> Rotary:
+    def _rot(self):
+        """kvmem's ``Rotary`` of the model, or for latent attention vLLM's own rotary of ``k_pe``
+        (``latent.vllm_rotary``)."""
         if self._rotary is None:
-            self._rotary = Rotary.from_config(self._hf_config)
+            if self._latent:
+                self._rotary = vllm_rotary(self._vllm_config, self._text_config)
+            else:
+                self._rotary = Rotary.from_config(self._hf_config)
         return self._rotary
 
     def _compose(self, ld: KvmemLoad, read: FactsRead, rotate: bool = True):
@@ -208,7 +217,7 @@ class KvmemWorker:
         ``read.stages`` gets compose's stages (ms). Raises LookupError on a mismatch."""
         st = read.store
         memory = compose(
-            self._rot(),
+            None if self._latent else self._rot(),  # (a latent memory is composed pre-RoPE: no rotary needed)
             st.header_token_ids,
             st.reads.header_kv(),
             read.user_kv,
@@ -285,6 +294,19 @@ class KvmemWorker:
         rotated there, seen in the [T, H, D] layout the attention layer's cache update takes, and written;
         one chunk is written while the next is copied. ``stages`` gets ``rotate`` and ``block_write`` (ms; on a
         device these are the time to queue the work, and ``block_write`` ends when every write has completed)."""
+        if self._latent:
+            bs, pos = self._block_size, torch.arange(ld.first, ld.first + ld.count)
+            slots = torch.tensor(ld.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs
+            write_latent(
+                self._rot(),
+                self._text_config,
+                memory,
+                slice(ld.first, ld.first + ld.count),
+                [(layer, kv_cache) for _, layer, kv_cache in layers],
+                slots.to(layers[0][2].device),
+                stages,
+            )
+            return
         device = layers[0][2].device
         if device not in self._stagers:
             self._stagers[device] = LayerStager(device)
