@@ -21,7 +21,9 @@ discordant pairs, ``scipy.stats.binomtest``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -98,8 +100,10 @@ def run_target(
 ) -> dict:
     """Asks every case (the first ``cases``; 0 = all) of ``modes`` at ``url`` (a base URL whose ``/v1`` is the
     OpenAI API, or ending in ``/v1``) and writes ``out``/``name``.json; returns it. The model is the first of
-    ``/v1/models``. ``concurrency``: requests in flight at once. Raises ServerError when the server cannot be
-    reached or answers other than 200."""
+    ``/v1/models``. ``concurrency``: requests in flight at once. Each answer is appended to
+    ``out``/``name``.partial.jsonl as it comes, and a run finds there the answers it need not ask again (a run
+    stopped, or a request that failed, resumes where it was); the file goes once the result is written. Raises
+    ServerError when the server cannot be reached or answers other than 200."""
     import httpx
 
     tools, all_cases = load_cases(data)
@@ -107,7 +111,7 @@ def run_target(
     api = url.rstrip("/")
     api = api if api.endswith("/v1") else api + "/v1"
     headers = {"Authorization": f"Bearer {api_key}"}
-    with httpx.Client(timeout=900, headers=headers) as http:
+    with httpx.Client(timeout=3600, headers=headers) as http:
         try:
             r = http.get(f"{api}/models")
         except httpx.HTTPError as e:
@@ -136,7 +140,7 @@ def run_target(
             choice = r.json()["choices"][0]
             calls = _calls(choice["message"])
             echo(f"{name}: {case['id']} {mode} {took:.1f} s")
-            return {
+            rec = {
                 "case": case["id"],
                 "mode": mode,
                 "calls": calls,
@@ -145,10 +149,25 @@ def run_target(
                 "s": round(took, 3),
                 **score(case, tools, mode, calls),
             }
+            with lock, open(partial, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            return rec
 
+        # answers kept as they come: a run stopped (or a request that timed out) resumes where it was
+        partial = out / f"{name}.partial.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        done = {}
+        if partial.exists():
+            for line in partial.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    rec = json.loads(line)
+                    done[(rec["case"], rec["mode"])] = rec
+        lock = threading.Lock()
+        todo_pairs = [(c, m) for c in todo for m in modes if (c["id"], m) not in done]
         # concurrent requests: the server batches them (greedy answers do not depend on the batch's company)
         with ThreadPoolExecutor(concurrency) as pool:
-            records = list(pool.map(lambda cm: ask(*cm), [(c, m) for c in todo for m in modes]))
+            fresh = {(r["case"], r["mode"]): r for r in pool.map(lambda cm: ask(*cm), todo_pairs)}
+        records = [done.get((c["id"], m)) or fresh[(c["id"], m)] for c in todo for m in modes]
     result = {
         "name": name,
         "url": url,
@@ -160,6 +179,7 @@ def run_target(
         "records": records,
     }
     write_json(out / f"{name}.json", result)
+    partial.unlink()
     return result
 
 
