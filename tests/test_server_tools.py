@@ -58,7 +58,8 @@ def base(tmp_path_factory):
         engine="hf",
         dtype="float32",
         window=2,
-        limits=Limits(default_max_tokens=40, request_timeout_s=600),  # 2 shared cores, fp32
+        # 2 shared cores, fp32; MCP's add_memories stores verbatim (no extraction run by the 0.5B model)
+        limits=Limits(default_max_tokens=40, request_timeout_s=600, mcp_infer=False),
     )
     with http_server(srv) as url:
         for fact in ("Alice lives in Lisbon, in Portugal.", "Alice's favourite colour is teal."):
@@ -318,3 +319,64 @@ def test_openai_agents_sdk_runs_the_tool_through_kvmem(base):
     result = Runner.run_sync(agent, "What's the weather like where I live?", max_turns=4)
     assert seen and "lisb" in seen[0].lower(), seen
     assert isinstance(result.final_output, str)
+
+
+def test_an_agent_stores_a_memory_over_mcp_and_a_later_turn_answers_from_it(base):
+    """One agent with kvmem as its model and kvmem's MCP memory server (``/mcp?user_id=bob``, the Agents SDK's
+    streamable HTTP MCP client) as its tools. Turn 1, ``tool_choice`` required: the agent calls ``add_memories``
+    with the fact, and the memory is Bob's (REST lists it, once). Turn 2, a new run with no history and the
+    memory's read tool, ``tool_choice`` required: the agent calls ``search_memory``, and its final answer, the
+    model's after the search result (the SDK resets ``tool_choice`` to auto), names the stored code."""
+    import anyio
+    import openai
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
+    from agents.items import ToolCallItem
+    from agents.mcp import MCPServerStreamableHttp, create_static_tool_filter
+
+    set_tracing_disabled(True)
+    settings = dict(temperature=0, max_tokens=40, extra_body={"user": "bob", "memory": {"top_k": 2}})
+
+    def model() -> OpenAIChatCompletionsModel:  # one client per event loop (each turn is its own anyio.run)
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+        return OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+
+    def memory(*tools: str) -> MCPServerStreamableHttp:
+        return MCPServerStreamableHttp(
+            {"url": f"{base}/mcp?user_id=bob", "timeout": 120},
+            client_session_timeout_seconds=300,
+            tool_filter=create_static_tool_filter(allowed_tool_names=list(tools)),
+        )
+
+    async def remember():
+        async with memory("add_memories", "search_memory") as mcp:
+            agent = Agent(
+                name="assistant",
+                instructions="Save what the user asks you to remember. Answer briefly.",
+                model=model(),
+                mcp_servers=[mcp],
+                model_settings=ModelSettings(tool_choice="required", **settings),
+                tool_use_behavior="stop_on_first_tool",  # the stored memory's report ends the run
+            )
+            return await Runner.run(agent, "Remember this: my bike lock code is 4812.", max_turns=2)
+
+    async def recall():
+        async with memory("search_memory") as mcp:
+            agent = Agent(
+                name="assistant",
+                instructions="Answer briefly.",
+                model=model(),
+                mcp_servers=[mcp],
+                model_settings=ModelSettings(tool_choice="required", **settings),  # auto after the call
+            )
+            return await Runner.run(agent, "What is my bike lock code?", max_turns=4)
+
+    first = anyio.run(remember)
+    [call] = [i.raw_item for i in first.new_items if isinstance(i, ToolCallItem)]
+    assert call.name == "add_memories" and "4812" in json.loads(call.arguments)["text"], call
+    stored = httpx.get(f"{base}/v1/memories", params={"user_id": "bob"}, timeout=60).json()
+    texts = [m["memory"] for m in stored["results"]]
+    assert len(texts) == 1 and "4812" in texts[0], stored
+    second = anyio.run(recall)
+    calls = [i.raw_item for i in second.new_items if isinstance(i, ToolCallItem)]
+    assert calls and calls[0].name == "search_memory", second.new_items
+    assert "4812" in second.final_output, (second.final_output, second.new_items)

@@ -308,6 +308,40 @@ def bench_mcp(
     mcp_tools.run(out, model, rounds, resolve_dtype(None if dtype == "auto" else dtype), echo=typer.echo)
 
 
+@bench_app.command("toolcalls")
+@friendly
+def bench_toolcalls(
+    target: list[str] = typer.Option(
+        ..., "--target", help="NAME=URL of an OpenAI-compatible server (its /v1); repeat for several."
+    ),
+    reference: str = typer.Option("vllm", "--reference", help="The result the others are compared with, paired."),
+    cases: int = typer.Option(0, "--cases", min=0, help="The first N cases only (0: all)."),
+    modes: str = typer.Option("auto,required", "--modes", help="Comma-separated tool_choice modes."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Requests in flight at once."),
+    api_key: str = typer.Option("none", "--api-key", envvar="KVMEM_API_KEY"),
+    out: Path = typer.Option(Path("runs/bench/toolcalls"), "--out"),
+):
+    """Function-calling quality on a fixed set of single-turn cases (three tools each, one right; some where none
+    fits): schema-valid calls, right function, exact arguments, no call when none fits, per tool_choice; each
+    server's result is kept in --out and compared, paired (95% CI, McNemar), with --reference's."""
+    toolcalls = bench_module("toolcalls")
+    modes_list = bench_module("common").str_list(modes)
+    if not modes_list or set(modes_list) - set(toolcalls.MODES):
+        raise ValueError(f"--modes: a comma-separated subset of {','.join(toolcalls.MODES)}, not {modes!r}")
+    named = []
+    for t in target:
+        name, sep, url = t.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")) or "/" in name:
+            raise ValueError(f"--target: NAME=URL (an http(s) URL), not {t!r}")
+        named.append((name, url))
+    for name, url in named:
+        toolcalls.run_target(
+            name, url, out, cases, modes_list, max_tokens, api_key, concurrency=concurrency, echo=typer.echo
+        )
+    toolcalls.summarize(out, reference, echo=typer.echo)
+
+
 @bench_app.command("erasure")
 @friendly
 def bench_erasure(
