@@ -16,7 +16,7 @@ import typer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from . import ask, bench, demo, mcp, memory, models, serve, store
+from . import ask, bench, demo, evals, mcp, memory, models, serve, store
 from .common import friendly
 
 __all__ = ["app", "friendly", "main"]
@@ -54,7 +54,7 @@ app.command("check-exactness")(models.check_exactness)
 app.command("demo")(demo.demo)
 app.add_typer(models.models_app, name="models")
 app.add_typer(bench.bench_app, name="bench")
-app.add_typer(bench.eval_app, name="eval")
+app.add_typer(evals.eval_app, name="eval")
 app.add_typer(store.store_app, name="store")
 app.add_typer(memory.memory_app, name="memory")
 

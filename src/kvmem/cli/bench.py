@@ -1,4 +1,4 @@
-"""``kvmem bench ...`` and ``kvmem eval ...``: thin wrappers over kvmem.bench, imported only when one runs.
+"""``kvmem bench ...``: thin wrappers over kvmem.bench, imported only when one runs.
 
 kvmem.bench is the ``bench`` extra: ``common.bench_module`` imports it, or says in one line how to install it."""
 
@@ -8,17 +8,14 @@ from pathlib import Path
 
 import typer
 
-from ..policy import MODES_HELP, Encoding, Method
+from ..policy import Method
 from .common import (
     DEFAULT_MODEL,
     DTYPE,
     ENGINE,
     LOCOMO_DATA,
     LOCOMO_ENV,
-    LOCOMO_HISTORY,
-    LOCOMO_NEIGHBOURS,
     MODEL,
-    WINDOW_HELP,
     bench_module,
     check_kv_format_name,
     friendly,
@@ -28,21 +25,20 @@ bench_app = typer.Typer(
     no_args_is_help=True,
     help="Benchmarks: latency, throughput, footprint, encode, memory, replay, serve (JSON/CSV/PNG).",
 )
-eval_app = typer.Typer(no_args_is_help=True, help="Accuracy evaluations.")
 
 DATA = typer.Option(LOCOMO_DATA, "--data", envvar=LOCOMO_ENV, help="LoCoMo-format JSON.")
-_SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
-_QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
-_STORE_DEVICE = typer.Option("host", "--store-device", help="host (pinned, streamed) or device (resident).")
-_PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar.")
-_RETRIEVAL = typer.Option(
+SAMPLES = typer.Option("conv-26", "--samples", help="Comma-separated LoCoMo sample ids ('' = all).")
+QUESTIONS = typer.Option(10, "--questions", help="Deterministic subset of N category 1-4 questions (0 = all).")
+STORE_DEVICE = typer.Option("host", "--store-device", help="host (pinned, streamed) or device (resident).")
+PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar.")
+RETRIEVAL = typer.Option(
     "hybrid",
     "--retrieval",
     help="hybrid (the default: weighted:0.1), rrf[:K[:W]] or weighted[:W] (cosine fused with BM25), or cosine.",
 )
 
 
-def _bench_args(samples: str) -> list[str] | None:
+def bench_args(samples: str) -> list[str] | None:
     """--samples as the bench modules take it: the sample ids, or None for all."""
     return bench_module("common").str_list(samples) or None
 
@@ -53,14 +49,14 @@ def bench_latency(
     k: str = typer.Option("5,10,20,50", "--k", help="Comma-separated k values."),
     window: str = typer.Option("5", "--window", help="Comma-separated encoding windows."),
     max_new_tokens: int = typer.Option(32, help="Tokens per answer (query-to-full-answer)."),
-    store_device: str = _STORE_DEVICE,
+    store_device: str = STORE_DEVICE,
     data: Path = DATA,
     engine: str = ENGINE,
     model: str = MODEL,
-    samples: str = _SAMPLES,
-    questions: int = _QUESTIONS,
+    samples: str = SAMPLES,
+    questions: int = QUESTIONS,
     out: Path = typer.Option(Path("runs/bench/latency"), "--out"),
-    show_progress: bool = _PROGRESS,
+    show_progress: bool = PROGRESS,
     tail_recompute: str = typer.Option(
         "",
         "--tail-recompute",
@@ -71,7 +67,7 @@ def bench_latency(
         "--methods",
         help="Also time these serving methods (comma-separated kv-tail<r>, kv-sel<p>; kv-sel needs --engine hf).",
     ),
-    retrieval: str = _RETRIEVAL,
+    retrieval: str = RETRIEVAL,
 ):
     """TTFT, query-to-first-token and query-to-full-answer vs k: KV vs prompt injection vs the bare query."""
     latency = bench_module("latency")
@@ -89,7 +85,7 @@ def bench_latency(
         out,
         int_list(k, "--k", 1),
         int_list(window, "--window"),
-        _bench_args(samples),
+        bench_args(samples),
         questions,
         model,
         engine,
@@ -112,11 +108,11 @@ def bench_kvformat(
     data: Path = DATA,
     engine: str = ENGINE,
     model: str = MODEL,
-    samples: str = _SAMPLES,
+    samples: str = SAMPLES,
     questions: int = typer.Option(20, "--questions", help="Category 1-4 questions (0 = all)."),
     f1_questions: int = typer.Option(0, "--f1-questions", help="Also score LoCoMo F1 per format on N questions."),
     out: Path = typer.Option(Path("runs/bench/kvformat"), "--out"),
-    show_progress: bool = _PROGRESS,
+    show_progress: bool = PROGRESS,
 ):
     """Stored KV formats side by side: bytes per fact token, logit deviation and greedy agreement against the
     lossless store, and kv-mode TTFT at each k."""
@@ -128,7 +124,7 @@ def bench_kvformat(
         out,
         int_list(k, "--k", 1),
         str_list(formats),
-        _bench_args(samples),
+        bench_args(samples),
         questions,
         model,
         engine,
@@ -149,10 +145,10 @@ def bench_profile(
     sync: bool = typer.Option(False, "--sync", help="Synchronous connector loads (default: asynchronous)."),
     data: Path = DATA,
     model: str = MODEL,
-    samples: str = _SAMPLES,
+    samples: str = SAMPLES,
     questions: int = typer.Option(10, "--questions", help="Category 1-4 questions (0 = all)."),
     out: Path = typer.Option(Path("runs/bench/profile"), "--out"),
-    show_progress: bool = _PROGRESS,
+    show_progress: bool = PROGRESS,
 ):
     """One kv-mode request on vLLM, stage by stage (embed, search, plan; the worker's snapshot, read, dequantize,
     rotate, block write; the query's own forward and what the injected tokens add), at each k."""
@@ -164,7 +160,7 @@ def bench_profile(
         data,
         out,
         int_list(k, "--k", 1),
-        _bench_args(samples),
+        bench_args(samples),
         questions,
         model,
         kv_format,
@@ -182,15 +178,15 @@ def bench_throughput(
     k: int = typer.Option(50, "--k"),
     window: int = typer.Option(5, "--window"),
     tokens: int = typer.Option(50, "--tokens", help="Exact output tokens per request (EOS ignored)."),
-    store_device: str = _STORE_DEVICE,
+    store_device: str = STORE_DEVICE,
     data: Path = DATA,
     engine: str = ENGINE,
     model: str = MODEL,
-    samples: str = _SAMPLES,
+    samples: str = SAMPLES,
     questions: int = typer.Option(0, "--questions", help="Question pool (0 = all category 1-4)."),
     out: Path = typer.Option(Path("runs/bench/throughput"), "--out"),
-    show_progress: bool = _PROGRESS,
-    retrieval: str = _RETRIEVAL,
+    show_progress: bool = PROGRESS,
+    retrieval: str = RETRIEVAL,
 ):
     """Requests per second vs concurrent users (2 questions each), retrieval and composition included."""
     throughput = bench_module("throughput")
@@ -204,7 +200,7 @@ def bench_throughput(
         int_list(users, "--users", 1),
         k,
         window,
-        _bench_args(samples),
+        bench_args(samples),
         questions,
         model,
         engine,
@@ -223,16 +219,16 @@ def bench_footprint(
     data: Path = DATA,
     engine: str = ENGINE,
     model: str = MODEL,
-    samples: str = _SAMPLES,
-    questions: int = _QUESTIONS,
+    samples: str = SAMPLES,
+    questions: int = QUESTIONS,
     out: Path = typer.Option(Path("runs/bench/footprint"), "--out"),
-    show_progress: bool = _PROGRESS,
+    show_progress: bool = PROGRESS,
 ):
     """Stored KV bytes per fact token and per conversation vs 2*L*h*d*b, index/metadata bytes, serving RSS."""
     footprint = bench_module("footprint")
 
     footprint.run(
-        data, out, window, _bench_args(samples), questions, model, engine, show_progress=show_progress, echo=typer.echo
+        data, out, window, bench_args(samples), questions, model, engine, show_progress=show_progress, echo=typer.echo
     )
 
 
@@ -244,10 +240,10 @@ def bench_encode(
     data: Path = DATA,
     engine: str = ENGINE,
     model: str = MODEL,
-    samples: str = _SAMPLES,
-    questions: int = _QUESTIONS,
+    samples: str = SAMPLES,
+    questions: int = QUESTIONS,
     out: Path = typer.Option(Path("runs/bench/encode"), "--out"),
-    show_progress: bool = _PROGRESS,
+    show_progress: bool = PROGRESS,
 ):
     """Offline encoding seconds per conversation and tokens/s, vs the plain batched forward on the same tokens."""
     ingest_cost = bench_module("ingest_cost")
@@ -257,7 +253,7 @@ def bench_encode(
         data,
         out,
         int_list(window, "--window"),
-        _bench_args(samples),
+        bench_args(samples),
         questions,
         model,
         engine,
@@ -472,7 +468,7 @@ def bench_replay(
     engine: str = ENGINE,
     out: Path = typer.Option(Path("runs/bench/replay"), "--out"),
     reuse: bool = typer.Option(False, "--reuse", help="Keep stores an earlier run built in --out; only answer."),
-    retrieval: str = _RETRIEVAL,
+    retrieval: str = RETRIEVAL,
 ):
     """Online memory on real input: LoCoMo replayed turn by turn through Memory.add in three arms, then answered."""
     replay = bench_module("replay")
@@ -571,179 +567,6 @@ def bench_serve(
     serve_load.run(
         data, out, points, duration, k, facts, engine, model, max_tokens, window, sweep_duration, cold_every=cold_every
     )
-
-
-@eval_app.command("locomo")
-@friendly
-def eval_locomo(
-    k: str = typer.Option("20", "--k", help="Comma-separated k values."),
-    window: str | None = typer.Option(None, "--window", help="Comma-separated. " + WINDOW_HELP),
-    mode: str = typer.Option(
-        "kv,prompt", "--mode", help=f"Comma-separated: {MODES_HELP}; kv-sel on the transformers engine."
-    ),
-    neighbours: int | None = LOCOMO_NEIGHBOURS,
-    history: bool = LOCOMO_HISTORY,
-    max_new_tokens: int = typer.Option(32),
-    judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
-    judge_model: str | None = typer.Option(None, "--judge-model"),
-    data: Path = DATA,
-    engine: str = ENGINE,
-    model: str = MODEL,
-    samples: str = typer.Option(
-        "conv-26,conv-49",
-        "--samples",
-        help="Comma-separated LoCoMo sample ids (the conversations of docs/benchmarks.md's headline F1).",
-    ),
-    questions: int = typer.Option(
-        40,
-        "--questions",
-        help="Deterministic subset of N category 1-4 questions (0 = all; the headline uses 0, 300 questions).",
-    ),
-    out: Path = typer.Option(Path("runs/eval/locomo"), "--out"),
-    show_progress: bool = _PROGRESS,
-    retrieval: str = _RETRIEVAL,
-    order: str = typer.Option(
-        "relevance",
-        "--order",
-        help="How the retrieved facts are composed: relevance (the most relevant next to the query) or time "
-        "(write order, oldest first).",
-    ),
-):
-    """LoCoMo categories 1-4: token F1, exact match (and an LLM judge), KV vs prompt; resumable (records.jsonl);
-    evidence recall@k per category."""
-    ev = bench_module("eval_locomo")
-    from ..bench.common import int_list, str_list
-
-    window = window if window is not None else str(Encoding.of(None, neighbours, history).window)
-    ev.run(
-        data,
-        out,
-        int_list(k, "--k", 1),
-        int_list(window, "--window"),
-        str_list(mode),
-        _bench_args(samples),
-        questions,
-        model,
-        engine,
-        max_new_tokens,
-        judge_url,
-        judge_model,
-        show_progress,
-        typer.echo,
-        neighbours=neighbours,
-        history=history,
-        retrieval=retrieval,
-        order=order,
-    )
-
-
-@eval_app.command("compare")
-@friendly
-def eval_compare(
-    a: Path = typer.Argument(..., metavar="A", help="The --out directory of a kvmem eval locomo run (the reference)."),
-    b: Path = typer.Argument(..., metavar="B", help="The --out directory of another, on the same questions."),
-    out: Path | None = typer.Option(None, "--out", help="Also write compare.json and compare.md here."),
-    select_a: list[str] = typer.Option(
-        [],
-        "--a",
-        help="KEY=VALUE: A's records with this setting (model, mode, k, window, neighbours, history); "
-        "the key is paired across. Repeatable.",
-    ),
-    select_b: list[str] = typer.Option([], "--b", help="KEY=VALUE: B's records with this setting, as --a."),
-):
-    """Two eval locomo runs paired question by question: F1 by category for every setting both answered, and B
-    minus A with a paired bootstrap 95% CI (e.g. --order time against relevance, hybrid against cosine; with
-    --a mode=prompt --b mode=kv, two modes of one run; with --a window=0 --b window=5, two encodings)."""
-    compare = bench_module("compare")
-    sel_a, sel_b = compare.parse_select(select_a, "a"), compare.parse_select(select_b, "b")
-    compare.run(a, b, out, typer.echo, sel_a, sel_b)
-
-
-@eval_app.command("frontier")
-@friendly
-def eval_frontier(
-    models: str = typer.Option(
-        f"{DEFAULT_MODEL},qwen2.5-coder-1.5b-instruct",
-        "--models",
-        help="Comma-separated answer models (registry names).",
-    ),
-    methods: str = typer.Option(
-        "prompt,kv,kv-tail2,kv-tail4,kv-tail8",
-        "--methods",
-        help=f"Comma-separated serving methods: prompt and at least one of {MODES_HELP}.",
-    ),
-    k: str = typer.Option("5,10,20,50,100", "--k", help="Comma-separated k values."),
-    window: int | None = typer.Option(None, "--window", help=WINDOW_HELP),
-    neighbours: int | None = LOCOMO_NEIGHBOURS,
-    history: bool = LOCOMO_HISTORY,
-    data: Path = DATA,
-    engine: str = ENGINE,
-    samples: str = typer.Option(
-        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids (the held-out pair of the headline)."
-    ),
-    questions: int = typer.Option(0, "--questions", help="Category 1-4 questions scored per point (0 = all)."),
-    latency_questions: int = typer.Option(
-        20, "--latency-questions", help="The first N of them timed one request at a time for each point's TTFT."
-    ),
-    max_new_tokens: int = typer.Option(32),
-    judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible base URL for an LLM judge."),
-    judge_model: str | None = typer.Option(None, "--judge-model"),
-    out: Path = typer.Option(Path("runs/eval/frontier"), "--out"),
-    plot: Path | None = typer.Option(None, "--plot", help="Also write the plot here (e.g. docs/img/<name>.png)."),
-    add_run: list[Path] = typer.Option(
-        [],
-        "--add-run",
-        help="An earlier eval frontier --out (same questions, encoding and machine kind) whose other models join the "
-        "tables, targets and plot; repeatable.",
-    ),
-    show_progress: bool = _PROGRESS,
-    retrieval: str = typer.Option(
-        "hybrid",
-        "--retrieval",
-        help="What the latency run and the answers rank by: hybrid (the default), rrf[:K[:W]], weighted[:W] or cosine "
-        "(runs before 2026-12-07 ranked by cosine).",
-    ),
-):
-    """The accuracy-latency frontier: LoCoMo F1 (batched eval) against median TTFT (a separate one-at-a-time
-    latency run) of every model, method and k, and for each prompt-injection point the best kvmem point with no
-    higher TTFT, with a paired bootstrap 95% CI; resumable."""
-    frontier = bench_module("frontier")
-    from ..bench.common import int_list, str_list
-
-    frontier.run(data, out, str_list(models), str_list(methods), int_list(k, "--k", 1), _bench_args(samples),
-                 questions, latency_questions, engine, window, neighbours, history, max_new_tokens, judge_url,
-                 judge_model, plot, show_progress, typer.echo, add_run, retrieval)  # fmt: skip
-
-
-@eval_app.command("recall")
-@friendly
-def eval_recall(
-    retrieval: str = typer.Option(
-        "cosine,hybrid",
-        "--retrieval",
-        help="Comma-separated: cosine, hybrid (the default fusion), rrf[:K[:W]], weighted[:W]; the first is the "
-        "baseline of the gains.",
-    ),
-    k: str = typer.Option("5,10,20,50,100", "--k", help="Comma-separated k values."),
-    data: Path = DATA,
-    samples: str = typer.Option(
-        "conv-26,conv-49", "--samples", help="Comma-separated LoCoMo sample ids ('' = all; the held-out pair)."
-    ),
-    model: str = typer.Option(
-        "smollm2-135m-instruct",
-        "--model",
-        help="The model the stores are built with (retrieval reads no KV, so the smallest will do).",
-    ),
-    out: Path = typer.Option(Path("runs/eval/recall"), "--out"),
-    show_progress: bool = _PROGRESS,
-):
-    """LoCoMo evidence recall@k per category: the share of questions' evidence turns whose facts are retrieved
-    (retrieval only, no answer model: minutes on a CPU)."""
-    recall = bench_module("recall")
-    from ..bench.common import int_list, str_list
-
-    recall.run(data, out, _bench_args(samples), str_list(retrieval), int_list(k, "--k", 1), model, show_progress,
-               typer.echo)  # fmt: skip
 
 
 @bench_app.command("search")
