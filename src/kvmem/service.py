@@ -209,7 +209,8 @@ class MemoryService:
             query_ids = block_ids + query_ids
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
-        need = self.check_budget(len(header_ids), lens, len(block_ids) + len(query_ids), max_new_tokens)
+        after = len(query_ids) + (len(block.token_ids) if block is not None else 0)  # the block counts once
+        need = self.check_budget(len(header_ids), lens, after, max_new_tokens)
         rows = order_facts(retrieved, ukv.facts, self.order)
         head, tail = rows[: max(0, len(rows) - r)], rows[max(0, len(rows) - r) :]
         tail_ids = [t for row in tail for t in ukv.facts[row].token_ids]
