@@ -853,6 +853,29 @@ def test_bench_chat_cost(tiny):
     assert len(recs) == 8 and all(r["compose_ms"] > 0 and r["plan_ms"] > 0 for r in recs)
 
 
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_bench_tools(tmp_path):
+    """``bench tools`` at toy sizes on the smallest model whose chat template has tools: every arm in the summary;
+    with tools, kv and prompt mode see the same prompt, prompt mode prefills all of it and kv mode only the
+    turns; the block is encoded once and then read from the cache."""
+    model = "qwen2.5-coder-0.5b-instruct"
+    if not (model_dir(model) / MANIFEST).exists():
+        pytest.fail(f"{model} is not installed; run: kvmem models install {model}")
+    out = tmp_path / "tools"
+    args = ("--k", 2, "--tools", "0,2", "--chats", 1, "--memories", 3, "--fact-tokens", 4, "--dtype", "float32")
+    cli("bench", "tools", *args, "--model", model, "--out", out)
+    s = check_outputs(out, "tools_ttft.png")
+    arms = s["arms"]
+    assert set(arms) == {f"k2/tools{n}/{m}" for n in (0, 2) for m in ("kv", "prompt")}
+    kv, pr = arms["k2/tools2/kv"], arms["k2/tools2/prompt"]
+    assert kv["prompt_tokens"] == pr["prompt_tokens"] == pr["prefilled_tokens"] > 300
+    assert kv["prefilled_tokens"] < 30 and kv["first_ms"] > 0 and 0 < kv["ttft_ms"]["p50"] <= kv["ttft_ms"]["p95"]
+    assert arms["k2/tools0/kv"]["prefilled_tokens"] > kv["prefilled_tokens"]  # without tools the system text too
+    assert s["tools_cache"]["entries"] == 1 and s["tools_cache"]["hits"] >= 1
+    assert s["kv_p50_tools2_over_tools0"]["2"] > 0 and len(json.loads((out / "records.json").read_text())) == 4
+
+
 def test_bench_store(tiny, postgres):
     """``bench store`` end to end at toy sizes: every op on both backends, the three TTFT arms through
     ``kvmem serve``, ratios and targets in the summary; its PostgreSQL schema is dropped afterwards."""

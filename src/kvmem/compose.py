@@ -110,6 +110,38 @@ class PromptFormat:
             )["input_ids"]
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def conversation_parts(
+        self, tokenizer, messages: list[dict], tools: list[dict] | None = None
+    ) -> tuple[str, list[int], list[int]]:
+        """``conversation_ids`` (with memory) split where the template's system message ends: (the block's text,
+        its ids [b], the rest's ids), block + rest being exactly ``conversation_ids``. The block is what the
+        template renders after the memory inside the system message: the request's system text, then the tools
+        section (Qwen2.5: ``# Tools ... <tools>...</tools> ...<|im_end|>\n``). It is the same text for every
+        chat of an agent that sends the same system message and tools, so its KV can be encoded once, behind the
+        header, and injected after the facts (``engines.base.ToolsBlock``). ("", [], all ids) without tools, on
+        a completion-style format, or where the template's system part is not a token-exact prefix of the
+        conversation. Raises what ``conversation_ids`` raises."""
+        ids = self.conversation_ids(tokenizer, messages, tools=tools)
+        if not tools or not self.chat:
+            return "", [], ids
+        system = "".join("\n\n" + m["content"] for m in messages if m["role"] == "system")
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "system", "content": HEADER_TEXT + _MEM + system}],
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=False,
+            )
+        except Exception:  # a template that needs a user turn: no block, the tools are prefilled
+            return "", [], ids
+        if not text.startswith(self.header + _MEM):
+            return "", [], ids
+        block_text = text[len(self.header) + len(_MEM) :]
+        block = tokenizer(block_text, add_special_tokens=False)["input_ids"]
+        if not block or ids[: len(block)] != block:  # the split would change the prompt's tokens
+            return "", [], ids
+        return block_text, block, ids[len(block) :]
+
 
 _PROBE_TOOL = "kvmem_probe_tool_7f3a"
 
@@ -197,8 +229,9 @@ def compose(
     rotate: bool = True,
     empty=None,
     spans: list | None = None,
+    suffix: tuple[list[int], torch.Tensor, torch.Tensor] | None = None,
 ) -> ComposedMemory:
-    """Compose ``[header][facts rows...]`` (rows in injected order) with chunked RoPE.
+    """Compose ``[header][facts rows...]`` (rows in injected order), then ``suffix``, with chunked RoPE.
 
     Args:
         rotary: the model's rotary (``Rotary.for_model(model)`` or ``Rotary.from_config(config)``).
@@ -214,14 +247,31 @@ def compose(
             where they are injected (``rotary.rotate`` with ``cos_sin`` at ``ComposedMemory.positions``).
         empty: where the gathered keys and values go (``kvformat.assemble``; default new tensors).
         spans: ``user_kv.read(rows)``, when the facts were read already (elsewhere, on another thread).
+        suffix: (token ids [b], pre-RoPE keys, raw values [L, H, b, D] in the stored dtype) put after the facts
+            in the same copy and rotated with them (a chat's tools block, ``engines.base.ToolsBlock``).
     Returns:
         ComposedMemory on ``device``, in the stored dtype.
     """
     facts = [user_kv.facts[r] for r in rows]
-    keys, values = user_kv.gather(rows, timings, prefix=header_kv, empty=empty, spans=spans)  # one copy
+    extra, bufs, into = (len(suffix[0]) if suffix is not None else 0), {}, empty
+    if extra:  # gather writes into the front of buffers long enough for the suffix too
+        new = empty or (lambda _name, shape, dtype: torch.empty(shape, dtype=dtype))
+
+        def into(name, shape, dtype):
+            bufs[name] = new(name, (*shape[:2], shape[2] + extra, shape[3]), dtype)
+            return bufs[name][:, :, : shape[2]]
+
+    keys, values = user_kv.gather(rows, timings, prefix=header_kv, empty=into, spans=spans)  # one copy
+    if extra:
+        m = keys.shape[2]
+        if not bufs:  # gather handed back its input (the header alone): copy it here
+            into("keys", keys.shape, keys.dtype)[:] = keys
+            into("values", values.shape, values.dtype)[:] = values
+        keys, values = bufs["keys"], bufs["values"]
+        keys[:, :, m:], values[:, :, m:] = suffix[1], suffix[2]
     t0 = time.perf_counter()
     keys, values = keys.to(device), values.to(device)
-    token_ids = list(header_ids) + [t for f in facts for t in f.token_ids]
+    token_ids = list(header_ids) + [t for f in facts for t in f.token_ids] + list(suffix[0] if extra else ())
     fact_ids = [f.fact_id for f in facts]
     if not rotate:
         return ComposedMemory(token_ids, fact_ids, start, keys, values, rotated=False)

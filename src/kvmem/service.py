@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .compose import ContextOverflow, PromptFormat, check_text, max_facts_that_fit
-from .engines.base import AsyncEngine, Engine, EngineRequest, Generation, MemoryPlan, Sampling
+from .engines.base import AsyncEngine, Engine, EngineRequest, Generation, MemoryPlan, Sampling, ToolsBlock
 from .engines.registry import refusal
 from .engines.select import engine_name, open_engine
 from .models import LoadedModel, fingerprint, line_stop_ids, stop_token_ids
@@ -41,6 +41,13 @@ def check_methods(methods: Iterable[str | Method], engine: str | None = "auto") 
         if why is not None:
             raise ValueError(why)
     return parsed
+
+
+def owner_of(user: str) -> str:
+    """The tenant of a store user (``scopes.Scope.key``: ``<tenant>:<user>/...``; "" without one): whose chats
+    share a cached tools block. A user id with a ':' on a server without tenants only splits the cache further."""
+    head = user.split("/", 1)[0]
+    return head.partition(":")[0] if ":" in head else ""
 
 
 @dataclass
@@ -159,7 +166,10 @@ class MemoryService:
         retrieved as one; users without memories are left out, and expired memories are never retrieved.
         ``cold`` (load tests): the retrieved facts are dropped from every cache tier first (``Store.reads.evict``; the
         engine's prefix cache and the vLLM worker's read cache by the plan's nonce), then prefetched as usual.
-        ``tools``: OpenAI tool definitions the chat template renders after the memory (``messages`` only).
+        ``tools``: OpenAI tool definitions the chat template renders after the memory (``messages`` only); in kv
+        mode without tail recompute, on an engine that can (``Capabilities.tools_kv``), the system text and tools
+        (``PromptFormat.conversation_parts``) are the plan's ``block``, injected after the facts from KV
+        encoded once, so only the turns are prefilled; the prompt ids are the same either way.
         Raises ValueError for an empty question, top_k < 1, an unknown mode or one this engine cannot serve;
         StoreError (UnknownUser) when no user has memories; ContextOverflow when memory + query +
         ``max_new_tokens`` exceed the model context (the message gives the k that fits, paper Corollary 7).
@@ -187,14 +197,20 @@ class MemoryService:
         if mode == "kv":  # the facts' KV starts moving up the tiers while the prompt is built and scheduled
             self.store.reads.prefetch(ukv, retrieved.rows)
         t2 = time.perf_counter()
-        query_ids = (
-            self.fmt.conversation_ids(self.lm.tokenizer, messages, tools=tools)
+        block_text, block_ids, query_ids = (
+            self.fmt.conversation_parts(self.lm.tokenizer, messages, tools)
             if messages
-            else self.fmt.query_ids(self.lm.tokenizer, question)
+            else ("", [], self.fmt.query_ids(self.lm.tokenizer, question))
         )
+        block = None
+        if block_ids and mode == "kv" and r == 0 and self.engine.capabilities.tools_kv:
+            block = ToolsBlock(block_text, tuple(block_ids), owner_of(users[0]))
+        else:  # prefilled with the turns: the same ids
+            query_ids = block_ids + query_ids
         header_ids = self.store.header_token_ids
         lens = [ukv.facts[r].num_tokens for r in retrieved.rows]
-        need = self.check_budget(len(header_ids), lens, len(query_ids), max_new_tokens)
+        after = len(query_ids) + (len(block.token_ids) if block is not None else 0)  # the block counts once
+        need = self.check_budget(len(header_ids), lens, after, max_new_tokens)
         rows = order_facts(retrieved, ukv.facts, self.order)
         head, tail = rows[: max(0, len(rows) - r)], rows[max(0, len(rows) - r) :]
         tail_ids = [t for row in tail for t in ukv.facts[row].token_ids]
@@ -207,6 +223,7 @@ class MemoryService:
             recompute,
             memory_tokens=None if not tail else len(header_ids) + sum(ukv.facts[h].num_tokens for h in head),
             cold=uuid.uuid4().hex if cold else None,
+            block=block,
         )
         memory_ids = plan.token_ids
         query_ids = tail_ids + query_ids  # after the injected memory: recomputed tail facts, then the query
@@ -278,8 +295,10 @@ class MemoryService:
         max_new_tokens: int = 32,
         messages: list[dict] | None = None,
         tail_recompute: int | None = None,
+        tools: list[dict] | None = None,
     ) -> Prepared:
-        """``plan``, then the engine's memory (synchronous engines). Raises what ``plan`` raises."""
+        """``plan``, then the engine's memory (synchronous engines); ``tools`` with ``messages`` as in ``plan``.
+        Raises what ``plan`` raises."""
         return _run_now(
             self._pipeline(
                 user,
@@ -293,6 +312,7 @@ class MemoryService:
                 plain_fallback=False,
                 run=_call,
                 memory=_returning(self.engine.memory),
+                tools=tools,
             )
         )
 

@@ -425,6 +425,30 @@ def bench_chat_cost(
     )
 
 
+@bench_app.command("tools")
+@friendly
+def bench_tools(
+    k: str = typer.Option("5,20", "--k", help="Comma-separated k values."),
+    tools: str = typer.Option("0,3,20", "--tools", help="Comma-separated tool counts (0-20; 0 = no tools)."),
+    chats: int = typer.Option(5, "--chats", help="Chats timed per arm (k, tools, mode)."),
+    memories: int = typer.Option(40, "--memories", help="Memories of the user (random KV)."),
+    fact_tokens: int = typer.Option(16, "--fact-tokens"),
+    dtype: str = DTYPE,
+    model: str = MODEL,
+    out: Path = typer.Option(Path("runs/bench/tools"), "--out"),
+):
+    """TTFT of a tool-using chat with memory, kv (tools block injected) against prompt mode (transformers engine)."""
+    tools_cost = bench_module("tools_cost")
+    from ..bench.common import int_list
+
+    if min(chats, memories, fact_tokens) < 1:
+        raise ValueError("--chats, --memories and --fact-tokens must be >= 1")
+    ks, counts = int_list(k, "--k", 1), int_list(tools, "--tools", 0)
+    tools_cost.run(
+        out, model, ks, counts, chats, memories, fact_tokens, None if dtype == "auto" else dtype, echo=typer.echo
+    )
+
+
 @bench_app.command("store")
 @friendly
 def bench_store(

@@ -48,6 +48,7 @@ __all__ = [
     "MemoryPlan",
     "Sampling",
     "TokenLogprob",
+    "ToolsBlock",
     "check_implements",
     "ends_answer",
 ]
@@ -103,6 +104,20 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class ToolsBlock:
+    """A chat's tools block (``compose.PromptFormat.conversation_parts``): what the chat template renders after
+    the memory inside the system message, the request's system text and its tools. An engine that can
+    (``Capabilities.tools_kv``) injects its KV after the facts, encoded once behind the header and kept (the
+    transformers engine's ``ToolsKV``). ``text``: the rendered text (the cache key, with the header, model and
+    dtype); ``token_ids``: its ids [b]; ``owner``: the tenant whose chats share the cached KV ("" without
+    tenants)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    owner: str = ""
+
+
 @dataclass
 class MemoryPlan:
     """What the service retrieved for one request, for the engine to turn into injectable memory.
@@ -112,7 +127,8 @@ class MemoryPlan:
     ``snapshot.facts``); ``header_ids``: the store's header token ids; ``served_len``: tokens of the whole served
     prompt (for length-dependent RoPE); ``recompute``: fraction of fact tokens to recompute (selective recompute,
     0 = off); ``memory_tokens``: set when the prompt goes on with more facts that the engine prefills (tail
-    recompute): the injected length."""
+    recompute): the injected length. ``block``: the chat's tools block, injected after the facts
+    (kv mode on an engine with ``Capabilities.tools_kv``; otherwise its ids are prefilled with the query)."""
 
     store: Store
     snapshot: UserKV
@@ -122,11 +138,13 @@ class MemoryPlan:
     recompute: float = 0.0
     memory_tokens: int | None = None
     cold: str | None = None  # a nonce: read from the store, every cache tier below it dropped first (load tests)
+    block: ToolsBlock | None = None
 
     @property
     def token_ids(self) -> list[int]:
-        """Header + injected facts' token ids, [m]."""
-        return list(self.header_ids) + [t for r in self.rows for t in self.snapshot.facts[r].token_ids]
+        """Header + injected facts' (+ the tools block's) token ids, [m]."""
+        block = list(self.block.token_ids) if self.block is not None else []
+        return list(self.header_ids) + [t for r in self.rows for t in self.snapshot.facts[r].token_ids] + block
 
     @property
     def fact_ids(self) -> list[str]:

@@ -40,6 +40,7 @@ from .base import (
     TokenLogprob,
     ends_answer,
 )
+from .tools_kv import ToolsKV
 
 logger = logging.getLogger("kvmem.engines.hf")
 
@@ -235,9 +236,17 @@ class HFEngine(Engine):
 
     name = "hf"  # its abilities: engines.registry.ENGINES["hf"]
 
-    def __init__(self, model, eos_token_ids: list[int] | None = None, max_model_len: int | None = None, tokenizer=None):
+    def __init__(
+        self,
+        model,
+        eos_token_ids: list[int] | None = None,
+        max_model_len: int | None = None,
+        tokenizer=None,
+        tools_cache: ToolsKV | None = None,
+    ):
         use_gqa_sdpa(model)
         self.model, self.tokenizer = model, tokenizer  # the tokenizer: JSON grammars (complete_json) only
+        self.tools = tools_cache or ToolsKV(model)  # tools blocks' KV, encoded once (``MemoryPlan.block``)
         self._grammars = LRUCache(maxsize=64)  # compiled JSON-schema grammars (complete_json, response_format)
         self._compiler = None  # xgrammar's GrammarCompiler over this model's vocabulary
         self.device = next(model.parameters()).device
@@ -248,9 +257,14 @@ class HFEngine(Engine):
 
     def memory(self, plan: MemoryPlan) -> HFMemory | None:
         """Compose ``[header][facts]`` with chunked RoPE on this engine's device (paper §3.3), reading only the
-        rows' KV. LookupError if that version was replaced meanwhile (the caller plans again). None if a segment
-        fails its checks (missing, truncated, corrupt): the request is then prefilled whole, as vLLM's worker
-        recomputes blocks whose load failed."""
+        rows' KV, then the plan's tools block (``ToolsKV``: encoded behind the header once, then kept).
+        LookupError if that version was replaced meanwhile (the caller plans again). None if a segment fails its
+        checks (missing, truncated, corrupt): the request is then prefilled whole, as vLLM's worker recomputes
+        blocks whose load failed."""
+        suffix = None
+        if plan.block is not None:
+            keys, values = self.tools.kv(plan.block, plan.header_ids, plan.served_len)
+            suffix = (list(plan.block.token_ids), keys, values)
         try:
             composed = compose(
                 self.rotary,
@@ -260,6 +274,7 @@ class HFEngine(Engine):
                 plan.rows,
                 device=self.device,
                 served_len=plan.served_len,
+                suffix=suffix,
             )
         except StoreError as exc:
             logger.warning("memory of %r not injected, prefilled instead: %s", plan.snapshot.user, exc)

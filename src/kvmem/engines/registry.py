@@ -22,22 +22,26 @@ class Capabilities:
     ``label``: how messages name it; ``selective_recompute``: recomputes chosen tokens inside the injected memory
     (``kv-sel<p>``); ``batches``: concurrent requests run in one batch (continuous batching) rather than one at a
     time; ``latent_attention``: injects the latent KV of multi-head latent attention models (DeepSeek V2 / V3);
+    ``tools_kv``: injects a chat's tools block (``base.ToolsBlock``) as KV encoded once, instead of prefilling it;
     ``why_not``: per ability this engine lacks, the reason, as users read it."""
 
     label: str
     selective_recompute: bool = False
     batches: bool = False
     latent_attention: bool = True
+    tools_kv: bool = False
     why_not: dict[str, str] = field(default_factory=dict)
 
 
 ENGINES: dict[str, Capabilities] = {
-    "hf": Capabilities("the transformers engine", selective_recompute=True),
+    "hf": Capabilities("the transformers engine", selective_recompute=True, tools_kv=True),
     "vllm": Capabilities(
         "vLLM",
         batches=True,
         why_not={
             "selective_recompute": "its KV connector can report an injected prefix, not tokens to recompute inside it",
+            "tools_kv": "its connector's worker injects only KV it reads from the store by the request's reference, "
+            "and a tools block is not stored there",
         },
     ),
 }
