@@ -17,37 +17,11 @@ pytest.importorskip("vllm")
 
 from conftest import free_port, serve_cmd, wait_ready
 from kvmem.models import MANIFEST, model_dir
+from tool_defs import ASK, TOOLS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.real_model]
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-EMAIL = {
-    "type": "function",
-    "function": {
-        "name": "send_email",
-        "description": "Send an email",
-        "parameters": {
-            "type": "object",
-            "properties": {"to": {"type": "string"}, "body": {"type": "string"}},
-            "required": ["to", "body"],
-        },
-    },
-}
-TOOLS = [WEATHER, EMAIL]
-ASK = [{"role": "user", "content": "What's the weather like where I live?"}]
 KV = {"memory": {"mode": "kv", "top_k": 2}}
 
 
