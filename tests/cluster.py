@@ -510,10 +510,35 @@ class Cluster:
         if not keys.exists():
             keys.touch(mode=0o600)
             keys.write_text(json.dumps({self.api_key: "t"}))
-        cmd = [BIN / "kvmem", "serve", "--store", self.state["db_url"], "--segments", f"s3://{BUCKET}/kv",
-               "--model", model, "--engine", "hf", "--replicas", 2, "--ray-address", f"{NODES['head']}:{RAY_PORT}",
-               "--host", NODES[node], "--port", INGRESS_PORT, "--api-keys", keys, "--max-tokens", 8]  # fmt: skip
-        self.spawn(name, node, [*cmd, *(extra or [])])
+        self.spawn(
+            name,
+            node,
+            [
+                BIN / "kvmem",
+                "serve",
+                "--store",
+                self.state["db_url"],
+                "--segments",
+                f"s3://{BUCKET}/kv",
+                "--model",
+                model,
+                "--engine",
+                "hf",
+                "--replicas",
+                2,
+                "--ray-address",
+                f"{NODES['head']}:{RAY_PORT}",
+                "--host",
+                NODES[node],
+                "--port",
+                INGRESS_PORT,
+                "--api-keys",
+                keys,
+                "--max-tokens",
+                8,
+                *(extra or []),
+            ],
+        )
         self.wait_port(node, NODES[node], INGRESS_PORT, timeout=600, proc=name)
 
     def ingress_kill(self, name: str = "ingress") -> None:
@@ -615,10 +640,7 @@ class Cluster:
         mine = [n for n in self.state["netns"] if n in present]
         nodes = [n.removeprefix(PREFIX + "-") for n in mine]
         if "db" in nodes:
-            try:
-                self.db_stop()
-            except subprocess.TimeoutExpired:  # a starved machine: its processes are killed below all the same
-                log("db: pg_ctl stop did not end within 120 s")
+            self.db_stop()
         for node in nodes:
             self.kill_node_processes(node, signal.SIGTERM)
         end = time.monotonic() + 5  # Ray's head processes outlive a TERM for longer: nothing here needs them to
