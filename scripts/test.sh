@@ -32,7 +32,6 @@ if [ $fast = 1 ]; then
   exec "${pytest[@]}" -m "not vllm and not ray and not postgres and not slow and not browser" ${args[@]+"${args[@]}"}
 fi
 if [ $cluster = 1 ]; then
-  export KVMEM_ALL_FAULTS=1  # every fault (tests/cluster_faults.py FAULTS); the full suite runs SUITE_FAULTS
   exec "${pytest[@]}" -m cluster ${args[@]+"${args[@]}"}
 fi
 exec "${pytest[@]}" ${args[@]+"${args[@]}"}

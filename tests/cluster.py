@@ -38,40 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PREFIX = "kvmc"  # namespaces kvmc-head, ...; the bridge kvmc-br; root-side veths kvmc-<node>
 BRIDGE = f"{PREFIX}-br"
-# on the bridge, /24: the Ray nodes, then the front (HAProxy, and the fault run's load as its clients)
-NODES = {"head": "10.77.0.10", "w1": "10.77.0.11", "w2": "10.77.0.12", "in2": "10.77.0.13", "front": "10.77.0.20"}
-RAY_NODES = ("head", "w1", "w2", "in2")
-SERVICES = {"db": "10.77.1.2", "s3": "10.77.1.3"}  # each on its own point-to-point link to every Ray node
-INGRESSES = {"ingress": "head", "ingress2": "in2"}  # kvmem serve --ray-address on two nodes, behind the front
+NODES = {"head": "10.77.0.10", "w1": "10.77.0.11", "w2": "10.77.0.12"}  # on the bridge, /24
+SERVICES = {"db": "10.77.1.2", "s3": "10.77.1.3"}  # each on its own point-to-point link to every node
 RAY_PORT, INGRESS_PORT, PG_PORT, S3_PORT = 6379, 8000, 5432, 9000
 BUCKET = "kvmem"
 REGION = "us-east-1"
 DEFAULT_RUN = Path("/tmp/kvmc")  # short: Ray's unix sockets live under each node's --temp-dir
-
-
-HAPROXY_CFG = """\
-global
-  maxconn 512
-  log stdout format raw local0 info
-defaults
-  mode http
-  log global
-  option httplog
-  timeout connect 2s
-  timeout client 120s
-  timeout server 120s
-  timeout check 5s
-  retries 3
-  option redispatch 1
-frontend kvmem
-  bind {addr}:{port}
-  default_backend ingresses
-backend ingresses
-  balance roundrobin
-  option httpchk GET /ready
-  http-check expect status 200
-  option allbackups
-{servers}"""
 
 
 def ns(node: str) -> str:
@@ -290,7 +262,7 @@ class Cluster:
             sh("ip", "-n", ns(node), "link", "set", "b0", "up")
         for svc, saddr in SERVICES.items():
             sh("ip", "-n", ns(svc), "addr", "add", f"{saddr}/32", "dev", "lo")
-            for node in RAY_NODES:  # a veth between two namespaces: deleted with either of them
+            for node in NODES:  # a veth between two namespaces: deleted with either of them
                 sh(
                     "ip",
                     "link",
@@ -356,10 +328,6 @@ class Cluster:
             AWS_REGION=REGION,
             AWS_ALLOW_HTTP="true",
             RAY_USAGE_STATS_ENABLED="0",
-            # Ray's memory monitor reads the whole machine's memory, which the namespaces share with whatever else
-            # runs here: it killed the replicas and Serve's controller of a run for others' memory. Off; the
-            # kernel's OOM killer still stands
-            RAY_memory_monitor_refresh_ms="0",
             HF_HUB_OFFLINE="1",
             PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT / "tests")) if p),
         )
@@ -400,18 +368,10 @@ class Cluster:
             "    except OSError: time.sleep(0.3)\n"
             "sys.exit(1)\n"
         )
-        waiter = subprocess.Popen(["ip", "netns", "exec", ns(node), sys.executable, "-c", code])
-        while waiter.poll() is None:  # a process that exits while it is awaited fails the wait at once
-            if proc and self.procs[proc].poll() is not None:
-                waiter.kill()
-                waiter.wait()
-                raise RuntimeError(
-                    f"{proc} exited (status {self.procs[proc].returncode}) before {addr}:{port} answered from "
-                    f"{node}: see {self.run}/logs/{proc}.log"
-                )
-            time.sleep(0.3)
-        if waiter.returncode:
-            raise RuntimeError(f"{addr}:{port} did not answer from {node} within {timeout:.0f} s")
+        r = in_ns(node, sys.executable, "-c", code, check=False, timeout=timeout + 10)
+        if r.returncode:
+            died = f"; {proc} exited, see {self.run}/logs/{proc}.log" if proc and self.procs[proc].poll() else ""
+            raise RuntimeError(f"{addr}:{port} did not answer from {node} within {timeout:.0f} s{died}")
 
     def db_start(self) -> str:
         env = {
@@ -502,17 +462,14 @@ class Cluster:
             timeout=timeout + 60,
         )
 
-    def ingress_start(self, model: str, extra: list[str] | None = None, name: str = "ingress") -> None:
-        """``kvmem serve --ray-address`` as process ``name`` on its node (``INGRESSES``), on that node's
-        address :``INGRESS_PORT``; the first deploys the replicas, a later one (same options) attaches to them."""
-        node = INGRESSES[name]
+    def ingress_start(self, model: str, extra: list[str] | None = None) -> None:
         keys = self.run / "keys.json"
         if not keys.exists():
             keys.touch(mode=0o600)
             keys.write_text(json.dumps({self.api_key: "t"}))
         self.spawn(
-            name,
-            node,
+            "ingress",
+            "head",
             [
                 BIN / "kvmem",
                 "serve",
@@ -529,7 +486,7 @@ class Cluster:
                 "--ray-address",
                 f"{NODES['head']}:{RAY_PORT}",
                 "--host",
-                NODES[node],
+                NODES["head"],
                 "--port",
                 INGRESS_PORT,
                 "--api-keys",
@@ -539,39 +496,7 @@ class Cluster:
                 *(extra or []),
             ],
         )
-        self.wait_port(node, NODES[node], INGRESS_PORT, timeout=600, proc=name)
-
-    def ingress_kill(self, name: str = "ingress") -> None:
-        """kill -9 the ingress ``name`` (its process only: the node and its raylet stay)."""
-        p = self.procs[name]
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-
-    def ingress_stop(self, name: str) -> int:
-        """SIGTERM the ingress ``name`` (a clean stop); its exit status."""
-        p = self.procs[name]
-        os.kill(p.pid, signal.SIGTERM)
-        return p.wait(timeout=120)
-
-    def front_start(self) -> None:
-        """HAProxy (Debian's) in the ``front`` namespace on :``INGRESS_PORT``: it spreads requests over the
-        ingresses (round robin), asks each ingress's ``/ready`` every second (down after 2 failures, up after 1
-        success), and sends a request whose connection to an ingress failed (nothing sent) to another one. Each
-        ingress is also a backup server, unchecked: when every check fails (a machine too busy to answer /ready
-        within 5 s, say) the front still tries them rather than answer 503 itself."""
-        haproxy = shutil.which("haproxy") or "/usr/sbin/haproxy"
-        if not Path(haproxy).exists():
-            raise RuntimeError("haproxy is not installed: run scripts/setup.sh as root (apt-get install haproxy)")
-        conf = self.run / "front" / "haproxy.cfg"
-        conf.parent.mkdir(parents=True, exist_ok=True)
-        servers = "".join(
-            f"  server {n} {NODES[node]}:{INGRESS_PORT} check inter 1s fall 2 rise 1\n"
-            f"  server {n}-backup {NODES[node]}:{INGRESS_PORT} backup\n"
-            for n, node in INGRESSES.items()
-        )
-        conf.write_text(HAPROXY_CFG.format(addr=NODES["front"], port=INGRESS_PORT, servers=servers))
-        self.spawn("front", "front", [haproxy, "-db", "-f", conf])
-        self.wait_port("front", NODES["front"], INGRESS_PORT, timeout=30, proc="front")
+        self.wait_port("head", NODES["head"], INGRESS_PORT, timeout=600, proc="ingress")
 
     @property
     def api_key(self) -> str:
@@ -579,11 +504,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        """The front's: where clients go."""
-        return f"http://{NODES['front']}:{INGRESS_PORT}"
-
-    def ingress_url(self, name: str = "ingress") -> str:
-        return f"http://{NODES[INGRESSES[name]]}:{INGRESS_PORT}"
+        return f"http://{NODES['head']}:{INGRESS_PORT}"
 
     def placement(self) -> dict[str, str]:
         """Ray's state API: each live serving replica's actor id -> the address of the node it runs on."""
@@ -611,17 +532,11 @@ class Cluster:
         self.wait_port("head", NODES["head"], RAY_PORT, proc="ray-head")
         for w in ("w1", "w2"):
             self.ray_start(w, cpus=1)
-        self.ray_start("in2", cpus=0)
-        self.wait_nodes(4)
-        log(f"ray: head {NODES['head']}:{RAY_PORT}, workers {NODES['w1']}, {NODES['w2']}, {NODES['in2']} (no CPU)")
+        self.wait_nodes(3)
+        log(f"ray: head {NODES['head']}:{RAY_PORT}, workers {NODES['w1']}, {NODES['w2']}")
         if serve:
-            self.front_start()  # first: it health-checks each ingress from the moment it listens
-            self.ingress_start(model)  # deploys the replicas
-            self.ingress_start(model, name="ingress2")  # attaches to them
-            log(
-                f"kvmem serve: {self.ingress_url()}, {self.ingress_url('ingress2')}; the front (HAProxy) {self.url} "
-                f"(API key in {self.run}/keys.json); replicas on {self.placement()}"
-            )
+            self.ingress_start(model)
+            log(f"kvmem serve: {self.url} (API key in {self.run}/keys.json); replicas on {self.placement()}")
         log(f"up in {time.monotonic() - t0:.0f} s")
 
     def kill_node_processes(self, node: str, sig: int = signal.SIGKILL) -> list[int]:

@@ -12,11 +12,10 @@ injected), lists of its memories, adds, updates and deletes of its own facts (at
 request is one event in EVENTS (JSON lines): the user, the operation, the memory id and text it wrote, the send and
 answer times, the outcome (``ack``: a 2xx; ``failed``: an error status or a refused connection, nothing written;
 ``unknown``: no answer, the write may or may not have happened) and what a read saw (the ids and texts of a list,
-the ``kvmem.fact_ids`` a chat injected); a 500, a 502 (the front's, for an ingress lost mid-request), a 504 and a
-503 ``replica_lost`` (the ingress's word for a write whose replica died while running it) are ``unknown`` too.
-When STOPFILE appears each user lists its memories until that succeeds. Any exception in a user's thread
-(``guarded``) is a ``client_error`` event and the user goes on. The load runs in the ``front`` namespace and
-sends every request to the front (HAProxy), which spreads them over the two ingresses.
+the ``kvmem.fact_ids`` a chat injected); a 500, a 504 and a 503 ``replica_lost`` (the ingress's word for a
+write whose replica died while running it) are ``unknown`` too. When STOPFILE appears each user lists its
+memories until that succeeds. Any exception in a user's thread (``guarded``) is a ``client_error`` event and the
+user goes on.
 
 The checker (``check``) replays each user's history (one thread per user: its requests are sequential) and
 reports: acknowledged writes lost (the last list lacks an acked fact or its acked text, or shows an acked delete);
@@ -45,14 +44,11 @@ from pathlib import Path
 SERVED_WITHIN_S = 120.0  # after a heal, how long the run waits for every user to be served before going on
 CLIENT_TIMEOUT_S = 30.0  # a request with no answer by then "hung" (a fail-fast server answers 503 well before)
 MAX_FACTS = 10
-# answers that promise nothing about a write: a gateway timeout, an internal error, the front's 502 (the ingress
-# it had sent the request to died before answering) and the ingress's 503 replica_lost ("the write may or may not
-# have landed": its replica died while running it)
-UNKNOWN = {504, 502, 500, "replica_lost"}
+# answers that promise nothing about a write: a gateway timeout, an internal error, and the ingress's 503
+# replica_lost ("the write may or may not have landed": its replica died while running it)
+UNKNOWN = {504, 500, "replica_lost"}
 MODEL = "smollm2-135m-instruct"
-# every fault, in the order run; the suite's test runs SUITE_FAULTS (its time), ``scripts/test.sh --cluster`` all
-FAULTS = ("db-cut", "s3-cut", "ingress-kill", "ingress-restart", "kill-worker", "pg-restart", "s3-restart")
-SUITE_FAULTS = ("db-cut", "s3-cut", "ingress-kill", "kill-worker", "pg-restart", "s3-restart")
+FAULTS = ("db-cut", "s3-cut", "ingress-restart", "kill-worker", "pg-restart", "s3-restart")  # in the order run
 
 
 def outcome_of(status: int, code: str | None) -> str:
@@ -347,8 +343,6 @@ def faults_of(c, model: str, events: Path) -> dict:
     strike the worker node whose replica served ``user0``'s latest chat (``node_of_user``), so that at least one
     user must be served elsewhere while the fault is held; the s3 cut strikes the other worker. A title names the
     node at inject time."""
-    from cluster import INGRESSES
-
     hit: dict[str, str] = {}
 
     def worker(other: bool = False) -> str:
@@ -356,13 +350,9 @@ def faults_of(c, model: str, events: Path) -> dict:
             hit["node"] = node_of_user(c, events, "user0")
         return ({"w1", "w2"} - {hit["node"]}).pop() if other else hit["node"]
 
-    def ingresses_kill():
-        for name in INGRESSES:
-            c.ingress_kill(name)
-
-    def ingresses_start():
-        for name in INGRESSES:
-            c.ingress_start(model, name=name)
+    def ingress_kill():
+        os.kill(c.procs["ingress"].pid, signal.SIGKILL)
+        c.procs["ingress"].wait()
 
     def cut(svc: str, other: bool = False) -> tuple:
         whose = "the other worker" if other else "user0's"
@@ -380,17 +370,11 @@ def faults_of(c, model: str, events: Path) -> dict:
         )
 
     # the cuts first, while each worker holds a replica (as placed at start): one node's users move; the ingress
-    # faults before the kill, so the replicas are still the ones placed at start (and a restarted ingress sees the
-    # cluster's CPUs it deployed with: the same options, so it attaches)
+    # restart before the kill, so its replicas are still the ones placed at start
     faults = {
         "db-cut": cut("db"),
         "s3-cut": cut("s3", other=True),
-        "ingress-kill": (
-            lambda: "kill -9 one ingress (head's), restarted",
-            c.ingress_kill,
-            lambda: c.ingress_start(model),
-        ),
-        "ingress-restart": (lambda: "both ingresses killed, restarted", ingresses_kill, ingresses_start),
+        "ingress-restart": (lambda: "ingress killed, restarted", ingress_kill, lambda: c.ingress_start(model)),
         "kill-worker": kill(),
         "pg-restart": (lambda: "PostgreSQL immediate restart", c.db_stop, c.db_start),
         "s3-restart": (lambda: "s3 killed, restarted", c.s3_kill, c.s3_start),
@@ -472,7 +456,7 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
         log(f"replicas: {placement}")
         mem = node_memory(c)
         log(f"memory (RSS, MiB): {mem}")
-        load_proc = c.spawn("load", "front", [sys.executable, __file__, "load", c.url, c.api_key, events, users, stop])
+        load_proc = c.spawn("load", "head", [sys.executable, __file__, "load", c.url, c.api_key, events, users, stop])
         t = wait_served(events, time.time(), users, 300, load_proc)
         log(f"load: every user served ({t and round(t, 1)} s); steady {settle * 2:.0f} s")
         time.sleep(settle * 2)
@@ -482,7 +466,7 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             title, inject, heal = table[key]
             name = title()
             replicas = None  # Ray's live replica actors before the ingress restart: as placed, unless one died
-            if key in ("ingress-kill", "ingress-restart"):
+            if key == "ingress-restart":
                 replicas = set(c.placement()) if "kill-worker" in done else set(placement)
             done.append(key)
             before = rerouted(c)
@@ -498,7 +482,7 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             back = wait_served(events, t_heal, users, SERVED_WITHIN_S, load_proc)
             if replicas is not None:  # the restarted ingress attached to the running replicas: none replaced
                 timeline[-1]["replicas_kept"] = set(c.placement()) == replicas
-                log(f"replicas kept across {key}: {timeline[-1]['replicas_kept']}")
+                log(f"replicas kept across the ingress restart: {timeline[-1]['replicas_kept']}")
             log(f"healed: {name}; every user served again after {back and round(back, 1)} s")
             time.sleep(settle)
         stop.touch()
@@ -509,14 +493,6 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
             os.kill(load_proc.pid, signal.SIGKILL)
             load_proc.wait()
         report = check([json.loads(x) for x in events.read_text().splitlines()], timeline)  # all whole now
-        # a clean stop of an ingress that attached (in2's) leaves the replicas to the others: none stopped
-        try:
-            live = set(c.placement())
-            code = c.ingress_stop("ingress2")
-            report["attached_ingress_stop"] = {"exit": code, "replicas_kept": set(c.placement()) == live}
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            report["attached_ingress_stop"] = {"error": str(exc)[-500:]}
-        log(f"in2's ingress stopped (SIGTERM): {report['attached_ingress_stop']}")
         report.update(placement=placement, memory_mib=mem, hold_s=hold, users=users, model=model,
                       statement_timeout=statement_timeout, timeline=timeline)  # fmt: skip
         (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -529,17 +505,12 @@ def run(hold: float, users: int, out: Path, names: list[str] | None, model: str 
 
 
 def rerouted(c) -> int | None:
-    """The ingresses' count of reads and chats they moved off a replica that answered 503 ``store_unavailable``
-    (``kvmem_ingress_requests_total{outcome="rerouted"}``, summed over every ingress), or None when one's
-    /metrics does not answer."""
-    from cluster import INGRESSES
-
+    """The ingress's count of reads and chats it moved off a replica that answered 503 ``store_unavailable``
+    (``kvmem_ingress_requests_total{outcome="rerouted"}``), or None when its /metrics does not answer."""
     code = (
         "import httpx\n"
-        f"urls = {[c.ingress_url(n) for n in INGRESSES]!r}\n"
-        f"auth = {{'Authorization': 'Bearer {c.api_key}'}}\n"
-        "rs = [httpx.get(u + '/metrics', headers=auth, timeout=5) for u in urls]\n"
-        "print(sum(float(x.split()[-1]) for r in rs for x in r.text.splitlines()"
+        f"r = httpx.get('{c.url}/metrics', headers={{'Authorization': 'Bearer {c.api_key}'}}, timeout=5)\n"
+        "print(sum(float(x.split()[-1]) for x in r.text.splitlines()"
         " if x.startswith('kvmem_ingress_requests_total{') and 'rerouted' in x))\n"
     )
     try:

@@ -50,7 +50,6 @@ __all__ = ["APIError", "KvmemServer", "Limits", "ServeOptions", "Tenants", "crea
 
 DEAD_GRACE_S = 2.0  # a server whose engine died answers 503 this long, then drains and exits
 DEAD_CLOSE_S = 3.0  # then its engine's shutdown gets this long; the exit follows either way
-FRONT_CHECK_S = 30.0  # an ingress on a joined cluster whose /ready nobody asked this long after start says so
 # so the process is gone within DEAD_GRACE_S + uvicorn's drain (5 s at most) + DEAD_CLOSE_S of the death
 
 
@@ -101,10 +100,6 @@ def serve(
             f"kvmem serve: {replicas} replica(s) on Ray Serve ({ray_address or 'a local Ray'}), store "
             f"{redact(str(store))}, {tenants}; http://{host}:{port}/v1"
         )
-        if ray_address:  # one ingress of several behind a front: the front must health-check each one
-            check = threading.Timer(FRONT_CHECK_S, _front_check, (app, log))
-            check.daemon = True  # a server stopped sooner exits without waiting for it
-            check.start()
     else:
         server = KvmemServer.start(store, api_keys=keys, **start_kwargs)
         app, close, healthy = create_app(server), server.close, server.engine.healthy
@@ -140,16 +135,6 @@ def serve(
         log("kvmem serve: stopped" + (" (the engine died)" if died.is_set() else ""))
     if died.is_set():
         _exit_now(EXIT_ENGINE_DIED)
-
-
-def _front_check(app, log) -> None:
-    """One line when nothing has asked this ingress's ``/ready`` (``create_ingress`` records it) since start: a
-    front that does not health-check it keeps sending clients to an ingress that is down."""
-    if app.state.ready_asked is None:
-        log(
-            f"kvmem serve: warning: nothing has asked this ingress's /ready in {FRONT_CHECK_S:.0f} s; a load "
-            "balancer in front of several ingresses must health-check /ready, or it sends clients to one that is down"
-        )
 
 
 def listener(config, send_buffer: int):

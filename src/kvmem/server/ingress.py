@@ -97,7 +97,6 @@ def create_ingress(cluster: Replicas) -> FastAPI:
     """The HTTP front of the replicas: every route is forwarded (``route_key``, retries, 429/503 mapping);
     ``/metrics`` adds the replicas' metrics to the ingress's own."""
     app = FastAPI(title="kvmem", version="0.1", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.ready_asked = None  # time.monotonic() of the last GET /ready: a front's health check (serve's check)
     limits = cluster.limits
     registry = CollectorRegistry()
     requests = Counter("kvmem_ingress_requests", "Requests forwarded to replicas, by outcome", ["outcome"],
@@ -243,8 +242,6 @@ def create_ingress(cluster: Replicas) -> FastAPI:
         body = await request.body()
         scope = request.scope
         path, method = scope["path"], request.method
-        if path == "/ready":
-            app.state.ready_asked = time.monotonic()
         key = await route_key(cluster, method, path, scope["query_string"], request.headers, body)
         req = {
             "method": method,

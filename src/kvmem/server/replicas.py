@@ -51,7 +51,6 @@ from .tenants import Tenants, load_api_keys
 logger = logging.getLogger("kvmem.server")
 
 APP_NAME = "kvmem"
-ATTACH_TRIES = 4  # asks of a running app's fingerprint, 30 s each, before an ingress deploys afresh
 
 # Routing counts of the routers in this process (the ingress's handle owns them): the affinity hit rate.
 ROUTED = Tally()  # preferred | fallback | pinned
@@ -262,16 +261,9 @@ def _running(fingerprint: str):
         if app is None or app.status != "RUNNING":
             return None
         handle = serve.get_app_handle(APP_NAME)
-        for attempt in range(ATTACH_TRIES):  # a busy machine: replicas that run but answer late are not replaced
-            try:
-                same = handle.options(method_name="fingerprint").remote().result(timeout_s=30) == fingerprint
-                break
-            except TimeoutError:
-                if attempt + 1 == ATTACH_TRIES:
-                    raise
-                logger.warning("the running kvmem app has not answered in 30 s; asking again")
-    except Exception as exc:  # no Serve yet, or replicas that never answer: deploy afresh
-        logger.warning("no running kvmem app to attach to (%s: %s)", type(exc).__name__, exc)
+        same = handle.options(method_name="fingerprint").remote().result(timeout_s=30) == fingerprint
+    except Exception as exc:  # no Serve yet, or a replica that does not answer: deploy afresh
+        logger.info("no running kvmem app to attach to (%s: %s)", type(exc).__name__, exc)
         return None
     if same:
         logger.warning("attached to the running kvmem app on this cluster (same options): no replica restarted")
@@ -284,15 +276,11 @@ SERVE_FIELDS = set(ServeOptions.__dataclass_fields__)
 class Replicas:
     """N replicas on Ray Serve: ``start`` joins ``ray_address`` or starts a local Ray with this machine's
     cores, deploys the replicas with ``UserAffinityRouter`` and waits until they are running (on a joined cluster
-    where they already run with the same options, left by an ingress that died or serving through another
-    ingress, it attaches to them instead); ``close`` stops the replicas it deployed (their engines with them) and a
-    Ray it started, and leaves those it attached to running (another ingress may be serving through them)."""
+    where they already run with the same options, left by an ingress that died, it attaches to them instead);
+    ``close`` stops them (their engines with them) and a Ray it started."""
 
-    def __init__(
-        self, handle, started_ray: bool, replicas: int, limits: Limits, tenants: Tenants, store: str,
-        attached: bool = False,
-    ):  # fmt: skip
-        self.handle, self.started_ray, self.replicas, self.attached = handle, started_ray, replicas, attached
+    def __init__(self, handle, started_ray: bool, replicas: int, limits: Limits, tenants: Tenants, store: str):
+        self.handle, self.started_ray, self.replicas = handle, started_ray, replicas
         self.limits, self.tenants, self.store_location = limits, tenants, store
         self._store: Store | None = None
         self._owners = LRUCache(maxsize=100_000)  # a memory id's owner never changes
@@ -375,7 +363,6 @@ class Replicas:
             cfg = ReplicaConfig(canonical(store), keys_path, start, split)
             fp = _fingerprint(cfg, replicas, per, env, max_queue)
             handle = None if started else _running(fp)
-            attached = handle is not None
             if handle is None:
                 serve.start(proxy_location="Disabled")
                 handle = serve.run(
@@ -389,7 +376,7 @@ class Replicas:
                 serve.shutdown()
                 ray.shutdown()
             raise
-        return cls(handle.options(stream=True), started, replicas, limits, Tenants(api_keys or {}), store, attached)
+        return cls(handle.options(stream=True), started, replicas, limits, Tenants(api_keys or {}), store)
 
     async def owner(self, memory_id: str, tenant: str | None = None) -> str | None:
         """The store user of a memory id among ``tenant``'s scopes, for routing ``/v1/memories/{id}`` (None:
@@ -412,16 +399,11 @@ class Replicas:
         return user
 
     def close(self) -> None:
-        """Delete the app (each replica drains, then its ``__del__`` stops its engine), unless this ingress
-        attached to it (it was running already: another ingress may serve through it; ``serve.delete("kvmem")``
-        or ``serve shutdown`` stops it); on a Ray this process started, Serve and Ray stop too. On a joined cluster
-        other Serve apps keep running."""
+        """Delete the app (each replica drains, then its ``__del__`` stops its engine); on a Ray this process
+        started, Serve and Ray stop too. On a joined cluster other Serve apps keep running."""
         self.store_size.close()
         try:
-            if self.attached:
-                logger.warning("left the kvmem app running: this ingress attached to it, and others may use it")
-            else:
-                serve.delete(APP_NAME)
+            serve.delete(APP_NAME)
             if self.started_ray:
                 serve.shutdown()
         finally:
