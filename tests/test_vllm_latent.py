@@ -75,7 +75,7 @@ def build(tmp: Path, family: str) -> dict:
 
     def put(user: str, kvs: list) -> str:
         rs = [FactRecord(fid, user, fid, "", "", "", tuple(ids), 0, 0) for fid, ids in facts.items()]
-        return store.put_user(user, rs, [k for k, _ in kvs], [v for _, v in kvs], torch.zeros(len(rs), 4), 0)
+        return store.writes.put_user(user, rs, [k for k, _ in kvs], [v for _, v in kvs], torch.zeros(len(rs), 4), 0)
 
     joint_ids = header + [t for f in ORDER for t in facts[f]]
     (jkv,) = encode_spans(model, [joint_ids], [(0, len(joint_ids))])
@@ -99,9 +99,9 @@ def build(tmp: Path, family: str) -> dict:
     # transformers-engine references: the prompt, and indep's memory injected into its cache
     st = Store.open(tmp / "store")
     engine = HFEngine(model, eos_token_ids=[])
-    ukv = st.user_kv("indep")
+    ukv = st.reads.snapshot("indep")
     rows = ukv.row_of()
-    mem = compose(Rotary.for_model(model), header, st.header_kv(), ukv, [rows[f] for f in ORDER])
+    mem = compose(Rotary.for_model(model), header, st.reads.header_kv(), ukv, [rows[f] for f in ORDER])
     assert mem.token_ids == joint_ids
     refs = {"indep": engine.run(query, mem, "kv", STEPS).token_ids, "prompt": engine.run(query, mem, "prompt", STEPS)}
     refs["prompt"] = refs["prompt"].token_ids

@@ -72,7 +72,7 @@ def run(
         store.close()
         fill(str(root), "alice", memories, fact_tokens, emb.dim, shape, str(lm.dtype).removeprefix("torch."))
         svc = MemoryService(root, engine, lm, emb)
-        svc.store.verify("alice")
+        svc.store.reads.verify("alice")
 
         def chat(i: int, k: int, n: int, mode: str) -> dict:
             q = QUESTIONS[i % len(QUESTIONS)]
