@@ -346,7 +346,7 @@ def test_both_segment_layouts_read_exactly(tmp_path, dtype):
     reads are whole tensors or per-(layer, head) runs: every path gives exactly the stored K/V."""
     from safetensors.torch import save_file
 
-    from kvmem.store import segments
+    from kvmem.store import kvfile as segments  # the segment file format
 
     k = torch.randn(3, 2, 40, 8).to(dtype)
     v = torch.randn(3, 2, 40, 8).to(dtype)
