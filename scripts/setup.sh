@@ -21,7 +21,6 @@ deb() {  # deb CHECK PACKAGE WHAT-NEEDS-IT
 }
 deb "ls /usr/lib/postgresql/*/bin/initdb" postgresql "the shared-store tests need it (scripts/postgres.sh)"
 deb "command -v chromium" chromium "the browser tests of /ui need it (tests/test_ui.py, through Playwright)"
-deb "command -v eatmydata" eatmydata "scripts/test.sh runs the suite under it (fsync a no-op); without it, slower"
 PIP=".venv/bin/python -m pip"
 stamp=.venv/.kvmem-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 

@@ -22,11 +22,7 @@ models=(smollm2-135m-instruct)
 .venv/bin/ruff check src tests scripts
 .venv/bin/ruff format --check src tests scripts
 .venv/bin/lint-imports
-# Under eatmydata fsync is a no-op: no test can tell a power cut from a process kill (PostgreSQL's test cluster
-# runs with fsync=off for the same reason), and the suite spends its time on its checks, not on the disk.
-# Benchmarks keep fsync.
 pytest=(.venv/bin/python -m pytest -q)
-if command -v eatmydata >/dev/null; then pytest=(eatmydata "${pytest[@]}"); fi
 if [ $fast = 1 ]; then
   # markers: pyproject.toml and tests/conftest.py
   exec "${pytest[@]}" -m "not vllm and not ray and not postgres and not slow and not browser" ${args[@]+"${args[@]}"}
