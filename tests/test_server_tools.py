@@ -14,7 +14,7 @@ import pytest
 
 from conftest import http_server
 from kvmem.models import MANIFEST, model_dir
-from tool_defs import ASK, TOOLS
+from tool_defs import ASK, TOOLS, checked_call
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -52,16 +52,6 @@ def client(base):
     return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def _check_call(call, name: str) -> dict:
-    """The call's arguments, checked: an OpenAI call of ``name`` whose arguments parse and match its schema."""
-    import jsonschema
-
-    assert call.type == "function" and call.id.startswith("call_") and call.function.name == name
-    args = json.loads(call.function.arguments)
-    jsonschema.validate(args, next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"])
-    return args
-
-
 def test_a_forced_call_parses_streams_the_same_and_uses_the_memory(client):
     """``tool_choice`` naming get_weather (and ``required``): one call, ``content`` null, finish_reason
     tool_calls, arguments that parse and match the schema and name the city from Alice's memory; in kv mode the
@@ -83,7 +73,7 @@ def test_a_forced_call_parses_streams_the_same_and_uses_the_memory(client):
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         [call] = choice.message.tool_calls
-        args = _check_call(call, "get_weather")
+        args = checked_call(call, "get_weather")
         assert "lisb" in args["city"].lower(), args  # from the memory: the question names no city
         out[mode] = (r, args)
     (kv, kv_args), (pr, pr_args) = out["kv"], out["prompt"]
@@ -104,7 +94,7 @@ def test_a_forced_call_parses_streams_the_same_and_uses_the_memory(client):
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", user="alice", temperature=0
     )
     [call] = r.choices[0].message.tool_calls
-    assert _check_call(call, "get_weather") == kv_args and r.choices[0].finish_reason == "tool_calls"
+    assert checked_call(call, "get_weather") == kv_args and r.choices[0].finish_reason == "tool_calls"
 
     # streamed: the openai client's stream helper assembles the deltas to the same message
     with client.chat.completions.stream(
@@ -187,7 +177,7 @@ def test_auto_answers_text_or_a_call_that_parses(client):
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice  # greedy, this model: a call (tags left out)
     [call] = choice.message.tool_calls
-    assert "lisb" in _check_call(call, "get_weather")["city"].lower()
+    assert "lisb" in checked_call(call, "get_weather")["city"].lower()
 
 
 def test_tools_are_rendered_by_the_template_after_the_memory():

@@ -6,7 +6,6 @@ follow-up turn with the tool's result answers from it."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
@@ -17,7 +16,7 @@ pytest.importorskip("vllm")
 
 from conftest import free_port, serve_cmd, wait_ready
 from kvmem.models import MANIFEST, model_dir
-from tool_defs import ASK, TOOLS
+from tool_defs import ASK, TOOLS, checked_call
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.real_model]
 
@@ -71,16 +70,6 @@ def client(base):
     return openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def _args(call, name: str) -> dict:
-    """The call's parsed arguments, checked: an OpenAI call of ``name`` whose arguments match its schema."""
-    import jsonschema
-
-    assert call.type == "function" and call.id.startswith("call_") and call.function.name == name
-    args = json.loads(call.function.arguments)
-    jsonschema.validate(args, next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"])
-    return args
-
-
 def test_vllm_forced_and_auto_calls_use_the_memory_and_stream_the_same(client):
     """Named and ``required``: one call of get_weather, ``content`` null, finish_reason tool_calls, the city from
     Alice's memory (the question names none), the same arguments in kv and prompt mode, the memory injected (kv:
@@ -101,7 +90,7 @@ def test_vllm_forced_and_auto_calls_use_the_memory_and_stream_the_same(client):
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
         [call] = choice.message.tool_calls
-        got[(str(choice_), mode)] = (r, _args(call, "get_weather"))
+        got[(str(choice_), mode)] = (r, checked_call(call, "get_weather"))
     kv, kv_args = got[(str(named), "kv")]
     pr, pr_args = got[(str(named), "prompt")]
     assert "lisb" in kv_args["city"].lower(), kv_args
@@ -131,7 +120,7 @@ def test_vllm_forced_and_auto_calls_use_the_memory_and_stream_the_same(client):
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
-    assert "lisb" in _args(call, "get_weather")["city"].lower()
+    assert "lisb" in checked_call(call, "get_weather")["city"].lower()
     with client.chat.completions.stream(
         model=MODEL, messages=ASK, tools=TOOLS, user="alice", temperature=0, extra_body=KV
     ) as stream:
